@@ -1,0 +1,71 @@
+"""The `rlhf` command: validate a config, run the pipeline, print where everything went."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from rlhf_core.config import ConfigError, load_config, redact_uri
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rlhf", description="RLHF pipeline on Prefect and MLflow.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, text in (("run", "run the pipeline flow"), ("validate", "check a config and print it resolved")):
+        cmd = sub.add_parser(name, help=text)
+        cmd.add_argument("--config", "-c", default="configs/demo.yaml", help="YAML config file")
+        cmd.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
+                         help="override a config field, e.g. --set ppo.kl_coef=0.1 (repeatable)")
+    return parser
+
+
+def print_summary(summary: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    uri = summary["tracking_uri"]
+    table = Table(title="Where everything is", show_header=False)
+    table.add_row("MLflow store", redact_uri(uri))
+    if uri.startswith("sqlite:///"):
+        table.add_row("MLflow artifacts", str(Path(uri.removeprefix("sqlite:///")).parent / "mlruns"))
+    table.add_row("Output directory", summary["output_dir"])
+    if summary.get("demo_world"):
+        table.add_row("Demo world", summary["demo_world"])
+    table.add_row("Checkpoints", ", ".join(summary["checkpoints"]) or "(none)")
+    table.add_row("Policy (HF format)", summary["policy_path"])
+    if summary.get("policy_model_uri"):
+        table.add_row("Policy model version", summary["policy_model_uri"])
+    for key, value in summary.get("metrics", {}).items():
+        table.add_row(key, f"{value:.4f}")
+    console = Console()
+    console.print(table)
+    if uri.startswith("sqlite"):
+        console.print(f"Open the MLflow UI: .venv/bin/mlflow ui --backend-store-uri {uri} --port 5000"
+                      " and browse http://127.0.0.1:5000")
+    else:
+        console.print(f"MLflow UI: {redact_uri(uri)}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if args.command == "validate":
+        import yaml
+
+        print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+        return 0
+
+    from flows.rlhf_pipeline import rlhf_pipeline
+
+    summary = rlhf_pipeline(config_path=args.config, overrides=args.overrides)
+    print_summary(summary)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

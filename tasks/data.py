@@ -1,0 +1,118 @@
+"""Data preparation: build the demo world when asked for, load and validate every table, save them.
+
+Later stages read the validated JSONL files this task writes under <output_dir>/data/, and take the
+tokenizer and base model from the paths it returns: stages hand each other paths, never objects.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+from prefect.logging import get_run_logger
+
+from rlhf_core.config import DEMO, DatasetSpec, PipelineConfig
+from rlhf_core.data import Kind, apply_length_policy, fingerprint_rows, load_table, save_table
+from rlhf_core.demo_world import DemoWorld, build_demo_world
+from rlhf_core.models import check_source, load_tokenizer
+from tasks import tracking
+from tasks.progress import StageProgress, publish_table
+
+
+@dataclass(frozen=True)
+class PreparedData:
+    """What the data stage hands on: validated tables, their fingerprints, model sources."""
+
+    tables: dict[str, str]
+    fingerprints: dict[str, str]
+    base_model: str
+    tokenizer: str
+    demo_world: str | None = None
+    reports: list[dict] = field(default_factory=list)
+
+    @property
+    def fingerprint(self) -> str:
+        """One fingerprint over every table, for lineage tags."""
+        blob = json.dumps(self.fingerprints, sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def demo_path(world: DemoWorld, kind: Kind, spec: DatasetSpec) -> str:
+    """The demo world's file for a 'demo' source of `kind` (split picks train or test)."""
+    if kind == "text":
+        return str(world.corpus)
+    return str(world.preferences(spec.split) if kind == "preference" else world.prompts(spec.split))
+
+
+def resolve_model_source(source: str, *, field: str, cfg: PipelineConfig, world: DemoWorld | None) -> str:
+    """'demo' -> the demo base model, models:/ URI -> a local copy, else the directory or hub name."""
+    if source == DEMO:
+        assert world is not None
+        return str(world.base_model)
+    if source.startswith("models:/"):
+        slug = re.sub(r"[^A-Za-z0-9._-]+", "_", source.removeprefix("models:/"))
+        return str(tracking.materialize_model(source, cfg.run.output_dir / "sources" / slug))
+    check_source(source, field)
+    return source
+
+
+def tables_to_prepare(cfg: PipelineConfig) -> list[tuple[str, str, DatasetSpec, Kind]]:
+    """(name, config field, spec, kind) for every table the pipeline reads."""
+    tables = [
+        ("preference", "data.preference", cfg.data.preference, "preference"),
+        ("preference_eval", "data.preference_eval", cfg.data.preference_eval, "preference"),
+        ("prompts", "data.prompts", cfg.data.prompts, "prompt"),
+        ("eval_prompts", "data.eval_prompts", cfg.data.eval_prompts, "prompt"),
+    ]
+    if cfg.sft.enabled:
+        tables.append(("sft", "sft.dataset", cfg.sft.dataset, "text"))
+    return tables
+
+
+@task(name="prepare-data", cache_policy=NO_CACHE)
+def prepare_data(cfg: PipelineConfig, parent_run_id: str) -> PreparedData:
+    """Build or reuse the demo world, validate every table, write them under <output_dir>/data."""
+    logger = get_run_logger()
+    with tracking.stage_run(parent_run_id, "data") as run_id:
+        world = None
+        if cfg.uses_demo_world():
+            progress = StageProgress("demo-world-progress", "Building the offline demo world")
+            world = build_demo_world(
+                cfg.run.output_dir / "demo_world", cfg.run.seed, cfg.data.demo, cfg.model.demo,
+                progress=lambda done, total, what: progress.update(done, total),
+            )
+            logger.info("demo world ready at %s", world.root)
+
+        base_model = resolve_model_source(cfg.model.base, field="model.base", cfg=cfg, world=world)
+        tokenizer_source = cfg.model.tokenizer or base_model
+        tokenizer = load_tokenizer(tokenizer_source, revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code)
+
+        tables, fingerprints, reports = {}, {}, []
+        for name, field_name, spec, kind in tables_to_prepare(cfg):
+            resolved = demo_path(world, kind, spec) if spec.path == DEMO else None
+            ds = load_table(spec, kind, field=field_name, resolved_path=resolved)
+            ds, report = apply_length_policy(
+                ds, kind, tokenizer, max_length=cfg.data.max_length,
+                max_prompt_length=cfg.data.max_prompt_length, action=cfg.data.overlong,
+            )
+            source = resolved or spec.path
+            if report.overlong:
+                logger.warning(report.sentence(source))
+            if report.kept == 0:
+                raise ValueError(f"{field_name}: every row of {source} is over the length limit; raise data.max_length")
+            tables[name] = str(save_table(ds, cfg.run.output_dir / "data" / f"{name}.jsonl"))
+            fingerprints[name] = fingerprint_rows(ds)
+            reports.append({"table": name, "source": source, "rows": report.rows, "overlong": report.overlong,
+                            "action": report.action, "kept": report.kept, "fingerprint": fingerprints[name]})
+            tracking.log_metrics(run_id, {f"data/{name}/rows": report.kept, f"data/{name}/overlong": report.overlong}, 0)
+
+        publish_table("data-report", reports, "Validated tables: rows, over-long rows and what was done with them")
+        prepared = PreparedData(tables=tables, fingerprints=fingerprints, base_model=base_model,
+                                tokenizer=tokenizer_source, demo_world=str(world.root) if world else None, reports=reports)
+        tracking.set_run_tags(run_id, {"data_fingerprint": prepared.fingerprint})
+        return prepared

@@ -1,0 +1,44 @@
+"""Prefect progress artifacts that training callbacks update, throttled to spare the API."""
+
+from __future__ import annotations
+
+import time
+
+from prefect.artifacts import create_markdown_artifact, create_progress_artifact, create_table_artifact, update_progress_artifact
+from prefect.context import get_run_context
+
+
+def _in_prefect_run() -> bool:
+    try:
+        get_run_context()
+    except Exception:  # MissingContextError outside a flow or task run
+        return False
+    return True
+
+
+class StageProgress:
+    """A progress artifact for one long stage: `update(done, total)` from the training callback."""
+
+    def __init__(self, key: str, description: str, min_interval_s: float = 2.0):
+        self.enabled = _in_prefect_run()
+        self.min_interval_s = min_interval_s
+        self._last = 0.0
+        self.artifact_id = create_progress_artifact(0.0, key=key, description=description) if self.enabled else None
+
+    def update(self, done: int, total: int) -> None:
+        now = time.monotonic()
+        if not self.enabled or (done < total and now - self._last < self.min_interval_s):
+            return
+        self._last = now
+        update_progress_artifact(self.artifact_id, 100.0 * done / max(total, 1))
+
+
+def publish_table(key: str, rows: list[dict], description: str) -> None:
+    """A Prefect table artifact, when running under Prefect."""
+    if _in_prefect_run():
+        create_table_artifact(key=key, table=rows, description=description)
+
+
+def publish_markdown(key: str, markdown: str, description: str) -> None:
+    if _in_prefect_run():
+        create_markdown_artifact(key=key, markdown=markdown, description=description)

@@ -1,0 +1,207 @@
+"""The only MLflow code of the project: runs, metrics, checkpoints as registered model versions.
+
+A pipeline run is one MLflow run with the flattened config as params; each stage is a nested run
+under it, so every stage has its own step axis. Whatever raises inside a run ends it FAILED, never
+RUNNING. A checkpoint directory becomes a new version of a registered model, with lineage tags set
+in the same call that creates the version, so there is never a version without its tags.
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import time
+from contextlib import contextmanager
+from functools import lru_cache
+from importlib import metadata
+from pathlib import Path
+from typing import Iterator
+
+import mlflow
+from mlflow.entities import Metric, Param, RunStatus
+from mlflow.tracking import MlflowClient
+
+from rlhf_core.config import PipelineConfig, flatten_config
+
+log = logging.getLogger(__name__)
+
+# Packages a logged model needs to load again. Listed explicitly because MLflow's inference of
+# default requirements looks for torchvision, which has no CPU build in our registries.
+MODEL_REQUIREMENTS = ("torch", "transformers", "tokenizers", "safetensors", "accelerate")
+
+
+@lru_cache(maxsize=1)
+def code_version() -> str:
+    """Package version plus the git commit of the checkout, when there is one."""
+    version = metadata.version("rlhf-pipeline")
+    try:
+        sha = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).resolve().parent,
+            capture_output=True, text=True, timeout=5, check=True,
+        ).stdout.strip()
+        return f"{version}+g{sha}" if sha else version
+    except (OSError, subprocess.SubprocessError):
+        return version
+
+
+def configure(tracking_uri: str) -> None:
+    """Point tracking and the registry at `tracking_uri`."""
+    mlflow.set_tracking_uri(tracking_uri)
+    mlflow.set_registry_uri(tracking_uri)
+
+
+def artifact_root_for(tracking_uri: str) -> str | None:
+    """For a SQLite store, keep artifacts beside the database file; servers choose their own."""
+    if tracking_uri.startswith("sqlite:///"):
+        db = Path(tracking_uri.removeprefix("sqlite:///"))
+        return (db.parent / "mlruns").resolve().as_uri()
+    return None
+
+
+def ensure_experiment(name: str, tracking_uri: str) -> str:
+    client = MlflowClient()
+    experiment = client.get_experiment_by_name(name)
+    if experiment is not None:
+        return experiment.experiment_id
+    return client.create_experiment(name, artifact_location=artifact_root_for(tracking_uri))
+
+
+def _log_params(run_id: str, params: dict[str, str]) -> None:
+    client = MlflowClient()
+    items = [Param(k, v[:6000]) for k, v in sorted(params.items())]
+    for i in range(0, len(items), 100):  # the REST API takes at most 100 params per batch
+        client.log_batch(run_id, params=items[i : i + 100])
+
+
+@contextmanager
+def pipeline_run(cfg: PipelineConfig, tags: dict[str, str] | None = None) -> Iterator[str]:
+    """Start the pipeline's MLflow run (config as params), yield its id, end it FINISHED or FAILED."""
+    uri = cfg.tracking_uri()
+    configure(uri)
+    experiment_id = ensure_experiment(cfg.tracking.experiment, uri)
+    run_tags = {"rlhf.config_hash": cfg.config_hash(), "rlhf.code_version": code_version(), **(tags or {})}
+    run = mlflow.start_run(experiment_id=experiment_id, run_name=cfg.run.name, tags=run_tags)
+    run_id = run.info.run_id
+    try:
+        _log_params(run_id, flatten_config(cfg))
+        yield run_id
+    except BaseException:
+        mlflow.end_run(RunStatus.to_string(RunStatus.FAILED))
+        raise
+    else:
+        mlflow.end_run(RunStatus.to_string(RunStatus.FINISHED))
+
+
+@contextmanager
+def stage_run(parent_run_id: str, stage: str) -> Iterator[str]:
+    """A nested run for one stage under the pipeline run; FAILED if the stage raises."""
+    parent = MlflowClient().get_run(parent_run_id)
+    run = mlflow.start_run(
+        experiment_id=parent.info.experiment_id, run_name=stage, nested=True,
+        parent_run_id=parent_run_id, tags={"rlhf.stage": stage},
+    )
+    try:
+        yield run.info.run_id
+    except BaseException:
+        mlflow.end_run(RunStatus.to_string(RunStatus.FAILED))
+        raise
+    else:
+        mlflow.end_run(RunStatus.to_string(RunStatus.FINISHED))
+
+
+def log_metrics(run_id: str, metrics: dict[str, float], step: int) -> None:
+    """Log a metric dict at `step` to the given run."""
+    now = int(time.time() * 1000)
+    MlflowClient().log_batch(run_id, metrics=[Metric(k, float(v), now, step) for k, v in metrics.items()])
+
+
+def set_run_tags(run_id: str, tags: dict[str, str]) -> None:
+    client = MlflowClient()
+    for key, value in tags.items():
+        client.set_tag(run_id, key, str(value))
+
+
+def lineage_tags(*, stage: str, step: int, config_hash: str, data_fingerprint: str, **extra: str) -> dict[str, str]:
+    """The tags every registered checkpoint carries."""
+    tags = {
+        "stage": stage,
+        "step": str(step),
+        "config_hash": config_hash,
+        "data_fingerprint": data_fingerprint,
+        "code_version": code_version(),
+    }
+    tags.update({k: str(v) for k, v in extra.items()})
+    return tags
+
+
+def find_version(model_name: str, tags: dict[str, str]):
+    """The newest version of `model_name` carrying all `tags`, or None."""
+    client = MlflowClient()
+    try:
+        versions = client.search_model_versions(f"name = '{model_name}'")
+    except mlflow.exceptions.MlflowException:
+        return None
+    matching = [v for v in versions if all(v.tags.get(k) == val for k, val in tags.items())]
+    return max(matching, key=lambda v: int(v.version)) if matching else None
+
+
+def register_checkpoint(checkpoint_dir: str | Path, model_name: str, *, task: str, tags: dict[str, str],
+                        run_id: str) -> dict[str, str]:
+    """Log a Hugging Face checkpoint directory as a new version of `model_name`.
+
+    `task` is the transformers pipeline task ("text-generation" for policies,
+    "text-classification" for reward models). The version is created with its tags in one call;
+    if anything fails after it exists, it is deleted again, so no half-registered version remains.
+    Returns {"name", "version", "uri"}.
+    """
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+    checkpoint_dir = Path(checkpoint_dir)
+    loader = AutoModelForSequenceClassification if task == "text-classification" else AutoModelForCausalLM
+    model = loader.from_pretrained(checkpoint_dir)
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint_dir)
+    requirements = [f"{pkg}=={metadata.version(pkg)}" for pkg in MODEL_REQUIREMENTS]
+
+    active = mlflow.active_run()
+    if active is None or active.info.run_id != run_id:
+        raise RuntimeError(f"register_checkpoint must run inside the stage run {run_id}")
+    info = mlflow.transformers.log_model(
+        transformers_model={"model": model, "tokenizer": tokenizer},
+        name=f"{tags.get('stage', 'model')}-step-{tags.get('step', '0')}",
+        task=task,
+        pip_requirements=requirements,
+    )
+    version = mlflow.register_model(info.model_uri, model_name, tags=tags)
+    try:
+        _await_ready(model_name, version.version)
+    except BaseException:
+        MlflowClient().delete_model_version(model_name, version.version)
+        raise
+    return {"name": model_name, "version": str(version.version), "uri": f"models:/{model_name}/{version.version}"}
+
+
+def _await_ready(model_name: str, version: str, timeout_s: float = 300.0) -> None:
+    client = MlflowClient()
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status = client.get_model_version(model_name, version).status
+        if status == "READY":
+            return
+        if status == "FAILED_REGISTRATION" or time.monotonic() > deadline:
+            raise RuntimeError(f"model version {model_name}/{version} did not become READY (status {status})")
+        time.sleep(0.5)
+
+
+def materialize_model(uri: str, destination: str | Path) -> Path:
+    """Resolve a models:/ URI to a local Hugging Face directory (model + tokenizer) and return it."""
+    destination = Path(destination)
+    if (destination / "config.json").is_file():
+        return destination
+    components = mlflow.transformers.load_model(uri, return_type="components")
+    from rlhf_core.training import save_pretrained_atomic
+
+    return save_pretrained_atomic(components["model"], components["tokenizer"], destination)
+
+
+def run_status(run_id: str) -> str:
+    return MlflowClient().get_run(run_id).info.status
