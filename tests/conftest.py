@@ -1,0 +1,49 @@
+"""Shared fixtures: offline hub, a private Prefect home, SQLite MLflow stores in tmp_path."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+# set before prefect, transformers or datasets are imported by any test module
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix="rlhf-tests-prefect-")
+os.environ.pop("MLFLOW_TRACKING_URI", None)
+
+import pytest  # noqa: E402
+
+from rlhf_core.config import PipelineConfig, load_config  # noqa: E402
+from rlhf_core.demo_world import DemoWorld, build_demo_world  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+SMOKE = REPO / "configs" / "smoke.yaml"
+
+
+@pytest.fixture
+def mlflow_uri(tmp_path: Path) -> str:
+    return f"sqlite:///{tmp_path / 'mlflow.db'}"
+
+
+@pytest.fixture
+def smoke_cfg(tmp_path: Path, mlflow_uri: str) -> PipelineConfig:
+    """configs/smoke.yaml writing into tmp_path and tracking into a SQLite file there."""
+    return load_config(SMOKE, [f"run.output_dir={tmp_path / 'out'}", f"tracking.uri={mlflow_uri}"])
+
+
+@pytest.fixture(scope="session")
+def smoke_world(tmp_path_factory) -> DemoWorld:
+    """The smoke config's demo world, built once per session."""
+    cfg = load_config(SMOKE)
+    return build_demo_world(tmp_path_factory.mktemp("world") / "demo_world", cfg.run.seed, cfg.data.demo, cfg.model.demo)
+
+
+@pytest.fixture(scope="session")
+def prefect_harness():
+    """A temporary Prefect server and database for flow tests (started once per session)."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=180):
+        yield

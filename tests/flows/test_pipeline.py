@@ -1,0 +1,82 @@
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from flows.rlhf_pipeline import rlhf_pipeline
+from rlhf_core.data import DataValidationError
+
+REPO = Path(__file__).resolve().parents[2]
+SMOKE = str(REPO / "configs" / "smoke.yaml")
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore")]
+
+
+def child_runs(client, parent_id):
+    parent = client.get_run(parent_id)
+    runs = client.search_runs([parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent_id}'")
+    return {r.info.run_name: r for r in runs}
+
+
+def test_pipeline_runs_registers_and_reuses_finished_stages(prefect_harness, tmp_path, mlflow_uri):
+    # given
+    overrides = [f"run.output_dir={tmp_path / 'out'}", f"tracking.uri={mlflow_uri}"]
+    # when
+    state = rlhf_pipeline(config_path=SMOKE, overrides=overrides, return_state=True)
+    # then
+    assert state.is_completed()
+    summary = state.result()
+    client = MlflowClient(mlflow_uri)
+    assert client.get_run(summary["mlflow_run_id"]).info.status == "FINISHED"
+    stages = child_runs(client, summary["mlflow_run_id"])
+    assert {name: r.info.status for name, r in stages.items()} == {"data": "FINISHED", "sft": "FINISHED"}
+    assert client.get_metric_history(stages["sft"].info.run_id, "sft/loss")[-1].step == 8
+    assert stages["data"].data.tags["data_fingerprint"] == summary["data_fingerprint"]
+
+    [version] = client.search_model_versions("name = 'smoke-policy'")
+    assert summary["policy_model_uri"] == "models:/smoke-policy/1"
+    assert version.tags["stage"] == "sft" and version.tags["step"] == "8"
+    assert version.tags["data_fingerprint"] == summary["data_fingerprint"]
+    out = tmp_path / "out"
+    for table in ("preference", "preference_eval", "prompts", "eval_prompts", "sft"):
+        assert (out / "data" / f"{table}.jsonl").stat().st_size > 0
+    weights = out / "sft" / "model.safetensors"
+    stamp = weights.stat().st_mtime_ns
+
+    # a second run with the same config and data trains nothing and registers nothing new
+    again = rlhf_pipeline(config_path=SMOKE, overrides=overrides)
+    assert weights.stat().st_mtime_ns == stamp
+    assert len(client.search_model_versions("name = 'smoke-policy'")) == 1
+    assert again["policy_model_uri"] == "models:/smoke-policy/1"
+    assert again["data_fingerprint"] == summary["data_fingerprint"]
+
+
+def test_bad_data_fails_the_flow_and_the_mlflow_run_with_nothing_registered(prefect_harness, tmp_path, mlflow_uri):
+    bad = tmp_path / "prefs.jsonl"
+    bad.write_text(json.dumps({"prompt": "p", "chosen": "same", "rejected": "same"}) + "\n")
+    overrides = [f"run.output_dir={tmp_path / 'out'}", f"tracking.uri={mlflow_uri}", f"data.preference.path={bad}"]
+
+    state = rlhf_pipeline(config_path=SMOKE, overrides=overrides, return_state=True)
+
+    assert state.is_failed()
+    with pytest.raises(DataValidationError, match=r"prefs.jsonl row 1: `chosen` is identical to `rejected`"):
+        state.result()
+    client = MlflowClient(mlflow_uri)
+    [run] = client.search_runs([client.get_experiment_by_name("rlhf-smoke").experiment_id],
+                               "attributes.run_name = 'smoke'")
+    assert run.info.status == "FAILED"
+    assert client.search_registered_models() == []
+
+
+def test_prefect_settings_honour_the_user_environment():
+    code = ("import flows; from prefect.settings import get_current_settings as g; s = g(); "
+            "print(s.api.url, s.server.ephemeral.startup_timeout_seconds)")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    default = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True, cwd=REPO)
+    assert default.stdout.split() == ["None", "180"]
+    env.update(PREFECT_API_URL="http://127.0.0.1:4999/api", PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="45")
+    user = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True, cwd=REPO)
+    assert user.stdout.split() == ["http://127.0.0.1:4999/api", "45"]

@@ -1,0 +1,131 @@
+import json
+
+import pandas as pd
+import pytest
+
+from rlhf_core.config import ColumnMap, DatasetSpec
+from rlhf_core.data import DataValidationError, apply_length_policy, fingerprint_rows, load_table
+from rlhf_core.models import load_tokenizer
+
+GOOD = [
+    {"prompt": "the food was", "chosen": " great .", "rejected": " awful ."},
+    {"prompt": "the room was", "chosen": " lovely .", "rejected": " dirty ."},
+    {"prompt": "the staff was", "chosen": " kind .", "rejected": " rude ."},
+]
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def load(path, kind="preference", **spec):
+    return load_table(DatasetSpec(path=str(path), **spec), kind, field="data.preference")
+
+
+def test_loads_jsonl_parquet_csv_and_directories(tmp_path):
+    jsonl = write_jsonl(tmp_path / "p.jsonl", GOOD)
+    pd.DataFrame(GOOD).to_parquet(tmp_path / "p.parquet")
+    pd.DataFrame(GOOD).to_csv(tmp_path / "p.csv", index=False)
+    (tmp_path / "dir").mkdir()
+    write_jsonl(tmp_path / "dir" / "a.jsonl", GOOD[:2])
+    write_jsonl(tmp_path / "dir" / "b.jsonl", GOOD[2:])
+    for source in (jsonl, tmp_path / "p.parquet", tmp_path / "p.csv", tmp_path / "dir"):
+        ds = load(source)
+        assert ds.column_names == ["prompt", "chosen", "rejected"]
+        assert ds[0] == GOOD[0]
+        assert len(ds) == 3
+
+
+def test_column_mapping_and_margin(tmp_path):
+    rows = [{"q": r["prompt"], "good": r["chosen"], "bad": r["rejected"], "m": 0.5, "extra": 1} for r in GOOD]
+    path = write_jsonl(tmp_path / "mapped.jsonl", rows)
+    ds = load(path, columns=ColumnMap(prompt="q", chosen="good", rejected="bad", margin="m"))
+    assert sorted(ds.column_names) == ["chosen", "margin", "prompt", "rejected"]
+    assert ds[1]["chosen"] == " lovely ." and ds[1]["margin"] == 0.5
+
+
+def test_limit(tmp_path):
+    assert len(load(write_jsonl(tmp_path / "p.jsonl", GOOD), limit=2)) == 2
+
+
+@pytest.mark.parametrize(
+    "row, message",
+    [
+        ({"prompt": "p", "chosen": "   ", "rejected": "b"}, "row 2 column `chosen` is empty"),
+        ({"prompt": "p", "chosen": "same", "rejected": " same "}, "row 2: `chosen` is identical to `rejected`"),
+        ({"prompt": "p", "chosen": None, "rejected": "b"}, "row 2 column `chosen` is missing a value"),
+        ({"prompt": "p", "chosen": 5, "rejected": "b"}, "row 2 column `chosen` holds a int, not a string"),
+    ],
+)
+def test_bad_rows_name_file_row_and_column(tmp_path, row, message):
+    path = write_jsonl(tmp_path / "bad.jsonl", [GOOD[0], row, GOOD[1]])
+    with pytest.raises(DataValidationError) as err:
+        load(path)
+    assert str(path) in str(err.value) and message in str(err.value)
+
+
+def test_missing_column_names_the_columns_and_the_config_field(tmp_path):
+    path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "p", "chosen": "a"}])
+    with pytest.raises(DataValidationError, match=r"has no column `rejected` \(columns are \['prompt', 'chosen'\]\); map it with data.preference.columns"):
+        load(path)
+
+
+def test_non_numeric_margin(tmp_path):
+    rows = [dict(GOOD[0], m=1.0), dict(GOOD[1], m="big")]
+    path = write_jsonl(tmp_path / "p.jsonl", rows)
+    with pytest.raises(DataValidationError, match="row 2 column `m`"):
+        load(path, columns=ColumnMap(margin="m"))
+
+
+def test_missing_files_and_formats(tmp_path):
+    with pytest.raises(DataValidationError, match=r"data.preference.path: .*nope.jsonl does not exist"):
+        load(tmp_path / "nope.jsonl")
+    (tmp_path / "x.txt").write_text("hi")
+    with pytest.raises(DataValidationError, match="unsupported file type '.txt'"):
+        load(tmp_path / "x.txt")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataValidationError, match="directory holds no"):
+        load(tmp_path / "empty")
+    (tmp_path / "e.jsonl").write_text("")
+    with pytest.raises(DataValidationError):
+        load(tmp_path / "e.jsonl")
+
+
+def test_broken_json_line_is_located(tmp_path):
+    path = tmp_path / "broken.jsonl"
+    path.write_text(json.dumps(GOOD[0]) + "\n{not json\n")
+    with pytest.raises(DataValidationError, match="row 2 is not valid JSON"):
+        load(path)
+
+
+def test_prompt_and_text_kinds(tmp_path):
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": "a"}, {"prompt": ""}])
+    with pytest.raises(DataValidationError, match="row 2 column `prompt` is empty"):
+        load_table(DatasetSpec(path=str(prompts)), "prompt", field="data.prompts")
+    text = write_jsonl(tmp_path / "text.jsonl", [{"body": "hello there"}])
+    ds = load_table(DatasetSpec(path=str(text), columns=ColumnMap(text="body")), "text", field="sft.dataset")
+    assert ds[0] == {"text": "hello there"}
+
+
+def test_length_policy_counts_truncates_and_drops(tmp_path, smoke_world):
+    tokenizer = load_tokenizer(str(smoke_world.tokenizer))
+    rows = GOOD + [{"prompt": "the food was", "chosen": " great" * 30 + " .", "rejected": " awful ."}]
+    ds = load(write_jsonl(tmp_path / "p.jsonl", rows))
+    kept, report = apply_length_policy(ds, "preference", tokenizer, max_length=10, max_prompt_length=4, action="truncate")
+    assert (report.rows, report.overlong, report.kept, len(kept)) == (4, 1, 4, 4)
+    assert "1 of 4 rows exceed the length limit and will be truncated" in report.sentence("p.jsonl")
+    kept, report = apply_length_policy(ds, "preference", tokenizer, max_length=10, max_prompt_length=4, action="drop")
+    assert (report.overlong, report.kept, len(kept)) == (1, 3, 3)
+    assert "great great" not in " ".join(kept["chosen"])
+    prompts = load_table(DatasetSpec(path=str(write_jsonl(tmp_path / "q.jsonl", [{"prompt": "a b"}, {"prompt": "a b c d e f"}]))), "prompt", field="x")
+    _, report = apply_length_policy(prompts, "prompt", tokenizer, max_length=10, max_prompt_length=4, action="drop")
+    assert report.overlong == 1  # bos + 6 words > 4
+
+
+def test_fingerprint_depends_on_content_only(tmp_path):
+    a = load(write_jsonl(tmp_path / "a.jsonl", GOOD))
+    pd.DataFrame(GOOD).to_parquet(tmp_path / "b.parquet")
+    b = load(tmp_path / "b.parquet")
+    c = load(write_jsonl(tmp_path / "c.jsonl", GOOD[:2]))
+    assert fingerprint_rows(a) == fingerprint_rows(b) != fingerprint_rows(c)

@@ -1,0 +1,37 @@
+import pytest
+from transformers import AutoTokenizer
+
+from rlhf_core.models import ModelSourceError, ensure_pad_token, load_causal_lm, load_tokenizer
+from rlhf_core.rewards import vader_compound
+
+
+def test_vader_compound_scores_completions():
+    scores = vader_compound(prompts=["a", "b", "c"], completions=["great and lovely", "awful", "the table"])
+    assert scores[0] > 0.5 and scores[1] < -0.3 and scores[2] == 0.0
+    with pytest.raises(ValueError):
+        vader_compound(prompts=["a"])
+
+
+def test_missing_directory_is_one_sentence(tmp_path):
+    with pytest.raises(ModelSourceError, match=r"model.base: directory .*nope does not exist"):
+        load_causal_lm(str(tmp_path / "nope"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelSourceError, match="is not a Hugging Face model directory"):
+        load_causal_lm(str(tmp_path / "empty"))
+
+
+def test_unknown_hub_name_fails_offline_with_the_field():
+    with pytest.raises(ModelSourceError, match="model.base: could not load 'no-such-org/no-such-model'"):
+        load_causal_lm("no-such-org/no-such-model")
+
+
+def test_pad_token_borrowed_from_eos_or_refused(smoke_world):
+    tokenizer = AutoTokenizer.from_pretrained(smoke_world.tokenizer)
+    tokenizer.pad_token = None
+    ensure_pad_token(tokenizer, "x")
+    assert tokenizer.pad_token == tokenizer.eos_token
+    tokenizer.pad_token = None
+    tokenizer.eos_token = None
+    with pytest.raises(ModelSourceError, match="has no pad token and no eos token to borrow"):
+        ensure_pad_token(tokenizer, "my-tokenizer")
+    assert load_tokenizer(str(smoke_world.tokenizer)).pad_token == "<pad>"

@@ -1,0 +1,42 @@
+import json
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from rlhf_core.config import RunConfig, SFTConfig
+from rlhf_core.models import load_causal_lm, load_tokenizer
+from rlhf_core.sft import tokenize_corpus, train_sft
+
+
+def test_tokenize_corpus_masks_padding(smoke_world):
+    tokenizer = load_tokenizer(str(smoke_world.tokenizer))
+    data = tokenize_corpus(tokenizer, ["the food was great .", "ok"], max_length=16)
+    ids, mask, labels = data.tensors
+    assert ids.shape == mask.shape == labels.shape
+    assert ids[1, -1] == tokenizer.pad_token_id and labels[1, -1] == -100
+    assert ids[0, mask[0].sum() - 1] == tokenizer.eos_token_id  # eos closes every sentence
+
+
+def test_short_run_changes_every_parameter_lowers_loss_and_saves(tmp_path, smoke_world):
+    # given
+    tokenizer = load_tokenizer(str(smoke_world.tokenizer))
+    model = load_causal_lm(str(smoke_world.base_model))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    texts = [json.loads(line)["text"] for line in smoke_world.corpus.read_text().splitlines()]
+    logs, saved = [], []
+    # when
+    metrics = train_sft(model, tokenizer, texts, SFTConfig(max_steps=12, batch_size=16, learning_rate=3e-3, log_steps=4),
+                        RunConfig(device="cpu"), max_length=40, output_dir=tmp_path / "sft",
+                        on_log=lambda m, s: logs.append((s, m)), on_checkpoint=lambda p, s: saved.append((p, s)),
+                        show_progress=False)
+    # then
+    assert [s for s, _ in logs] == [4, 8, 12]
+    assert metrics["sft/loss"] < metrics["sft/first_loss"] - 0.5
+    for name, param in model.named_parameters():
+        assert not torch.equal(before[name], param.detach()), f"{name} did not change"
+    assert saved == [(tmp_path / "sft", 12)]
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "sft")
+    batch = tokenizer(["the food was"], return_tensors="pt")
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(**batch).logits, model(**batch).logits)
+    assert (tmp_path / "sft" / "model.safetensors").is_file() and (tmp_path / "sft" / "tokenizer.json").is_file()

@@ -1,0 +1,103 @@
+import mlflow
+import pytest
+from mlflow.tracking import MlflowClient
+
+from rlhf_core.config import load_config
+from tasks import tracking
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+
+@pytest.fixture
+def cfg(tmp_path, mlflow_uri):
+    return load_config(None, [f"tracking.uri={mlflow_uri}", "tracking.experiment=t", f"run.output_dir={tmp_path}",
+                              "run.name=unit"])
+
+
+def test_pipeline_run_logs_flat_params_and_finishes(cfg):
+    with tracking.pipeline_run(cfg) as run_id:
+        tracking.log_metrics(run_id, {"x/loss": 1.5}, step=3)
+    run = MlflowClient().get_run(run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.params["ppo.kl_coef"] == "0.05" and run.data.params["rl.algorithm"] == "ppo"
+    assert run.data.tags["rlhf.config_hash"] == cfg.config_hash()
+    history = MlflowClient().get_metric_history(run_id, "x/loss")
+    assert [(m.step, m.value) for m in history] == [(3, 1.5)]
+
+
+def test_artifacts_of_a_sqlite_store_live_beside_it(cfg, tmp_path):
+    with tracking.pipeline_run(cfg) as run_id:
+        pass
+    experiment = MlflowClient().get_experiment(MlflowClient().get_run(run_id).info.experiment_id)
+    assert experiment.artifact_location == (tmp_path / "mlruns").as_uri()
+
+
+def test_a_crash_marks_pipeline_and_stage_runs_failed(cfg):
+    ids = {}
+    with pytest.raises(RuntimeError, match="boom"):
+        with tracking.pipeline_run(cfg) as run_id:
+            ids["parent"] = run_id
+            with tracking.stage_run(run_id, "sft") as stage_id:
+                ids["stage"] = stage_id
+                raise RuntimeError("boom")
+    client = MlflowClient()
+    assert client.get_run(ids["parent"]).info.status == "FAILED"
+    stage = client.get_run(ids["stage"])
+    assert stage.info.status == "FAILED"
+    assert stage.data.tags["mlflow.parentRunId"] == ids["parent"]
+    assert mlflow.active_run() is None
+
+
+def test_secrets_never_reach_params(tmp_path):
+    cfg = load_config(None, [f"tracking.uri=sqlite:///{tmp_path / 'm.db'}"])
+    # a password in a URI-valued field is hidden, even one a user put into a free-text field
+    cfg.model.base = "https://bob:hunter2@hub.example/org/model"
+    with tracking.pipeline_run(cfg) as run_id:
+        pass
+    params = MlflowClient().get_run(run_id).data.params
+    assert "hunter2" not in " ".join(params.values())
+
+
+def test_register_checkpoint_creates_a_tagged_version_that_loads(cfg, smoke_world):
+    with tracking.pipeline_run(cfg) as parent, tracking.stage_run(parent, "sft") as run_id:
+        tags = tracking.lineage_tags(stage="sft", step=8, config_hash=cfg.config_hash(), data_fingerprint="abc123")
+        first = tracking.register_checkpoint(smoke_world.base_model, "unit-policy", task="text-generation", tags=tags, run_id=run_id)
+        second = tracking.register_checkpoint(smoke_world.base_model, "unit-policy", task="text-generation",
+                                              tags=dict(tags, step="9"), run_id=run_id)
+    assert (first["version"], second["version"]) == ("1", "2")
+    version = MlflowClient().get_model_version("unit-policy", "1")
+    assert version.tags["stage"] == "sft" and version.tags["step"] == "8"
+    assert version.tags["data_fingerprint"] == "abc123" and version.tags["config_hash"] == cfg.config_hash()
+    assert version.tags["code_version"].startswith("0.1.0")
+    assert version.run_id == run_id
+    found = tracking.find_version("unit-policy", {"stage": "sft", "step": "9"})
+    assert found is not None and str(found.version) == "2"
+    assert tracking.find_version("unit-policy", {"stage": "reward"}) is None
+    assert tracking.find_version("no-such-model", {}) is None
+
+    generator = mlflow.transformers.load_model(first["uri"])
+    out = generator("the food was", max_new_tokens=3, do_sample=False)
+    assert out[0]["generated_text"].startswith("the food was")
+
+
+def test_a_failed_registration_leaves_no_version(cfg, smoke_world, monkeypatch):
+    def not_ready(name, version, timeout_s=300.0):
+        raise RuntimeError("registry went away")
+
+    monkeypatch.setattr(tracking, "_await_ready", not_ready)
+    with pytest.raises(RuntimeError, match="registry went away"):
+        with tracking.pipeline_run(cfg) as parent, tracking.stage_run(parent, "sft") as run_id:
+            tracking.register_checkpoint(smoke_world.base_model, "unit-policy", task="text-generation",
+                                         tags={"stage": "sft", "step": "1"}, run_id=run_id)
+    assert MlflowClient().search_model_versions("name = 'unit-policy'") == []
+
+
+def test_materialize_model_round_trips_a_version(cfg, smoke_world, tmp_path):
+    with tracking.pipeline_run(cfg) as parent, tracking.stage_run(parent, "sft") as run_id:
+        uri = tracking.register_checkpoint(smoke_world.base_model, "unit-policy", task="text-generation",
+                                           tags={"stage": "sft", "step": "1"}, run_id=run_id)["uri"]
+    local = tracking.materialize_model(uri, tmp_path / "local")
+    assert (local / "config.json").is_file() and (local / "model.safetensors").is_file()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    assert AutoModelForCausalLM.from_pretrained(local).config.vocab_size == len(AutoTokenizer.from_pretrained(local))
