@@ -17,7 +17,16 @@ def _parser() -> argparse.ArgumentParser:
         cmd.add_argument("--config", "-c", default="configs/demo.yaml", help="YAML config file")
         cmd.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
                          help="override a config field, e.g. --set ppo.kl_coef=0.1 (repeatable)")
+    sub.add_parser("fields", help="print every config field, its default and meaning as a Markdown table")
     return parser
+
+
+def fields_markdown() -> str:
+    from rlhf_core.config import describe_fields
+
+    lines = ["| field | default | meaning |", "|---|---|---|"]
+    lines += [f"| `{path}` | `{default}` | {text} |" for path, default, text in describe_fields()]
+    return "\n".join(lines)
 
 
 def print_summary(summary: dict) -> None:
@@ -49,6 +58,9 @@ def print_summary(summary: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "fields":
+        print(fields_markdown())
+        return 0
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as err:

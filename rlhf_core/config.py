@@ -443,3 +443,20 @@ def flatten_config(cfg: PipelineConfig) -> dict[str, str]:
 
     walk("", cfg.model_dump(mode="json"))
     return out
+
+
+def describe_fields(model: type[BaseModel] = PipelineConfig, prefix: str = "") -> list[tuple[str, str, str]]:
+    """(dotted field, default, description) for every leaf field: the README's config reference."""
+    rows = []
+    for name, field in model.model_fields.items():
+        path = f"{prefix}{name}"
+        ann = field.annotation
+        nested = [c for c in (ann, *getattr(ann, "__args__", ())) if isinstance(c, type) and issubclass(c, BaseModel)]
+        if nested and ann is nested[0]:
+            rows.extend(describe_fields(nested[0], path + "."))
+            continue
+        default = field.get_default(call_default_factory=True)
+        if isinstance(default, list):
+            default = [d.model_dump(exclude_none=True) if isinstance(d, BaseModel) else d for d in default]
+        rows.append((path, json.dumps(default, default=str), field.description or ""))
+    return rows

@@ -4,7 +4,7 @@ import pytest
 import yaml
 
 from rlhf_core.config import (
-    ConfigError, PipelineConfig, apply_overrides, flatten_config, is_secret_key, load_config, parse_override,
+    ConfigError, PipelineConfig, apply_overrides, describe_fields, flatten_config, is_secret_key, load_config, parse_override,
     redact_uri, validate_config,
 )
 
@@ -20,11 +20,18 @@ def test_defaults_follow_trl():
     assert cfg.rl.algorithm == "ppo"
 
 
-@pytest.mark.parametrize("name", ["demo.yaml", "smoke.yaml"])
-def test_shipped_configs_validate(name):
-    cfg = load_config(REPO / "configs" / name)
-    assert cfg.model.base == "demo"
+@pytest.mark.parametrize("path", sorted((REPO / "configs").rglob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_configs_validate(path):
+    cfg = load_config(path)
     assert cfg.registry.reward_model_name != cfg.registry.policy_model_name
+
+
+def test_readme_documents_every_field_and_starts_with_the_two_commands():
+    readme = (REPO / "README.md").read_text()
+    for path, default, text in describe_fields():
+        assert f"| `{path}` | `{default}` | {text} |" in readme, f"README's config reference is stale at {path}"
+    commands = readme.split("## ", 2)[1]
+    assert "make demo" in commands and "make test" in commands
 
 
 def test_every_field_has_a_description():
