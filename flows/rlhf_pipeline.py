@@ -30,7 +30,7 @@ def rlhf_pipeline(config_path: str | None = "configs/demo.yaml", overrides: list
     return {
         "mlflow_run_id": run_id,
         "tracking_uri": cfg.tracking_uri(),
-        "output_dir": str(cfg.run.output_dir),
+        "output_dir": str(cfg.run.output_dir.resolve()),
         "demo_world": data.demo_world,
         "data_fingerprint": data.fingerprint,
         "checkpoints": [policy.path] if policy else [],

@@ -113,6 +113,6 @@ def prepare_data(cfg: PipelineConfig, parent_run_id: str) -> PreparedData:
 
         publish_table("data-report", reports, "Validated tables: rows, over-long rows and what was done with them")
         prepared = PreparedData(tables=tables, fingerprints=fingerprints, base_model=base_model,
-                                tokenizer=tokenizer_source, demo_world=str(world.root) if world else None, reports=reports)
+                                tokenizer=tokenizer_source, demo_world=str(world.root.resolve()) if world else None, reports=reports)
         tracking.set_run_tags(run_id, {"data_fingerprint": prepared.fingerprint})
         return prepared

@@ -21,6 +21,7 @@ from rlhf_core.models import load_causal_lm, load_tokenizer
 from rlhf_core.sft import train_sft
 from tasks import tracking
 from tasks.data import PreparedData
+from tasks.plots import close, curve_figure
 from tasks.progress import StageProgress
 
 STAGE_FILE = "rlhf_stage.json"
@@ -70,9 +71,11 @@ def sft_warm_start(cfg: PipelineConfig, data: PreparedData, parent_run_id: str) 
                                    trust_remote_code=cfg.model.trust_remote_code, torch_dtype=cfg.model.torch_dtype)
             texts = read_column(data.tables["sft"], "text")
             progress = StageProgress("sft-progress", f"SFT warm start: {cfg.sft.max_steps} steps")
+            losses: list[tuple[int, float]] = []
 
             def on_log(metrics: dict[str, float], step: int) -> None:
                 tracking.log_metrics(run_id, metrics, step)
+                losses.append((step, metrics["sft/loss"]))
                 progress.update(step, cfg.sft.max_steps)
 
             metrics = train_sft(model, tokenizer, texts, cfg.sft, cfg.run, max_length=cfg.data.max_length,
@@ -80,6 +83,9 @@ def sft_warm_start(cfg: PipelineConfig, data: PreparedData, parent_run_id: str) 
             # written last: a crash before this line means the next run trains again
             (out_dir / STAGE_FILE).write_text(json.dumps({"key": key, "metrics": metrics}, indent=2))
             progress.update(cfg.sft.max_steps, cfg.sft.max_steps)
+            fig = curve_figure({"sft/loss": losses}, "SFT warm start")
+            tracking.log_figure(run_id, fig, "sft_loss.png")
+            close(fig)
             logger.info("SFT loss %.3f -> %.3f", metrics["sft/first_loss"], metrics["sft/loss"])
 
         step = int(metrics["sft/steps"])
@@ -95,4 +101,4 @@ def sft_warm_start(cfg: PipelineConfig, data: PreparedData, parent_run_id: str) 
                 model_uri = tracking.register_checkpoint(out_dir, cfg.registry.policy_model_name, task="text-generation",
                                                          tags=tags, run_id=run_id)["uri"]
                 logger.info("registered the SFT checkpoint as %s", model_uri)
-        return Checkpoint(path=str(out_dir), model_uri=model_uri, step=step, metrics=metrics)
+        return Checkpoint(path=str(out_dir.resolve()), model_uri=model_uri, step=step, metrics=metrics)

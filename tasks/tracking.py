@@ -23,8 +23,6 @@ from mlflow.tracking import MlflowClient
 
 from rlhf_core.config import PipelineConfig, flatten_config
 
-log = logging.getLogger(__name__)
-
 # Packages a logged model needs to load again. Listed explicitly because MLflow's inference of
 # default requirements looks for torchvision, which has no CPU build in our registries.
 MODEL_REQUIREMENTS = ("torch", "transformers", "tokenizers", "safetensors", "accelerate")
@@ -115,6 +113,11 @@ def log_metrics(run_id: str, metrics: dict[str, float], step: int) -> None:
     MlflowClient().log_batch(run_id, metrics=[Metric(k, float(v), now, step) for k, v in metrics.items()])
 
 
+def log_figure(run_id: str, figure, artifact_file: str) -> None:
+    """Log a matplotlib figure as a PNG artifact of the run."""
+    MlflowClient().log_figure(run_id, figure, artifact_file)
+
+
 def set_run_tags(run_id: str, tags: dict[str, str]) -> None:
     client = MlflowClient()
     for key, value in tags.items():
@@ -165,12 +168,18 @@ def register_checkpoint(checkpoint_dir: str | Path, model_name: str, *, task: st
     active = mlflow.active_run()
     if active is None or active.info.run_id != run_id:
         raise RuntimeError(f"register_checkpoint must run inside the stage run {run_id}")
-    info = mlflow.transformers.log_model(
-        transformers_model={"model": model, "tokenizer": tokenizer},
-        name=f"{tags.get('stage', 'model')}-step-{tags.get('step', '0')}",
-        task=task,
-        pip_requirements=requirements,
-    )
+    flavor_log = logging.getLogger("mlflow.transformers")
+    level = flavor_log.level
+    flavor_log.setLevel(logging.ERROR)  # local checkpoints have no hub model card or license to find
+    try:
+        info = mlflow.transformers.log_model(
+            transformers_model={"model": model, "tokenizer": tokenizer},
+            name=f"{tags.get('stage', 'model')}-step-{tags.get('step', '0')}",
+            task=task,
+            pip_requirements=requirements,
+        )
+    finally:
+        flavor_log.setLevel(level)
     version = mlflow.register_model(info.model_uri, model_name, tags=tags)
     try:
         _await_ready(model_name, version.version)

@@ -34,6 +34,7 @@ def test_pipeline_runs_registers_and_reuses_finished_stages(prefect_harness, tmp
     stages = child_runs(client, summary["mlflow_run_id"])
     assert {name: r.info.status for name, r in stages.items()} == {"data": "FINISHED", "sft": "FINISHED"}
     assert client.get_metric_history(stages["sft"].info.run_id, "sft/loss")[-1].step == 8
+    assert "sft_loss.png" in [a.path for a in client.list_artifacts(stages["sft"].info.run_id)]
     assert stages["data"].data.tags["data_fingerprint"] == summary["data_fingerprint"]
 
     [version] = client.search_model_versions("name = 'smoke-policy'")
