@@ -45,6 +45,10 @@ def print_summary(summary: dict) -> None:
     table.add_row("Policy (HF format)", summary["policy_path"])
     if summary.get("policy_model_uri"):
         table.add_row("Policy model version", summary["policy_model_uri"])
+    if summary.get("reward_model_path"):
+        table.add_row("Reward model (HF format)", summary["reward_model_path"])
+    if summary.get("reward_model_uri"):
+        table.add_row("Reward model version", summary["reward_model_uri"])
     for key, value in summary.get("metrics", {}).items():
         table.add_row(key, f"{value:.4f}")
     console = Console()

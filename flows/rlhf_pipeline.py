@@ -1,4 +1,4 @@
-"""The RLHF pipeline as a Prefect flow: data -> SFT warm start -> (reward -> init -> RL -> export).
+"""The RLHF pipeline as a Prefect flow: data -> SFT warm start -> reward model -> (init -> RL -> export).
 
 The flow's parameters are the config: a YAML path plus `section.field=value` overrides, so the same
 call works from the CLI, from `prefect deployment run --param`, and from a schedule. The config is
@@ -13,6 +13,7 @@ from prefect.logging import get_run_logger
 from rlhf_core.config import load_config
 from tasks import tracking
 from tasks.data import prepare_data
+from tasks.reward import train_reward
 from tasks.sft import sft_warm_start
 
 
@@ -26,6 +27,7 @@ def rlhf_pipeline(config_path: str | None = "configs/demo.yaml", overrides: list
     with tracking.pipeline_run(cfg) as run_id:
         data = prepare_data(cfg, run_id)
         policy = sft_warm_start(cfg, data, run_id) if cfg.sft.enabled else None
+        reward = train_reward(cfg, data, policy, run_id)
 
     return {
         "mlflow_run_id": run_id,
@@ -33,8 +35,10 @@ def rlhf_pipeline(config_path: str | None = "configs/demo.yaml", overrides: list
         "output_dir": str(cfg.run.output_dir.resolve()),
         "demo_world": data.demo_world,
         "data_fingerprint": data.fingerprint,
-        "checkpoints": [policy.path] if policy else [],
+        "checkpoints": [c.path for c in (policy, reward) if c is not None],
         "policy_path": policy.path if policy else data.base_model,
         "policy_model_uri": policy.model_uri if policy else None,
-        "metrics": policy.metrics if policy else {},
+        "reward_model_path": reward.path,
+        "reward_model_uri": reward.model_uri,
+        "metrics": {**(policy.metrics if policy else {}), **{f"reward/{k}": v for k, v in reward.metrics.items()}},
     }

@@ -299,7 +299,7 @@ class PipelineConfig(Section):
         return self.export.output_dir or self.run.output_dir / "export"
 
     def uses_demo_world(self) -> bool:
-        sources = [self.model.base, self.data.preference.path, self.data.preference_eval.path,
+        sources = [self.model.base, self.reward.base, self.data.preference.path, self.data.preference_eval.path,
                    self.data.prompts.path, self.data.eval_prompts.path]
         if self.sft.enabled:
             sources.append(self.sft.dataset.path)

@@ -217,7 +217,12 @@ def save_table(ds, path: str | Path) -> Path:
     return path
 
 
+def read_rows(path: str | Path) -> list[dict[str, Any]]:
+    """The rows of a JSONL file written by `save_table`."""
+    with open(path, encoding="utf-8") as fh:
+        return [json.loads(line) for line in fh if line.strip()]
+
+
 def read_column(path: str | Path, column: str) -> list[Any]:
     """One column of a JSONL file written by `save_table`."""
-    with open(path, encoding="utf-8") as fh:
-        return [json.loads(line)[column] for line in fh if line.strip()]
+    return [row[column] for row in read_rows(path)]

@@ -35,6 +35,10 @@ class PreparedData:
     demo_world: str | None = None
     reports: list[dict] = field(default_factory=list)
 
+    def source(self, table: str) -> str:
+        """Where a table came from (a file, a hub name), for model cards."""
+        return next((r["source"] for r in self.reports if r["table"] == table), table)
+
     @property
     def fingerprint(self) -> str:
         """One fingerprint over every table, for lineage tags."""
@@ -89,6 +93,8 @@ def prepare_data(cfg: PipelineConfig, parent_run_id: str) -> PreparedData:
             logger.info("demo world ready at %s", world.root)
 
         base_model = resolve_model_source(cfg.model.base, field="model.base", cfg=cfg, world=world)
+        if cfg.reward.base not in ("policy", DEMO) and not cfg.reward.base.startswith("models:/"):
+            check_source(cfg.reward.base, "reward.base")  # fail before any training, not after SFT
         tokenizer_source = cfg.model.tokenizer or base_model
         tokenizer = load_tokenizer(tokenizer_source, revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code)
 

@@ -6,9 +6,7 @@ stage key), and its registered version is looked up by that key instead of regis
 
 from __future__ import annotations
 
-import hashlib
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 from prefect import task
@@ -23,28 +21,18 @@ from tasks import tracking
 from tasks.data import PreparedData
 from tasks.plots import close, curve_figure
 from tasks.progress import StageProgress
+from tasks.stage_io import Checkpoint, stage_key
 
 STAGE_FILE = "rlhf_stage.json"
 
 
-@dataclass(frozen=True)
-class Checkpoint:
-    """A stage's output: a Hugging Face directory and, when registered, its model version URI."""
-
-    path: str
-    model_uri: str | None
-    step: int
-    metrics: dict[str, float]
-
-
 def sft_key(cfg: PipelineConfig, data: PreparedData) -> str:
     """What the warm start's result depends on: its settings, the model, the data, the seed."""
-    blob = json.dumps({
+    return stage_key({
         "sft": cfg.sft.model_dump(mode="json"), "model": cfg.model.model_dump(mode="json"),
         "data": data.fingerprints.get("sft"), "max_length": cfg.data.max_length, "seed": cfg.run.seed,
         "mixed_precision": cfg.run.mixed_precision,
-    }, sort_keys=True)
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+    })
 
 
 def _read_stage_file(path: Path) -> dict:
@@ -93,12 +81,7 @@ def sft_warm_start(cfg: PipelineConfig, data: PreparedData, parent_run_id: str) 
         if cfg.tracking.register_models:
             tags = tracking.lineage_tags(stage="sft", step=step, config_hash=cfg.config_hash(),
                                          data_fingerprint=data.fingerprint, stage_key=key)
-            existing = tracking.find_version(cfg.registry.policy_model_name, {"stage": "sft", "stage_key": key})
-            if existing is not None:
-                model_uri = f"models:/{existing.name}/{existing.version}"
-                logger.info("SFT checkpoint already registered as %s", model_uri)
-            else:
-                model_uri = tracking.register_checkpoint(out_dir, cfg.registry.policy_model_name, task="text-generation",
-                                                         tags=tags, run_id=run_id)["uri"]
-                logger.info("registered the SFT checkpoint as %s", model_uri)
-        return Checkpoint(path=str(out_dir.resolve()), model_uri=model_uri, step=step, metrics=metrics)
+            model_uri = tracking.register_once(out_dir, cfg.registry.policy_model_name, task="text-generation",
+                                               tags=tags, run_id=run_id)
+            logger.info("SFT checkpoint is %s", model_uri)
+        return Checkpoint(path=str(out_dir.resolve()), model_uri=model_uri, step=step, metrics=metrics, key=key)

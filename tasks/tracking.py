@@ -189,6 +189,18 @@ def register_checkpoint(checkpoint_dir: str | Path, model_name: str, *, task: st
     return {"name": model_name, "version": str(version.version), "uri": f"models:/{model_name}/{version.version}"}
 
 
+def register_once(checkpoint_dir: str | Path, model_name: str, *, task: str, tags: dict[str, str], run_id: str,
+                  identity: tuple[str, ...] = ("stage", "stage_key", "step")) -> str:
+    """URI of the version whose `identity` tags match `tags`, registering the checkpoint only if none does.
+
+    This is what makes re-runs and resumed runs register no duplicate versions.
+    """
+    existing = find_version(model_name, {k: tags[k] for k in identity})
+    if existing is not None:
+        return f"models:/{model_name}/{existing.version}"
+    return register_checkpoint(checkpoint_dir, model_name, task=task, tags=tags, run_id=run_id)["uri"]
+
+
 def _await_ready(model_name: str, version: str, timeout_s: float = 300.0) -> None:
     client = MlflowClient()
     deadline = time.monotonic() + timeout_s

@@ -32,10 +32,18 @@ def test_pipeline_runs_registers_and_reuses_finished_stages(prefect_harness, tmp
     client = MlflowClient(mlflow_uri)
     assert client.get_run(summary["mlflow_run_id"]).info.status == "FINISHED"
     stages = child_runs(client, summary["mlflow_run_id"])
-    assert {name: r.info.status for name, r in stages.items()} == {"data": "FINISHED", "sft": "FINISHED"}
+    assert {name: r.info.status for name, r in stages.items()} == {"data": "FINISHED", "sft": "FINISHED", "reward": "FINISHED"}
     assert client.get_metric_history(stages["sft"].info.run_id, "sft/loss")[-1].step == 8
     assert "sft_loss.png" in [a.path for a in client.list_artifacts(stages["sft"].info.run_id)]
     assert stages["data"].data.tags["data_fingerprint"] == summary["data_fingerprint"]
+
+    reward_versions = sorted(client.search_model_versions("name = 'smoke-reward-model'"), key=lambda v: int(v.version))
+    assert [(v.tags["stage"], v.tags["step"]) for v in reward_versions] == [("reward", "2"), ("reward", "4")]
+    assert reward_versions[-1].tags["base_model"] == "models:/smoke-policy/1"
+    assert float(reward_versions[-1].tags["eval_accuracy"]) == pytest.approx(summary["metrics"]["reward/eval_accuracy"], abs=1e-4)
+    assert summary["reward_model_uri"] == "models:/smoke-reward-model/2"
+    eval_history = client.get_metric_history(stages["reward"].info.run_id, "eval_accuracy")
+    assert [m.step for m in eval_history] == [2, 4]
 
     [version] = client.search_model_versions("name = 'smoke-policy'")
     assert summary["policy_model_uri"] == "models:/smoke-policy/1"
@@ -51,6 +59,8 @@ def test_pipeline_runs_registers_and_reuses_finished_stages(prefect_harness, tmp
     again = rlhf_pipeline(config_path=SMOKE, overrides=overrides)
     assert weights.stat().st_mtime_ns == stamp
     assert len(client.search_model_versions("name = 'smoke-policy'")) == 1
+    assert len(client.search_model_versions("name = 'smoke-reward-model'")) == 2
+    assert again["reward_model_uri"] == summary["reward_model_uri"]
     assert again["policy_model_uri"] == "models:/smoke-policy/1"
     assert again["data_fingerprint"] == summary["data_fingerprint"]
 

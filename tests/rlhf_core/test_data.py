@@ -129,3 +129,11 @@ def test_fingerprint_depends_on_content_only(tmp_path):
     b = load(tmp_path / "b.parquet")
     c = load(write_jsonl(tmp_path / "c.jsonl", GOOD[:2]))
     assert fingerprint_rows(a) == fingerprint_rows(b) != fingerprint_rows(c)
+
+
+def test_hub_dataset_names_go_to_the_hub_and_fail_in_one_sentence_offline():
+    with pytest.raises(DataValidationError) as err:
+        load_table(DatasetSpec(path="no-such-org/no-such-dataset", split="train"), "preference", field="data.preference")
+    message = str(err.value)
+    assert message.startswith("data.preference.path: hub dataset 'no-such-org/no-such-dataset' (split 'train') could not be loaded")
+    assert "\n" not in message

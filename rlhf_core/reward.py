@@ -1,0 +1,253 @@
+"""Reward-model training: a one-output sequence classifier fit with the Bradley-Terry loss.
+
+Pure helpers first (loss, metrics, pair encoding), then the training loop. The loop takes callbacks
+(`on_log`, `on_eval`, `on_checkpoint`) and imports no tracking code. Checkpoints are Hugging Face
+directories `checkpoint-N/` with a model card, `metrics.json` and the training state without pickle,
+so re-running after a crash resumes from the last one and reaches the same weights.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from rlhf_core.checkpoint import latest_checkpoint, load_training_state, save_training_state
+from rlhf_core.config import LoraSettings, RewardConfig, RunConfig
+from rlhf_core.model_card import write_model_card
+from rlhf_core.training import OnCheckpoint, OnLog, build_optimizer, make_accelerator, save_pretrained_atomic, seed_everything
+
+EVAL_METRICS = ("eval_loss", "eval_accuracy", "eval_margin", "eval_min_reward", "eval_mean_reward", "eval_max_reward")
+
+
+def bradley_terry_loss(r_chosen: torch.Tensor, r_rejected: torch.Tensor, margin: torch.Tensor | None = None,
+                       center_rewards_coefficient: float | None = None) -> torch.Tensor:
+    """Mean of -logsigmoid(r_chosen - r_rejected - margin), plus coef * mean((r_chosen + r_rejected)^2).
+
+    r_chosen, r_rejected, margin: (B,). The centering term (Eisenstein et al., as in TRL) pulls the
+    rewards toward zero mean, so the reward model's scale stays put.
+    """
+    diff = r_chosen - r_rejected  # (B,)
+    if margin is not None:
+        diff = diff - margin
+    loss = -F.logsigmoid(diff).mean()
+    if center_rewards_coefficient:
+        loss = loss + center_rewards_coefficient * ((r_chosen + r_rejected) ** 2).mean()
+    return loss
+
+
+def preference_metrics(r_chosen: torch.Tensor, r_rejected: torch.Tensor) -> dict[str, float]:
+    """accuracy (chosen strictly above rejected), margin, and min/mean/max over all rewards."""
+    both = torch.cat([r_chosen, r_rejected])
+    return {
+        "accuracy": (r_chosen > r_rejected).float().mean().item(),
+        "margin": (r_chosen - r_rejected).mean().item(),
+        "min_reward": both.min().item(),
+        "mean_reward": both.mean().item(),
+        "max_reward": both.max().item(),
+    }
+
+
+def encode_pairs(tokenizer, rows: list[dict], max_length: int) -> dict[str, torch.Tensor]:
+    """Chosen then rejected texts in one right-padded batch: input_ids, attention_mask (2B, T), margin (B,)."""
+    texts = [r["prompt"] + r["chosen"] for r in rows] + [r["prompt"] + r["rejected"] for r in rows]
+    enc = tokenizer(texts, max_length=max_length, truncation=True, padding="longest", return_tensors="pt",
+                    padding_side="right")
+    batch = {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
+    if any("margin" in r for r in rows):
+        batch["margin"] = torch.tensor([float(r.get("margin", 0.0)) for r in rows])
+    return batch
+
+
+def score_pairs(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One forward over chosen and rejected together -> (r_chosen, r_rejected), each (B,)."""
+    rewards = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.squeeze(-1)  # (2B,)
+    half = rewards.shape[0] // 2
+    return rewards[:half], rewards[half:]
+
+
+@torch.no_grad()
+def evaluate_reward_model(model, tokenizer, rows: list[dict], *, max_length: int, batch_size: int,
+                          center_rewards_coefficient: float | None = None, device=None) -> dict[str, float]:
+    """The reference's eval metrics over all `rows`: eval_loss, eval_accuracy, eval_margin, eval_*_reward."""
+    was_training = model.training
+    model.eval()
+    chosen, rejected, margins = [], [], []
+    for i in range(0, len(rows), batch_size):
+        batch = encode_pairs(tokenizer, rows[i : i + batch_size], max_length)
+        batch = {k: v.to(device) for k, v in batch.items()} if device is not None else batch
+        rc, rr = score_pairs(model, batch)
+        chosen.append(rc.float().cpu())
+        rejected.append(rr.float().cpu())
+        margins.append(batch["margin"].cpu() if "margin" in batch else torch.zeros_like(rc.cpu()))
+    model.train(was_training)
+    rc, rr, margin = torch.cat(chosen), torch.cat(rejected), torch.cat(margins)
+    metrics = {"eval_loss": bradley_terry_loss(rc, rr, margin, center_rewards_coefficient).item()}
+    metrics.update({f"eval_{k}": v for k, v in preference_metrics(rc, rr).items()})
+    return metrics
+
+
+def load_reward_model(source: str, tokenizer, *, lora: LoraSettings | None = None, torch_dtype: str = "float32",
+                      trust_remote_code: bool = False, revision: str | None = None, seed: int = 0):
+    """AutoModelForSequenceClassification with one output from `source`; with `lora`, PEFT SEQ_CLS adapters.
+
+    A causal-LM source gets a freshly initialized score head (seeded, so runs repeat).
+    """
+    from transformers import AutoModelForSequenceClassification
+
+    from rlhf_core.models import _from_pretrained
+
+    torch.manual_seed(seed)
+    model = _from_pretrained(AutoModelForSequenceClassification, source, "reward.base", num_labels=1,
+                             dtype=torch_dtype, trust_remote_code=trust_remote_code, revision=revision)
+    model.config.pad_token_id = tokenizer.pad_token_id
+    if lora is not None:
+        from peft import LoraConfig, TaskType, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(
+            task_type=TaskType.SEQ_CLS, r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+            target_modules=list(lora.target_modules), modules_to_save=["score"],
+        ))
+    return model
+
+
+def is_peft(model) -> bool:
+    return hasattr(model, "peft_config")
+
+
+def save_reward_checkpoint(model, tokenizer, path: Path, *, card: dict, metrics: dict[str, float],
+                           optimizer=None, scheduler=None, progress: dict | None = None) -> Path:
+    """A loadable HF directory (merged weights when LoRA), its card, metrics and training state.
+
+    With LoRA the adapter goes to `adapter/` too: resuming loads it, users load the merged model.
+    """
+    def extra(tmp: Path) -> None:
+        if is_peft(model):
+            model.save_pretrained(tmp / "adapter")
+        write_model_card(tmp, title=card["title"], metadata={**card["metadata"], "eval_metrics": metrics}, body=card["body"])
+        (tmp / "metrics.json").write_text(json.dumps(metrics, indent=2))
+        if optimizer is not None:
+            save_training_state(tmp, optimizer=optimizer, scheduler=scheduler, progress=progress or {})
+
+    exportable = copy.deepcopy(model).merge_and_unload() if is_peft(model) else model
+    return save_pretrained_atomic(exportable, tokenizer, path, extra=extra)
+
+
+def restore_weights(model, checkpoint: Path) -> None:
+    """Load a checkpoint's trainable weights into `model` (the adapter with LoRA, else all weights)."""
+    from safetensors.torch import load_file
+
+    if is_peft(model):
+        from peft import set_peft_model_state_dict
+
+        set_peft_model_state_dict(model, load_file(str(checkpoint / "adapter" / "adapter_model.safetensors")))
+    else:
+        model.load_state_dict(load_file(str(checkpoint / "model.safetensors")))
+
+
+@dataclass
+class RewardResult:
+    checkpoint: Path
+    step: int
+    eval_metrics: dict[str, float]
+    resumed_from: int
+
+
+def _batches(n_rows: int, batch_size: int, seed: int, epoch: int) -> list[list[int]]:
+    """The micro-batches of one epoch: a permutation fixed by (seed, epoch), incomplete tail dropped."""
+    order = torch.randperm(n_rows, generator=torch.Generator().manual_seed(seed * 1000 + epoch)).tolist()
+    size = min(batch_size, n_rows)
+    return [order[i : i + size] for i in range(0, n_rows - size + 1, size)]
+
+
+def train_reward_model(model, tokenizer, train_rows: list[dict], eval_rows: list[dict], cfg: RewardConfig,
+                       run: RunConfig, *, max_length: int, output_dir: str | Path, card: dict,
+                       on_log: OnLog | None = None, on_eval: Callable[[dict[str, float], int], None] | None = None,
+                       on_checkpoint: OnCheckpoint | None = None, show_progress: bool = True) -> RewardResult:
+    """Train for cfg.max_steps optimizer steps, resuming from the newest complete checkpoint in output_dir.
+
+    card: {"title", "metadata", "body"} for the model card of each checkpoint.
+    """
+    from tqdm.auto import tqdm
+
+    output_dir = Path(output_dir)
+    seed_everything(run.seed)
+    accelerator = make_accelerator(run, cfg.gradient_accumulation_steps)
+    optimizer, scheduler = build_optimizer(model, cfg, cfg.max_steps)
+    step, epoch, position, metrics = 0, 0, 0, {}
+    resume = latest_checkpoint(output_dir)
+    if resume is not None:
+        restore_weights(model, resume)
+        progress = load_training_state(resume, optimizer=optimizer, scheduler=scheduler)
+        step, epoch, position = progress["step"], progress["epoch"], progress["position"]
+        metrics = json.loads((resume / "metrics.json").read_text())
+    resumed_from = step
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    device = accelerator.device
+    model.train()
+
+    def checkpoint(at_step: int) -> Path:
+        path = output_dir / f"checkpoint-{at_step}"
+        if accelerator.is_main_process:
+            save_reward_checkpoint(accelerator.unwrap_model(model), tokenizer, path, card=card, metrics=metrics,
+                                   optimizer=optimizer, scheduler=scheduler,
+                                   progress={"step": at_step, "epoch": epoch, "position": position})
+            if on_checkpoint is not None:
+                on_checkpoint(path, at_step)
+        accelerator.wait_for_everyone()
+        return path
+
+    def evaluate(at_step: int) -> dict[str, float]:
+        result = evaluate_reward_model(accelerator.unwrap_model(model), tokenizer, eval_rows, max_length=max_length,
+                                       batch_size=cfg.batch_size, center_rewards_coefficient=cfg.center_rewards_coefficient,
+                                       device=device)
+        if on_eval is not None:
+            on_eval(result, at_step)
+        return result
+
+    batches = _batches(len(train_rows), cfg.batch_size, run.seed, epoch)
+    window: list[dict[str, float]] = []
+    bar = tqdm(total=cfg.max_steps, initial=step, desc="reward", disable=not show_progress or not accelerator.is_main_process)
+    while step < cfg.max_steps:
+        for _ in range(cfg.gradient_accumulation_steps):
+            rows = [train_rows[i] for i in batches[position]]
+            position += 1
+            if position == len(batches):
+                epoch, position = epoch + 1, 0
+                batches = _batches(len(train_rows), cfg.batch_size, run.seed, epoch)
+            batch = {k: v.to(device) for k, v in encode_pairs(tokenizer, rows, max_length).items()}
+            with accelerator.accumulate(model):
+                rc, rr = score_pairs(model, batch)
+                loss = bradley_terry_loss(rc, rr, batch.get("margin"), cfg.center_rewards_coefficient)
+                accelerator.backward(loss)
+                grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm) if accelerator.sync_gradients else None
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+            window.append({"loss": loss.item(), **preference_metrics(rc.detach().float(), rr.detach().float())})
+        step += 1
+        bar.update(1)
+        bar.set_postfix(loss=f"{window[-1]['loss']:.3f}", acc=f"{window[-1]['accuracy']:.2f}")
+        if on_log is not None and (step % cfg.log_steps == 0 or step == cfg.max_steps):
+            logged = {f"reward/{k}": sum(w[k] for w in window) / len(window) for k in window[0]}
+            logged.update({"reward/learning_rate": scheduler.get_last_lr()[0], "reward/grad_norm": float(grad_norm),
+                           "reward/epoch": epoch + position / max(len(batches), 1)})
+            if not all(math.isfinite(v) for v in logged.values()):
+                raise FloatingPointError(f"reward training diverged at step {step}: {logged}")
+            on_log(logged, step)
+            window = []
+        if step % cfg.eval_steps == 0 or step == cfg.max_steps:
+            metrics = evaluate(step)
+        if step % cfg.save_steps == 0 or step == cfg.max_steps:
+            checkpoint(step)
+    bar.close()
+    final = output_dir / f"checkpoint-{cfg.max_steps}"
+    if resume is not None and resumed_from >= cfg.max_steps:
+        final = resume
+    return RewardResult(checkpoint=final, step=step, eval_metrics=metrics, resumed_from=resumed_from)

@@ -1,0 +1,136 @@
+"""The reward-model stage as a Prefect task: train with resume, evaluate, register every checkpoint.
+
+Checkpoints live in <output_dir>/reward/<stage key>/checkpoint-N, so a changed config or data set
+starts clean while a re-run of the same one resumes (or, when finished, reuses) what is there.
+Every checkpoint becomes a version of registry.reward_model_name exactly once, including one that a
+crashed attempt saved but did not get to register.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+from prefect.logging import get_run_logger
+
+from rlhf_core.checkpoint import checkpoint_step, has_training_state
+from rlhf_core.config import PipelineConfig
+from rlhf_core.data import read_rows
+from rlhf_core.demo_world import DemoWorld
+from rlhf_core.models import load_tokenizer
+from rlhf_core.reward import load_reward_model, train_reward_model
+from tasks import tracking
+from tasks.data import PreparedData, resolve_model_source
+from tasks.plots import close, curve_figure
+from tasks.progress import StageProgress, publish_table
+from tasks.stage_io import Checkpoint, stage_key
+
+CARD_BODY = """\
+A reward model trained by the rlhf-pipeline with the Bradley-Terry loss
+`-logsigmoid(r_chosen - r_rejected - margin)` on preference pairs, chosen and rejected scored in one
+forward pass. It is a sequence classifier with one output: higher means preferred.
+
+Load it with plain transformers:
+
+```python
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
+model = AutoModelForSequenceClassification.from_pretrained("<this directory>")
+tokenizer = AutoTokenizer.from_pretrained("<this directory>")
+score = model(**tokenizer(prompt + completion, return_tensors="pt")).logits[0, 0]
+```
+"""
+
+
+def reward_base(cfg: PipelineConfig, data: PreparedData, policy: Checkpoint | None) -> tuple[str, str]:
+    """(local path or hub name to load, identity for keys and cards) of the reward model's start."""
+    if cfg.reward.base == "policy":
+        if policy is not None:
+            return policy.path, policy.model_uri or f"sft:{policy.key}"
+        return data.base_model, cfg.model.base
+    world = DemoWorld(Path(data.demo_world)) if data.demo_world else None
+    return resolve_model_source(cfg.reward.base, field="reward.base", cfg=cfg, world=world), cfg.reward.base
+
+
+def reward_key(cfg: PipelineConfig, data: PreparedData, base_identity: str) -> str:
+    return stage_key({
+        "reward": cfg.reward.model_dump(mode="json"), "lora": cfg.model.lora.model_dump() if cfg.reward.lora else None,
+        "base": base_identity, "data": [data.fingerprints["preference"], data.fingerprints["preference_eval"]],
+        "max_length": cfg.data.max_length, "seed": cfg.run.seed, "mixed_precision": cfg.run.mixed_precision,
+    })
+
+
+@task(name="train-reward-model", cache_policy=NO_CACHE)
+def train_reward(cfg: PipelineConfig, data: PreparedData, policy: Checkpoint | None, parent_run_id: str) -> Checkpoint:
+    """Train (or resume, or reuse) the reward model and register each checkpoint as a model version."""
+    logger = get_run_logger()
+    base, base_identity = reward_base(cfg, data, policy)
+    key = reward_key(cfg, data, base_identity)
+    out_dir = cfg.run.output_dir / "reward" / key
+    name = cfg.registry.reward_model_name
+    with tracking.stage_run(parent_run_id, "reward") as run_id:
+        tokenizer = load_tokenizer(base, revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code)
+        model = load_reward_model(base, tokenizer, lora=cfg.model.lora if cfg.reward.lora else None,
+                                  torch_dtype=cfg.model.torch_dtype, trust_remote_code=cfg.model.trust_remote_code,
+                                  revision=cfg.model.revision, seed=cfg.run.seed)
+        train_rows, eval_rows = read_rows(data.tables["preference"]), read_rows(data.tables["preference_eval"])
+        registered: dict[int, str] = {}
+
+        def register(path: Path, step: int) -> None:
+            if not cfg.tracking.register_models:
+                return
+            metrics = json.loads((path / "metrics.json").read_text())
+            tags = tracking.lineage_tags(
+                stage="reward", step=step, config_hash=cfg.config_hash(), data_fingerprint=data.fingerprint,
+                stage_key=key, base_model=base_identity,
+                **{k: f"{v:.4f}" for k, v in metrics.items() if k in ("eval_accuracy", "eval_loss")},
+            )
+            registered[step] = tracking.register_once(path, name, task="text-classification", tags=tags, run_id=run_id)
+            logger.info("reward checkpoint %d is %s", step, registered[step])
+
+        # a crashed attempt may have saved checkpoints it did not register
+        for path in sorted(out_dir.glob("checkpoint-*"), key=lambda p: checkpoint_step(p) or -1):
+            if checkpoint_step(path) is not None and has_training_state(path):
+                register(path, checkpoint_step(path))
+
+        progress = StageProgress("reward-progress", f"Reward model: {cfg.reward.max_steps} steps")
+        history: dict[str, list[tuple[int, float]]] = {"reward/loss": [], "reward/accuracy": [], "eval_accuracy": []}
+        eval_table: list[dict] = []
+
+        def on_log(metrics: dict[str, float], step: int) -> None:
+            tracking.log_metrics(run_id, metrics, step)
+            history["reward/loss"].append((step, metrics["reward/loss"]))
+            history["reward/accuracy"].append((step, metrics["reward/accuracy"]))
+            progress.update(step, cfg.reward.max_steps)
+
+        def on_eval(metrics: dict[str, float], step: int) -> None:
+            tracking.log_metrics(run_id, metrics, step)
+            history["eval_accuracy"].append((step, metrics["eval_accuracy"]))
+            eval_table.append({"step": step, **{k: round(v, 4) for k, v in metrics.items()}})
+            logger.info("reward eval at step %d: %s", step, ", ".join(f"{k}={v:.3f}" for k, v in metrics.items()))
+
+        card = {
+            "title": f"Reward model {name}",
+            "metadata": {
+                "base_model": base_identity, "datasets": [data.source("preference")],
+                "tags": ["rlhf", "reward-model", "bradley-terry", "rlhf-pipeline"],
+                "library_name": "transformers", "pipeline_tag": "text-classification",
+            },
+            "body": CARD_BODY,
+        }
+        result = train_reward_model(model, tokenizer, train_rows, eval_rows, cfg.reward, cfg.run,
+                                    max_length=cfg.data.max_length, output_dir=out_dir, card=card,
+                                    on_log=on_log, on_eval=on_eval, on_checkpoint=register)
+        progress.update(cfg.reward.max_steps, cfg.reward.max_steps)
+        if result.resumed_from:
+            logger.info("reward training resumed from step %d", result.resumed_from)
+        if eval_table:
+            publish_table("reward-eval", eval_table, "Reward model on held-out preference pairs, per evaluation step")
+        if history["reward/loss"]:
+            fig = curve_figure(history, "Reward model")
+            tracking.log_figure(run_id, fig, "reward_curves.png")
+            close(fig)
+        tracking.log_metrics(run_id, {f"final/{k}": v for k, v in result.eval_metrics.items()}, result.step)
+        return Checkpoint(path=str(result.checkpoint.resolve()), model_uri=registered.get(result.step), step=result.step,
+                          metrics=result.eval_metrics, key=key, extra={"resumed_from": result.resumed_from})

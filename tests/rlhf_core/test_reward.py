@@ -1,0 +1,157 @@
+import json
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForSequenceClassification
+
+from rlhf_core.config import LoraSettings, RewardConfig, RunConfig
+from rlhf_core.model_card import read_front_matter
+from rlhf_core.models import load_tokenizer
+from rlhf_core.reward import (
+    EVAL_METRICS, bradley_terry_loss, encode_pairs, evaluate_reward_model, load_reward_model, preference_metrics,
+    score_pairs, train_reward_model,
+)
+
+CARD = {"title": "test reward model", "metadata": {"base_model": "tiny", "datasets": ["demo"], "tags": ["rlhf"]},
+        "body": "trained in a test"}
+
+
+def sigmoid(x):
+    return 1 / (1 + math.exp(-x))
+
+
+def test_bradley_terry_loss_by_hand():
+    rc, rr = torch.tensor([2.0, 0.0]), torch.tensor([1.0, 1.0])
+    # pair 1: diff 1, pair 2: diff -1
+    expected = -(math.log(sigmoid(1.0)) + math.log(sigmoid(-1.0))) / 2
+    assert bradley_terry_loss(rc, rr).item() == pytest.approx(expected, rel=1e-6)
+    # with margins 0.5 and -1: diffs 0.5 and 0.0
+    expected_m = -(math.log(sigmoid(0.5)) + math.log(sigmoid(0.0))) / 2
+    assert bradley_terry_loss(rc, rr, torch.tensor([0.5, -1.0])).item() == pytest.approx(expected_m, rel=1e-6)
+    # centering adds coef * mean((rc + rr)^2) = 0.01 * (9 + 1) / 2
+    assert bradley_terry_loss(rc, rr, center_rewards_coefficient=0.01).item() == pytest.approx(expected + 0.05, rel=1e-6)
+    assert bradley_terry_loss(torch.tensor([0.0]), torch.tensor([0.0])).item() == pytest.approx(math.log(2), rel=1e-6)
+
+
+def test_preference_metrics_by_hand():
+    m = preference_metrics(torch.tensor([2.0, 0.0, 1.0, -1.0]), torch.tensor([1.0, 1.0, 1.0, -3.0]))
+    assert m["accuracy"] == 0.5  # a tie does not count as correct
+    assert m["margin"] == pytest.approx((1 - 1 + 0 + 2) / 4)
+    assert (m["min_reward"], m["max_reward"]) == (-3.0, 2.0)
+    assert m["mean_reward"] == pytest.approx(sum([2, 0, 1, -1, 1, 1, 1, -3]) / 8)
+
+
+def test_chosen_and_rejected_share_one_forward(smoke_world):
+    tokenizer = load_tokenizer(str(smoke_world.tokenizer))
+    rows = [{"prompt": "the food was", "chosen": " great .", "rejected": " awful and the room was dirty .", "margin": 1.0},
+            {"prompt": "the room was", "chosen": " lovely .", "rejected": " bad ."}]
+    batch = encode_pairs(tokenizer, rows, max_length=32)
+    assert batch["input_ids"].shape[0] == 4 and batch["margin"].tolist() == [1.0, 0.0]
+    model = load_reward_model(str(smoke_world.base_model), tokenizer)
+    calls = []
+    model.register_forward_hook(lambda mod, args, out: calls.append(1))
+    rc, rr = score_pairs(model, batch)
+    assert len(calls) == 1 and rc.shape == rr.shape == (2,)
+    # right padding does not change a sequence's score: it is read at the last real token
+    alone = model(**tokenizer(["the food was great ."], return_tensors="pt")).logits.squeeze()
+    torch.testing.assert_close(rc[0], alone, atol=1e-5, rtol=1e-5)
+
+
+def read_rows(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def short_run(smoke_world, out, *, lora=None, max_steps=6, on_log=None, **cfg):
+    tokenizer = load_tokenizer(str(smoke_world.tokenizer))
+    model = load_reward_model(str(smoke_world.base_model), tokenizer, lora=lora, seed=1)
+    settings = RewardConfig(max_steps=max_steps, batch_size=8, learning_rate=5e-3, eval_steps=3, save_steps=2, log_steps=1, **cfg)
+    events = {"log": [], "eval": [], "ckpt": []}
+
+    def log(metrics, step):
+        events["log"].append(step)
+        if on_log is not None:
+            on_log(metrics, step)
+
+    result = train_reward_model(
+        model, tokenizer, read_rows(smoke_world.preferences("train")), read_rows(smoke_world.preferences("test")),
+        settings, RunConfig(device="cpu", seed=3), max_length=40, output_dir=out, card=CARD, on_log=log,
+        on_eval=lambda m, s: events["eval"].append((s, m)), on_checkpoint=lambda p, s: events["ckpt"].append(s),
+        show_progress=False,
+    )
+    return model, tokenizer, result, events
+
+
+def test_short_run_trains_every_parameter_evaluates_and_checkpoints(tmp_path, smoke_world):
+    tokenizer = load_tokenizer(str(smoke_world.tokenizer))
+    before = {n: p.detach().clone() for n, p in load_reward_model(str(smoke_world.base_model), tokenizer, seed=1).named_parameters()}
+    model, tokenizer, result, events = short_run(smoke_world, tmp_path / "rm")
+    for name, param in model.named_parameters():
+        assert not torch.equal(before[name], param.detach()), f"{name} did not change"
+    assert [s for s, _ in events["eval"]] == [3, 6] and events["ckpt"] == [2, 4, 6]
+    assert set(events["eval"][-1][1]) == set(EVAL_METRICS)
+    assert result.step == 6 and result.checkpoint == tmp_path / "rm" / "checkpoint-6"
+
+    # the checkpoint is a plain HF directory that scores as the trained model does
+    loaded = AutoModelForSequenceClassification.from_pretrained(result.checkpoint)
+    batch = encode_pairs(tokenizer, read_rows(smoke_world.preferences("test"))[:4], 40)
+    with torch.no_grad():
+        model.eval()
+        torch.testing.assert_close(score_pairs(loaded, batch), score_pairs(model, batch))
+    card = read_front_matter(result.checkpoint / "README.md")
+    assert card["base_model"] == "tiny" and card["eval_metrics"]["eval_accuracy"] == result.eval_metrics["eval_accuracy"]
+    assert not list(result.checkpoint.rglob("*.bin")) and not list(result.checkpoint.rglob("*.pt"))
+
+
+def test_lora_trains_adapters_and_score_head_only(tmp_path, smoke_world):
+    tokenizer = load_tokenizer(str(smoke_world.tokenizer))
+    lora = LoraSettings(enabled=True, r=4, alpha=8, dropout=0.0)
+    reference = load_reward_model(str(smoke_world.base_model), tokenizer, lora=lora, seed=1)
+    before = {n: p.detach().clone() for n, p in reference.named_parameters()}
+    model, _, result, _ = short_run(smoke_world, tmp_path / "rm", lora=lora, max_steps=4)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert any("lora_" in n for n in trainable) and any("score" in n for n in trainable)
+    for name, param in model.named_parameters():
+        changed = not torch.equal(before[name], param.detach())
+        assert changed == (name in trainable), f"{name}: trainable={name in trainable} changed={changed}"
+    assert (result.checkpoint / "adapter" / "adapter_config.json").is_file()
+    merged = AutoModelForSequenceClassification.from_pretrained(result.checkpoint)
+    batch = encode_pairs(tokenizer, read_rows(smoke_world.preferences("test"))[:4], 40)
+    with torch.no_grad():
+        model.eval()
+        torch.testing.assert_close(score_pairs(merged, batch), score_pairs(model, batch), atol=1e-5, rtol=1e-4)
+
+
+def test_resume_after_a_crash_reaches_the_same_weights(tmp_path, smoke_world):
+    # given an uninterrupted run
+    straight, tokenizer, full, _ = short_run(smoke_world, tmp_path / "straight")
+
+    # when a run crashes at step 5 (after checkpoint-4) and is started again
+    def crash(metrics, step):
+        if step == 5:
+            raise RuntimeError("injected crash")
+
+    with pytest.raises(RuntimeError, match="injected crash"):
+        short_run(smoke_world, tmp_path / "crashed", on_log=crash)
+    resumed, _, result, events = short_run(smoke_world, tmp_path / "crashed")
+
+    # then it continues from step 4, saves only what was missing, and matches the uninterrupted run
+    assert result.resumed_from == 4 and result.step == 6
+    assert events["log"] == [5, 6] and events["ckpt"] == [6]
+    for (name, a), (_, b) in zip(straight.named_parameters(), resumed.named_parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=f"{name} differs after resume")
+    assert result.eval_metrics == full.eval_metrics
+
+    # and a third start finds nothing left to do
+    _, _, again, events = short_run(smoke_world, tmp_path / "crashed")
+    assert again.resumed_from == 6 and events == {"log": [], "eval": [], "ckpt": []}
+    assert again.eval_metrics == full.eval_metrics
+
+
+def test_evaluate_reward_model_counts_all_rows(smoke_world):
+    tokenizer = load_tokenizer(str(smoke_world.tokenizer))
+    model = load_reward_model(str(smoke_world.base_model), tokenizer, seed=1)
+    rows = read_rows(smoke_world.preferences("test"))
+    a = evaluate_reward_model(model, tokenizer, rows, max_length=40, batch_size=3)
+    b = evaluate_reward_model(model, tokenizer, rows, max_length=40, batch_size=len(rows))
+    assert a == pytest.approx(b, rel=1e-5)
