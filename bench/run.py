@@ -19,7 +19,10 @@ PACKAGES = ("torch", "transformers", "accelerate", "prefect", "mlflow")
 
 
 def main(selected: list[str]) -> int:
-    results, failed = {}, []
+    previous = HERE / "results.json"
+    # a partial run (`bench/run.py reward`) updates its rows and keeps the others
+    results = json.loads(previous.read_text())["results"] if selected and previous.is_file() else {}
+    failed = []
     for script in sorted(HERE.glob("bench_*.py")):
         name = script.stem.removeprefix("bench_")
         if selected and name not in selected:

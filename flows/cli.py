@@ -35,6 +35,8 @@ def print_summary(summary: dict) -> None:
 
     uri = summary["tracking_uri"]
     table = Table(title="Where everything is", show_header=False)
+    table.add_column("what", no_wrap=True)
+    table.add_column("where", overflow="fold")
     table.add_row("MLflow store", redact_uri(uri))
     if uri.startswith("sqlite:///"):
         table.add_row("MLflow artifacts", str(Path(uri.removeprefix("sqlite:///")).parent / "mlruns"))

@@ -65,3 +65,10 @@ def load_causal_lm(source: str, *, field: str = "model.base", revision: str | No
         AutoModelForCausalLM, source, field, revision=revision, trust_remote_code=trust_remote_code,
         dtype=DTYPES[torch_dtype],
     )
+
+
+def prepare_for_training(model, *, gradient_checkpointing: bool) -> None:
+    """Memory options before training: activation recomputation (and no KV cache, which it conflicts with)."""
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+        model.config.use_cache = False

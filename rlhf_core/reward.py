@@ -54,15 +54,40 @@ def preference_metrics(r_chosen: torch.Tensor, r_rejected: torch.Tensor) -> dict
     }
 
 
-def encode_pairs(tokenizer, rows: list[dict], max_length: int) -> dict[str, torch.Tensor]:
-    """Chosen then rejected texts in one right-padded batch: input_ids, attention_mask (2B, T), margin (B,)."""
-    texts = [r["prompt"] + r["chosen"] for r in rows] + [r["prompt"] + r["rejected"] for r in rows]
-    enc = tokenizer(texts, max_length=max_length, truncation=True, padding="longest", return_tensors="pt",
-                    padding_side="right")
-    batch = {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
-    if any("margin" in r for r in rows):
-        batch["margin"] = torch.tensor([float(r.get("margin", 0.0)) for r in rows])
+def tokenize_pairs(tokenizer, rows: list[dict], max_length: int) -> list[dict]:
+    """Token ids of prompt+chosen and prompt+rejected per row, each closed with eos, at most max_length long.
+
+    The eos (as TRL appends it) gives every sequence the same last token, where the score is read;
+    RL rollouts that stop end on eos too, so the reward model is scored where it was trained.
+    """
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+
+    def ids(texts: list[str]) -> list[list[int]]:
+        encoded = tokenizer(texts, max_length=max_length - len(eos), truncation=True)["input_ids"]
+        return [seq if seq[-1:] == eos else seq + eos for seq in encoded]
+
+    chosen = ids([r["prompt"] + r["chosen"] for r in rows])
+    rejected = ids([r["prompt"] + r["rejected"] for r in rows])
+    return [{"chosen": c, "rejected": rj, "margin": r.get("margin")} for c, rj, r in zip(chosen, rejected, rows)]
+
+
+def collate_pairs(items: list[dict], pad_token_id: int) -> dict[str, torch.Tensor]:
+    """Chosen then rejected in one right-padded batch: input_ids, attention_mask (2B, T), margin (B,) if any."""
+    from torch.nn.utils.rnn import pad_sequence
+
+    seqs = [torch.tensor(it["chosen"]) for it in items] + [torch.tensor(it["rejected"]) for it in items]
+    input_ids = pad_sequence(seqs, batch_first=True, padding_value=pad_token_id)  # (2B, T)
+    lengths = torch.tensor([len(s) for s in seqs])
+    attention_mask = (torch.arange(input_ids.shape[1])[None, :] < lengths[:, None]).long()  # (2B, T)
+    batch = {"input_ids": input_ids, "attention_mask": attention_mask}
+    if any(it["margin"] is not None for it in items):
+        batch["margin"] = torch.tensor([float(it["margin"] or 0.0) for it in items])
     return batch
+
+
+def encode_pairs(tokenizer, rows: list[dict], max_length: int) -> dict[str, torch.Tensor]:
+    """Rows straight to a model batch (see `tokenize_pairs` and `collate_pairs`)."""
+    return collate_pairs(tokenize_pairs(tokenizer, rows, max_length), tokenizer.pad_token_id)
 
 
 def score_pairs(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,15 +97,22 @@ def score_pairs(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, to
     return rewards[:half], rewards[half:]
 
 
-@torch.no_grad()
 def evaluate_reward_model(model, tokenizer, rows: list[dict], *, max_length: int, batch_size: int,
                           center_rewards_coefficient: float | None = None, device=None) -> dict[str, float]:
     """The reference's eval metrics over all `rows`: eval_loss, eval_accuracy, eval_margin, eval_*_reward."""
+    return evaluate_encoded(model, tokenize_pairs(tokenizer, rows, max_length), tokenizer.pad_token_id,
+                            batch_size=batch_size, center_rewards_coefficient=center_rewards_coefficient, device=device)
+
+
+@torch.no_grad()
+def evaluate_encoded(model, items: list[dict], pad_token_id: int, *, batch_size: int,
+                     center_rewards_coefficient: float | None = None, device=None) -> dict[str, float]:
+    """`evaluate_reward_model` on pairs already tokenized by `tokenize_pairs`."""
     was_training = model.training
     model.eval()
     chosen, rejected, margins = [], [], []
-    for i in range(0, len(rows), batch_size):
-        batch = encode_pairs(tokenizer, rows[i : i + batch_size], max_length)
+    for i in range(0, len(items), batch_size):
+        batch = collate_pairs(items[i : i + batch_size], pad_token_id)
         batch = {k: v.to(device) for k, v in batch.items()} if device is not None else batch
         rc, rr = score_pairs(model, batch)
         chosen.append(rc.float().cpu())
@@ -203,10 +235,13 @@ def train_reward_model(model, tokenizer, train_rows: list[dict], eval_rows: list
         accelerator.wait_for_everyone()
         return path
 
+    train_items = tokenize_pairs(tokenizer, train_rows, max_length)
+    eval_items = tokenize_pairs(tokenizer, eval_rows, max_length)
+
     def evaluate(at_step: int) -> dict[str, float]:
-        result = evaluate_reward_model(accelerator.unwrap_model(model), tokenizer, eval_rows, max_length=max_length,
-                                       batch_size=cfg.batch_size, center_rewards_coefficient=cfg.center_rewards_coefficient,
-                                       device=device)
+        result = evaluate_encoded(accelerator.unwrap_model(model), eval_items, tokenizer.pad_token_id,
+                                  batch_size=cfg.batch_size, center_rewards_coefficient=cfg.center_rewards_coefficient,
+                                  device=device)
         if on_eval is not None:
             on_eval(result, at_step)
         return result
@@ -216,12 +251,12 @@ def train_reward_model(model, tokenizer, train_rows: list[dict], eval_rows: list
     bar = tqdm(total=cfg.max_steps, initial=step, desc="reward", disable=not show_progress or not accelerator.is_main_process)
     while step < cfg.max_steps:
         for _ in range(cfg.gradient_accumulation_steps):
-            rows = [train_rows[i] for i in batches[position]]
+            items = [train_items[i] for i in batches[position]]
             position += 1
             if position == len(batches):
                 epoch, position = epoch + 1, 0
                 batches = _batches(len(train_rows), cfg.batch_size, run.seed, epoch)
-            batch = {k: v.to(device) for k, v in encode_pairs(tokenizer, rows, max_length).items()}
+            batch = {k: v.to(device) for k, v in collate_pairs(items, tokenizer.pad_token_id).items()}
             with accelerator.accumulate(model):
                 rc, rr = score_pairs(model, batch)
                 loss = bradley_terry_loss(rc, rr, batch.get("margin"), cfg.center_rewards_coefficient)

@@ -19,7 +19,7 @@ from rlhf_core.checkpoint import checkpoint_step, has_training_state
 from rlhf_core.config import PipelineConfig
 from rlhf_core.data import read_rows
 from rlhf_core.demo_world import DemoWorld
-from rlhf_core.models import load_tokenizer
+from rlhf_core.models import load_tokenizer, prepare_for_training
 from rlhf_core.reward import load_reward_model, train_reward_model
 from tasks import tracking
 from tasks.data import PreparedData, resolve_model_source
@@ -74,6 +74,7 @@ def train_reward(cfg: PipelineConfig, data: PreparedData, policy: Checkpoint | N
         model = load_reward_model(base, tokenizer, lora=cfg.model.lora if cfg.reward.lora else None,
                                   torch_dtype=cfg.model.torch_dtype, trust_remote_code=cfg.model.trust_remote_code,
                                   revision=cfg.model.revision, seed=cfg.run.seed)
+        prepare_for_training(model, gradient_checkpointing=cfg.model.gradient_checkpointing)
         train_rows, eval_rows = read_rows(data.tables["preference"]), read_rows(data.tables["preference_eval"])
         registered: dict[int, str] = {}
 

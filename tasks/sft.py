@@ -15,7 +15,7 @@ from prefect.logging import get_run_logger
 
 from rlhf_core.config import PipelineConfig
 from rlhf_core.data import read_column
-from rlhf_core.models import load_causal_lm, load_tokenizer
+from rlhf_core.models import load_causal_lm, load_tokenizer, prepare_for_training
 from rlhf_core.sft import train_sft
 from tasks import tracking
 from tasks.data import PreparedData
@@ -57,6 +57,7 @@ def sft_warm_start(cfg: PipelineConfig, data: PreparedData, parent_run_id: str) 
             tokenizer = load_tokenizer(data.tokenizer, revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code)
             model = load_causal_lm(data.base_model, revision=cfg.model.revision,
                                    trust_remote_code=cfg.model.trust_remote_code, torch_dtype=cfg.model.torch_dtype)
+            prepare_for_training(model, gradient_checkpointing=cfg.model.gradient_checkpointing)
             texts = read_column(data.tables["sft"], "text")
             progress = StageProgress("sft-progress", f"SFT warm start: {cfg.sft.max_steps} steps")
             losses: list[tuple[int, float]] = []

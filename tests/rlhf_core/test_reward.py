@@ -53,9 +53,13 @@ def test_chosen_and_rejected_share_one_forward(smoke_world):
     model.register_forward_hook(lambda mod, args, out: calls.append(1))
     rc, rr = score_pairs(model, batch)
     assert len(calls) == 1 and rc.shape == rr.shape == (2,)
-    # right padding does not change a sequence's score: it is read at the last real token
-    alone = model(**tokenizer(["the food was great ."], return_tensors="pt")).logits.squeeze()
+    # every sequence ends with eos, and right padding does not change its score (read at the last real token)
+    ids = tokenizer("the food was great .").input_ids + [tokenizer.eos_token_id]
+    assert batch["input_ids"][0, : len(ids)].tolist() == ids and batch["attention_mask"][0].sum() == len(ids)
+    alone = model(input_ids=torch.tensor([ids])).logits.squeeze()
     torch.testing.assert_close(rc[0], alone, atol=1e-5, rtol=1e-5)
+    long = encode_pairs(tokenizer, [{"prompt": "a " * 50, "chosen": "b", "rejected": "c"}], max_length=8)
+    assert long["input_ids"].shape[1] == 8 and long["input_ids"][0, -1] == tokenizer.eos_token_id
 
 
 def read_rows(path):

@@ -1,0 +1,102 @@
+"""Reward model on the demo world: held-out accuracy, wall time, and seconds per step against TRL.
+
+Same SFT-initialized tiny Llama, same VADER-labelled pairs, batch size, learning rate, schedule,
+max length and steps; each side trains, evaluates once and saves one checkpoint with its optimizer
+state at the end. TRL 1.16's RewardTrainer runs with gradient checkpointing off (ours is off by
+default; TRL's default is on) and on the CPU. Order: TRL, ours, ours, TRL; best of two each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+from anchors import use_anchor
+
+from rlhf_core.config import DemoModelConfig, DemoWorldConfig, RewardConfig, RunConfig, SFTConfig
+from rlhf_core.data import read_column, read_rows
+from rlhf_core.demo_world import build_demo_world
+from rlhf_core.models import load_causal_lm, load_tokenizer
+from rlhf_core.reward import evaluate_reward_model, load_reward_model, train_reward_model
+from rlhf_core.sft import train_sft
+
+STEPS, BATCH, MAX_LEN, LR, SEED = 200, 32, 48, 1e-3, 42
+CARD = {"title": "bench", "metadata": {}, "body": "bench"}
+
+
+def run_ours(sft_dir: Path, train, test, out: Path) -> tuple[float, dict]:
+    tok = load_tokenizer(str(sft_dir))
+    model = load_reward_model(str(sft_dir), tok, seed=SEED)
+    cfg = RewardConfig(max_steps=STEPS, batch_size=BATCH, learning_rate=LR, eval_steps=STEPS, save_steps=STEPS, log_steps=STEPS)
+    start = time.perf_counter()
+    result = train_reward_model(model, tok, train, test, cfg, RunConfig(device="cpu", seed=SEED), max_length=MAX_LEN,
+                                output_dir=out, card=CARD, show_progress=False)
+    return time.perf_counter() - start, result.eval_metrics
+
+
+def run_trl(sft_dir: Path, train, test, out: Path) -> tuple[float, dict]:
+    import datasets
+    from transformers import AutoModelForSequenceClassification
+    from trl import RewardConfig as TRLRewardConfig
+    from trl import RewardTrainer
+
+    tok = load_tokenizer(str(sft_dir))
+    model = AutoModelForSequenceClassification.from_pretrained(sft_dir, num_labels=1)
+    model.config.pad_token_id = tok.pad_token_id
+    args = TRLRewardConfig(
+        output_dir=str(out), max_steps=STEPS, per_device_train_batch_size=BATCH, per_device_eval_batch_size=BATCH,
+        learning_rate=LR, lr_scheduler_type="linear", max_grad_norm=1.0, max_length=MAX_LEN, use_cpu=True, bf16=False,
+        gradient_checkpointing=False, eval_strategy="steps", eval_steps=STEPS, save_strategy="steps", save_steps=STEPS,
+        logging_steps=STEPS, report_to=[], disable_tqdm=True, seed=SEED, dataloader_drop_last=True,
+    )
+    trainer = RewardTrainer(model=model, args=args, processing_class=tok,
+                            train_dataset=datasets.Dataset.from_list(train), eval_dataset=datasets.Dataset.from_list(test))
+    start = time.perf_counter()
+    trainer.train()
+    seconds = time.perf_counter() - start
+    # TRL appends eos to every completion it trains on; score its model the same way
+    with_eos = [dict(r, chosen=r["chosen"] + tok.eos_token, rejected=r["rejected"] + tok.eos_token) for r in test]
+    metrics = evaluate_reward_model(trainer.model, tok, with_eos, max_length=MAX_LEN, batch_size=BATCH)
+    return seconds, metrics
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")
+    use_anchor("trl", "1.16.0")
+    import trl
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        world = build_demo_world(tmp / "world", SEED, DemoWorldConfig(), DemoModelConfig())
+        model, tok = load_causal_lm(str(world.base_model)), load_tokenizer(str(world.tokenizer))
+        train_sft(model, tok, read_column(world.corpus, "text"), SFTConfig(max_steps=300), RunConfig(device="cpu", seed=SEED),
+                  max_length=MAX_LEN, output_dir=tmp / "sft", show_progress=False)
+        train, test = read_rows(world.preferences("train")), read_rows(world.preferences("test"))
+        anchor = [run_trl(tmp / "sft", train, test, tmp / "trl1")]
+        ours = [run_ours(tmp / "sft", train, test, tmp / "ours1")]
+        ours.append(run_ours(tmp / "sft", train, test, tmp / "ours2"))
+        anchor.append(run_trl(tmp / "sft", train, test, tmp / "trl2"))
+
+    best_ours, best_anchor = min(s for s, _ in ours), min(s for s, _ in anchor)
+    result = {
+        "metric": "seconds per reward-model optimizer step", "unit": "s/step",
+        "ours": best_ours / STEPS, "anchor": best_anchor / STEPS, "anchor_name": f"trl {trl.__version__} RewardTrainer",
+        "ratio": best_ours / best_anchor,
+        "ours_wall_s": best_ours, "anchor_wall_s": best_anchor,
+        "ours_eval": ours[0][1], "anchor_eval": anchor[0][1],
+        "notes": (f"held-out accuracy ours {ours[0][1]['eval_accuracy']:.3f} vs TRL {anchor[0][1]['eval_accuracy']:.3f}; "
+                  f"{STEPS} steps, batch {BATCH} pairs, length {MAX_LEN}, demo world, CPU, best of 2"),
+    }
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
