@@ -122,10 +122,13 @@ def checkpoint_step(path: Path) -> int | None:
 
 
 def latest_checkpoint(directory: str | Path) -> Path | None:
-    """The checkpoint-N directory with the largest N that has complete training state."""
+    """The checkpoint-N directory with the largest N that has training state.
+
+    Checkpoint directories appear by one rename once complete, so training state means complete.
+    """
     directory = Path(directory)
     if not directory.is_dir():
         return None
     found = [(checkpoint_step(p), p) for p in directory.iterdir() if p.is_dir() and checkpoint_step(p) is not None]
-    complete = [(s, p) for s, p in found if has_training_state(p) and (p / "config.json").is_file()]
+    complete = [(s, p) for s, p in found if has_training_state(p)]
     return max(complete)[1] if complete else None

@@ -288,6 +288,13 @@ class PipelineConfig(Section):
             raise ValueError(
                 f"rl.batch_size {self.rl.batch_size} must be a multiple of ppo.num_mini_batches {self.ppo.num_mini_batches}"
             )
+        if self.init.reference == "adapter_disabled" and not self.model.lora.enabled:
+            raise ValueError("init.reference 'adapter_disabled' needs model.lora.enabled true; use 'copy' or 'auto'")
+        if self.rl.algorithm == "ppo" and (self.rl.batch_size // self.ppo.num_mini_batches) % self.rl.gradient_accumulation_steps:
+            raise ValueError(
+                f"a PPO mini-batch of {self.rl.batch_size // self.ppo.num_mini_batches} (rl.batch_size / ppo.num_mini_batches) "
+                f"must be a multiple of rl.gradient_accumulation_steps {self.rl.gradient_accumulation_steps}"
+            )
         if self.init.policy == "sft" and not self.sft.enabled:
             raise ValueError("init.policy is 'sft' but sft.enabled is false; set init.policy to 'base' or enable sft")
         return self

@@ -8,7 +8,6 @@ so re-running after a crash resumes from the last one and reaches the same weigh
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 from dataclasses import dataclass
@@ -21,7 +20,10 @@ import torch.nn.functional as F
 from rlhf_core.checkpoint import latest_checkpoint, load_training_state, save_training_state
 from rlhf_core.config import LoraSettings, RewardConfig, RunConfig
 from rlhf_core.model_card import write_model_card
-from rlhf_core.training import OnCheckpoint, OnLog, build_optimizer, make_accelerator, save_pretrained_atomic, seed_everything
+from rlhf_core.training import (
+    OnCheckpoint, OnLog, assert_finite, atomic_dir, build_optimizer, epoch_batches, make_accelerator, restore_weights,
+    save_hf_dir, seed_everything,
+)
 
 EVAL_METRICS = ("eval_loss", "eval_accuracy", "eval_margin", "eval_min_reward", "eval_mean_reward", "eval_max_reward")
 
@@ -149,38 +151,17 @@ def load_reward_model(source: str, tokenizer, *, lora: LoraSettings | None = Non
     return model
 
 
-def is_peft(model) -> bool:
-    return hasattr(model, "peft_config")
-
-
 def save_reward_checkpoint(model, tokenizer, path: Path, *, card: dict, metrics: dict[str, float],
                            optimizer=None, scheduler=None, progress: dict | None = None) -> Path:
-    """A loadable HF directory (merged weights when LoRA), its card, metrics and training state.
-
-    With LoRA the adapter goes to `adapter/` too: resuming loads it, users load the merged model.
-    """
-    def extra(tmp: Path) -> None:
-        if is_peft(model):
-            model.save_pretrained(tmp / "adapter")
+    """A loadable HF directory (merged weights when LoRA, adapter in `adapter/`), card, metrics, training state."""
+    assert_finite(model, "the reward model")
+    with atomic_dir(path) as tmp:
+        save_hf_dir(model, tokenizer, tmp)
         write_model_card(tmp, title=card["title"], metadata={**card["metadata"], "eval_metrics": metrics}, body=card["body"])
         (tmp / "metrics.json").write_text(json.dumps(metrics, indent=2))
         if optimizer is not None:
             save_training_state(tmp, optimizer=optimizer, scheduler=scheduler, progress=progress or {})
-
-    exportable = copy.deepcopy(model).merge_and_unload() if is_peft(model) else model
-    return save_pretrained_atomic(exportable, tokenizer, path, extra=extra)
-
-
-def restore_weights(model, checkpoint: Path) -> None:
-    """Load a checkpoint's trainable weights into `model` (the adapter with LoRA, else all weights)."""
-    from safetensors.torch import load_file
-
-    if is_peft(model):
-        from peft import set_peft_model_state_dict
-
-        set_peft_model_state_dict(model, load_file(str(checkpoint / "adapter" / "adapter_model.safetensors")))
-    else:
-        model.load_state_dict(load_file(str(checkpoint / "model.safetensors")))
+    return path
 
 
 @dataclass
@@ -189,13 +170,6 @@ class RewardResult:
     step: int
     eval_metrics: dict[str, float]
     resumed_from: int
-
-
-def _batches(n_rows: int, batch_size: int, seed: int, epoch: int) -> list[list[int]]:
-    """The micro-batches of one epoch: a permutation fixed by (seed, epoch), incomplete tail dropped."""
-    order = torch.randperm(n_rows, generator=torch.Generator().manual_seed(seed * 1000 + epoch)).tolist()
-    size = min(batch_size, n_rows)
-    return [order[i : i + size] for i in range(0, n_rows - size + 1, size)]
 
 
 def train_reward_model(model, tokenizer, train_rows: list[dict], eval_rows: list[dict], cfg: RewardConfig,
@@ -246,7 +220,7 @@ def train_reward_model(model, tokenizer, train_rows: list[dict], eval_rows: list
             on_eval(result, at_step)
         return result
 
-    batches = _batches(len(train_rows), cfg.batch_size, run.seed, epoch)
+    batches = epoch_batches(len(train_rows), cfg.batch_size, run.seed, epoch)
     window: list[dict[str, float]] = []
     bar = tqdm(total=cfg.max_steps, initial=step, desc="reward", disable=not show_progress or not accelerator.is_main_process)
     while step < cfg.max_steps:
@@ -255,7 +229,7 @@ def train_reward_model(model, tokenizer, train_rows: list[dict], eval_rows: list
             position += 1
             if position == len(batches):
                 epoch, position = epoch + 1, 0
-                batches = _batches(len(train_rows), cfg.batch_size, run.seed, epoch)
+                batches = epoch_batches(len(train_rows), cfg.batch_size, run.seed, epoch)
             batch = {k: v.to(device) for k, v in collate_pairs(items, tokenizer.pad_token_id).items()}
             with accelerator.accumulate(model):
                 rc, rr = score_pairs(model, batch)

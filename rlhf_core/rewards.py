@@ -23,3 +23,36 @@ def vader_compound(prompts: list[str] | None = None, completions: list[str] | No
         raise ValueError("vader_compound needs completions=")
     analyzer = vader_analyzer()
     return [float(analyzer.polarity_scores(text)["compound"]) for text in completions]
+
+
+class RewardFunctionError(ValueError):
+    """A reward or metric function that cannot be used; the message is one sentence."""
+
+
+def load_function(spec: str, *, field: str = "eval.metrics"):
+    """Import 'package.module:function' and return the callable, or raise naming the spec and the field."""
+    import importlib
+
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise RewardFunctionError(f"{field}: '{spec}' must be written 'package.module:function'")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as err:  # ImportError, or whatever the module raises while importing
+        raise RewardFunctionError(f"{field}: could not import module '{module_name}' for '{spec}' ({type(err).__name__}: {err})") from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise RewardFunctionError(f"{field}: module '{module_name}' has no function '{attr}'")
+    return fn
+
+
+def call_scoring_function(name: str, fn, *, prompts: list[str], completions: list[str], **columns) -> list[float | None]:
+    """Call fn(prompts=, completions=, **columns) and check it returned one number (or None) per completion."""
+    out = fn(prompts=prompts, completions=completions, **columns)
+    if not isinstance(out, (list, tuple)) or len(out) != len(completions):
+        got = f"{len(out)} values" if isinstance(out, (list, tuple)) else f"a {type(out).__name__}"
+        raise RewardFunctionError(f"reward function {name} returned {got} for {len(completions)} completions")
+    for i, value in enumerate(out):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise RewardFunctionError(f"reward function {name} returned {value!r} (a {type(value).__name__}) for completion {i}, not a number or None")
+    return [None if v is None else float(v) for v in out]

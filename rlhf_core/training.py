@@ -6,7 +6,8 @@ import random
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Callable, Protocol
+from contextlib import contextmanager
+from typing import Callable, Iterator, Protocol
 
 from rlhf_core.config import OptimSettings, RunConfig
 
@@ -52,20 +53,17 @@ def build_optimizer(model, settings: OptimSettings, max_steps: int):
     return optimizer, scheduler
 
 
-def save_pretrained_atomic(model, tokenizer, output_dir: str | Path, extra: Callable[[Path], None] | None = None) -> Path:
-    """Save model (safetensors) and tokenizer into a temporary sibling, then rename into place.
+@contextmanager
+def atomic_dir(output_dir: str | Path) -> Iterator[Path]:
+    """Yield a temporary sibling of `output_dir` to fill; on success it replaces `output_dir` in one rename.
 
-    A crash mid-save leaves the previous directory, never a half-written one. `extra(tmp_dir)` may
-    add files (model card, trainer state) before the rename.
+    A crash while filling it leaves the previous directory (or none), never a half-written one.
     """
     output_dir = Path(output_dir)
     output_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}-", dir=output_dir.parent))
     try:
-        model.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
-        if extra is not None:
-            extra(tmp)
+        yield tmp
         tmp.chmod(0o755)
         if output_dir.exists():
             shutil.rmtree(output_dir)
@@ -73,4 +71,68 @@ def save_pretrained_atomic(model, tokenizer, output_dir: str | Path, extra: Call
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return output_dir
+
+
+def save_pretrained_atomic(model, tokenizer, output_dir: str | Path, extra: Callable[[Path], None] | None = None) -> Path:
+    """Save model (safetensors) and tokenizer atomically (see `atomic_dir`); `extra(tmp)` may add files."""
+    with atomic_dir(output_dir) as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        if extra is not None:
+            extra(tmp)
+    return Path(output_dir)
+
+
+def epoch_batches(n_rows: int, batch_size: int, seed: int, epoch: int) -> list[list[int]]:
+    """The batches of one epoch: a permutation fixed by (seed, epoch), incomplete tail dropped.
+
+    With the epoch and the position inside it saved, a resumed run sees exactly the same data order.
+    """
+    import torch
+
+    order = torch.randperm(n_rows, generator=torch.Generator().manual_seed(seed * 1000 + epoch)).tolist()
+    size = min(batch_size, n_rows)
+    return [order[i : i + size] for i in range(0, n_rows - size + 1, size)]
+
+
+def is_peft(model) -> bool:
+    return hasattr(model, "peft_config")
+
+
+def save_hf_dir(model, tokenizer, directory: str | Path) -> None:
+    """A directory `from_pretrained` loads: full weights (LoRA merged into a copy) and the tokenizer.
+
+    With LoRA the adapter is saved too, in `adapter/`, so training can resume from it.
+    """
+    import copy
+
+    directory = Path(directory)
+    if is_peft(model):
+        model.save_pretrained(directory / "adapter")
+        copy.deepcopy(model).merge_and_unload().save_pretrained(directory, safe_serialization=True)
+    else:
+        model.save_pretrained(directory, safe_serialization=True)
+    tokenizer.save_pretrained(directory)
+
+
+def restore_weights(model, directory: str | Path) -> None:
+    """Load the trainable weights saved by `save_hf_dir` into `model` (the adapter with LoRA)."""
+    from safetensors.torch import load_file
+
+    directory = Path(directory)
+    if is_peft(model):
+        from peft import set_peft_model_state_dict
+
+        set_peft_model_state_dict(model, load_file(str(directory / "adapter" / "adapter_model.safetensors")))
+        return
+    missing, unexpected = model.load_state_dict(load_file(str(directory / "model.safetensors")), strict=False)
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    if unexpected or any(not (tied and key.endswith("lm_head.weight")) for key in missing):
+        raise RuntimeError(f"{directory} does not match the model (missing {missing}, unexpected {unexpected})")
+
+
+def assert_finite(model, what: str) -> None:
+    """Refuse to save weights with NaN or inf in them: a checkpoint must never be corrupt."""
+    for name, param in model.named_parameters():
+        if not param.detach().isfinite().all():
+            raise FloatingPointError(f"{what} has non-finite values in {name}; not saving a corrupt checkpoint")

@@ -15,7 +15,6 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.logging import get_run_logger
 
-from rlhf_core.checkpoint import checkpoint_step, has_training_state
 from rlhf_core.config import PipelineConfig
 from rlhf_core.data import read_rows
 from rlhf_core.demo_world import DemoWorld
@@ -25,7 +24,7 @@ from tasks import tracking
 from tasks.data import PreparedData, resolve_model_source
 from tasks.plots import close, curve_figure
 from tasks.progress import StageProgress, publish_table
-from tasks.stage_io import Checkpoint, stage_key
+from tasks.stage_io import Checkpoint, register_saved_checkpoints, stage_key
 
 CARD_BODY = """\
 A reward model trained by the rlhf-pipeline with the Bradley-Terry loss
@@ -90,10 +89,7 @@ def train_reward(cfg: PipelineConfig, data: PreparedData, policy: Checkpoint | N
             registered[step] = tracking.register_once(path, name, task="text-classification", tags=tags, run_id=run_id)
             logger.info("reward checkpoint %d is %s", step, registered[step])
 
-        # a crashed attempt may have saved checkpoints it did not register
-        for path in sorted(out_dir.glob("checkpoint-*"), key=lambda p: checkpoint_step(p) or -1):
-            if checkpoint_step(path) is not None and has_training_state(path):
-                register(path, checkpoint_step(path))
+        register_saved_checkpoints(out_dir, "", register)
 
         progress = StageProgress("reward-progress", f"Reward model: {cfg.reward.max_steps} steps")
         history: dict[str, list[tuple[int, float]]] = {"reward/loss": [], "reward/accuracy": [], "eval_accuracy": []}

@@ -118,6 +118,13 @@ def log_figure(run_id: str, figure, artifact_file: str) -> None:
     MlflowClient().log_figure(run_id, figure, artifact_file)
 
 
+def log_table(run_id: str, rows: list[dict], artifact_file: str) -> None:
+    """Log rows as an MLflow table artifact (a new file per call; nothing is overwritten)."""
+    if rows:
+        columns = {key: [row.get(key) for row in rows] for key in rows[0]}
+        MlflowClient().log_table(run_id, data=columns, artifact_file=artifact_file)
+
+
 def set_run_tags(run_id: str, tags: dict[str, str]) -> None:
     client = MlflowClient()
     for key, value in tags.items():

@@ -32,7 +32,8 @@ def test_pipeline_runs_registers_and_reuses_finished_stages(prefect_harness, tmp
     client = MlflowClient(mlflow_uri)
     assert client.get_run(summary["mlflow_run_id"]).info.status == "FINISHED"
     stages = child_runs(client, summary["mlflow_run_id"])
-    assert {name: r.info.status for name, r in stages.items()} == {"data": "FINISHED", "sft": "FINISHED", "reward": "FINISHED"}
+    assert {name: r.info.status for name, r in stages.items()} == {
+        "data": "FINISHED", "sft": "FINISHED", "reward": "FINISHED", "ppo": "FINISHED"}
     assert client.get_metric_history(stages["sft"].info.run_id, "sft/loss")[-1].step == 8
     assert "sft_loss.png" in [a.path for a in client.list_artifacts(stages["sft"].info.run_id)]
     assert stages["data"].data.tags["data_fingerprint"] == summary["data_fingerprint"]
@@ -45,10 +46,20 @@ def test_pipeline_runs_registers_and_reuses_finished_stages(prefect_harness, tmp
     eval_history = client.get_metric_history(stages["reward"].info.run_id, "eval_accuracy")
     assert [m.step for m in eval_history] == [2, 4]
 
-    [version] = client.search_model_versions("name = 'smoke-policy'")
-    assert summary["policy_model_uri"] == "models:/smoke-policy/1"
-    assert version.tags["stage"] == "sft" and version.tags["step"] == "8"
-    assert version.tags["data_fingerprint"] == summary["data_fingerprint"]
+    policy_versions = sorted(client.search_model_versions("name = 'smoke-policy'"), key=lambda v: int(v.version))
+    assert [(v.tags["stage"], v.tags["step"]) for v in policy_versions] == [("sft", "8"), ("ppo", "1"), ("ppo", "2")]
+    sft_version, ppo_version = policy_versions[0], policy_versions[-1]
+    assert sft_version.tags["data_fingerprint"] == summary["data_fingerprint"]
+    assert ppo_version.tags["algorithm"] == "ppo"
+    assert ppo_version.tags["reward_model_version"] == "models:/smoke-reward-model/2"
+    assert ppo_version.tags["base_model"] == "models:/smoke-policy/1"
+    assert float(ppo_version.tags["kl"]) == pytest.approx(summary["metrics"]["objective/kl"], abs=1e-3)
+    assert summary["policy_model_uri"] == "models:/smoke-policy/3"
+    ppo_run = stages["ppo"].info.run_id
+    assert [m.step for m in client.get_metric_history(ppo_run, "objective/scores")] == [1, 2]
+    assert [m.step for m in client.get_metric_history(ppo_run, "eval/vader_compound_mean")] == [0, 1, 2]
+    tables = [a.path for a in client.list_artifacts(ppo_run, "eval")]
+    assert tables == [f"eval/completions_step_00000{i}.json" for i in range(3)]
     out = tmp_path / "out"
     for table in ("preference", "preference_eval", "prompts", "eval_prompts", "sft"):
         assert (out / "data" / f"{table}.jsonl").stat().st_size > 0
@@ -58,10 +69,10 @@ def test_pipeline_runs_registers_and_reuses_finished_stages(prefect_harness, tmp
     # a second run with the same config and data trains nothing and registers nothing new
     again = rlhf_pipeline(config_path=SMOKE, overrides=overrides)
     assert weights.stat().st_mtime_ns == stamp
-    assert len(client.search_model_versions("name = 'smoke-policy'")) == 1
+    assert len(client.search_model_versions("name = 'smoke-policy'")) == 3
     assert len(client.search_model_versions("name = 'smoke-reward-model'")) == 2
     assert again["reward_model_uri"] == summary["reward_model_uri"]
-    assert again["policy_model_uri"] == "models:/smoke-policy/1"
+    assert again["policy_model_uri"] == "models:/smoke-policy/3"
     assert again["data_fingerprint"] == summary["data_fingerprint"]
 
 

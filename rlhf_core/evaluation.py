@@ -1,0 +1,65 @@
+"""Generation evaluation: near-greedy completions of held-out prompts, scored every way we can.
+
+Each row holds the prompt, the completion, the reward model's score, every metric function's value,
+the KL of the completion under the policy against the reference (sum over its tokens), and its
+length. The caller turns rows into MLflow tables, Prefect artifacts and Parquet.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlhf_core.ppo_math import kl_per_token
+from rlhf_core.rewards import call_scoring_function
+from rlhf_core.rollout import (
+    NEAR_GREEDY_TEMPERATURE, SamplingSettings, generate, left_pad, reference_context, response_logprobs, sequence_scores,
+    tokenize_prompts,
+)
+from rlhf_core.ppo_math import response_mask
+
+
+@torch.no_grad()
+def evaluate_generations(policy, ref_model, reward_model, tokenizer, prompts: list[str], *, response_length: int,
+                         max_prompt_length: int, metrics: dict[str, object], batch_size: int, greedy: bool = False,
+                         stop_token_id: int | None = None, device=None) -> list[dict]:
+    """Rows of near-greedy (or greedy) completions of `prompts`, scored by the reward model and `metrics`."""
+    settings = SamplingSettings(response_length=response_length, temperature=NEAR_GREEDY_TEMPERATURE, top_k=0,
+                                top_p=1.0, greedy=greedy)
+    was_training = policy.training
+    policy.eval()
+    rows: list[dict] = []
+    for start in range(0, len(prompts), batch_size):
+        chunk = prompts[start : start + batch_size]
+        query_ids, query_mask = left_pad(tokenize_prompts(tokenizer, chunk, max_prompt_length), tokenizer.pad_token_id)
+        if device is not None:
+            query_ids, query_mask = query_ids.to(device), query_mask.to(device)
+        responses = generate(policy, query_ids, query_mask, settings, pad_token_id=tokenizer.pad_token_id,
+                             stop_token_id=stop_token_id)
+        resp_mask, last_index = response_mask(responses, tokenizer.pad_token_id)
+        logp, _ = response_logprobs(policy, query_ids, query_mask, responses, resp_mask)
+        with reference_context(policy, ref_model):
+            ref_logp, _ = response_logprobs(ref_model or policy, query_ids, query_mask, responses, resp_mask)
+        kl = (kl_per_token(logp, ref_logp, "k1") * resp_mask).sum(1)
+        scores = sequence_scores(reward_model, query_ids, query_mask, responses, resp_mask, last_index) if reward_model is not None else None
+        completions = tokenizer.batch_decode(responses, skip_special_tokens=True)
+        extra = {name: call_scoring_function(name, fn, prompts=chunk, completions=completions) for name, fn in metrics.items()}
+        for i, (prompt, completion) in enumerate(zip(chunk, completions)):
+            row = {"prompt": prompt, "completion": completion}
+            if scores is not None:
+                row["score"] = float(scores[i])
+            row.update({name: values[i] for name, values in extra.items()})
+            row.update({"kl": float(kl[i]), "length": int(resp_mask[i].sum())})
+            rows.append(row)
+    policy.train(was_training)
+    return rows
+
+
+def summarize_rows(rows: list[dict]) -> dict[str, float]:
+    """Means of every numeric column: eval/<column>_mean."""
+    keys = [k for k, v in rows[0].items() if isinstance(v, (int, float)) and not isinstance(v, bool)] if rows else []
+    out = {}
+    for key in keys:
+        values = [r[key] for r in rows if r.get(key) is not None]
+        if values:
+            out[f"eval/{key}_mean"] = sum(values) / len(values)
+    return out

@@ -1,0 +1,165 @@
+"""The tensor math of RLHF policy optimization: masked statistics, KL estimators, GAE, PPO losses.
+
+Everything here is pure (no models, no optimizers) and pinned by tests against hand-computed values
+and plain loops. Shapes: B sequences, T response tokens; `mask` is 1 on real response tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+INVALID_LOGPROB = 1.0  # written into padded positions so that nothing downstream mistakes them for real
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    mask = mask.to(x.dtype)
+    if dim is None:
+        return (x * mask).sum() / mask.sum().clamp(min=1)
+    return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1)
+
+
+def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
+    mean = masked_mean(x, mask)
+    var = masked_mean((x - mean) ** 2, mask)
+    n = mask.sum()
+    if unbiased and n > 1:
+        var = var * n / (n - 1)
+    return var
+
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
+    """(x - mean) / std over the masked entries; with shift_mean=False the mean is added back."""
+    mean, var = masked_mean(x, mask), masked_var(x, mask)
+    whitened = (x - mean) * torch.rsqrt(var + 1e-8)
+    return whitened if shift_mean else whitened + mean
+
+
+def first_true_indices(bools: torch.Tensor, dtype=torch.long) -> torch.Tensor:
+    """Index of the first True in each row of (B, T); T where a row has none."""
+    row_len = bools.size(-1)
+    zero_or_index = row_len * (~bools).type(dtype) + torch.arange(row_len, dtype=dtype, device=bools.device)
+    return torch.min(zero_or_index, dim=-1).values
+
+
+def truncate_after_stop(responses: torch.Tensor, stop_token_id: int, pad_token_id: int) -> torch.Tensor:
+    """Keep each response up to and including its first stop token; pad everything after it. (B, T)"""
+    stop_at = first_true_indices(responses == stop_token_id).unsqueeze(-1)  # (B, 1)
+    positions = torch.arange(responses.shape[1], device=responses.device).view(1, -1)
+    return torch.masked_fill(responses, positions > stop_at, pad_token_id)
+
+
+def response_mask(responses: torch.Tensor, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mask (B, T) with 1 up to the last real token, index of the last real token (B,)).
+
+    Responses are right-padded after `truncate_after_stop`, so the first pad ends the response.
+    A response that is all padding keeps its first token so every row has a place for its score.
+    """
+    last = (first_true_indices(responses == pad_token_id) - 1).clamp(min=0)  # (B,)
+    positions = torch.arange(responses.shape[1], device=responses.device).view(1, -1)
+    return (positions <= last.unsqueeze(-1)).long(), last
+
+
+def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """log_softmax(logits)[..., index] without materializing the full log-softmax. (B, T, V) -> (B, T)"""
+    picked = torch.gather(logits, -1, index.unsqueeze(-1)).squeeze(-1)
+    return picked - torch.logsumexp(logits, dim=-1)
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of the categorical distribution at each position. (B, T, V) -> (B, T)"""
+    logp = F.log_softmax(logits, dim=-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+def kl_per_token(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: Literal["k1", "k3"]) -> torch.Tensor:
+    """Per-token estimate of KL(policy || reference) from samples of the policy (Schulman's k1, k3).
+
+    k1 = log pi - log ref (unbiased, can be negative); k3 = (r - 1) - log r with r = ref / pi
+    (unbiased and never negative).
+    """
+    log_ratio = logp - ref_logp
+    if estimator == "k1":
+        return log_ratio
+    return torch.expm1(-log_ratio) + log_ratio
+
+
+def kl_penalized_rewards(scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, last_index: torch.Tensor,
+                         kl_coef: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token rewards: -kl_coef * kl on every real token, plus the sequence score on its last token.
+
+    Returns (rewards, non_score_reward), each (B, T), zero on padding.
+    """
+    non_score = -kl_coef * kl * mask
+    rewards = non_score.clone()
+    rewards[torch.arange(rewards.shape[0], device=rewards.device), last_index] += scores
+    return rewards, non_score
+
+
+def compute_gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float,
+                lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalized advantage estimation over response tokens, vectorized. -> (advantages, returns), (B, T)
+
+    delta_t = r_t + gamma * V_{t+1} - V_t (V past the end is 0), A_t = sum_l (gamma*lam)^l delta_{t+l},
+    returns = A + V. Padding positions have zero reward and value, so they add nothing.
+    """
+    values = values * mask
+    rewards = rewards * mask
+    next_values = torch.cat([values[:, 1:], torch.zeros_like(values[:, :1])], dim=1)
+    deltas = rewards + gamma * next_values - values  # (B, T)
+    t = torch.arange(rewards.shape[1], device=rewards.device, dtype=rewards.dtype)
+    lag = t.view(1, -1) - t.view(-1, 1)  # (T, T): s - t
+    discount = torch.where(lag >= 0, (gamma * lam) ** lag.clamp(min=0), torch.zeros_like(lag))
+    advantages = (deltas @ discount.T) * mask  # A_t = sum_s discount[t, s] * delta_s
+    return advantages, advantages + values
+
+
+def policy_loss(new_logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                cliprange: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO's clipped surrogate: mean over real tokens of max(-A r, -A clip(r, 1-eps, 1+eps))."""
+    log_ratio = new_logp - old_logp
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
+    loss = masked_mean(torch.max(unclipped, clipped), mask)
+    stats = {
+        "clipfrac": masked_mean((clipped > unclipped).float(), mask),
+        "approxkl": 0.5 * masked_mean(log_ratio**2, mask),
+        "ratio": masked_mean(ratio, mask),
+    }
+    return loss, stats
+
+
+def value_loss(vpred: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
+               cliprange_value: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped value loss: 0.5 * mean over real tokens of max((v - R)^2, (clip(v, old +- eps) - R)^2)."""
+    vclipped = old_values + torch.clamp(vpred - old_values, -cliprange_value, cliprange_value)
+    unclipped, clipped = (vpred - returns) ** 2, (vclipped - returns) ** 2
+    loss = 0.5 * masked_mean(torch.max(unclipped, clipped), mask)
+    return loss, {"clipfrac": masked_mean((clipped > unclipped).float(), mask)}
+
+
+class FixedKLController:
+    """A constant KL coefficient."""
+
+    def __init__(self, kl_coef: float):
+        self.value = kl_coef
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        pass
+
+
+class AdaptiveKLController:
+    """Ziegler et al. (2019): move the coefficient so the observed KL approaches `target`.
+
+    error = clip(kl / target - 1, -0.2, 0.2); value *= 1 + error * n_steps / horizon.
+    """
+
+    def __init__(self, kl_coef: float, target: float, horizon: int):
+        self.value, self.target, self.horizon = kl_coef, target, horizon
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        error = min(max(current_kl / self.target - 1.0, -0.2), 0.2)
+        self.value *= 1.0 + error * n_steps / self.horizon

@@ -1,0 +1,152 @@
+"""Rollouts: batched generation, log-probabilities, values and reward-model scores of responses.
+
+Prompts are left-padded so every response starts at the same column (`context_length`); responses
+are right-padded after their stop token. Position ids are derived from the attention mask in every
+forward, so left padding never shifts a model's positions.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+
+from rlhf_core.ppo_math import INVALID_LOGPROB, entropy_from_logits, response_mask, selective_log_softmax, truncate_after_stop
+
+NEAR_GREEDY_TEMPERATURE = 0.01 + 1e-7  # the reference's evaluation setting
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    response_length: int
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    greedy: bool = False
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    return (attention_mask.cumsum(1) - 1).clamp(min=0)
+
+
+def tokenize_prompts(tokenizer, prompts: list[str], max_prompt_length: int) -> list[list[int]]:
+    """Prompt token ids, cut from the left when longer than max_prompt_length (the end of a prompt matters)."""
+    ids = tokenizer(prompts)["input_ids"]
+    return [seq[-max_prompt_length:] for seq in ids]
+
+
+def left_pad(sequences: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask), each (B, T), padded on the left."""
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for i, seq in enumerate(sequences):
+        if seq:
+            ids[i, width - len(seq):] = torch.tensor(seq)
+            mask[i, width - len(seq):] = 1
+    return ids, mask
+
+
+@torch.no_grad()
+def generate(policy, query_ids: torch.Tensor, query_mask: torch.Tensor, settings: SamplingSettings, *,
+             pad_token_id: int, stop_token_id: int | None) -> torch.Tensor:
+    """Sample responses with the KV cache: (B, response_length), truncated after the stop token."""
+    kwargs = dict(max_new_tokens=settings.response_length, min_new_tokens=1, pad_token_id=pad_token_id, use_cache=True)
+    if settings.greedy:
+        kwargs.update(do_sample=False)
+    else:
+        kwargs.update(do_sample=True, temperature=settings.temperature, top_k=settings.top_k, top_p=settings.top_p)
+    # eos stops generation only when it is the stop token; otherwise all response_length tokens are sampled
+    kwargs["eos_token_id"] = stop_token_id
+    out = policy.generate(input_ids=query_ids, attention_mask=query_mask, **kwargs)
+    responses = out[:, query_ids.shape[1]:]
+    if responses.shape[1] < settings.response_length:  # every row stopped early
+        fill = torch.full((responses.shape[0], settings.response_length - responses.shape[1]), pad_token_id,
+                          dtype=responses.dtype, device=responses.device)
+        responses = torch.cat([responses, fill], dim=1)
+    if stop_token_id is not None:
+        responses = truncate_after_stop(responses, stop_token_id, pad_token_id)
+    return responses
+
+
+def _full_mask(query_mask: torch.Tensor, resp_mask: torch.Tensor) -> torch.Tensor:
+    return torch.cat([query_mask, resp_mask], dim=1)
+
+
+def response_logprobs(model, query_ids: torch.Tensor, query_mask: torch.Tensor, responses: torch.Tensor,
+                      resp_mask: torch.Tensor, temperature: float = 1.0,
+                      with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log pi(response token | prefix) for each response token, INVALID_LOGPROB on padding. (B, R)"""
+    input_ids = torch.cat([query_ids, responses], dim=1)
+    attention_mask = _full_mask(query_mask, resp_mask)
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask),
+                use_cache=False)
+    context = query_ids.shape[1]
+    logits = out.logits[:, context - 1 : -1].float() / (temperature + 1e-7)  # (B, R, V)
+    logp = selective_log_softmax(logits, responses).masked_fill(resp_mask == 0, INVALID_LOGPROB)
+    entropy = entropy_from_logits(logits) if with_entropy else None
+    return logp, entropy
+
+
+def _head_per_token(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """A sequence classifier's score head applied to every position: (B, T)."""
+    backbone = getattr(model, model.base_model_prefix)
+    hidden = backbone(input_ids=input_ids, attention_mask=attention_mask,
+                      position_ids=position_ids_from_mask(attention_mask), use_cache=False).last_hidden_state
+    return model.score(hidden).squeeze(-1).float()
+
+
+def token_values(value_model, query_ids, query_mask, responses, resp_mask) -> torch.Tensor:
+    """V(state before each response token), zero on padding. (B, R)"""
+    input_ids = torch.cat([query_ids, responses], dim=1)
+    values = _head_per_token(value_model, input_ids, _full_mask(query_mask, resp_mask))
+    context = query_ids.shape[1]
+    return values[:, context - 1 : -1] * resp_mask
+
+
+def sequence_scores(reward_model, query_ids, query_mask, responses, resp_mask, last_index: torch.Tensor) -> torch.Tensor:
+    """The reward model's score at the last real token of each query+response. (B,)"""
+    input_ids = torch.cat([query_ids, responses], dim=1)
+    per_token = _head_per_token(reward_model, input_ids, _full_mask(query_mask, resp_mask))
+    rows = torch.arange(per_token.shape[0], device=per_token.device)
+    return per_token[rows, query_ids.shape[1] + last_index]
+
+
+@dataclass
+class Rollout:
+    """One batch of experience: everything PPO or GRPO needs, detached."""
+
+    query_ids: torch.Tensor  # (B, Q) left-padded
+    query_mask: torch.Tensor  # (B, Q)
+    responses: torch.Tensor  # (B, R) right-padded after the stop token
+    resp_mask: torch.Tensor  # (B, R)
+    last_index: torch.Tensor  # (B,) index of the last real response token
+    logprobs: torch.Tensor  # (B, R) policy at sampling time
+    ref_logprobs: torch.Tensor | None  # (B, R)
+    has_stop: torch.Tensor  # (B,) bool: the response ended with the stop token
+
+
+def reference_context(policy, ref_model):
+    """With no separate reference (LoRA), the policy with its adapters disabled is the reference."""
+    if ref_model is None:
+        return policy.disable_adapter()
+    return nullcontext()
+
+
+@torch.no_grad()
+def collect_rollout(policy, ref_model, query_ids, query_mask, settings: SamplingSettings, *, pad_token_id: int,
+                    stop_token_id: int | None, need_reference: bool = True) -> Rollout:
+    """Generate responses and score them under the policy and, when asked, the reference."""
+    policy.eval()
+    responses = generate(policy, query_ids, query_mask, settings, pad_token_id=pad_token_id, stop_token_id=stop_token_id)
+    resp_mask, last_index = response_mask(responses, pad_token_id)
+    logprobs, _ = response_logprobs(policy, query_ids, query_mask, responses, resp_mask, settings.temperature)
+    ref_logprobs = None
+    if need_reference:
+        with reference_context(policy, ref_model):
+            ref_logprobs, _ = response_logprobs(ref_model or policy, query_ids, query_mask, responses, resp_mask,
+                                                settings.temperature)
+    rows = torch.arange(responses.shape[0], device=responses.device)
+    has_stop = (responses[rows, last_index] == stop_token_id) if stop_token_id is not None else torch.zeros_like(last_index, dtype=torch.bool)
+    return Rollout(query_ids, query_mask, responses, resp_mask, last_index, logprobs, ref_logprobs, has_stop)
