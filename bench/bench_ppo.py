@@ -1,0 +1,191 @@
+"""PPO: seconds per batch and peak memory against TRL 1.12's PPOTrainer, and the demo's gold-metric gain.
+
+Part A (timing): the same SFT-initialized tiny Llama, the same reward model (value model initialized
+from it on both sides), 32 prompts per batch, 16-token responses, temperature 0.7, eos as stop
+token, 4 PPO epochs, 1 mini-batch, kl_coef 0.05, gradient checkpointing off, no evaluation. Each
+side runs in its own process (so peak RSS is its own); order TRL, ours, ours, TRL; best of two.
+Part B (learning): our PPO with configs/demo.yaml's RL settings; VADER (gold) score and KL of
+near-greedy held-out completions before and after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+BATCHES, BATCH, RESPONSE, SEED = 8, 32, 16, 42
+
+
+def prepare(root: Path) -> None:
+    """World, SFT policy and reward model, shared by every side."""
+    from rlhf_core.config import DemoModelConfig, DemoWorldConfig, RewardConfig, RunConfig, SFTConfig
+    from rlhf_core.data import read_column, read_rows
+    from rlhf_core.demo_world import build_demo_world
+    from rlhf_core.models import load_causal_lm, load_tokenizer
+    from rlhf_core.reward import load_reward_model, train_reward_model
+    from rlhf_core.sft import train_sft
+
+    world = build_demo_world(root / "world", SEED, DemoWorldConfig(), DemoModelConfig())
+    run = RunConfig(device="cpu", seed=SEED)
+    model, tok = load_causal_lm(str(world.base_model)), load_tokenizer(str(world.tokenizer))
+    train_sft(model, tok, read_column(world.corpus, "text"), SFTConfig(max_steps=300), run, max_length=48,
+              output_dir=root / "sft", show_progress=False)
+    reward = load_reward_model(str(root / "sft"), tok, seed=SEED)
+    result = train_reward_model(reward, tok, read_rows(world.preferences("train")), read_rows(world.preferences("test")),
+                                RewardConfig(max_steps=200, save_steps=200, eval_steps=200), run, max_length=48,
+                                output_dir=root / "reward", card={"title": "bench", "metadata": {}, "body": ""},
+                                show_progress=False)
+    (root / "reward_dir").write_text(str(result.checkpoint))
+
+
+def side_ours(root: Path) -> dict:
+    from transformers import AutoModelForSequenceClassification
+
+    from rlhf_core.config import PPOConfig, RLConfig, RunConfig
+    from rlhf_core.data import read_column
+    from rlhf_core.models import load_causal_lm, load_tokenizer
+    from rlhf_core.ppo import train_ppo
+
+    reward_dir = (root / "reward_dir").read_text()
+    tok = load_tokenizer(str(root / "sft"))
+    policy, ref = load_causal_lm(str(root / "sft")), load_causal_lm(str(root / "sft"))
+    value = AutoModelForSequenceClassification.from_pretrained(reward_dir)
+    reward = AutoModelForSequenceClassification.from_pretrained(reward_dir)
+    prompts = read_column(root / "world" / "prompts" / "train.jsonl", "prompt")
+    rl = RLConfig(total_steps=BATCHES, batch_size=BATCH, learning_rate=1e-4, response_length=RESPONSE, temperature=0.7,
+                  save_steps=BATCHES, log_steps=BATCHES)
+    start = time.perf_counter()
+    train_ppo(policy, value, ref, reward, tok, prompts, rl, PPOConfig(), RunConfig(device="cpu", seed=SEED),
+              max_prompt_length=16, output_dir=root / f"ours-{time.time_ns()}", show_progress=False)
+    return {"seconds_per_batch": (time.perf_counter() - start) / BATCHES}
+
+
+def side_trl(root: Path) -> dict:
+    import datasets
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+    from trl.experimental.ppo import PPOConfig as TRLPPOConfig
+    from trl.experimental.ppo import PPOTrainer
+
+    from rlhf_core.data import read_column
+    from rlhf_core.models import load_tokenizer
+
+    reward_dir = (root / "reward_dir").read_text()
+    tok = load_tokenizer(str(root / "sft"))
+    tok.padding_side = "left"
+    prompts = read_column(root / "world" / "prompts" / "train.jsonl", "prompt")
+    ids = [seq[-16:] for seq in tok(prompts)["input_ids"]]
+    train = datasets.Dataset.from_dict({"input_ids": ids})
+    args = TRLPPOConfig(
+        output_dir=str(root / f"trl-{time.time_ns()}"), per_device_train_batch_size=BATCH, gradient_accumulation_steps=1,
+        num_mini_batches=1, num_ppo_epochs=4, total_episodes=BATCH * BATCHES, response_length=RESPONSE,
+        temperature=0.7, stop_token="eos", kl_coef=0.05, learning_rate=1e-4, use_cpu=True, bf16=False,
+        gradient_checkpointing=False, save_strategy="no", num_sample_generations=0, report_to=[],
+        logging_steps=BATCHES, local_rollout_forward_batch_size=BATCH, seed=SEED, disable_tqdm=True,
+    )
+    trainer = PPOTrainer(
+        args=args, processing_class=tok, model=AutoModelForCausalLM.from_pretrained(root / "sft"),
+        ref_model=AutoModelForCausalLM.from_pretrained(root / "sft"),
+        reward_model=AutoModelForSequenceClassification.from_pretrained(reward_dir),
+        value_model=AutoModelForSequenceClassification.from_pretrained(reward_dir), train_dataset=train,
+    )
+    start = time.perf_counter()
+    trainer.train()
+    return {"seconds_per_batch": (time.perf_counter() - start) / BATCHES}
+
+
+def learning(root: Path) -> dict:
+    """Part B: demo-config PPO, gold (VADER) and KL of near-greedy held-out completions before and after."""
+    from transformers import AutoModelForSequenceClassification
+
+    from rlhf_core.config import load_config
+    from rlhf_core.data import read_column
+    from rlhf_core.evaluation import evaluate_generations, summarize_rows
+    from rlhf_core.models import load_causal_lm, load_tokenizer
+    from rlhf_core.ppo import train_ppo
+    from rlhf_core.rewards import vader_compound
+
+    cfg = load_config(HERE.parent / "configs" / "demo.yaml")
+    reward_dir = (root / "reward_dir").read_text()
+    tok = load_tokenizer(str(root / "sft"))
+    policy, ref = load_causal_lm(str(root / "sft")), load_causal_lm(str(root / "sft"))
+    value = AutoModelForSequenceClassification.from_pretrained(reward_dir)
+    reward = AutoModelForSequenceClassification.from_pretrained(reward_dir)
+    prompts = read_column(root / "world" / "prompts" / "train.jsonl", "prompt")
+    eval_prompts = read_column(root / "world" / "prompts" / "test.jsonl", "prompt")[: cfg.eval.num_prompts]
+
+    def evaluate(model):
+        rows = evaluate_generations(model, ref, reward, tok, eval_prompts, response_length=cfg.rl.response_length,
+                                    max_prompt_length=cfg.data.max_prompt_length, metrics={"vader": vader_compound},
+                                    batch_size=cfg.eval.batch_size, stop_token_id=tok.eos_token_id)
+        return summarize_rows(rows), rows[:5]
+
+    before, _ = evaluate(policy)
+    start = time.perf_counter()
+    train_ppo(policy, value, ref, reward, tok, prompts, cfg.rl, cfg.ppo, cfg.run, max_prompt_length=cfg.data.max_prompt_length,
+              output_dir=root / "learning", show_progress=False)
+    seconds = time.perf_counter() - start
+    after, samples = evaluate(policy)
+    return {"gold_before": before["eval/vader_mean"], "gold_after": after["eval/vader_mean"],
+            "kl_after": after["eval/kl_mean"], "score_before": before["eval/score_mean"], "score_after": after["eval/score_mean"],
+            "steps": cfg.rl.total_steps, "wall_s": seconds, "samples": samples}
+
+
+def run_side(name: str, root: Path) -> dict:
+    out = root / f"{name}-{time.time_ns()}.json"
+    subprocess.run([sys.executable, __file__, "--side", name, "--root", str(root), "--out", str(out)], check=True)
+    return json.loads(out.read_text())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--side", choices=["prepare", "ours", "trl", "learning"])
+    parser.add_argument("--root")
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")
+    if args.side:
+        sys.path.insert(0, str(HERE))
+        if args.side == "trl":
+            from anchors import use_anchor
+
+            use_anchor("trl", "1.12.0")
+        root = Path(args.root)
+        result = {"prepare": prepare, "ours": side_ours, "trl": side_trl, "learning": learning}[args.side](root)
+        if result is not None:
+            result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+            Path(args.out).write_text(json.dumps(result))
+        return
+
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        subprocess.run([sys.executable, __file__, "--side", "prepare", "--root", str(root), "--out", str(root / "p.json")], check=True)
+        anchor = [run_side("trl", root)]
+        ours = [run_side("ours", root), run_side("ours", root)]
+        anchor.append(run_side("trl", root))
+        learned = run_side("learning", root)
+    best_ours = min(ours, key=lambda r: r["seconds_per_batch"])
+    best_anchor = min(anchor, key=lambda r: r["seconds_per_batch"])
+    result = {
+        "metric": "seconds per PPO batch", "unit": "s/batch",
+        "ours": best_ours["seconds_per_batch"], "anchor": best_anchor["seconds_per_batch"],
+        "anchor_name": "trl 1.12.0 experimental PPOTrainer", "ratio": best_ours["seconds_per_batch"] / best_anchor["seconds_per_batch"],
+        "ours_peak_rss_mb": max(r["peak_rss_mb"] for r in ours), "anchor_peak_rss_mb": max(r["peak_rss_mb"] for r in anchor),
+        "learning": learned,
+        "notes": (f"peak RSS ours {max(r['peak_rss_mb'] for r in ours):.0f} MB vs TRL {max(r['peak_rss_mb'] for r in anchor):.0f} MB; "
+                  f"demo gold (VADER) {learned['gold_before']:.2f} -> {learned['gold_after']:.2f}, KL {learned['kl_after']:.2f}, "
+                  f"{learned['steps']} steps in {learned['wall_s']:.0f} s; {BATCH} prompts x {RESPONSE} tokens, 4 epochs, CPU"),
+    }
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
