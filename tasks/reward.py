@@ -52,8 +52,12 @@ def reward_base(cfg: PipelineConfig, data: PreparedData, policy: Checkpoint | No
     return resolve_model_source(cfg.reward.base, field="reward.base", cfg=cfg, world=world), cfg.reward.base
 
 
+TRAINER_VERSION = 2  # bump when training changes what a finished stage would contain (2: pairs end with eos)
+
+
 def reward_key(cfg: PipelineConfig, data: PreparedData, base_identity: str) -> str:
     return stage_key({
+        "trainer_version": TRAINER_VERSION,
         "reward": cfg.reward.model_dump(mode="json"), "lora": cfg.model.lora.model_dump() if cfg.reward.lora else None,
         "base": base_identity, "data": [data.fingerprints["preference"], data.fingerprints["preference_eval"]],
         "max_length": cfg.data.max_length, "seed": cfg.run.seed, "mixed_precision": cfg.run.mixed_precision,
