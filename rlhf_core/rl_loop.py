@@ -1,0 +1,145 @@
+"""The skeleton PPO and GRPO share: setup, resume, prompt order, cadence of logs, evals and checkpoints.
+
+An algorithm supplies `iteration(query_ids, query_mask) -> metrics` (one optimizer round on one batch
+of prompts) and the models to save; this module owns everything around it, so both algorithms
+resume, checkpoint and report the same way. A checkpoint is `checkpoint-N/` with one Hugging Face
+directory per model (`policy/` first), `metrics.json` and `training_state/` (no pickle).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from rlhf_core.checkpoint import latest_checkpoint, load_training_state, save_training_state
+from rlhf_core.config import RLConfig, RunConfig
+from rlhf_core.rollout import left_pad, tokenize_prompts
+from rlhf_core.training import (
+    OnCheckpoint, OnLog, assert_finite, atomic_dir, build_optimizer, epoch_batches, make_accelerator, restore_weights,
+    save_hf_dir, seed_everything,
+)
+
+OnEval = Callable[[list[dict], int], None]
+Evaluate = Callable[[object, int], list[dict]]
+
+
+@dataclass
+class RLResult:
+    checkpoint: Path
+    step: int
+    metrics: dict[str, float]
+    resumed_from: int
+    skipped_steps: int
+
+
+class RLLoop:
+    """Owns the accelerator, the optimizer and schedule over `trainable`, resume, and the outer loop.
+
+    models: name -> model saved in checkpoint-N/<name>/ ("policy" is the one registered).
+    state: algorithm scalars saved and restored with the training state (PPO's KL coefficient).
+    """
+
+    def __init__(self, trainable: torch.nn.Module, models: dict[str, torch.nn.Module], tokenizer, prompts: list[str],
+                 rl: RLConfig, run: RunConfig, *, output_dir: str | Path, max_prompt_length: int, prompts_per_step: int,
+                 name: str, state: dict[str, float] | None = None):
+        if not prompts:
+            raise ValueError(f"the prompt set is empty; {name.upper()} needs at least one prompt")
+        self.rl, self.run_cfg, self.name = rl, run, name
+        self.output_dir = Path(output_dir)
+        self.models, self.tokenizer, self.state = models, tokenizer, dict(state or {})
+        self.prompts_per_step = prompts_per_step
+        seed_everything(run.seed)
+        self.accelerator = make_accelerator(run)
+        self.optimizer, self.scheduler = build_optimizer(trainable, rl, rl.total_steps)
+        self.step, self.epoch, self.position, self.skipped, self.metrics = 0, 0, 0, 0, {}
+        resume = latest_checkpoint(self.output_dir)
+        if resume is not None:
+            for sub, model in models.items():
+                restore_weights(model, resume / sub)
+            progress = load_training_state(resume, optimizer=self.optimizer, scheduler=self.scheduler)
+            self.step, self.epoch, self.position = progress["step"], progress["epoch"], progress["position"]
+            self.skipped = progress.get("skipped_steps", 0)
+            self.state.update(progress.get("state", {}))
+            self.metrics = json.loads((resume / "metrics.json").read_text())
+        self.resumed_from = self.step
+        self.trainable, self.optimizer, self.scheduler = self.accelerator.prepare(trainable, self.optimizer, self.scheduler)
+        self.device = self.accelerator.device
+        self.prompt_ids = tokenize_prompts(tokenizer, prompts, max_prompt_length)
+
+    # -- pieces the algorithms call ------------------------------------------------------------
+
+    def optimizer_step(self, finite: bool) -> None:
+        """Clip and step, or skip a step whose loss was not finite (its gradients are poisoned)."""
+        if finite:
+            self.accelerator.clip_grad_norm_(self.trainable.parameters(), self.rl.max_grad_norm)
+            self.optimizer.step()
+        else:
+            self.skipped += 1
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def unwrapped(self) -> torch.nn.Module:
+        return self.accelerator.unwrap_model(self.trainable)
+
+    # -- the loop --------------------------------------------------------------------------------
+
+    def _save(self, step: int, on_checkpoint: OnCheckpoint | None) -> None:
+        if self.accelerator.is_main_process:
+            path = self.output_dir / f"checkpoint-{step}"
+            for sub, model in self.models.items():
+                assert_finite(model, f"the {sub} model")
+            with atomic_dir(path) as tmp:
+                for sub, model in self.models.items():
+                    save_hf_dir(model, self.tokenizer, tmp / sub)
+                (tmp / "metrics.json").write_text(json.dumps(self.metrics, indent=2))
+                save_training_state(tmp, optimizer=self.optimizer, scheduler=self.scheduler, progress={
+                    "step": step, "epoch": self.epoch, "position": self.position,
+                    "skipped_steps": self.skipped, "state": self.state})
+            if on_checkpoint is not None:
+                on_checkpoint(path / "policy", step)
+        self.accelerator.wait_for_everyone()
+
+    def run(self, iteration: Callable[[torch.Tensor, torch.Tensor], dict[str, float]], *, on_log: OnLog | None = None,
+            on_checkpoint: OnCheckpoint | None = None, on_eval: OnEval | None = None, evaluate: Evaluate | None = None,
+            eval_every: int | None = None, repeat: int = 1, show_progress: bool = True) -> RLResult:
+        """Call `iteration` once per step on the next `prompts_per_step` prompts, each repeated `repeat` times."""
+        from tqdm.auto import tqdm
+
+        rl = self.rl
+        batches = epoch_batches(len(self.prompt_ids), self.prompts_per_step, self.run_cfg.seed, self.epoch)
+        bar = tqdm(total=rl.total_steps, initial=self.step, desc=self.name,
+                   disable=not show_progress or not self.accelerator.is_main_process)
+        while self.step < rl.total_steps:
+            started = time.perf_counter()
+            indices = batches[self.position]
+            self.position += 1
+            if self.position == len(batches):
+                self.epoch, self.position = self.epoch + 1, 0
+                batches = epoch_batches(len(self.prompt_ids), self.prompts_per_step, self.run_cfg.seed, self.epoch)
+            query_ids, query_mask = left_pad([self.prompt_ids[i] for i in indices for _ in range(repeat)],
+                                             self.tokenizer.pad_token_id)
+            metrics = iteration(query_ids.to(self.device), query_mask.to(self.device))
+            self.scheduler.step()
+            self.step += 1
+            elapsed = time.perf_counter() - started
+            metrics.update({"lr": self.scheduler.get_last_lr()[0], "perf/step_seconds": elapsed,
+                            "perf/tokens_per_second": metrics.pop("_tokens", 0.0) / elapsed,
+                            "perf/skipped_steps": float(self.skipped)})
+            self.metrics = metrics
+            bar.update(1)
+            if on_log is not None and (self.step % rl.log_steps == 0 or self.step == rl.total_steps):
+                on_log({k: v for k, v in metrics.items() if math.isfinite(v)}, self.step)
+            if evaluate is not None and on_eval is not None and eval_every and (
+                    self.step % eval_every == 0 or self.step == rl.total_steps):
+                on_eval(evaluate(self.models["policy"], self.step), self.step)
+            if self.step % rl.save_steps == 0 or self.step == rl.total_steps:
+                self._save(self.step, on_checkpoint)
+        bar.close()
+        final = self.output_dir / f"checkpoint-{max(self.step, self.resumed_from)}"
+        return RLResult(checkpoint=final, step=self.step, metrics=self.metrics, resumed_from=self.resumed_from,
+                        skipped_steps=self.skipped)
