@@ -77,7 +77,7 @@ def train_ppo(policy, value_model, ref_model, reward_model, tokenizer, prompts: 
     mini_size = rl.batch_size // ppo.num_mini_batches
     micro_size = max(1, mini_size // rl.gradient_accumulation_steps)
 
-    def iteration(query_ids: torch.Tensor, query_mask: torch.Tensor) -> dict[str, float]:
+    def iteration(query_ids: torch.Tensor, query_mask: torch.Tensor, indices: list[int]) -> dict[str, float]:
         # 1. generate  2. score
         models = loop.unwrapped()
         rollout = collect_rollout(models.policy, ref_model, query_ids, query_mask, settings, pad_token_id=pad_id,

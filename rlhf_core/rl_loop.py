@@ -104,10 +104,11 @@ class RLLoop:
                 on_checkpoint(path / "policy", step)
         self.accelerator.wait_for_everyone()
 
-    def run(self, iteration: Callable[[torch.Tensor, torch.Tensor], dict[str, float]], *, on_log: OnLog | None = None,
+    def run(self, iteration: Callable[[torch.Tensor, torch.Tensor, list[int]], dict[str, float]], *, on_log: OnLog | None = None,
             on_checkpoint: OnCheckpoint | None = None, on_eval: OnEval | None = None, evaluate: Evaluate | None = None,
             eval_every: int | None = None, repeat: int = 1, show_progress: bool = True) -> RLResult:
-        """Call `iteration` once per step on the next `prompts_per_step` prompts, each repeated `repeat` times."""
+        """Call `iteration(query_ids, query_mask, prompt_indices)` once per step on the next
+        `prompts_per_step` prompts, each repeated `repeat` times (GRPO's groups)."""
         from tqdm.auto import tqdm
 
         rl = self.rl
@@ -121,9 +122,9 @@ class RLLoop:
             if self.position == len(batches):
                 self.epoch, self.position = self.epoch + 1, 0
                 batches = epoch_batches(len(self.prompt_ids), self.prompts_per_step, self.run_cfg.seed, self.epoch)
-            query_ids, query_mask = left_pad([self.prompt_ids[i] for i in indices for _ in range(repeat)],
-                                             self.tokenizer.pad_token_id)
-            metrics = iteration(query_ids.to(self.device), query_mask.to(self.device))
+            indices = [i for i in indices for _ in range(repeat)]
+            query_ids, query_mask = left_pad([self.prompt_ids[i] for i in indices], self.tokenizer.pad_token_id)
+            metrics = iteration(query_ids.to(self.device), query_mask.to(self.device), indices)
             self.scheduler.step()
             self.step += 1
             elapsed = time.perf_counter() - started
