@@ -78,13 +78,8 @@ def main(argv: list[str] | None = None) -> int:
         print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
         return 0
 
-    from flows.rlhf_pipeline import check_supported, rlhf_pipeline
+    from flows.rlhf_pipeline import rlhf_pipeline
 
-    try:
-        check_supported(cfg)
-    except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
     summary = rlhf_pipeline(config_path=args.config, overrides=args.overrides)
     print_summary(summary)
     return 0

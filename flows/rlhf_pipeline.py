@@ -1,4 +1,4 @@
-"""The RLHF pipeline as a Prefect flow: data -> SFT warm start -> reward model -> init -> PPO (-> export).
+"""The RLHF pipeline as a Prefect flow: data -> SFT warm start -> reward model -> init -> PPO or GRPO (-> export).
 
 The flow's parameters are the config: a YAML path plus `section.field=value` overrides, so the same
 call works from the CLI, from `prefect deployment run --param`, and from a schedule. The config is
@@ -10,36 +10,25 @@ from __future__ import annotations
 from prefect import flow
 from prefect.logging import get_run_logger
 
-from rlhf_core.config import ConfigError, load_config
+from rlhf_core.config import load_config
 from tasks import tracking
 from tasks.data import prepare_data
 from tasks.reward import train_reward
-from tasks.rl import initialize_models, train_policy
+from tasks.rl import initialize_models, train_policy, uses_reward_stage
 from tasks.sft import sft_warm_start
-
-
-IMPLEMENTED_ALGORITHMS = ("ppo",)
-
-
-def check_supported(cfg) -> None:
-    """Refuse, before any work, a config this version validates but cannot run yet."""
-    if cfg.rl.algorithm not in IMPLEMENTED_ALGORITHMS:
-        raise ConfigError(f"rl.algorithm '{cfg.rl.algorithm}' is not implemented in this version; "
-                          f"allowed values today are {', '.join(repr(a) for a in IMPLEMENTED_ALGORITHMS)}")
 
 
 @flow(name="rlhf-pipeline", log_prints=True)
 def rlhf_pipeline(config_path: str | None = "configs/demo.yaml", overrides: list[str] | None = None) -> dict:
     """Run the pipeline on the config at `config_path` with `overrides` applied; return a summary."""
     cfg = load_config(config_path, overrides or [])
-    check_supported(cfg)
     logger = get_run_logger()
     logger.info("config %s (hash %s), output in %s", config_path, cfg.config_hash(), cfg.run.output_dir)
 
     with tracking.pipeline_run(cfg) as run_id:
         data = prepare_data(cfg, run_id)
         policy = sft_warm_start(cfg, data, run_id) if cfg.sft.enabled else None
-        reward = train_reward(cfg, data, policy, run_id)
+        reward = train_reward(cfg, data, policy, run_id) if uses_reward_stage(cfg) else None
         plan = initialize_models(cfg, data, policy, reward)
         trained = train_policy(cfg, data, plan, run_id)
 
@@ -50,10 +39,11 @@ def rlhf_pipeline(config_path: str | None = "configs/demo.yaml", overrides: list
         "demo_world": data.demo_world,
         "data_fingerprint": data.fingerprint,
         "checkpoints": [c.path for c in (policy, reward, trained) if c is not None],
+        "algorithm": cfg.rl.algorithm,
         "policy_path": trained.path,
         "policy_model_uri": trained.model_uri,
-        "reward_model_path": reward.path,
-        "reward_model_uri": reward.model_uri,
-        "metrics": {**(policy.metrics if policy else {}), **{f"reward/{k}": v for k, v in reward.metrics.items()},
-                    **{k: v for k, v in trained.metrics.items() if k.startswith("objective/")}},
+        "reward_model_path": reward.path if reward else None,
+        "reward_model_uri": reward.model_uri if reward else None,
+        "metrics": {**(policy.metrics if policy else {}), **({f"reward/{k}": v for k, v in reward.metrics.items()} if reward else {}),
+                    **{k: v for k, v in trained.metrics.items() if k.startswith(("objective/", "reward", "kl"))}},
     }

@@ -89,6 +89,8 @@ def _locate_bad_json_row(files: list[str], columns: list[str]) -> str:
 def load_table(spec: DatasetSpec, kind: Kind, *, field: str, resolved_path: str | None = None):
     """Read `spec` as a `datasets.Dataset` with the pipeline's column names (see `required_columns`).
 
+    Preference and text tables keep only their mapped columns; prompt tables keep every column.
+
     `field` is the config field the spec came from, for error messages; `resolved_path` replaces
     `spec.path` (used for 'demo', which the caller resolves to the demo world's file).
     """
@@ -120,7 +122,8 @@ def load_table(spec: DatasetSpec, kind: Kind, *, field: str, resolved_path: str 
         raise DataValidationError(
             f"{source} has no column `{missing[0]}` (columns are {ds.column_names}); map it with {field}.columns"
         )
-    ds = ds.select_columns(list(mapping.values()))
+    if kind != "prompt":  # prompt tables keep their other columns: GRPO reward functions receive them
+        ds = ds.select_columns(list(mapping.values()))
     renames = {src: dst for dst, src in mapping.items() if src != dst}
     if renames:
         ds = ds.rename_columns(renames)

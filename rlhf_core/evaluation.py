@@ -1,8 +1,8 @@
 """Generation evaluation: near-greedy completions of held-out prompts, scored every way we can.
 
 Each row holds the prompt, the completion, the reward model's score, every metric function's value,
-the KL of the completion under the policy against the reference (sum over its tokens), and its
-length. The caller turns rows into MLflow tables, Prefect artifacts and Parquet.
+the KL of the completion under the policy against the reference (sum over its tokens; absent when
+no reference is loaded), and its length. The caller turns rows into MLflow tables, Prefect artifacts and Parquet.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from rlhf_core.rollout import (
     tokenize_prompts,
 )
 from rlhf_core.ppo_math import response_mask
+from rlhf_core.training import is_peft
 
 
 @torch.no_grad()
@@ -36,10 +37,12 @@ def evaluate_generations(policy, ref_model, reward_model, tokenizer, prompts: li
         responses = generate(policy, query_ids, query_mask, settings, pad_token_id=tokenizer.pad_token_id,
                              stop_token_id=stop_token_id)
         resp_mask, last_index = response_mask(responses, tokenizer.pad_token_id)
-        logp, _ = response_logprobs(policy, query_ids, query_mask, responses, resp_mask)
-        with reference_context(policy, ref_model):
-            ref_logp, _ = response_logprobs(ref_model or policy, query_ids, query_mask, responses, resp_mask)
-        kl = (kl_per_token(logp, ref_logp, "k1") * resp_mask).sum(1)
+        kl = None
+        if ref_model is not None or is_peft(policy):  # GRPO with beta 0 loads no reference at all
+            logp, _ = response_logprobs(policy, query_ids, query_mask, responses, resp_mask)
+            with reference_context(policy, ref_model):
+                ref_logp, _ = response_logprobs(ref_model or policy, query_ids, query_mask, responses, resp_mask)
+            kl = (kl_per_token(logp, ref_logp, "k1") * resp_mask).sum(1)
         scores = sequence_scores(reward_model, query_ids, query_mask, responses, resp_mask, last_index) if reward_model is not None else None
         completions = tokenizer.batch_decode(responses, skip_special_tokens=True)
         extra = {name: call_scoring_function(name, fn, prompts=chunk, completions=completions) for name, fn in metrics.items()}
@@ -48,7 +51,9 @@ def evaluate_generations(policy, ref_model, reward_model, tokenizer, prompts: li
             if scores is not None:
                 row["score"] = float(scores[i])
             row.update({name: values[i] for name, values in extra.items()})
-            row.update({"kl": float(kl[i]), "length": int(resp_mask[i].sum())})
+            if kl is not None:
+                row["kl"] = float(kl[i])
+            row["length"] = int(resp_mask[i].sum())
             rows.append(row)
     policy.train(was_training)
     return rows

@@ -1,4 +1,4 @@
-"""Policy and value initialization, and the RL stage (PPO) as Prefect tasks.
+"""Policy and value initialization, and the RL stage (PPO or GRPO) as Prefect tasks.
 
 `initialize_models` decides and checks every model source before any RL work: the policy (SFT output
 or base), the value model (reward model's weights or the policy's), the reference (a frozen copy or,
@@ -18,14 +18,15 @@ from prefect.cache_policies import NO_CACHE
 from prefect.logging import get_run_logger
 
 from rlhf_core.config import PipelineConfig
-from rlhf_core.data import read_column
+from rlhf_core.data import read_column, read_rows
 from rlhf_core.evaluation import evaluate_generations, summarize_rows
 from rlhf_core.models import ModelSourceError, load_causal_lm, load_tokenizer, prepare_for_training
+from rlhf_core.grpo import train_grpo
 from rlhf_core.ppo import train_ppo
 from rlhf_core.reward import load_reward_model
 from rlhf_core.rewards import load_function
 from tasks import tracking
-from tasks.data import PreparedData
+from tasks.data import PreparedData, resolve_model_source
 from tasks.plots import close, curve_figure
 from tasks.progress import StageProgress, publish_table
 from tasks.stage_io import Checkpoint, register_saved_checkpoints, stage_key
@@ -37,10 +38,10 @@ class InitPlan:
 
     policy_path: str
     policy_identity: str
-    value_path: str
-    reward_path: str
+    value_path: str | None  # PPO only
+    reward_path: str | None  # this run's reward model, when it trained one
     reward_identity: str
-    reference: str  # "copy" or "adapter_disabled"
+    reference: str  # "copy", "adapter_disabled" or "none" (GRPO with beta 0)
 
 
 def _tokenizer_mismatch(a, b) -> str | None:
@@ -52,30 +53,45 @@ def _tokenizer_mismatch(a, b) -> str | None:
     return None
 
 
+def uses_reward_stage(cfg: PipelineConfig) -> bool:
+    """PPO always needs this run's reward model; GRPO only when a reward source names 'reward_stage'."""
+    return cfg.rl.algorithm == "ppo" or any(r.model == "reward_stage" for r in cfg.grpo.rewards)
+
+
 @task(name="initialize-models", cache_policy=NO_CACHE)
-def initialize_models(cfg: PipelineConfig, data: PreparedData, sft: Checkpoint | None, reward: Checkpoint) -> InitPlan:
+def initialize_models(cfg: PipelineConfig, data: PreparedData, sft: Checkpoint | None, reward: Checkpoint | None) -> InitPlan:
     """Pick the policy, value, reference and reward sources, and check they fit together."""
     logger = get_run_logger()
     if cfg.init.policy == "sft" and sft is not None:
         policy_path, policy_identity = sft.path, sft.model_uri or f"sft:{sft.key}"
     else:
         policy_path, policy_identity = data.base_model, cfg.model.base
-    value_path = reward.path if cfg.init.value_from == "reward" else policy_path
+    ppo = cfg.rl.algorithm == "ppo"
+    value_path = (reward.path if cfg.init.value_from == "reward" else policy_path) if ppo else None
     reference = cfg.init.reference
-    if reference == "auto":
+    if not ppo and cfg.grpo.beta == 0:
+        reference = "none"
+    elif reference == "auto":
         reference = "adapter_disabled" if cfg.model.lora.enabled else "copy"
 
     prompts = read_column(data.tables["prompts"], "prompt")
     if not prompts:
         raise ValueError(f"data.prompts: the prompt set {data.source('prompts')} is empty")
     policy_tok = load_tokenizer(policy_path, revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code)
-    reward_tok = load_tokenizer(reward.path)
-    mismatch = _tokenizer_mismatch(policy_tok, reward_tok)
-    if mismatch:
-        raise ModelSourceError(
-            f"the reward model's tokenizer ({reward.path}) does not match the policy's ({policy_path}): {mismatch}; "
-            "train the reward model from the policy's tokenizer"
-        )
+    reward_dirs = [reward.path] if reward is not None else []
+    if not ppo:
+        reward_dirs += [resolve_model_source(r.model, field=f"grpo.rewards[{i}].model", cfg=cfg, world=None)
+                        for i, r in enumerate(cfg.grpo.rewards) if r.model not in (None, "reward_stage")]
+        for i, r in enumerate(cfg.grpo.rewards):
+            if r.function is not None:
+                load_function(r.function, field=f"grpo.rewards[{i}].function")  # fail now, not after generating
+    for directory in reward_dirs:
+        mismatch = _tokenizer_mismatch(policy_tok, load_tokenizer(directory))
+        if mismatch:
+            raise ModelSourceError(
+                f"the reward model's tokenizer ({directory}) does not match the policy's ({policy_path}): {mismatch}; "
+                "train the reward model from the policy's tokenizer"
+            )
     from transformers import AutoConfig
 
     context = getattr(AutoConfig.from_pretrained(policy_path, trust_remote_code=cfg.model.trust_remote_code),
@@ -87,7 +103,9 @@ def initialize_models(cfg: PipelineConfig, data: PreparedData, sft: Checkpoint |
             f"{needed} tokens exceeds the policy's context of {context}"
         )
     plan = InitPlan(policy_path=policy_path, policy_identity=policy_identity, value_path=value_path,
-                    reward_path=reward.path, reward_identity=reward.model_uri or f"reward:{reward.key}", reference=reference)
+                    reward_path=reward.path if reward is not None else None,
+                    reward_identity=(reward.model_uri or f"reward:{reward.key}") if reward is not None else "none",
+                    reference=reference)
     logger.info("policy from %s, value from %s, reference: %s", policy_identity, value_path, reference)
     return plan
 
@@ -105,19 +123,42 @@ def metric_functions(specs: list[str]) -> dict:
     return {spec.rsplit(":", 1)[1]: load_function(spec, field="eval.metrics") for spec in specs}
 
 
+def reward_sources(cfg: PipelineConfig, plan: InitPlan) -> list:
+    """GRPO's reward sources, loaded: reward models (this run's, a directory, hub name or URI) and functions."""
+    from transformers import AutoModelForSequenceClassification
+
+    from rlhf_core.grpo import function_reward, model_reward
+
+    sources = []
+    for i, r in enumerate(cfg.grpo.rewards):
+        if r.function is not None:
+            sources.append(function_reward(r.name, r.weight, load_function(r.function, field=f"grpo.rewards[{i}].function")))
+            continue
+        path = plan.reward_path if r.model == "reward_stage" else resolve_model_source(
+            r.model, field=f"grpo.rewards[{i}].model", cfg=cfg, world=None)
+        model = AutoModelForSequenceClassification.from_pretrained(path).eval().requires_grad_(False)
+        sources.append(model_reward(r.name, r.weight, model))
+    return sources
+
+
+def rl_key(cfg: PipelineConfig, data: PreparedData, plan: InitPlan) -> str:
+    algorithm_cfg = cfg.ppo if cfg.rl.algorithm == "ppo" else cfg.grpo
+    return stage_key({
+        "rl": cfg.rl.model_dump(mode="json"), cfg.rl.algorithm: algorithm_cfg.model_dump(mode="json"),
+        "init": cfg.init.model_dump(), "lora": cfg.model.lora.model_dump(), "policy": plan.policy_identity,
+        "value": plan.value_path, "reward": plan.reward_identity, "prompts": data.fingerprints["prompts"],
+        "seed": cfg.run.seed, "max_prompt_length": cfg.data.max_prompt_length,
+    })
+
+
 @task(name="train-policy", cache_policy=NO_CACHE)
 def train_policy(cfg: PipelineConfig, data: PreparedData, plan: InitPlan, parent_run_id: str) -> Checkpoint:
-    """PPO on the prompt set against the reward model; resume, evaluate, register every checkpoint."""
+    """PPO or GRPO on the prompt set; resume, evaluate, register every checkpoint as a policy version."""
     from transformers import AutoModelForSequenceClassification
 
     logger = get_run_logger()
     algorithm = cfg.rl.algorithm
-    key = stage_key({
-        "rl": cfg.rl.model_dump(mode="json"), "ppo": cfg.ppo.model_dump(mode="json"), "init": cfg.init.model_dump(),
-        "lora": cfg.model.lora.model_dump(), "policy": plan.policy_identity, "value": plan.value_path,
-        "reward": plan.reward_identity, "prompts": data.fingerprints["prompts"], "seed": cfg.run.seed,
-        "max_prompt_length": cfg.data.max_prompt_length,
-    })
+    key = rl_key(cfg, data, plan)
     out_dir = cfg.run.output_dir / algorithm / key
     name = cfg.registry.policy_model_name
     with tracking.stage_run(parent_run_id, algorithm) as run_id:
@@ -125,20 +166,13 @@ def train_policy(cfg: PipelineConfig, data: PreparedData, plan: InitPlan, parent
         load = dict(revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code, torch_dtype=cfg.model.torch_dtype)
         policy = load_causal_lm(plan.policy_path, **load)
         prepare_for_training(policy, gradient_checkpointing=cfg.model.gradient_checkpointing)
-        ref_model = None
-        if plan.reference == "adapter_disabled":
+        ref_model = load_causal_lm(plan.policy_path, **load) if plan.reference == "copy" else None
+        if cfg.model.lora.enabled:
             from peft import get_peft_model
 
             policy = get_peft_model(policy, _lora(cfg))
-        else:
-            ref_model = load_causal_lm(plan.policy_path, **load)
-            if cfg.model.lora.enabled:
-                from peft import get_peft_model
-
-                policy = get_peft_model(policy, _lora(cfg))
-        value_model = load_reward_model(plan.value_path, tokenizer, seed=cfg.run.seed, torch_dtype=cfg.model.torch_dtype)
-        reward_model = AutoModelForSequenceClassification.from_pretrained(plan.reward_path)
-        prompts = read_column(data.tables["prompts"], "prompt")
+        reward_model = AutoModelForSequenceClassification.from_pretrained(plan.reward_path) if plan.reward_path else None
+        prompt_rows = read_rows(data.tables["prompts"])
         eval_prompts = read_column(data.tables["eval_prompts"], "prompt")[: cfg.eval.num_prompts]
         metrics_fns = metric_functions(cfg.eval.metrics)
         stop_id = tokenizer.eos_token_id if cfg.rl.stop_token == "eos" else None
@@ -155,23 +189,26 @@ def train_policy(cfg: PipelineConfig, data: PreparedData, plan: InitPlan, parent
             if not cfg.tracking.register_models:
                 return
             saved = json.loads((policy_dir.parent / "metrics.json").read_text())
+            kl = saved.get("objective/kl", saved.get("kl"))
             tags = tracking.lineage_tags(
                 stage=algorithm, step=step, config_hash=cfg.config_hash(), data_fingerprint=data.fingerprint,
                 stage_key=key, algorithm=algorithm, reward_model_version=plan.reward_identity,
-                base_model=plan.policy_identity, kl=f"{saved.get('objective/kl', float('nan')):.4f}",
+                base_model=plan.policy_identity, **({"kl": f"{kl:.4f}"} if kl is not None else {}),
             )
             registered[step] = tracking.register_once(policy_dir, name, task="text-generation", tags=tags, run_id=run_id)
             logger.info("%s checkpoint %d is %s", algorithm, step, registered[step])
 
         register_saved_checkpoints(out_dir, "policy", register)
         progress = StageProgress(f"{algorithm}-progress", f"{algorithm.upper()}: {cfg.rl.total_steps} steps")
-        history: dict[str, list[tuple[int, float]]] = {"objective/scores": [], "objective/kl": [], "eval/gold": []}
+        reward_key_name = "objective/scores" if algorithm == "ppo" else "reward"
+        history: dict[str, list[tuple[int, float]]] = {reward_key_name: [], "kl": [], "eval/gold": []}
         gold = next(iter(metrics_fns), None)
 
         def on_log(metrics: dict[str, float], step: int) -> None:
             tracking.log_metrics(run_id, metrics, step)
-            history["objective/scores"].append((step, metrics["objective/scores"]))
-            history["objective/kl"].append((step, metrics["objective/kl"]))
+            history[reward_key_name].append((step, metrics[reward_key_name]))
+            if "objective/kl" in metrics or "kl" in metrics:
+                history["kl"].append((step, metrics.get("objective/kl", metrics.get("kl"))))
             progress.update(step, cfg.rl.total_steps)
 
         def on_eval(rows: list[dict], step: int) -> None:
@@ -183,15 +220,29 @@ def train_policy(cfg: PipelineConfig, data: PreparedData, plan: InitPlan, parent
             publish_table(f"{algorithm}-eval-step-{step}", rows[:20], f"Held-out completions at step {step}")
             logger.info("eval at step %d: %s", step, ", ".join(f"{k}={v:.3f}" for k, v in summary.items()))
 
+        def on_completions(rows: list[dict], step: int) -> None:
+            import pandas as pd
+
+            path = out_dir / "completions" / f"completions_step_{step:06d}.parquet"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            pd.DataFrame(rows).to_parquet(path)
+            tracking.log_artifact(run_id, path, "completions")
+
         if not (out_dir.exists() and any(out_dir.glob("checkpoint-*"))):
             on_eval(evaluate(policy, 0), 0)  # the starting point, for the before/after comparison
-        result = train_ppo(policy, value_model, ref_model, reward_model, tokenizer, prompts, cfg.rl, cfg.ppo, cfg.run,
-                           max_prompt_length=cfg.data.max_prompt_length, output_dir=out_dir, on_log=on_log,
-                           on_checkpoint=register, on_eval=on_eval, evaluate=evaluate, eval_every=cfg.eval.every_steps)
+        common = dict(max_prompt_length=cfg.data.max_prompt_length, output_dir=out_dir, on_log=on_log,
+                      on_checkpoint=register, on_eval=on_eval, evaluate=evaluate, eval_every=cfg.eval.every_steps)
+        if algorithm == "ppo":
+            value_model = load_reward_model(plan.value_path, tokenizer, seed=cfg.run.seed, torch_dtype=cfg.model.torch_dtype)
+            result = train_ppo(policy, value_model, ref_model, reward_model, tokenizer, [r["prompt"] for r in prompt_rows],
+                               cfg.rl, cfg.ppo, cfg.run, **common)
+        else:
+            result = train_grpo(policy, ref_model, reward_sources(cfg, plan), tokenizer, prompt_rows, cfg.rl, cfg.grpo,
+                                cfg.run, on_completions=on_completions, **common)
         progress.update(cfg.rl.total_steps, cfg.rl.total_steps)
         if result.skipped_steps:
             logger.warning("%d optimizer steps were skipped because a loss was not finite", result.skipped_steps)
-        if history["objective/scores"]:
+        if history[reward_key_name]:
             fig = curve_figure({k: v for k, v in history.items() if v}, algorithm.upper())
             tracking.log_figure(run_id, fig, f"{algorithm}_curves.png")
             close(fig)

@@ -118,6 +118,10 @@ def log_figure(run_id: str, figure, artifact_file: str) -> None:
     MlflowClient().log_figure(run_id, figure, artifact_file)
 
 
+def log_artifact(run_id: str, path: str | Path, artifact_path: str | None = None) -> None:
+    MlflowClient().log_artifact(run_id, str(path), artifact_path)
+
+
 def log_table(run_id: str, rows: list[dict], artifact_file: str) -> None:
     """Log rows as an MLflow table artifact (a new file per call; nothing is overwritten)."""
     if rows:

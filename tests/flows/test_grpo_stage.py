@@ -1,0 +1,45 @@
+"""GRPO inside the pipeline: callable rewards skip the reward stage; versions, Parquet completions, resume."""
+
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from mlflow.tracking import MlflowClient
+
+from flows.rlhf_pipeline import rlhf_pipeline
+from rlhf_core.rewards import RewardFunctionError
+
+SMOKE = str(Path(__file__).resolve().parents[2] / "configs" / "smoke.yaml")
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore")]
+VADER_ONLY = "grpo.rewards=[{name: vader, function: 'rlhf_core.rewards:vader_compound'}]"
+
+
+def test_grpo_with_only_callable_rewards_runs_without_a_reward_model(prefect_harness, tmp_path, mlflow_uri):
+    overrides = [f"run.output_dir={tmp_path / 'out'}", f"tracking.uri={mlflow_uri}", "rl.algorithm=grpo", VADER_ONLY,
+                 "grpo.log_completions_steps=1"]
+    summary = rlhf_pipeline(config_path=SMOKE, overrides=overrides)
+    client = MlflowClient(mlflow_uri)
+    assert client.search_model_versions("name = 'smoke-reward-model'") == []
+    versions = sorted(client.search_model_versions("name = 'smoke-policy'"), key=lambda v: int(v.version))
+    assert [(v.tags["stage"], v.tags["step"]) for v in versions] == [("sft", "8"), ("grpo", "1"), ("grpo", "2")]
+    assert versions[-1].tags["algorithm"] == "grpo" and versions[-1].tags["reward_model_version"] == "none"
+    assert summary["reward_model_uri"] is None and summary["algorithm"] == "grpo"
+
+    parent = client.get_run(summary["mlflow_run_id"])
+    [grpo_run] = client.search_runs([parent.info.experiment_id], "attributes.run_name = 'grpo'")
+    assert [m.step for m in client.get_metric_history(grpo_run.info.run_id, "rewards/vader/mean")] == [1, 2]
+    parquet = [a.path for a in client.list_artifacts(grpo_run.info.run_id, "completions")]
+    assert parquet == ["completions/completions_step_000001.parquet", "completions/completions_step_000002.parquet"]
+    local = client.download_artifacts(grpo_run.info.run_id, parquet[0], str(tmp_path))
+    frame = pd.read_parquet(local)
+    assert list(frame.columns) == ["step", "prompt", "completion", "advantage", "reward", "vader"] and len(frame) == 8
+
+
+def test_a_reward_function_that_cannot_be_imported_stops_before_rl(prefect_harness, tmp_path, mlflow_uri):
+    overrides = [f"run.output_dir={tmp_path / 'out'}", f"tracking.uri={mlflow_uri}", "rl.algorithm=grpo",
+                 "grpo.rewards=[{name: bad, function: 'no_such_module:score'}]"]
+    state = rlhf_pipeline(config_path=SMOKE, overrides=overrides, return_state=True)
+    with pytest.raises(RewardFunctionError, match=r"grpo.rewards\[0\].function: could not import module 'no_such_module'"):
+        state.result()
+    versions = MlflowClient(mlflow_uri).search_model_versions("name = 'smoke-policy'")
+    assert [v.tags["stage"] for v in versions] == ["sft"]
