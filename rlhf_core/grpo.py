@@ -137,7 +137,8 @@ def train_grpo(policy, ref_model, rewards: list[RewardSourceFn], tokenizer, prom
         # 1. sample G completions per prompt
         model = loop.unwrapped()
         rollout = collect_rollout(model, ref_model, query_ids, query_mask, settings, pad_token_id=pad_id,
-                                  stop_token_id=stop_id, need_reference=grpo.beta > 0)
+                                  stop_token_id=stop_id, need_reference=grpo.beta > 0,
+                                  need_logprobs=grpo.num_iterations > 1)
         rows = [prompt_rows[i] for i in indices]
         prompts = [r["prompt"] for r in rows]
         completions = tokenizer.batch_decode(rollout.responses, skip_special_tokens=True)
@@ -164,8 +165,9 @@ def train_grpo(policy, ref_model, rewards: list[RewardSourceFn], tokenizer, prom
                 logp, entropy = response_logprobs(loop.trainable, rollout.query_ids[idx], rollout.query_mask[idx],
                                                   rollout.responses[idx], rollout.resp_mask[idx], rl.temperature,
                                                   with_entropy=True)
+                old_logp = rollout.logprobs[idx] if rollout.logprobs is not None else logp.detach()
                 per_token, tstats = grpo_token_loss(
-                    logp, rollout.logprobs[idx], advantages[idx], epsilon_low=eps_low, epsilon_high=eps_high,
+                    logp, old_logp, advantages[idx], epsilon_low=eps_low, epsilon_high=eps_high,
                     beta=grpo.beta, ref_logp=rollout.ref_logprobs[idx] if rollout.ref_logprobs is not None else None)
                 loss = reduce_loss(per_token, m, grpo.loss_type, max_completion_length=rl.response_length,
                                    total_tokens=total_tokens)

@@ -48,25 +48,62 @@ def left_pad(sequences: list[list[int]], pad_token_id: int) -> tuple[torch.Tenso
     return ids, mask
 
 
+def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Top-k then nucleus (top-p) filtering: logits outside are set to -inf. (B, V)"""
+    if top_k and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+        cumulative = sorted_logits.softmax(-1).cumsum(-1)
+        drop_sorted = cumulative - sorted_logits.softmax(-1) > top_p  # keep the token that crosses top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def sample_next(logits: torch.Tensor, settings: SamplingSettings) -> torch.Tensor:
+    """One token per row: argmax when greedy, else a Gumbel-max draw from softmax(logits / T). (B,)
+
+    Gumbel-max samples exactly the softmax distribution and costs one uniform draw per logit,
+    cheaper on the CPU than torch.multinomial over the vocabulary.
+    """
+    if settings.greedy:
+        return logits.argmax(-1)
+    logits = filter_logits(logits.float() / settings.temperature, settings.top_k, settings.top_p)
+    gumbel = -torch.log(-torch.log(torch.rand_like(logits).clamp_(min=1e-20)))
+    return (logits + gumbel).argmax(-1)
+
+
 @torch.no_grad()
 def generate(policy, query_ids: torch.Tensor, query_mask: torch.Tensor, settings: SamplingSettings, *,
              pad_token_id: int, stop_token_id: int | None) -> torch.Tensor:
-    """Sample responses with the KV cache: (B, response_length), truncated after the stop token."""
-    kwargs = dict(max_new_tokens=settings.response_length, min_new_tokens=1, pad_token_id=pad_token_id, use_cache=True)
-    if settings.greedy:
-        kwargs.update(do_sample=False)
-    else:
-        kwargs.update(do_sample=True, temperature=settings.temperature, top_k=settings.top_k, top_p=settings.top_p)
-    # eos stops generation only when it is the stop token; otherwise all response_length tokens are sampled
-    kwargs["eos_token_id"] = stop_token_id
-    out = policy.generate(input_ids=query_ids, attention_mask=query_mask, **kwargs)
-    responses = out[:, query_ids.shape[1]:]
-    if responses.shape[1] < settings.response_length:  # every row stopped early
-        fill = torch.full((responses.shape[0], settings.response_length - responses.shape[1]), pad_token_id,
-                          dtype=responses.dtype, device=responses.device)
-        responses = torch.cat([responses, fill], dim=1)
-    if stop_token_id is not None:
-        responses = truncate_after_stop(responses, stop_token_id, pad_token_id)
+    """Sample responses with the KV cache: (B, response_length), padded after the stop token.
+
+    A plain decode loop over the model's forward with `past_key_values`: one batched forward per
+    new token, position ids from the attention mask (left padding), the first token never the stop
+    token, and an early exit once every row has stopped.
+    """
+    batch = query_ids.shape[0]
+    responses = torch.full((batch, settings.response_length), pad_token_id, dtype=torch.long, device=query_ids.device)
+    done = torch.zeros(batch, dtype=torch.bool, device=query_ids.device)
+    mask = query_mask
+    out = policy(input_ids=query_ids, attention_mask=mask, position_ids=position_ids_from_mask(mask), use_cache=True)
+    for t in range(settings.response_length):
+        logits = out.logits[:, -1, :]
+        if t == 0 and stop_token_id is not None:
+            logits = logits.clone()
+            logits[:, stop_token_id] = float("-inf")  # at least one real token
+        token = sample_next(logits, settings).masked_fill(done, pad_token_id)
+        responses[:, t] = token
+        if stop_token_id is not None:
+            done = done | (token == stop_token_id)
+        if bool(done.all()) or t == settings.response_length - 1:
+            break
+        mask = torch.cat([mask, (~done | (token == stop_token_id)).long().unsqueeze(1)], dim=1)
+        positions = (mask.sum(1, keepdim=True) - 1).clamp(min=0)
+        out = policy(input_ids=token.unsqueeze(1), attention_mask=mask, position_ids=positions,
+                     past_key_values=out.past_key_values, use_cache=True)
     return responses
 
 
@@ -122,7 +159,7 @@ class Rollout:
     responses: torch.Tensor  # (B, R) right-padded after the stop token
     resp_mask: torch.Tensor  # (B, R)
     last_index: torch.Tensor  # (B,) index of the last real response token
-    logprobs: torch.Tensor  # (B, R) policy at sampling time
+    logprobs: torch.Tensor | None  # (B, R) policy at sampling time; None when not asked for
     ref_logprobs: torch.Tensor | None  # (B, R)
     has_stop: torch.Tensor  # (B,) bool: the response ended with the stop token
 
@@ -136,12 +173,18 @@ def reference_context(policy, ref_model):
 
 @torch.no_grad()
 def collect_rollout(policy, ref_model, query_ids, query_mask, settings: SamplingSettings, *, pad_token_id: int,
-                    stop_token_id: int | None, need_reference: bool = True) -> Rollout:
-    """Generate responses and score them under the policy and, when asked, the reference."""
+                    stop_token_id: int | None, need_reference: bool = True, need_logprobs: bool = True) -> Rollout:
+    """Generate responses and score them under the policy and, when asked, the reference.
+
+    need_logprobs=False skips the policy's forward pass: with one update per batch the "old"
+    log-probabilities equal the first update's own, detached (GRPO with num_iterations 1, as TRL).
+    """
     policy.eval()
     responses = generate(policy, query_ids, query_mask, settings, pad_token_id=pad_token_id, stop_token_id=stop_token_id)
     resp_mask, last_index = response_mask(responses, pad_token_id)
-    logprobs, _ = response_logprobs(policy, query_ids, query_mask, responses, resp_mask, settings.temperature)
+    logprobs = None
+    if need_logprobs:
+        logprobs, _ = response_logprobs(policy, query_ids, query_mask, responses, resp_mask, settings.temperature)
     ref_logprobs = None
     if need_reference:
         with reference_context(policy, ref_model):

@@ -1,0 +1,181 @@
+"""GRPO: seconds per optimizer step against TRL 1.16's GRPOTrainer, reward curves, and the demo's gold gain.
+
+Part A: the same SFT-initialized tiny Llama, 4 prompts x 8 generations per step, 16 new tokens,
+temperature 1.0, beta 0.04, loss dapo, scale_rewards group, the VADER compound score of the
+completion as the only reward, the same learning rate and steps. Each side in its own process; order
+TRL, ours, ours, TRL; best of two; the reward curve is the mean reward over the steps.
+Part B: our GRPO with the demo world's reward function (VADER) at demo sizes; gold (VADER) and KL of
+near-greedy held-out completions before and after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+STEPS, PROMPTS, G, TOKENS, SEED, LR = 12, 4, 8, 16, 42, 2e-3
+
+
+def prepare(root: Path) -> None:
+    from rlhf_core.config import DemoModelConfig, DemoWorldConfig, RunConfig, SFTConfig
+    from rlhf_core.data import read_column
+    from rlhf_core.demo_world import build_demo_world
+    from rlhf_core.models import load_causal_lm, load_tokenizer
+    from rlhf_core.sft import train_sft
+
+    world = build_demo_world(root / "world", SEED, DemoWorldConfig(), DemoModelConfig())
+    model, tok = load_causal_lm(str(world.base_model)), load_tokenizer(str(world.tokenizer))
+    train_sft(model, tok, read_column(world.corpus, "text"), SFTConfig(max_steps=300), RunConfig(device="cpu", seed=SEED),
+              max_length=48, output_dir=root / "sft", show_progress=False)
+
+
+def vader_reward(prompts, completions, **kwargs):
+    from rlhf_core.rewards import vader_compound
+
+    return vader_compound(completions=completions)
+
+
+def side_ours(root: Path) -> dict:
+    from rlhf_core.config import GRPOConfig, RLConfig, RunConfig
+    from rlhf_core.data import read_rows
+    from rlhf_core.grpo import function_reward, train_grpo
+    from rlhf_core.models import load_causal_lm, load_tokenizer
+
+    tok = load_tokenizer(str(root / "sft"))
+    policy, ref = load_causal_lm(str(root / "sft")), load_causal_lm(str(root / "sft"))
+    rows = read_rows(root / "world" / "prompts" / "train.jsonl")
+    rl = RLConfig(algorithm="grpo", total_steps=STEPS, batch_size=PROMPTS * G, learning_rate=LR, response_length=TOKENS,
+                  temperature=1.0, save_steps=STEPS, log_steps=1)
+    rewards = []
+    start = time.perf_counter()
+    train_grpo(policy, ref, [function_reward("vader", 1.0, vader_reward)], tok, rows, rl,
+               GRPOConfig(num_generations=G, beta=0.04), RunConfig(device="cpu", seed=SEED), max_prompt_length=16,
+               output_dir=root / f"ours-{time.time_ns()}", on_log=lambda m, s: rewards.append(m["reward"]), show_progress=False)
+    return {"seconds_per_step": (time.perf_counter() - start) / STEPS, "rewards": rewards}
+
+
+def side_trl(root: Path) -> dict:
+    import datasets
+    from transformers import AutoModelForCausalLM, TrainerCallback
+    from trl import GRPOConfig as TRLGRPOConfig
+    from trl import GRPOTrainer
+
+    from rlhf_core.data import read_column
+    from rlhf_core.models import load_tokenizer
+
+    tok = load_tokenizer(str(root / "sft"))
+    tok.padding_side = "left"
+    prompts = read_column(root / "world" / "prompts" / "train.jsonl", "prompt")
+    rewards = []
+
+    class Rewards(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "reward" in logs:
+                rewards.append(logs["reward"])
+
+    args = TRLGRPOConfig(
+        output_dir=str(root / f"trl-{time.time_ns()}"), per_device_train_batch_size=PROMPTS * G, num_generations=G,
+        max_completion_length=TOKENS, max_steps=STEPS, learning_rate=LR, beta=0.04, temperature=1.0, use_cpu=True,
+        bf16=False, gradient_checkpointing=False, logging_steps=1, report_to=[], save_strategy="no", seed=SEED,
+        disable_tqdm=True, loss_type="dapo", scale_rewards="group",
+    )
+    trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(root / "sft"), reward_funcs=[vader_reward],
+                          args=args, train_dataset=datasets.Dataset.from_dict({"prompt": prompts}), processing_class=tok,
+                          callbacks=[Rewards()])
+    start = time.perf_counter()
+    trainer.train()
+    return {"seconds_per_step": (time.perf_counter() - start) / STEPS, "rewards": rewards}
+
+
+def learning(root: Path) -> dict:
+    """Part B: GRPO on the demo world with VADER as the reward function; gold and KL before and after."""
+    from rlhf_core.config import GRPOConfig, RLConfig, load_config
+    from rlhf_core.data import read_column, read_rows
+    from rlhf_core.evaluation import evaluate_generations, summarize_rows
+    from rlhf_core.grpo import function_reward, train_grpo
+    from rlhf_core.models import load_causal_lm, load_tokenizer
+    from rlhf_core.rewards import vader_compound
+
+    cfg = load_config(HERE.parent / "configs" / "demo.yaml")
+    tok = load_tokenizer(str(root / "sft"))
+    policy, ref = load_causal_lm(str(root / "sft")), load_causal_lm(str(root / "sft"))
+    rows = read_rows(root / "world" / "prompts" / "train.jsonl")
+    eval_prompts = read_column(root / "world" / "prompts" / "test.jsonl", "prompt")[: cfg.eval.num_prompts]
+
+    def evaluate(model):
+        out = evaluate_generations(model, ref, None, tok, eval_prompts, response_length=12, max_prompt_length=16,
+                                   metrics={"vader": vader_compound}, batch_size=64, stop_token_id=tok.eos_token_id)
+        return summarize_rows(out)
+
+    rl = RLConfig(algorithm="grpo", total_steps=60, batch_size=64, learning_rate=2e-3, response_length=12, temperature=1.0,
+                  save_steps=60)
+    before = evaluate(policy)
+    start = time.perf_counter()
+    train_grpo(policy, ref, [function_reward("vader", 1.0, vader_reward)], tok, rows, rl, GRPOConfig(num_generations=8, beta=0.04),
+               cfg.run, max_prompt_length=16, output_dir=root / "learning", show_progress=False)
+    seconds = time.perf_counter() - start
+    after = evaluate(policy)
+    return {"gold_before": before["eval/vader_mean"], "gold_after": after["eval/vader_mean"], "kl_after": after["eval/kl_mean"],
+            "steps": rl.total_steps, "wall_s": seconds}
+
+
+def run_side(name: str, root: Path) -> dict:
+    out = root / f"{name}-{time.time_ns()}.json"
+    subprocess.run([sys.executable, __file__, "--side", name, "--root", str(root), "--out", str(out)], check=True)
+    return json.loads(out.read_text())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--side", choices=["prepare", "ours", "trl", "learning"])
+    parser.add_argument("--root")
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")
+    if args.side:
+        sys.path.insert(0, str(HERE))
+        if args.side == "trl":
+            from anchors import use_anchor
+
+            use_anchor("trl", "1.16.0")
+        result = {"prepare": prepare, "ours": side_ours, "trl": side_trl, "learning": learning}[args.side](Path(args.root))
+        if result is not None:
+            result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+            Path(args.out).write_text(json.dumps(result))
+        return
+
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        subprocess.run([sys.executable, __file__, "--side", "prepare", "--root", str(root), "--out", str(root / "p.json")], check=True)
+        anchor = [run_side("trl", root)]
+        ours = [run_side("ours", root), run_side("ours", root)]
+        anchor.append(run_side("trl", root))
+        learned = run_side("learning", root)
+    best_ours = min(ours, key=lambda r: r["seconds_per_step"])
+    best_anchor = min(anchor, key=lambda r: r["seconds_per_step"])
+    mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
+    ours_curve, anchor_curve = mean(ours[0]["rewards"]), mean(anchor[0]["rewards"])
+    result = {
+        "metric": "seconds per GRPO optimizer step", "unit": "s/step",
+        "ours": best_ours["seconds_per_step"], "anchor": best_anchor["seconds_per_step"],
+        "anchor_name": "trl 1.16.0 GRPOTrainer", "ratio": best_ours["seconds_per_step"] / best_anchor["seconds_per_step"],
+        "ours_mean_reward": ours_curve, "anchor_mean_reward": anchor_curve,
+        "ours_rewards": ours[0]["rewards"], "anchor_rewards": anchor[0]["rewards"], "learning": learned,
+        "notes": (f"mean reward over {STEPS} steps ours {ours_curve:.3f} vs TRL {anchor_curve:.3f}; "
+                  f"demo gold (VADER) {learned['gold_before']:.2f} -> {learned['gold_after']:.2f}, KL {learned['kl_after']:.2f}, "
+                  f"{learned['steps']} steps in {learned['wall_s']:.0f} s; {PROMPTS}x{G} completions x {TOKENS} tokens, beta 0.04, CPU"),
+    }
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

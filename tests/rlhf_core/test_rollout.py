@@ -1,0 +1,57 @@
+import json
+
+import pytest
+import torch
+
+from rlhf_core.models import load_causal_lm, load_tokenizer
+from rlhf_core.ppo_math import response_mask
+from rlhf_core.rollout import (
+    SamplingSettings, filter_logits, generate, left_pad, position_ids_from_mask, response_logprobs, sample_next,
+    tokenize_prompts,
+)
+
+
+def batch(world, n=6):
+    tok = load_tokenizer(str(world.tokenizer))
+    prompts = [json.loads(line)["prompt"] for line in world.prompts("train").read_text().splitlines()][:n]
+    ids, mask = left_pad(tokenize_prompts(tok, prompts, 12), tok.pad_token_id)
+    return tok, ids, mask
+
+
+def test_greedy_decode_loop_matches_transformers_generate(smoke_world):
+    tok, ids, mask = batch(smoke_world)
+    model = load_causal_lm(str(smoke_world.base_model)).eval()
+    ours = generate(model, ids, mask, SamplingSettings(response_length=7, greedy=True), pad_token_id=tok.pad_token_id,
+                    stop_token_id=tok.eos_token_id)
+    theirs = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=7, min_new_tokens=1,
+                            eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)[:, ids.shape[1]:]
+    width = theirs.shape[1]
+    assert torch.equal(ours[:, :width], theirs)
+    assert (ours[:, width:] == tok.pad_token_id).all()
+
+
+def test_left_padding_does_not_change_log_probabilities(smoke_world):
+    tok, ids, mask = batch(smoke_world)
+    model = load_causal_lm(str(smoke_world.base_model)).eval()
+    responses = generate(model, ids, mask, SamplingSettings(response_length=5), pad_token_id=tok.pad_token_id,
+                         stop_token_id=tok.eos_token_id)
+    resp_mask, _ = response_mask(responses, tok.pad_token_id)
+    with torch.no_grad():
+        batched, _ = response_logprobs(model, ids, mask, responses, resp_mask)
+        for row in range(ids.shape[0]):
+            real = mask[row].bool()
+            alone, _ = response_logprobs(model, ids[row, real][None], mask[row, real][None], responses[row][None], resp_mask[row][None])
+            torch.testing.assert_close(batched[row], alone[0], atol=1e-4, rtol=1e-4)
+    assert position_ids_from_mask(torch.tensor([[0, 0, 1, 1]])).tolist() == [[0, 0, 0, 1]]
+
+
+def test_filtering_and_sampling():
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.0]])
+    assert torch.isinf(filter_logits(logits, top_k=2, top_p=1.0)).tolist() == [[True, False, False, True]]
+    # softmax of [3, 2, 1, 0] is [0.64, 0.24, 0.09, 0.03]: top_p 0.7 keeps the two tokens that reach it
+    assert torch.isinf(filter_logits(logits, top_k=0, top_p=0.7)).tolist() == [[True, False, False, True]]
+    torch.manual_seed(0)
+    draws = torch.stack([sample_next(logits.expand(4000, 4), SamplingSettings(response_length=1)) for _ in range(5)]).flatten()
+    freq = torch.bincount(draws, minlength=4).float() / draws.numel()
+    torch.testing.assert_close(freq, torch.softmax(logits[0], -1), atol=0.02, rtol=0)
+    assert sample_next(logits, SamplingSettings(response_length=1, greedy=True)).item() == 1
