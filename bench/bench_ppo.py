@@ -3,7 +3,7 @@
 Part A (timing): the same SFT-initialized tiny Llama, the same reward model (value model initialized
 from it on both sides), 32 prompts per batch, 16-token responses, temperature 0.7, eos as stop
 token, 4 PPO epochs, 1 mini-batch, kl_coef 0.05, gradient checkpointing off, no evaluation. Each
-side runs in its own process (so peak RSS is its own); order TRL, ours, ours, TRL; best of two.
+side runs in its own process (so peak RSS is its own); order TRL, ours, ours, TRL, TRL, ours; best of three.
 Part B (learning): our PPO with configs/demo.yaml's RL settings; VADER (gold) score and KL of
 near-greedy held-out completions before and after.
 """
@@ -167,9 +167,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         subprocess.run([sys.executable, __file__, "--side", "prepare", "--root", str(root), "--out", str(root / "p.json")], check=True)
-        anchor = [run_side("trl", root)]
-        ours = [run_side("ours", root), run_side("ours", root)]
-        anchor.append(run_side("trl", root))
+        anchor, ours = [], []
+        for side in "TOOTTO":  # interleaved, so drifting machine load hits both sides alike
+            (anchor if side == "T" else ours).append(run_side("trl" if side == "T" else "ours", root))
         learned = run_side("learning", root)
     best_ours = min(ours, key=lambda r: r["seconds_per_batch"])
     best_anchor = min(anchor, key=lambda r: r["seconds_per_batch"])

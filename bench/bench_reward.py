@@ -3,7 +3,7 @@
 Same SFT-initialized tiny Llama, same VADER-labelled pairs, batch size, learning rate, schedule,
 max length and steps; each side trains, evaluates once and saves one checkpoint with its optimizer
 state at the end. TRL 1.16's RewardTrainer runs with gradient checkpointing off (ours is off by
-default; TRL's default is on) and on the CPU. Order: TRL, ours, ours, TRL; best of two each.
+default; TRL's default is on) and on the CPU. Order: TRL, ours, ours, TRL, TRL, ours; best of three.
 """
 
 from __future__ import annotations
@@ -79,10 +79,12 @@ def main() -> None:
         train_sft(model, tok, read_column(world.corpus, "text"), SFTConfig(max_steps=300), RunConfig(device="cpu", seed=SEED),
                   max_length=MAX_LEN, output_dir=tmp / "sft", show_progress=False)
         train, test = read_rows(world.preferences("train")), read_rows(world.preferences("test"))
-        anchor = [run_trl(tmp / "sft", train, test, tmp / "trl1")]
-        ours = [run_ours(tmp / "sft", train, test, tmp / "ours1")]
-        ours.append(run_ours(tmp / "sft", train, test, tmp / "ours2"))
-        anchor.append(run_trl(tmp / "sft", train, test, tmp / "trl2"))
+        anchor, ours = [], []
+        for i, side in enumerate("TOOTTO"):  # interleaved, so drifting machine load hits both sides alike
+            if side == "T":
+                anchor.append(run_trl(tmp / "sft", train, test, tmp / f"trl{i}"))
+            else:
+                ours.append(run_ours(tmp / "sft", train, test, tmp / f"ours{i}"))
 
     best_ours, best_anchor = min(s for s, _ in ours), min(s for s, _ in anchor)
     result = {
@@ -92,7 +94,7 @@ def main() -> None:
         "ours_wall_s": best_ours, "anchor_wall_s": best_anchor,
         "ours_eval": ours[0][1], "anchor_eval": anchor[0][1],
         "notes": (f"held-out accuracy ours {ours[0][1]['eval_accuracy']:.3f} vs TRL {anchor[0][1]['eval_accuracy']:.3f}; "
-                  f"{STEPS} steps, batch {BATCH} pairs, length {MAX_LEN}, demo world, CPU, best of 2"),
+                  f"{STEPS} steps, batch {BATCH} pairs, length {MAX_LEN}, demo world, CPU, best of 3"),
     }
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2))

@@ -88,7 +88,8 @@ def generate(policy, query_ids: torch.Tensor, query_mask: torch.Tensor, settings
     responses = torch.full((batch, settings.response_length), pad_token_id, dtype=torch.long, device=query_ids.device)
     done = torch.zeros(batch, dtype=torch.bool, device=query_ids.device)
     mask = query_mask
-    out = policy(input_ids=query_ids, attention_mask=mask, position_ids=position_ids_from_mask(mask), use_cache=True)
+    out = policy(input_ids=query_ids, attention_mask=mask, position_ids=position_ids_from_mask(mask), use_cache=True,
+                 logits_to_keep=1)  # the prefill needs the last position's logits only
     for t in range(settings.response_length):
         logits = out.logits[:, -1, :]
         if t == 0 and stop_token_id is not None:
@@ -117,10 +118,10 @@ def response_logprobs(model, query_ids: torch.Tensor, query_mask: torch.Tensor, 
     """log pi(response token | prefix) for each response token, INVALID_LOGPROB on padding. (B, R)"""
     input_ids = torch.cat([query_ids, responses], dim=1)
     attention_mask = _full_mask(query_mask, resp_mask)
+    # logits only where they predict a response token: the vocabulary projection is most of the cost
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask),
-                use_cache=False)
-    context = query_ids.shape[1]
-    logits = out.logits[:, context - 1 : -1].float() / (temperature + 1e-7)  # (B, R, V)
+                use_cache=False, logits_to_keep=responses.shape[1] + 1)
+    logits = out.logits[:, :-1].float() / (temperature + 1e-7)  # (B, R, V)
     logp = selective_log_softmax(logits, responses).masked_fill(resp_mask == 0, INVALID_LOGPROB)
     entropy = entropy_from_logits(logits) if with_entropy else None
     return logp, entropy
