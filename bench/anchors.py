@@ -1,11 +1,15 @@
-"""Anchor libraries live in bench/.anchors/<name>-<version>, installed with --no-deps --target so that
-they never change the project's own pins; `use_anchor` puts one on sys.path."""
+"""Anchors and the shared harness of the benchmarks.
+
+Anchor libraries live in bench/.anchors/<name>-<version>, installed with --no-deps --target so that
+they never change the project's own pins; `use_anchor` puts one on sys.path.
+"""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 from pathlib import Path
+from typing import Callable
 
 ANCHORS = Path(__file__).resolve().parent / ".anchors"
 
@@ -17,3 +21,54 @@ def use_anchor(package: str, version: str) -> Path:
                         f"{package}=={version}"], check=True)
     sys.path.insert(0, str(target))
     return target
+
+
+def side_process_main(script: str, sides: dict, anchor: tuple[str, str], measure: Callable[[Callable[[str], dict]], dict]) -> None:
+    """The shared entry point of the per-process benchmarks (PPO, GRPO).
+
+    With --side NAME this process runs one side (`sides[NAME](root)`) and writes its JSON with the
+    peak RSS; without it, it prepares a temporary root, and `measure(run_side)` decides which sides
+    to run (each in a fresh process) and returns the result written to --out.
+    """
+    import argparse
+    import json
+    import resource
+    import tempfile
+    import time
+    import warnings
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--side", choices=sorted(sides))
+    parser.add_argument("--root")
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")
+    if args.side:
+        if args.side == "trl":
+            use_anchor(*anchor)
+        result = sides[args.side](Path(args.root))
+        if result is not None:
+            result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+            Path(args.out).write_text(json.dumps(result))
+        return
+
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+
+        def run_side(name: str) -> dict:
+            out = root / f"{name}-{time.time_ns()}.json"
+            subprocess.run([sys.executable, script, "--side", name, "--root", str(root), "--out", str(out)], check=True)
+            return json.loads(out.read_text()) if out.is_file() else {}
+
+        run_side("prepare")
+        result = measure(run_side)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    print(json.dumps(result, indent=2))
+
+
+def interleaved(run_side: Callable[[str], dict]) -> tuple[list[dict], list[dict]]:
+    """(anchor runs, our runs): TRL, ours, ours, TRL, TRL, ours, so drifting load hits both alike."""
+    anchor, ours = [], []
+    for side in "TOOTTO":
+        (anchor if side == "T" else ours).append(run_side("trl" if side == "T" else "ours"))
+    return anchor, ours

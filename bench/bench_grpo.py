@@ -10,15 +10,10 @@ near-greedy held-out completions before and after.
 
 from __future__ import annotations
 
-import argparse
-import json
-import resource
-import subprocess
-import sys
-import tempfile
 import time
-import warnings
 from pathlib import Path
+
+from anchors import interleaved, side_process_main
 
 HERE = Path(__file__).resolve().parent
 STEPS, PROMPTS, G, TOKENS, SEED, LR = 30, 4, 8, 16, 42, 2e-3
@@ -127,38 +122,9 @@ def learning(root: Path) -> dict:
             "steps": rl.total_steps, "wall_s": seconds}
 
 
-def run_side(name: str, root: Path) -> dict:
-    out = root / f"{name}-{time.time_ns()}.json"
-    subprocess.run([sys.executable, __file__, "--side", name, "--root", str(root), "--out", str(out)], check=True)
-    return json.loads(out.read_text())
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--side", choices=["prepare", "ours", "trl", "learning"])
-    parser.add_argument("--root")
-    args = parser.parse_args()
-    warnings.filterwarnings("ignore")
-    if args.side:
-        sys.path.insert(0, str(HERE))
-        if args.side == "trl":
-            from anchors import use_anchor
-
-            use_anchor("trl", "1.16.0")
-        result = {"prepare": prepare, "ours": side_ours, "trl": side_trl, "learning": learning}[args.side](Path(args.root))
-        if result is not None:
-            result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-            Path(args.out).write_text(json.dumps(result))
-        return
-
-    with tempfile.TemporaryDirectory() as tmp:
-        root = Path(tmp)
-        subprocess.run([sys.executable, __file__, "--side", "prepare", "--root", str(root), "--out", str(root / "p.json")], check=True)
-        anchor, ours = [], []
-        for side in "TOOTTO":  # interleaved, so drifting machine load hits both sides alike
-            (anchor if side == "T" else ours).append(run_side("trl" if side == "T" else "ours", root))
-        learned = run_side("learning", root)
+def measure(run_side) -> dict:
+    anchor, ours = interleaved(run_side)
+    learned = run_side("learning")
     best_ours = min(ours, key=lambda r: r["seconds_per_step"])
     best_anchor = min(anchor, key=lambda r: r["seconds_per_step"])
     mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
@@ -173,9 +139,9 @@ def main() -> None:
                   f"demo gold (VADER) {learned['gold_before']:.2f} -> {learned['gold_after']:.2f}, KL {learned['kl_after']:.2f}, "
                   f"{learned['steps']} steps in {learned['wall_s']:.0f} s; {PROMPTS}x{G} completions x {TOKENS} tokens, beta 0.04, CPU"),
     }
-    Path(args.out).write_text(json.dumps(result, indent=2))
-    print(json.dumps(result, indent=2))
+    return result
 
 
 if __name__ == "__main__":
-    main()
+    side_process_main(__file__, {"prepare": prepare, "ours": side_ours, "trl": side_trl, "learning": learning},
+                      ("trl", "1.16.0"), measure)

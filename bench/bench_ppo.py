@@ -10,15 +10,10 @@ near-greedy held-out completions before and after.
 
 from __future__ import annotations
 
-import argparse
-import json
-import resource
-import subprocess
-import sys
-import tempfile
 import time
-import warnings
 from pathlib import Path
+
+from anchors import interleaved, side_process_main
 
 HERE = Path(__file__).resolve().parent
 BATCHES, BATCH, RESPONSE, SEED = 8, 32, 16, 42
@@ -46,19 +41,26 @@ def prepare(root: Path) -> None:
     (root / "reward_dir").write_text(str(result.checkpoint))
 
 
-def side_ours(root: Path) -> dict:
+def load_models(root: Path):
+    """(tokenizer, policy, reference, value model, reward model): SFT policy twice, reward model twice."""
     from transformers import AutoModelForSequenceClassification
 
-    from rlhf_core.config import PPOConfig, RLConfig, RunConfig
-    from rlhf_core.data import read_column
     from rlhf_core.models import load_causal_lm, load_tokenizer
-    from rlhf_core.ppo import train_ppo
 
     reward_dir = (root / "reward_dir").read_text()
     tok = load_tokenizer(str(root / "sft"))
     policy, ref = load_causal_lm(str(root / "sft")), load_causal_lm(str(root / "sft"))
     value = AutoModelForSequenceClassification.from_pretrained(reward_dir)
     reward = AutoModelForSequenceClassification.from_pretrained(reward_dir)
+    return tok, policy, ref, value, reward
+
+
+def side_ours(root: Path) -> dict:
+    from rlhf_core.config import PPOConfig, RLConfig, RunConfig
+    from rlhf_core.data import read_column
+    from rlhf_core.ppo import train_ppo
+
+    tok, policy, ref, value, reward = load_models(root)
     prompts = read_column(root / "world" / "prompts" / "train.jsonl", "prompt")
     rl = RLConfig(total_steps=BATCHES, batch_size=BATCH, learning_rate=1e-4, response_length=RESPONSE, temperature=0.7,
                   save_steps=BATCHES, log_steps=BATCHES)
@@ -103,21 +105,14 @@ def side_trl(root: Path) -> dict:
 
 def learning(root: Path) -> dict:
     """Part B: demo-config PPO, gold (VADER) and KL of near-greedy held-out completions before and after."""
-    from transformers import AutoModelForSequenceClassification
-
     from rlhf_core.config import load_config
     from rlhf_core.data import read_column
     from rlhf_core.evaluation import evaluate_generations, summarize_rows
-    from rlhf_core.models import load_causal_lm, load_tokenizer
     from rlhf_core.ppo import train_ppo
     from rlhf_core.rewards import vader_compound
 
     cfg = load_config(HERE.parent / "configs" / "demo.yaml")
-    reward_dir = (root / "reward_dir").read_text()
-    tok = load_tokenizer(str(root / "sft"))
-    policy, ref = load_causal_lm(str(root / "sft")), load_causal_lm(str(root / "sft"))
-    value = AutoModelForSequenceClassification.from_pretrained(reward_dir)
-    reward = AutoModelForSequenceClassification.from_pretrained(reward_dir)
+    tok, policy, ref, value, reward = load_models(root)
     prompts = read_column(root / "world" / "prompts" / "train.jsonl", "prompt")
     eval_prompts = read_column(root / "world" / "prompts" / "test.jsonl", "prompt")[: cfg.eval.num_prompts]
 
@@ -138,39 +133,9 @@ def learning(root: Path) -> dict:
             "steps": cfg.rl.total_steps, "wall_s": seconds, "samples": samples}
 
 
-def run_side(name: str, root: Path) -> dict:
-    out = root / f"{name}-{time.time_ns()}.json"
-    subprocess.run([sys.executable, __file__, "--side", name, "--root", str(root), "--out", str(out)], check=True)
-    return json.loads(out.read_text())
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--side", choices=["prepare", "ours", "trl", "learning"])
-    parser.add_argument("--root")
-    args = parser.parse_args()
-    warnings.filterwarnings("ignore")
-    if args.side:
-        sys.path.insert(0, str(HERE))
-        if args.side == "trl":
-            from anchors import use_anchor
-
-            use_anchor("trl", "1.12.0")
-        root = Path(args.root)
-        result = {"prepare": prepare, "ours": side_ours, "trl": side_trl, "learning": learning}[args.side](root)
-        if result is not None:
-            result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-            Path(args.out).write_text(json.dumps(result))
-        return
-
-    with tempfile.TemporaryDirectory() as tmp:
-        root = Path(tmp)
-        subprocess.run([sys.executable, __file__, "--side", "prepare", "--root", str(root), "--out", str(root / "p.json")], check=True)
-        anchor, ours = [], []
-        for side in "TOOTTO":  # interleaved, so drifting machine load hits both sides alike
-            (anchor if side == "T" else ours).append(run_side("trl" if side == "T" else "ours", root))
-        learned = run_side("learning", root)
+def measure(run_side) -> dict:
+    anchor, ours = interleaved(run_side)
+    learned = run_side("learning")
     best_ours = min(ours, key=lambda r: r["seconds_per_batch"])
     best_anchor = min(anchor, key=lambda r: r["seconds_per_batch"])
     result = {
@@ -183,9 +148,9 @@ def main() -> None:
                   f"demo gold (VADER) {learned['gold_before']:.2f} -> {learned['gold_after']:.2f}, KL {learned['kl_after']:.2f}, "
                   f"{learned['steps']} steps in {learned['wall_s']:.0f} s; {BATCH} prompts x {RESPONSE} tokens, 4 epochs, CPU"),
     }
-    Path(args.out).write_text(json.dumps(result, indent=2))
-    print(json.dumps(result, indent=2))
+    return result
 
 
 if __name__ == "__main__":
-    main()
+    side_process_main(__file__, {"prepare": prepare, "ours": side_ours, "trl": side_trl, "learning": learning},
+                      ("trl", "1.12.0"), measure)

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import json
 import random
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
+
+from rlhf_core.training import atomic_dir
 
 STATE_DIR = "training_state"
 TENSORS = "tensors.safetensors"
@@ -84,16 +84,9 @@ def save_training_state(directory: str | Path, *, optimizer, scheduler, progress
         "rng": encode(rng_state(), tensors, "rng"),
         "progress": encode(progress, tensors, "progress"),
     }
-    tmp = Path(tempfile.mkdtemp(prefix=f".{STATE_DIR}-", dir=Path(directory)))
-    try:
+    with atomic_dir(target) as tmp:
         save_file(tensors, str(tmp / TENSORS))
         (tmp / STATE_JSON).write_text(json.dumps(payload))
-        if target.exists():
-            shutil.rmtree(target)
-        tmp.rename(target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return target
 
 

@@ -44,17 +44,11 @@ def first_true_indices(bools: torch.Tensor, dtype=torch.long) -> torch.Tensor:
     return torch.min(zero_or_index, dim=-1).values
 
 
-def truncate_after_stop(responses: torch.Tensor, stop_token_id: int, pad_token_id: int) -> torch.Tensor:
-    """Keep each response up to and including its first stop token; pad everything after it. (B, T)"""
-    stop_at = first_true_indices(responses == stop_token_id).unsqueeze(-1)  # (B, 1)
-    positions = torch.arange(responses.shape[1], device=responses.device).view(1, -1)
-    return torch.masked_fill(responses, positions > stop_at, pad_token_id)
-
-
 def response_mask(responses: torch.Tensor, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(mask (B, T) with 1 up to the last real token, index of the last real token (B,)).
 
-    Responses are right-padded after `truncate_after_stop`, so the first pad ends the response.
+    Responses are right-padded after their stop token (see `rollout.generate`), so the first pad ends
+    the response.
     A response that is all padding keeps its first token so every row has a place for its score.
     """
     last = (first_true_indices(responses == pad_token_id) - 1).clamp(min=0)  # (B,)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rlhf_core.ppo_math import INVALID_LOGPROB, entropy_from_logits, response_mask, selective_log_softmax, truncate_after_stop
+from rlhf_core.ppo_math import INVALID_LOGPROB, entropy_from_logits, response_mask, selective_log_softmax
 
 NEAR_GREEDY_TEMPERATURE = 0.01 + 1e-7  # the reference's evaluation setting
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import random
 import shutil
 import tempfile
-from pathlib import Path
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Callable, Iterator, Protocol
 
 from rlhf_core.config import OptimSettings, RunConfig

@@ -10,7 +10,6 @@ import hashlib
 import json
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE

@@ -5,8 +5,7 @@ import torch
 
 from rlhf_core.ppo_math import (
     AdaptiveKLController, FixedKLController, compute_gae, entropy_from_logits, first_true_indices, kl_penalized_rewards,
-    kl_per_token, masked_mean, masked_whiten, policy_loss, response_mask, selective_log_softmax, truncate_after_stop,
-    value_loss,
+    kl_per_token, masked_mean, masked_whiten, policy_loss, response_mask, selective_log_softmax, value_loss,
 )
 
 
@@ -94,12 +93,9 @@ def test_adaptive_kl_controller_update():
     assert fixed.value == 0.05
 
 
-def test_stop_token_truncation_and_masks():
-    pad, eos = 0, 9
-    responses = torch.tensor([[5, 9, 7, 7], [5, 6, 7, 8], [9, 3, 3, 3]])
-    cut = truncate_after_stop(responses, eos, pad)
-    assert cut.tolist() == [[5, 9, 0, 0], [5, 6, 7, 8], [9, 0, 0, 0]]
-    mask, last = response_mask(cut, pad)
+def test_response_masks_end_at_the_first_pad():
+    cut = torch.tensor([[5, 9, 0, 0], [5, 6, 7, 8], [9, 0, 0, 0]])  # pad 0 after the stop token 9
+    mask, last = response_mask(cut, 0)
     assert mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]]
     assert last.tolist() == [1, 3, 0]
     assert first_true_indices(torch.tensor([[False, False], [False, True]])).tolist() == [2, 1]

@@ -1,6 +1,5 @@
 import json
 
-import pytest
 import torch
 
 from rlhf_core.models import load_causal_lm, load_tokenizer
