@@ -28,6 +28,9 @@ def evaluate_generations(policy, ref_model, reward_model, tokenizer, prompts: li
                                 top_p=1.0, greedy=greedy)
     was_training = policy.training
     policy.eval()
+    for model in (ref_model, reward_model):
+        if model is not None and device is not None:
+            model.to(device)
     rows: list[dict] = []
     for start in range(0, len(prompts), batch_size):
         chunk = prompts[start : start + batch_size]

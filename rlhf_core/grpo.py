@@ -92,6 +92,7 @@ class RewardSourceFn:
 def model_reward(name: str, weight: float, reward_model) -> RewardSourceFn:
     """A reward model read at the last real token of each prompt+completion."""
     def score(prompts, completions, rollout: Rollout, rows):
+        reward_model.to(rollout.query_ids.device)  # a no-op once it is there
         with torch.no_grad():
             values = sequence_scores(reward_model, rollout.query_ids, rollout.query_mask, rollout.responses,
                                      rollout.resp_mask, rollout.last_index)
