@@ -133,6 +133,8 @@ class RLLoop:
                             "perf/skipped_steps": float(self.skipped)})
             self.metrics = metrics
             bar.update(1)
+            shown = {k: metrics[k] for k in ("objective/scores", "reward", "objective/kl", "kl") if k in metrics}
+            bar.set_postfix({k.split("/")[-1]: f"{v:.3f}" for k, v in shown.items()})
             if on_log is not None and (self.step % rl.log_steps == 0 or self.step == rl.total_steps):
                 on_log({k: v for k, v in metrics.items() if math.isfinite(v)}, self.step)
             if evaluate is not None and on_eval is not None and eval_every and (
