@@ -30,7 +30,8 @@ def check_source(source: str, field: str) -> None:
         raise ModelSourceError(f"{field}: {path} is not a Hugging Face model directory (no config.json)")
 
 
-def _from_pretrained(loader, source: str, field: str, **kwargs):
+def from_pretrained_checked(loader, source: str, field: str, **kwargs):
+    """`loader.from_pretrained(source)` with the source checked first and any failure as one sentence naming `field`."""
     check_source(source, field)
     try:
         return loader.from_pretrained(str(Path(source).expanduser()) if looks_like_path(source) else source, **kwargs)
@@ -52,7 +53,7 @@ def load_tokenizer(source: str, *, field: str = "model.tokenizer", revision: str
                    trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
-    tokenizer = _from_pretrained(AutoTokenizer, source, field, revision=revision, trust_remote_code=trust_remote_code)
+    tokenizer = from_pretrained_checked(AutoTokenizer, source, field, revision=revision, trust_remote_code=trust_remote_code)
     ensure_pad_token(tokenizer, source)
     return tokenizer
 
@@ -61,7 +62,7 @@ def load_causal_lm(source: str, *, field: str = "model.base", revision: str | No
                    trust_remote_code: bool = False, torch_dtype: str = "float32"):
     from transformers import AutoModelForCausalLM
 
-    return _from_pretrained(
+    return from_pretrained_checked(
         AutoModelForCausalLM, source, field, revision=revision, trust_remote_code=trust_remote_code,
         dtype=DTYPES[torch_dtype],
     )

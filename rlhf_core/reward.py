@@ -135,10 +135,10 @@ def load_reward_model(source: str, tokenizer, *, lora: LoraSettings | None = Non
     """
     from transformers import AutoModelForSequenceClassification
 
-    from rlhf_core.models import _from_pretrained
+    from rlhf_core.models import from_pretrained_checked
 
     torch.manual_seed(seed)
-    model = _from_pretrained(AutoModelForSequenceClassification, source, "reward.base", num_labels=1,
+    model = from_pretrained_checked(AutoModelForSequenceClassification, source, "reward.base", num_labels=1,
                              dtype=torch_dtype, trust_remote_code=trust_remote_code, revision=revision)
     model.config.pad_token_id = tokenizer.pad_token_id
     if lora is not None:

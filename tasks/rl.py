@@ -123,8 +123,11 @@ def metric_functions(specs: list[str]) -> dict:
     return {spec.rsplit(":", 1)[1]: load_function(spec, field="eval.metrics") for spec in specs}
 
 
-def reward_sources(cfg: PipelineConfig, plan: InitPlan) -> list:
-    """GRPO's reward sources, loaded: reward models (this run's, a directory, hub name or URI) and functions."""
+def reward_sources(cfg: PipelineConfig, plan: InitPlan, stage_reward_model) -> list:
+    """GRPO's reward sources, loaded: reward models (this run's, a directory, hub name or URI) and functions.
+
+    `stage_reward_model` is this run's reward model, already loaded for evaluation: reused, not loaded twice.
+    """
     from transformers import AutoModelForSequenceClassification
 
     from rlhf_core.grpo import function_reward, model_reward
@@ -134,10 +137,12 @@ def reward_sources(cfg: PipelineConfig, plan: InitPlan) -> list:
         if r.function is not None:
             sources.append(function_reward(r.name, r.weight, load_function(r.function, field=f"grpo.rewards[{i}].function")))
             continue
-        path = plan.reward_path if r.model == "reward_stage" else resolve_model_source(
-            r.model, field=f"grpo.rewards[{i}].model", cfg=cfg, world=None)
-        model = AutoModelForSequenceClassification.from_pretrained(path).eval().requires_grad_(False)
-        sources.append(model_reward(r.name, r.weight, model))
+        if r.model == "reward_stage":
+            model = stage_reward_model
+        else:
+            path = resolve_model_source(r.model, field=f"grpo.rewards[{i}].model", cfg=cfg, world=None)
+            model = AutoModelForSequenceClassification.from_pretrained(path)
+        sources.append(model_reward(r.name, r.weight, model.eval().requires_grad_(False)))
     return sources
 
 
@@ -237,7 +242,7 @@ def train_policy(cfg: PipelineConfig, data: PreparedData, plan: InitPlan, parent
             result = train_ppo(policy, value_model, ref_model, reward_model, tokenizer, [r["prompt"] for r in prompt_rows],
                                cfg.rl, cfg.ppo, cfg.run, **common)
         else:
-            result = train_grpo(policy, ref_model, reward_sources(cfg, plan), tokenizer, prompt_rows, cfg.rl, cfg.grpo,
+            result = train_grpo(policy, ref_model, reward_sources(cfg, plan, reward_model), tokenizer, prompt_rows, cfg.rl, cfg.grpo,
                                 cfg.run, on_completions=on_completions, **common)
         progress.update(cfg.rl.total_steps, cfg.rl.total_steps)
         if result.skipped_steps:
