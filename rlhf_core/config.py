@@ -182,9 +182,16 @@ class RLConfig(OptimSettings):
     top_k: int = Field(0, ge=0, description="Top-k filtering of rollouts; 0 disables it.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus filtering of rollouts; 1.0 disables it.")
     stop_token: Literal["eos", "none"] = Field("eos", description="Truncate responses after this token: the tokenizer's eos, or none.")
+    min_response_length: int = Field(1, ge=1, description="The stop token cannot end a response before this many tokens (transformers' min_new_tokens).")
     missing_eos_penalty: float | None = Field(None, description="Subtract this from the score of responses that never emit eos.")
     save_steps: int = Field(50, ge=1, description="Checkpoint and register a policy version every this many steps.")
     log_steps: int = Field(1, ge=1, description="Log training metrics every this many steps.")
+
+    @model_validator(mode="after")
+    def _min_within_max(self) -> RLConfig:
+        if self.min_response_length > self.response_length:
+            raise ValueError(f"min_response_length {self.min_response_length} must not exceed response_length {self.response_length}")
+        return self
 
 
 class PPOConfig(Section):

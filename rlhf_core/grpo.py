@@ -129,7 +129,8 @@ def train_grpo(policy, ref_model, rewards: list[RewardSourceFn], tokenizer, prom
         ref_model.to(loop.device).eval().requires_grad_(False)
     pad_id = tokenizer.pad_token_id
     stop_id = tokenizer.eos_token_id if rl.stop_token == "eos" else None
-    settings = SamplingSettings(response_length=rl.response_length, temperature=rl.temperature, top_k=rl.top_k, top_p=rl.top_p)
+    settings = SamplingSettings(response_length=rl.response_length, temperature=rl.temperature, top_k=rl.top_k, top_p=rl.top_p,
+                                min_tokens=rl.min_response_length)
     weights = torch.tensor([s.weight for s in rewards], dtype=torch.float32)
     eps_low, eps_high = grpo.epsilon, grpo.epsilon_high or grpo.epsilon
     micro = max(1, rl.batch_size // rl.gradient_accumulation_steps)
@@ -139,7 +140,7 @@ def train_grpo(policy, ref_model, rewards: list[RewardSourceFn], tokenizer, prom
         model = loop.unwrapped()
         rollout = collect_rollout(model, ref_model, query_ids, query_mask, settings, pad_token_id=pad_id,
                                   stop_token_id=stop_id, need_reference=grpo.beta > 0,
-                                  need_logprobs=grpo.num_iterations > 1)
+                                  need_logprobs=grpo.num_iterations > 1, prompt_repeats=G)
         rows = [prompt_rows[i] for i in indices]
         prompts = [r["prompt"] for r in rows]
         completions = tokenizer.batch_decode(rollout.responses, skip_special_tokens=True)

@@ -73,7 +73,8 @@ def train_ppo(policy, value_model, ref_model, reward_model, tokenizer, prompts: 
             frozen.to(loop.device).eval().requires_grad_(False)
     pad_id = tokenizer.pad_token_id
     stop_id = tokenizer.eos_token_id if rl.stop_token == "eos" else None
-    settings = SamplingSettings(response_length=rl.response_length, temperature=rl.temperature, top_k=rl.top_k, top_p=rl.top_p)
+    settings = SamplingSettings(response_length=rl.response_length, temperature=rl.temperature, top_k=rl.top_k, top_p=rl.top_p,
+                                min_tokens=rl.min_response_length)
     mini_size = rl.batch_size // ppo.num_mini_batches
     micro_size = max(1, mini_size // rl.gradient_accumulation_steps)
 

@@ -56,16 +56,22 @@ def response_mask(responses: torch.Tensor, pad_token_id: int) -> tuple[torch.Ten
     return (positions <= last.unsqueeze(-1)).long(), last
 
 
-def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor,
+                          logsumexp: torch.Tensor | None = None) -> torch.Tensor:
     """log_softmax(logits)[..., index] without materializing the full log-softmax. (B, T, V) -> (B, T)"""
     picked = torch.gather(logits, -1, index.unsqueeze(-1)).squeeze(-1)
-    return picked - torch.logsumexp(logits, dim=-1)
+    return picked - (torch.logsumexp(logits, dim=-1) if logsumexp is None else logsumexp)
 
 
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of the categorical distribution at each position. (B, T, V) -> (B, T)"""
-    logp = F.log_softmax(logits, dim=-1)
-    return -(logp.exp() * logp).sum(-1)
+def entropy_from_logits(logits: torch.Tensor, logsumexp: torch.Tensor | None = None) -> torch.Tensor:
+    """Entropy of the categorical distribution at each position. (B, T, V) -> (B, T)
+
+    H = lse - sum(p * logits) with p = exp(logits - lse): one exp over the vocabulary and no
+    log-softmax copy; pass `logsumexp` when it is already computed.
+    """
+    lse = torch.logsumexp(logits, dim=-1) if logsumexp is None else logsumexp
+    probs = torch.exp(logits - lse.unsqueeze(-1))
+    return lse - (probs * logits).sum(-1)
 
 
 def kl_per_token(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: Literal["k1", "k3"]) -> torch.Tensor:

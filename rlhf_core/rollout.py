@@ -24,6 +24,7 @@ class SamplingSettings:
     top_k: int = 0
     top_p: float = 1.0
     greedy: bool = False
+    min_tokens: int = 1  # the stop token is not sampled before this many tokens
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -63,48 +64,66 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
 
 
 def sample_next(logits: torch.Tensor, settings: SamplingSettings) -> torch.Tensor:
-    """One token per row: argmax when greedy, else a Gumbel-max draw from softmax(logits / T). (B,)
+    """One token per row: argmax when greedy, else a draw from softmax(logits / T). (B,)
 
-    Gumbel-max samples exactly the softmax distribution and costs one uniform draw per logit,
-    cheaper on the CPU than torch.multinomial over the vocabulary.
+    Inverse-CDF sampling: one uniform number per row searched in the cumulative probabilities.
+    It samples the softmax exactly and needs B random numbers instead of the B x V of Gumbel-max,
+    which on the CPU costs more than the forward pass of a small model.
     """
     if settings.greedy:
         return logits.argmax(-1)
-    logits = filter_logits(logits.float() / settings.temperature, settings.top_k, settings.top_p)
-    gumbel = -torch.log(-torch.log(torch.rand_like(logits).clamp_(min=1e-20)))
-    return (logits + gumbel).argmax(-1)
+    logits = logits.float() if settings.temperature == 1.0 else logits.float() / settings.temperature
+    probs = filter_logits(logits, settings.top_k, settings.top_p).softmax(-1)
+    cdf = probs.cumsum(-1)
+    total = cdf[:, -1:]
+    # u strictly below the total mass, and right=True (the first token whose cumulative mass exceeds u):
+    # a filtered (zero-probability) token never wins, even when rounding would put u on the total
+    u = torch.minimum(torch.rand_like(total) * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, u, right=True).squeeze(1)
 
 
 @torch.no_grad()
 def generate(policy, query_ids: torch.Tensor, query_mask: torch.Tensor, settings: SamplingSettings, *,
-             pad_token_id: int, stop_token_id: int | None) -> torch.Tensor:
+             pad_token_id: int, stop_token_id: int | None, prompt_repeats: int = 1) -> torch.Tensor:
     """Sample responses with the KV cache: (B, response_length), padded after the stop token.
 
     A plain decode loop over the model's forward with `past_key_values`: one batched forward per
-    new token, position ids from the attention mask (left padding), the first token never the stop
-    token, and an early exit once every row has stopped.
+    new token, position ids from the attention mask (left padding), no stop token before
+    settings.min_tokens tokens, and an early exit once every row has stopped. With prompt_repeats G the rows come in runs
+    of G copies of one prompt (GRPO's groups): each prompt is prefilled once and its cache repeated.
     """
-    batch = query_ids.shape[0]
-    responses = torch.full((batch, settings.response_length), pad_token_id, dtype=torch.long, device=query_ids.device)
-    done = torch.zeros(batch, dtype=torch.bool, device=query_ids.device)
-    mask = query_mask
-    out = policy(input_ids=query_ids, attention_mask=mask, position_ids=position_ids_from_mask(mask), use_cache=True,
-                 logits_to_keep=1)  # the prefill needs the last position's logits only
+    batch, context = query_ids.shape
+    device = query_ids.device
+    responses = torch.full((batch, settings.response_length), pad_token_id, dtype=torch.long, device=device)
+    done = torch.zeros(batch, dtype=torch.bool, device=device)
+    mask = torch.zeros((batch, context + settings.response_length), dtype=torch.long, device=device)
+    mask[:, :context] = query_mask
+    shared = prompt_repeats > 1 and batch % prompt_repeats == 0 and bool(
+        (query_ids.view(-1, prompt_repeats, context) == query_ids[::prompt_repeats, None]).all())
+    rows = slice(None, None, prompt_repeats) if shared else slice(None)
+    out = policy(input_ids=query_ids[rows], attention_mask=query_mask[rows], position_ids=position_ids_from_mask(query_mask[rows]),
+                 use_cache=True, logits_to_keep=1)  # the prefill needs the last position's logits only
+    logits = out.logits[:, -1, :]
+    cache = out.past_key_values
+    if shared:
+        logits = logits.repeat_interleave(prompt_repeats, dim=0)
+        cache.batch_repeat_interleave(prompt_repeats)
     for t in range(settings.response_length):
-        logits = out.logits[:, -1, :]
-        if t == 0 and stop_token_id is not None:
+        if t < settings.min_tokens and stop_token_id is not None:
             logits = logits.clone()
-            logits[:, stop_token_id] = float("-inf")  # at least one real token
+            logits[:, stop_token_id] = float("-inf")
         token = sample_next(logits, settings).masked_fill(done, pad_token_id)
         responses[:, t] = token
         if stop_token_id is not None:
             done = done | (token == stop_token_id)
         if bool(done.all()) or t == settings.response_length - 1:
             break
-        mask = torch.cat([mask, (~done | (token == stop_token_id)).long().unsqueeze(1)], dim=1)
-        positions = (mask.sum(1, keepdim=True) - 1).clamp(min=0)
-        out = policy(input_ids=token.unsqueeze(1), attention_mask=mask, position_ids=positions,
-                     past_key_values=out.past_key_values, use_cache=True)
+        mask[:, context + t] = (~done | (token == stop_token_id)).long()
+        step_mask = mask[:, : context + t + 1]
+        positions = (step_mask.sum(1, keepdim=True) - 1).clamp(min=0)
+        out = policy(input_ids=token.unsqueeze(1), attention_mask=step_mask, position_ids=positions,
+                     past_key_values=cache, use_cache=True)
+        logits, cache = out.logits[:, -1, :], out.past_key_values
     return responses
 
 
@@ -121,9 +140,15 @@ def response_logprobs(model, query_ids: torch.Tensor, query_mask: torch.Tensor, 
     # logits only where they predict a response token: the vocabulary projection is most of the cost
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask),
                 use_cache=False, logits_to_keep=responses.shape[1] + 1)
-    logits = out.logits[:, :-1].float() / (temperature + 1e-7)  # (B, R, V)
-    logp = selective_log_softmax(logits, responses).masked_fill(resp_mask == 0, INVALID_LOGPROB)
-    entropy = entropy_from_logits(logits) if with_entropy else None
+    logits = out.logits[:, :-1].float()  # (B, R, V)
+    if temperature != 1.0:
+        logits = logits / temperature
+    lse = torch.logsumexp(logits, dim=-1)
+    logp = selective_log_softmax(logits, responses, lse).masked_fill(resp_mask == 0, INVALID_LOGPROB)
+    entropy = None
+    if with_entropy:  # a statistic, never a loss term: no graph
+        with torch.no_grad():
+            entropy = entropy_from_logits(logits, lse)
     return logp, entropy
 
 
@@ -174,14 +199,17 @@ def reference_context(policy, ref_model):
 
 @torch.no_grad()
 def collect_rollout(policy, ref_model, query_ids, query_mask, settings: SamplingSettings, *, pad_token_id: int,
-                    stop_token_id: int | None, need_reference: bool = True, need_logprobs: bool = True) -> Rollout:
+                    stop_token_id: int | None, need_reference: bool = True, need_logprobs: bool = True,
+                    prompt_repeats: int = 1) -> Rollout:
     """Generate responses and score them under the policy and, when asked, the reference.
 
     need_logprobs=False skips the policy's forward pass: with one update per batch the "old"
     log-probabilities equal the first update's own, detached (GRPO with num_iterations 1, as TRL).
+    prompt_repeats: see `generate`.
     """
     policy.eval()
-    responses = generate(policy, query_ids, query_mask, settings, pad_token_id=pad_token_id, stop_token_id=stop_token_id)
+    responses = generate(policy, query_ids, query_mask, settings, pad_token_id=pad_token_id, stop_token_id=stop_token_id,
+                         prompt_repeats=prompt_repeats)
     resp_mask, last_index = response_mask(responses, pad_token_id)
     logprobs = None
     if need_logprobs:

@@ -118,3 +118,8 @@ def test_log_softmax_and_entropy_helpers():
     torch.testing.assert_close(selective_log_softmax(logits, index), expected)
     uniform = torch.zeros(1, 1, 4)
     assert entropy_from_logits(uniform).item() == pytest.approx(math.log(4))
+    # the lse form equals -sum p log p, with or without a precomputed logsumexp, also for peaked rows
+    peaked = logits * 30
+    direct = -(torch.softmax(peaked, -1) * torch.log_softmax(peaked, -1)).sum(-1)
+    torch.testing.assert_close(entropy_from_logits(peaked), direct, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(entropy_from_logits(peaked, torch.logsumexp(peaked, -1)), direct, atol=1e-5, rtol=1e-4)

@@ -1,5 +1,6 @@
 import json
 
+import pytest
 import torch
 
 from rlhf_core.models import load_causal_lm, load_tokenizer
@@ -17,16 +18,34 @@ def batch(world, n=6):
     return tok, ids, mask
 
 
-def test_greedy_decode_loop_matches_transformers_generate(smoke_world):
+@pytest.mark.parametrize("min_tokens", [1, 4])
+def test_greedy_decode_loop_matches_transformers_generate(smoke_world, min_tokens):
     tok, ids, mask = batch(smoke_world)
     model = load_causal_lm(str(smoke_world.base_model)).eval()
-    ours = generate(model, ids, mask, SamplingSettings(response_length=7, greedy=True), pad_token_id=tok.pad_token_id,
-                    stop_token_id=tok.eos_token_id)
-    theirs = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=7, min_new_tokens=1,
+    ours = generate(model, ids, mask, SamplingSettings(response_length=7, greedy=True, min_tokens=min_tokens),
+                    pad_token_id=tok.pad_token_id, stop_token_id=tok.eos_token_id)
+    theirs = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=7, min_new_tokens=min_tokens,
                             eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)[:, ids.shape[1]:]
     width = theirs.shape[1]
     assert torch.equal(ours[:, :width], theirs)
     assert (ours[:, width:] == tok.pad_token_id).all()
+    assert not (ours[:, :min_tokens] == tok.eos_token_id).any()
+
+
+def test_groups_of_one_prompt_share_its_prefill(smoke_world):
+    tok, ids, mask = batch(smoke_world, n=3)
+    ids, mask = ids.repeat_interleave(4, dim=0), mask.repeat_interleave(4, dim=0)  # 3 prompts x 4 copies
+    model = load_causal_lm(str(smoke_world.base_model)).eval()
+    settings = SamplingSettings(response_length=6, greedy=True)
+    shared = generate(model, ids, mask, settings, pad_token_id=tok.pad_token_id, stop_token_id=tok.eos_token_id,
+                      prompt_repeats=4)
+    alone = generate(model, ids, mask, settings, pad_token_id=tok.pad_token_id, stop_token_id=tok.eos_token_id)
+    assert torch.equal(shared, alone)
+    # rows that are not runs of one prompt fall back to prefilling every row
+    order = torch.arange(12).view(3, 4).T.flatten()  # prompt 0, 1, 2, 0, 1, 2, ...
+    mixed = generate(model, ids[order], mask[order], settings, pad_token_id=tok.pad_token_id,
+                     stop_token_id=tok.eos_token_id, prompt_repeats=4)
+    assert torch.equal(mixed, alone[order])
 
 
 def test_left_padding_does_not_change_log_probabilities(smoke_world):
@@ -54,3 +73,6 @@ def test_filtering_and_sampling():
     freq = torch.bincount(draws, minlength=4).float() / draws.numel()
     torch.testing.assert_close(freq, torch.softmax(logits[0], -1), atol=0.02, rtol=0)
     assert sample_next(logits, SamplingSettings(response_length=1, greedy=True)).item() == 1
+    # filtered tokens are never drawn, even with a uniform draw at the very end of the mass
+    top2 = torch.stack([sample_next(logits.expand(2000, 4), SamplingSettings(response_length=1, top_k=2)) for _ in range(3)])
+    assert set(top2.flatten().tolist()) == {1, 2}
