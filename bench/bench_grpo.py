@@ -155,7 +155,7 @@ def measure(run_side) -> dict:
         "notes": (f"mean reward over {STEPS} steps x {len(ours)} runs ours {ours_curve:.3f} vs TRL {anchor_curve:.3f}; "
                   f"completion length ours {ours_len:.1f} vs TRL {anchor_len:.1f} tokens; "
                   f"demo gold (VADER) {learned['gold_before']:.2f} -> {learned['gold_after']:.2f}, KL {learned['kl_after']:.2f}, "
-                  f"{learned['steps']} steps in {learned['wall_s']:.0f} s; {PROMPTS}x{G} completions x {TOKENS} tokens, beta 0.04, CPU"),
+                  f"{learned['steps']} steps at beta {learned['beta']} in {learned['wall_s']:.0f} s; timing: {PROMPTS}x{G} completions x {TOKENS} tokens, beta 0.04, CPU"),
     }
     return result
 
