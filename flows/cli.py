@@ -12,7 +12,8 @@ from rlhf_core.config import ConfigError, load_config, redact_uri
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlhf", description="RLHF pipeline on Prefect and MLflow.")
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, text in (("run", "run the pipeline flow"), ("validate", "check a config and print it resolved")):
+    for name, text in (("run", "run the pipeline flow"), ("validate", "check a config and print it resolved"),
+                       ("promote", "evaluate @candidate against @champion and promote it when it passes promote.*")):
         cmd = sub.add_parser(name, help=text)
         cmd.add_argument("--config", "-c", default="configs/demo.yaml", help="YAML config file")
         cmd.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
@@ -44,9 +45,12 @@ def print_summary(summary: dict) -> None:
     if summary.get("demo_world"):
         table.add_row("Demo world", summary["demo_world"])
     table.add_row("Checkpoints", ", ".join(summary["checkpoints"]) or "(none)")
-    table.add_row("Policy (HF format)", summary["policy_path"])
+    table.add_row("Last RL checkpoint", summary["policy_path"])
     if summary.get("policy_model_uri"):
-        table.add_row("Policy model version", summary["policy_model_uri"])
+        table.add_row("Its model version", summary["policy_model_uri"])
+    table.add_row("Exported policy", summary["export_dir"])
+    if summary.get("candidate_uri"):
+        table.add_row("Exported model version", f"{summary['candidate_uri']} = {summary['candidate_alias']}")
     if summary.get("reward_model_path"):
         table.add_row("Reward model (HF format)", summary["reward_model_path"])
     if summary.get("reward_model_uri"):
@@ -54,7 +58,18 @@ def print_summary(summary: dict) -> None:
     for key, value in summary.get("metrics", {}).items():
         table.add_row(key, f"{value:.4f}")
     console = Console()
+    if summary.get("final_eval_rows"):
+        from tasks.progress import print_rows
+
+        print_rows(summary["final_eval_rows"], "Held-out completions after training (first 5)")
     console.print(table)
+    gold, history = summary.get("gold_metric"), summary.get("eval_history") or {}
+    key = f"eval/{gold}_mean"
+    points = [(int(step), m[key]) for step, m in history.items() if key in m]
+    if len(points) > 1:
+        (first_step, before), (last_step, after) = min(points), max(points)
+        console.print(f"Gold metric {gold}: {before:.3f} at step {first_step} -> {after:.3f} at step {last_step} "
+                      f"({after - before:+.3f})")
     if uri.startswith("sqlite"):
         console.print(f"Open the MLflow UI: .venv/bin/mlflow ui --backend-store-uri {uri} --port 5000"
                       " and browse http://127.0.0.1:5000")
@@ -76,6 +91,14 @@ def main(argv: list[str] | None = None) -> int:
         import yaml
 
         print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+        return 0
+
+    if args.command == "promote":
+        from flows.promote import rlhf_promote
+
+        result = rlhf_promote(config_path=args.config, overrides=args.overrides)
+        print(f"{result['model']} version {result['candidate']} vs champion {result['champion']}: "
+              f"{result['decision']}{'' if result['changed'] else ' (nothing changed)'}; {result['reason']}")
         return 0
 
     from flows.rlhf_pipeline import rlhf_pipeline

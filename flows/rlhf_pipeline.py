@@ -1,4 +1,4 @@
-"""The RLHF pipeline as a Prefect flow: data -> SFT warm start -> reward model -> init -> PPO or GRPO (-> export).
+"""The RLHF pipeline as a Prefect flow: data -> SFT warm start -> reward model -> init -> PPO or GRPO -> export.
 
 The flow's parameters are the config: a YAML path plus `section.field=value` overrides, so the same
 call works from the CLI, from `prefect deployment run --param`, and from a schedule. The config is
@@ -13,6 +13,7 @@ from prefect.logging import get_run_logger
 from rlhf_core.config import load_config
 from tasks import tracking
 from tasks.data import prepare_data
+from tasks.export import export_final_policy
 from tasks.reward import train_reward
 from tasks.rl import initialize_models, train_policy, uses_reward_stage
 from tasks.sft import sft_warm_start
@@ -31,6 +32,7 @@ def rlhf_pipeline(config_path: str | None = "configs/demo.yaml", overrides: list
         reward = train_reward(cfg, data, policy, run_id) if uses_reward_stage(cfg) else None
         plan = initialize_models(cfg, data, policy, reward)
         trained = train_policy(cfg, data, plan, run_id)
+        exported = export_final_policy(cfg, data, plan, trained, run_id)
 
     return {
         "mlflow_run_id": run_id,
@@ -42,6 +44,12 @@ def rlhf_pipeline(config_path: str | None = "configs/demo.yaml", overrides: list
         "algorithm": cfg.rl.algorithm,
         "policy_path": trained.path,
         "policy_model_uri": trained.model_uri,
+        "export_dir": exported.path,
+        "candidate_uri": exported.model_uri,
+        "candidate_alias": f"models:/{cfg.registry.policy_model_name}@candidate" if exported.model_uri else None,
+        "gold_metric": trained.extra.get("gold"),
+        "eval_history": trained.extra.get("eval_history", {}),
+        "final_eval_rows": trained.extra.get("final_rows", []),
         "reward_model_path": reward.path if reward else None,
         "reward_model_uri": reward.model_uri if reward else None,
         "metrics": {**(policy.metrics if policy else {}), **({f"reward/{k}": v for k, v in reward.metrics.items()} if reward else {}),

@@ -259,6 +259,15 @@ class ExportConfig(Section):
     merge: bool = Field(False, description="With LoRA, also export the adapter merged into the base weights.")
 
 
+class PromoteConfig(Section):
+    metric: str | None = Field(
+        None, description="Eval column that decides promotion: 'score' (reward model) or a metric function's name; null: the first of eval.metrics, else score.")
+    min_improvement: float = Field(0.01, description="The candidate must beat the champion's metric by at least this much.")
+    max_kl: float | None = Field(20.0, gt=0.0, description="Refuse a candidate whose mean KL to its reference (nats per completion) exceeds this; null: no KL gate.")
+    min_value: float | None = Field(None, description="With no champion yet, the candidate's metric must reach this; null: no such gate.")
+    num_prompts: int | None = Field(None, ge=1, description="Held-out prompts evaluated; null: eval.num_prompts.")
+
+
 class TrackingConfig(Section):
     uri: str | None = Field(None, description="MLflow tracking URI; null falls back to MLFLOW_TRACKING_URI, then sqlite:///mlflow.db here.")
     experiment: str = Field("rlhf", min_length=1, description="MLflow experiment name.")
@@ -282,6 +291,7 @@ class PipelineConfig(Section):
     grpo: GRPOConfig = Field(default_factory=GRPOConfig, description="GRPO hyper-parameters.")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Periodic generation evaluation.")
     export: ExportConfig = Field(default_factory=ExportConfig, description="Export of the final policy.")
+    promote: PromoteConfig = Field(default_factory=PromoteConfig, description="Promotion of the candidate to champion.")
     tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="MLflow tracking.")
     registry: RegistryConfig = Field(default_factory=RegistryConfig, description="Registered model names.")
 
@@ -304,6 +314,10 @@ class PipelineConfig(Section):
             )
         if self.init.policy == "sft" and not self.sft.enabled:
             raise ValueError("init.policy is 'sft' but sft.enabled is false; set init.policy to 'base' or enable sft")
+        names = self.metric_names()
+        if self.promote.metric is not None and self.promote.metric not in ("score", *names):
+            allowed = ", ".join(repr(n) for n in ("score", *names))
+            raise ValueError(f"promote.metric {self.promote.metric!r} is not an eval column; allowed: {allowed}")
         return self
 
     # derived values, computed in one place ---------------------------------------------------
@@ -311,6 +325,17 @@ class PipelineConfig(Section):
     @property
     def export_dir(self) -> Path:
         return self.export.output_dir or self.run.output_dir / "export"
+
+    def metric_names(self) -> list[str]:
+        """Eval column names of eval.metrics ('package.module:function' is named 'function')."""
+        return [spec.rsplit(":", 1)[-1] for spec in self.eval.metrics]
+
+    def promotion_metric(self) -> str:
+        """The eval column promotion compares: promote.metric, else the first metric function, else score."""
+        if self.promote.metric is not None:
+            return self.promote.metric
+        names = self.metric_names()
+        return names[0] if names else "score"
 
     def uses_demo_world(self) -> bool:
         sources = [self.model.base, self.reward.base, self.data.preference.path, self.data.preference_eval.path,

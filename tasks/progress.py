@@ -42,3 +42,18 @@ def publish_table(key: str, rows: list[dict], description: str) -> None:
 def publish_markdown(key: str, markdown: str, description: str) -> None:
     if _in_prefect_run():
         create_markdown_artifact(key=key, markdown=markdown, description=description)
+
+
+def print_rows(rows: list[dict], title: str) -> None:
+    """Rows as a table on the console (long text folded, numbers to 3 decimals)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    if not rows:
+        return
+    table = Table(title=title, show_lines=False)
+    for key in rows[0]:
+        table.add_column(key, overflow="fold", max_width=48 if key in ("prompt", "completion") else None)
+    for row in rows:
+        table.add_row(*[f"{v:.3f}" if isinstance(v, float) else str(v) for v in row.values()])
+    Console(width=160).print(table)

@@ -28,7 +28,7 @@ from rlhf_core.rewards import load_function
 from tasks import tracking
 from tasks.data import PreparedData, resolve_model_source
 from tasks.plots import close, curve_figure
-from tasks.progress import StageProgress, publish_table
+from tasks.progress import StageProgress, print_rows, publish_markdown, publish_table
 from tasks.stage_io import Checkpoint, register_saved_checkpoints, stage_key
 
 
@@ -219,10 +219,13 @@ def train_policy(cfg: PipelineConfig, data: PreparedData, plan: InitPlan, parent
         def on_eval(rows: list[dict], step: int) -> None:
             summary = summarize_rows(rows)
             tracking.log_metrics(run_id, summary, step)
-            tracking.log_table(run_id, rows, f"eval/completions_step_{step:06d}.json")
+            # one MLflow table and one Parquet file per evaluation step: nothing is overwritten
+            tracking.log_table(run_id, [{"step": step, **r} for r in rows], f"eval/completions_step_{step:06d}.json")
+            tracking.log_artifact(run_id, save_eval_rows(out_dir, rows, step), "eval")
             if gold:
                 history["eval/gold"].append((step, summary[f"eval/{gold}_mean"]))
             publish_table(f"{algorithm}-eval-step-{step}", rows[:20], f"Held-out completions at step {step}")
+            print_rows(rows[:5], f"{algorithm.upper()} held-out completions at step {step} (first 5 of {len(rows)})")
             logger.info("eval at step %d: %s", step, ", ".join(f"{k}={v:.3f}" for k, v in summary.items()))
 
         def on_completions(rows: list[dict], step: int) -> None:
@@ -251,6 +254,65 @@ def train_policy(cfg: PipelineConfig, data: PreparedData, plan: InitPlan, parent
             fig = curve_figure({k: v for k, v in history.items() if v}, algorithm.upper())
             tracking.log_figure(run_id, fig, f"{algorithm}_curves.png")
             close(fig)
+        evals = load_eval_history(out_dir)  # every evaluation of this stage key, resumed attempts included
+        report_evaluations(run_id, algorithm, evals, gold)
+        final_step = max(evals) if evals else None
         return Checkpoint(path=str((result.checkpoint / "policy").resolve()), model_uri=registered.get(result.step),
                           step=result.step, metrics=result.metrics, key=key,
-                          extra={"resumed_from": result.resumed_from, "skipped_steps": result.skipped_steps})
+                          extra={"resumed_from": result.resumed_from, "skipped_steps": result.skipped_steps,
+                                 "gold": gold, "eval_history": {s: summarize_rows(r) for s, r in evals.items()},
+                                 "final_eval": summarize_rows(evals[final_step]) if evals else {},
+                                 "final_rows": evals[final_step][:5] if evals else []})
+
+
+def save_eval_rows(out_dir: Path, rows: list[dict], step: int) -> Path:
+    """<out_dir>/eval/eval_step_NNNNNN.parquet: the rows of one evaluation, with their step."""
+    import pandas as pd
+
+    path = out_dir / "eval" / f"eval_step_{step:06d}.parquet"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".parquet.tmp")
+    pd.DataFrame([{"step": step, **r} for r in rows]).to_parquet(tmp)
+    tmp.replace(path)
+    return path
+
+
+def load_eval_history(out_dir: Path) -> dict[int, list[dict]]:
+    """step -> rows of every evaluation saved under <out_dir>/eval."""
+    import pandas as pd
+
+    history = {}
+    for path in sorted((out_dir / "eval").glob("eval_step_*.parquet")):
+        frame = pd.read_parquet(path)
+        rows = [{k: (None if isinstance(v, float) and v != v else v) for k, v in r.items() if k != "step"}
+                for r in frame.to_dict(orient="records")]
+        history[int(path.stem.rsplit("_", 1)[1])] = rows
+    return history
+
+
+def report_evaluations(run_id: str, algorithm: str, evals: dict[int, list[dict]], gold: str | None) -> None:
+    """The reward, gold metric and KL of every evaluation against step: a PNG in MLflow, linked from a
+    Prefect markdown artifact that also tabulates the numbers."""
+    if not evals:
+        return
+    summaries = {step: summarize_rows(rows) for step, rows in sorted(evals.items())}
+    columns = [c for c in ("score", gold, "kl", "length") if c]
+    series = {c: [(s, m[f"eval/{c}_mean"]) for s, m in summaries.items() if f"eval/{c}_mean" in m] for c in columns}
+    series = {f"eval {c}" + (" (gold)" if c == gold else ""): v for c, v in series.items() if v}
+    artifact = "eval/eval_curves.png"
+    fig = curve_figure(series, f"{algorithm.upper()}: held-out evaluation")
+    tracking.log_figure(run_id, fig, artifact)
+    close(fig)
+    link = tracking.artifact_link(run_id, artifact)
+    present = [c for c in columns if any(f"eval/{c}_mean" in m for m in summaries.values())]
+    lines = [f"# {algorithm.upper()} evaluation on held-out prompts", "",
+             f"Reward, gold metric and KL against step: [{artifact}]({link})", "",
+             "| step | " + " | ".join(present) + " |", "|---" * (len(present) + 1) + "|"]
+    for step, m in summaries.items():
+        lines.append(f"| {step} | " + " | ".join(f"{m[f'eval/{c}_mean']:.4f}" if f"eval/{c}_mean" in m else "" for c in present) + " |")
+    if gold and len(summaries) > 1:
+        first, last = summaries[min(summaries)], summaries[max(summaries)]
+        key = f"eval/{gold}_mean"
+        if key in first and key in last:
+            lines += ["", f"Gold metric `{gold}`: {first[key]:.4f} -> {last[key]:.4f} ({last[key] - first[key]:+.4f})"]
+    publish_markdown(f"{algorithm}-evaluation", "\n".join(lines), f"{algorithm.upper()} held-out evaluation")

@@ -21,7 +21,7 @@ import mlflow
 from mlflow.entities import Metric, Param, RunStatus
 from mlflow.tracking import MlflowClient
 
-from rlhf_core.config import PipelineConfig, flatten_config
+from rlhf_core.config import PipelineConfig, flatten_config, redact_uri
 
 # Packages a logged model needs to load again. Listed explicitly because MLflow's inference of
 # default requirements looks for torchvision, which has no CPU build in our registries.
@@ -233,6 +233,33 @@ def materialize_model(uri: str, destination: str | Path) -> Path:
     from rlhf_core.training import save_pretrained_atomic
 
     return save_pretrained_atomic(components["model"], components["tokenizer"], destination)
+
+
+def set_alias(model_name: str, alias: str, version: str) -> None:
+    MlflowClient().set_registered_model_alias(model_name, alias, str(version))
+
+
+def version_by_alias(model_name: str, alias: str):
+    """The model version `alias` points at, or None when the alias (or the model) does not exist."""
+    try:
+        return MlflowClient().get_model_version_by_alias(model_name, alias)
+    except mlflow.exceptions.MlflowException:
+        return None
+
+
+def set_version_tags(model_name: str, version: str, tags: dict[str, str]) -> None:
+    client = MlflowClient()
+    for key, value in tags.items():
+        client.set_model_version_tag(model_name, str(version), key, str(value))
+
+
+def artifact_link(run_id: str, artifact_path: str) -> str:
+    """Where a person opens a run's artifact: the MLflow UI page on a server, else the artifact's URI."""
+    run = MlflowClient().get_run(run_id)
+    uri = mlflow.get_tracking_uri()
+    if uri.startswith(("http://", "https://")):
+        return f"{redact_uri(uri).rstrip('/')}/#/experiments/{run.info.experiment_id}/runs/{run_id}/artifacts/{artifact_path}"
+    return f"{run.info.artifact_uri.rstrip('/')}/{artifact_path}"
 
 
 def run_status(run_id: str) -> str:

@@ -4,6 +4,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import mlflow
+import pandas as pd
 import pytest
 from mlflow.tracking import MlflowClient
 
@@ -33,7 +35,7 @@ def test_pipeline_runs_registers_and_reuses_finished_stages(prefect_harness, tmp
     assert client.get_run(summary["mlflow_run_id"]).info.status == "FINISHED"
     stages = child_runs(client, summary["mlflow_run_id"])
     assert {name: r.info.status for name, r in stages.items()} == {
-        "data": "FINISHED", "sft": "FINISHED", "reward": "FINISHED", "ppo": "FINISHED"}
+        "data": "FINISHED", "sft": "FINISHED", "reward": "FINISHED", "ppo": "FINISHED", "export": "FINISHED"}
     assert client.get_metric_history(stages["sft"].info.run_id, "sft/loss")[-1].step == 8
     assert "sft_loss.png" in [a.path for a in client.list_artifacts(stages["sft"].info.run_id)]
     assert stages["data"].data.tags["data_fingerprint"] == summary["data_fingerprint"]
@@ -47,8 +49,9 @@ def test_pipeline_runs_registers_and_reuses_finished_stages(prefect_harness, tmp
     assert [m.step for m in eval_history] == [2, 4]
 
     policy_versions = sorted(client.search_model_versions("name = 'smoke-policy'"), key=lambda v: int(v.version))
-    assert [(v.tags["stage"], v.tags["step"]) for v in policy_versions] == [("sft", "8"), ("ppo", "1"), ("ppo", "2")]
-    sft_version, ppo_version = policy_versions[0], policy_versions[-1]
+    assert [(v.tags["stage"], v.tags["step"]) for v in policy_versions] == [
+        ("sft", "8"), ("ppo", "1"), ("ppo", "2"), ("export", "2")]
+    sft_version, ppo_version = policy_versions[0], policy_versions[2]
     assert sft_version.tags["data_fingerprint"] == summary["data_fingerprint"]
     assert ppo_version.tags["algorithm"] == "ppo"
     assert ppo_version.tags["reward_model_version"] == "models:/smoke-reward-model/2"
@@ -58,9 +61,30 @@ def test_pipeline_runs_registers_and_reuses_finished_stages(prefect_harness, tmp
     ppo_run = stages["ppo"].info.run_id
     assert [m.step for m in client.get_metric_history(ppo_run, "objective/scores")] == [1, 2]
     assert [m.step for m in client.get_metric_history(ppo_run, "eval/vader_compound_mean")] == [0, 1, 2]
-    tables = [a.path for a in client.list_artifacts(ppo_run, "eval")]
-    assert tables == [f"eval/completions_step_00000{i}.json" for i in range(3)]
+    artifacts = [a.path for a in client.list_artifacts(ppo_run, "eval")]
+    # one MLflow table and one Parquet file per evaluation, each with its step: nothing overwritten
+    assert [a for a in artifacts if a.endswith(".json")] == [f"eval/completions_step_00000{i}.json" for i in range(3)]
+    assert [a for a in artifacts if a.endswith(".parquet")] == [f"eval/eval_step_00000{i}.parquet" for i in range(3)]
+    assert "eval/eval_curves.png" in artifacts
+    for step in (1, 2):
+        local = client.download_artifacts(ppo_run, f"eval/completions_step_00000{step}.json", str(tmp_path / f"t{step}"))
+        table = pd.read_json(local, orient="split")
+        assert set(table["step"]) == {step} and len(table) == 8
+        assert {"prompt", "completion", "score", "vader_compound", "kl", "length"} <= set(table.columns)
     out = tmp_path / "out"
+    [parquet] = (out / "ppo").glob("*/eval/eval_step_000002.parquet")
+    frame = pd.read_parquet(parquet)
+    assert len(frame) == 8 and frame["vader_compound"].mean() == pytest.approx(summary["eval_history"][2]["eval/vader_compound_mean"])
+
+    # the export: a version with the alias candidate that MLflow loads as a text-generation pipeline
+    assert summary["export_dir"] == str((out / "export").resolve())
+    assert summary["candidate_uri"] == "models:/smoke-policy/4"
+    candidate = client.get_model_version_by_alias("smoke-policy", "candidate")
+    assert str(candidate.version) == "4" and candidate.tags["stage"] == "export"
+    assert candidate.tags["source_checkpoint"] == "models:/smoke-policy/3"
+    generator = mlflow.transformers.load_model("models:/smoke-policy@candidate")
+    generated = generator("the movie was", max_new_tokens=4, do_sample=False)
+    assert isinstance(generated[0]["generated_text"], str) and generated[0]["generated_text"].startswith("the movie was")
     for table in ("preference", "preference_eval", "prompts", "eval_prompts", "sft"):
         assert (out / "data" / f"{table}.jsonl").stat().st_size > 0
     weights = out / "sft" / "model.safetensors"
@@ -69,10 +93,11 @@ def test_pipeline_runs_registers_and_reuses_finished_stages(prefect_harness, tmp
     # a second run with the same config and data trains nothing and registers nothing new
     again = rlhf_pipeline(config_path=SMOKE, overrides=overrides)
     assert weights.stat().st_mtime_ns == stamp
-    assert len(client.search_model_versions("name = 'smoke-policy'")) == 3
+    assert len(client.search_model_versions("name = 'smoke-policy'")) == 4
     assert len(client.search_model_versions("name = 'smoke-reward-model'")) == 2
     assert again["reward_model_uri"] == summary["reward_model_uri"]
     assert again["policy_model_uri"] == "models:/smoke-policy/3"
+    assert again["candidate_uri"] == "models:/smoke-policy/4"
     assert again["data_fingerprint"] == summary["data_fingerprint"]
 
 

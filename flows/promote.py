@@ -1,0 +1,136 @@
+"""Promotion: evaluate the `candidate` policy version against the `champion` and move `champion` when it wins.
+
+Both are evaluated on the same held-out prompts, with the same reward model (the candidate's
+`reward_model_version`), metric functions (`eval.metrics`) and reference (the candidate's
+`base_model`), near-greedy and seeded. `rlhf_core.promotion.decide` applies `promote.*`. The
+decision and its numbers become tags of the candidate version and a Prefect markdown artifact.
+A candidate already judged against the current champion (or already champion) is left alone, so a
+second run changes nothing.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import re
+
+from prefect import flow, task
+from prefect.cache_policies import NO_CACHE
+from prefect.logging import get_run_logger
+
+from rlhf_core.config import PipelineConfig, load_config
+from rlhf_core.data import read_column
+from rlhf_core.evaluation import evaluate_generations, summarize_rows
+from rlhf_core.promotion import Decision, Gates, decide
+from rlhf_core.training import seed_everything
+from tasks import tracking
+from tasks.data import PreparedData, prepare_data, resolve_model_source
+from tasks.export import CANDIDATE
+from tasks.progress import print_rows, publish_markdown
+from tasks.rl import metric_functions
+
+CHAMPION = "champion"
+TAG = "promotion."
+
+
+def _model_dir(source: str, cfg: PipelineConfig, data: PreparedData, field: str) -> str:
+    if source == cfg.model.base and data.demo_world is not None:
+        return data.base_model
+    return resolve_model_source(source, field=field, cfg=cfg, world=None)
+
+
+@task(name="evaluate-version", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=[5, 20])
+def evaluate_version(cfg: PipelineConfig, data: PreparedData, model_uri: str, reference: str | None,
+                     reward_model: str | None) -> tuple[dict[str, float], list[dict]]:
+    """Near-greedy completions of the held-out prompts by `model_uri`, scored; (summary, rows)."""
+    from transformers import AutoModelForSequenceClassification
+
+    from rlhf_core.models import load_causal_lm, load_tokenizer
+
+    policy_dir = _model_dir(model_uri, cfg, data, "registry")
+    tokenizer = load_tokenizer(policy_dir)
+    policy = load_causal_lm(policy_dir).eval()
+    ref = load_causal_lm(_model_dir(reference, cfg, data, "base_model tag")).eval() if reference else None
+    reward = (AutoModelForSequenceClassification.from_pretrained(_model_dir(reward_model, cfg, data, "reward_model_version tag")).eval()
+              if reward_model else None)
+    prompts = read_column(data.tables["eval_prompts"], "prompt")[: cfg.promote.num_prompts or cfg.eval.num_prompts]
+    seed_everything(cfg.run.seed)  # near-greedy sampling: the same draws for candidate and champion
+    rows = evaluate_generations(policy, ref, reward, tokenizer, prompts, response_length=cfg.rl.response_length,
+                                max_prompt_length=cfg.data.max_prompt_length, metrics=metric_functions(cfg.eval.metrics),
+                                batch_size=cfg.eval.batch_size, greedy=cfg.eval.greedy,
+                                stop_token_id=tokenizer.eos_token_id if cfg.rl.stop_token == "eos" else None)
+    return summarize_rows(rows), rows
+
+
+def _report(name: str, candidate, champion, decision: Decision, summaries: dict[str, dict[str, float]], metric: str) -> str:
+    columns = sorted({k for s in summaries.values() for k in s})
+    lines = [f"# Promotion of `{name}` version {candidate.version}", "",
+             f"**{'Promoted' if decision.promote else 'Refused'}**: {decision.reason}.", "",
+             f"Compared on `{metric}`; champion: " + (f"version {champion.version}" if champion else "none"), "",
+             "| version | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
+    for label, summary in summaries.items():
+        lines.append(f"| {label} | " + " | ".join(f"{summary[c]:.4f}" if c in summary else "" for c in columns) + " |")
+    return "\n".join(lines)
+
+
+@flow(name="rlhf-promote", log_prints=True)
+def rlhf_promote(config_path: str | None = "configs/demo.yaml", overrides: list[str] | None = None) -> dict:
+    """Promote `models:/<policy>@candidate` to `@champion` when it passes the promote.* gates."""
+    cfg = load_config(config_path, overrides or [])
+    logger = get_run_logger()
+    name = cfg.registry.policy_model_name
+    tracking.configure(cfg.tracking_uri())
+    candidate = tracking.version_by_alias(name, CANDIDATE)
+    if candidate is None:
+        raise ValueError(f"registry.policy_model_name {name!r} has no version with the alias '{CANDIDATE}'; "
+                         "run the pipeline first (its export sets it)")
+    champion = tracking.version_by_alias(name, CHAMPION)
+    against = str(champion.version) if champion is not None else "none"
+    base = {"model": name, "candidate": str(candidate.version), "champion": against, "changed": False}
+    if champion is not None and str(champion.version) == str(candidate.version):
+        logger.info("version %s is already the champion; nothing to do", candidate.version)
+        return {**base, "decision": "unchanged", "reason": f"version {candidate.version} is already the champion"}
+    if candidate.tags.get(TAG + "evaluated_against") == against:
+        logger.info("version %s was already judged against %s: %s", candidate.version, against, candidate.tags.get(TAG + "decision"))
+        return {**base, "decision": candidate.tags.get(TAG + "decision", "unchanged"), "reason": candidate.tags.get(TAG + "reason", "")}
+
+    metric = cfg.promotion_metric()
+    reference = candidate.tags.get("base_model")
+    reward_model = candidate.tags.get("reward_model_version")
+    reward_model = reward_model if reward_model and reward_model != "none" else None
+    with tracking.pipeline_run(cfg, tags={"rlhf.flow": "promote"}) as run_id:
+        data = prepare_data(cfg, run_id)
+        summaries: dict[str, dict[str, float]] = {}
+        candidate_summary, rows = evaluate_version(cfg, data, f"models:/{name}/{candidate.version}", reference, reward_model)
+        summaries[f"candidate v{candidate.version}"] = candidate_summary
+        print_rows(rows[:5], f"Candidate v{candidate.version}: held-out completions (first 5)")
+        tracking.log_metrics(run_id, {f"candidate/{k.removeprefix('eval/')}": v for k, v in candidate_summary.items()}, 0)
+        champion_summary = None
+        if champion is not None:
+            champion_summary, champion_rows = evaluate_version(cfg, data, f"models:/{name}/{champion.version}", reference, reward_model)
+            summaries[f"champion v{champion.version}"] = champion_summary
+            tracking.log_metrics(run_id, {f"champion/{k.removeprefix('eval/')}": v for k, v in champion_summary.items()}, 0)
+            tracking.log_table(run_id, champion_rows, "promotion/champion_completions.json")
+        tracking.log_table(run_id, rows, "promotion/candidate_completions.json")
+        decision = decide(candidate_summary, champion_summary,
+                          Gates(metric=metric, min_improvement=cfg.promote.min_improvement, max_kl=cfg.promote.max_kl,
+                                min_value=cfg.promote.min_value))
+        if decision.promote:  # the alias first: if tagging fails after it, a rerun finds it champion
+            tracking.set_alias(name, CHAMPION, str(candidate.version))
+            if champion is not None:
+                tracking.set_version_tags(name, champion.version, {TAG + "replaced_by": str(candidate.version)})
+        tags = {
+            "decision": "promoted" if decision.promote else "refused", "reason": decision.reason,
+            "evaluated_against": against, "metric": metric, "candidate_value": f"{decision.candidate_value:.6f}",
+            "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "mlflow_run_id": run_id,
+        }
+        if decision.champion_value is not None:
+            tags["champion_value"] = f"{decision.champion_value:.6f}"
+        if decision.candidate_kl is not None:
+            tags["kl"] = f"{decision.candidate_kl:.6f}"
+        tracking.set_version_tags(name, candidate.version, {TAG + k: v for k, v in tags.items()})
+        tracking.set_run_tags(run_id, {TAG + k: v for k, v in tags.items()})
+        report = _report(name, candidate, champion, decision, summaries, metric)
+        publish_markdown(re.sub(r"[^a-z0-9-]+", "-", f"promotion-{name.lower()}"), report, f"Promotion of {name}")
+    logger.info("version %s %s: %s", candidate.version, tags["decision"], decision.reason)
+    return {**base, "decision": tags["decision"], "reason": decision.reason, "changed": True,
+            "candidate_summary": candidate_summary, "champion_summary": champion_summary}

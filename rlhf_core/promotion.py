@@ -1,0 +1,59 @@
+"""The promotion decision: does the candidate policy replace the champion? Pure, so it is tested by value.
+
+Inputs are eval summaries (`eval/<column>_mean`, as `evaluation.summarize_rows` makes them) of the
+candidate and, when there is one, the champion, measured on the same held-out prompts with the same
+reward model, metric functions and reference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Gates:
+    metric: str  # eval column: "score" or a metric function's name
+    min_improvement: float
+    max_kl: float | None
+    min_value: float | None  # absolute gate when there is no champion
+
+
+@dataclass(frozen=True)
+class Decision:
+    promote: bool
+    reason: str
+    candidate_value: float
+    champion_value: float | None
+    candidate_kl: float | None
+
+
+def _mean(summary: dict[str, float], column: str) -> float | None:
+    return summary.get(f"eval/{column}_mean")
+
+
+def decide(candidate: dict[str, float], champion: dict[str, float] | None, gates: Gates) -> Decision:
+    """Promote when the candidate's metric beats the champion's by min_improvement (or, with no champion,
+    reaches min_value) and its KL to the reference stays at or under max_kl."""
+    value = _mean(candidate, gates.metric)
+    if value is None:
+        raise ValueError(f"promote.metric {gates.metric!r}: the evaluation has no column {gates.metric!r} "
+                         f"(it has {', '.join(sorted(candidate)) or 'nothing'})")
+    kl = _mean(candidate, "kl")
+    champion_value = _mean(champion, gates.metric) if champion is not None else None
+
+    def verdict(promote: bool, reason: str) -> Decision:
+        return Decision(promote, reason, value, champion_value, kl)
+
+    if gates.max_kl is not None and kl is not None and kl > gates.max_kl:
+        return verdict(False, f"KL to the reference {kl:.3f} exceeds promote.max_kl {gates.max_kl}")
+    if champion is None:
+        if gates.min_value is not None and value < gates.min_value:
+            return verdict(False, f"{gates.metric} {value:.4f} is below promote.min_value {gates.min_value} (no champion yet)")
+        return verdict(True, f"no champion yet; {gates.metric} {value:.4f} passes the absolute gates")
+    if champion_value is None:
+        raise ValueError(f"the champion's evaluation has no column {gates.metric!r}")
+    gain = value - champion_value
+    if gain < gates.min_improvement:
+        return verdict(False, f"{gates.metric} {value:.4f} vs champion {champion_value:.4f}: gain {gain:+.4f} is below "
+                              f"promote.min_improvement {gates.min_improvement}")
+    return verdict(True, f"{gates.metric} {value:.4f} vs champion {champion_value:.4f}: gain {gain:+.4f}")

@@ -1,0 +1,71 @@
+"""The export stage: the final policy as a directory `from_pretrained` loads, registered with the alias `candidate`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+from prefect.logging import get_run_logger
+
+from rlhf_core.config import PipelineConfig
+from rlhf_core.export import ExportInfo, export_policy, generation_settings
+from rlhf_core.models import load_tokenizer
+from tasks import tracking
+from tasks.data import PreparedData
+from tasks.progress import publish_markdown
+from tasks.rl import InitPlan
+from tasks.stage_io import Checkpoint
+
+CANDIDATE = "candidate"
+
+
+def export_info(cfg: PipelineConfig, data: PreparedData, plan: InitPlan, trained: Checkpoint) -> ExportInfo:
+    algorithm = cfg.rl.algorithm
+    settings = cfg.ppo if algorithm == "ppo" else cfg.grpo
+    hyper = {f"rl.{k}": getattr(cfg.rl, k) for k in ("total_steps", "batch_size", "learning_rate", "response_length", "temperature")}
+    hyper.update({f"{algorithm}.{k}": v for k, v in settings.model_dump(mode="json").items() if not isinstance(v, (list, dict))})
+    if cfg.model.lora.enabled:
+        hyper.update({"lora.r": cfg.model.lora.r, "lora.alpha": cfg.model.lora.alpha})
+    tables = ("preference", "prompts") if plan.reward_path else ("prompts",)
+    return ExportInfo(
+        algorithm=algorithm, steps=trained.step, base_model=plan.policy_identity, reward_model=plan.reward_identity,
+        datasets=[data.source(t) for t in tables], eval_metrics=trained.extra.get("final_eval", {}),
+        hyperparameters=hyper, model_name=cfg.registry.policy_model_name,
+    )
+
+
+@task(name="export-policy", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=[5, 20])
+def export_final_policy(cfg: PipelineConfig, data: PreparedData, plan: InitPlan, trained: Checkpoint,
+                        parent_run_id: str) -> Checkpoint:
+    """Write <export dir> from the last RL checkpoint, register it as a version, point `candidate` at it."""
+    logger = get_run_logger()
+    out = cfg.export_dir
+    with tracking.stage_run(parent_run_id, "export") as run_id:
+        tokenizer = load_tokenizer(trained.path)
+        generation = generation_settings(tokenizer=tokenizer, max_new_tokens=cfg.rl.response_length,
+                                         temperature=cfg.rl.temperature, top_k=cfg.rl.top_k, top_p=cfg.rl.top_p)
+        export_policy(trained.path, out, export_info(cfg, data, plan, trained), generation=generation, merge=cfg.export.merge)
+        tracking.log_artifact(run_id, out / "README.md", "model_card")
+        logger.info("exported the %s policy (step %d) to %s", cfg.rl.algorithm, trained.step, out.resolve())
+        uri = None
+        if cfg.tracking.register_models:
+            name = cfg.registry.policy_model_name
+            tags = tracking.lineage_tags(
+                stage="export", step=trained.step, config_hash=cfg.config_hash(), data_fingerprint=data.fingerprint,
+                stage_key=trained.key, algorithm=cfg.rl.algorithm, reward_model_version=plan.reward_identity,
+                base_model=plan.policy_identity, source_checkpoint=trained.model_uri or trained.path,
+                **{k.replace("/", "_"): f"{v:.4f}" for k, v in trained.extra.get("final_eval", {}).items()},
+            )
+            # an adapter-only export has no full weights to log; the checkpoint it came from has them merged
+            full = out if (out / "config.json").is_file() else Path(trained.path)
+            uri = tracking.register_once(full, name, task="text-generation", tags=tags, run_id=run_id)
+            version = uri.rsplit("/", 1)[1]
+            tracking.set_alias(name, CANDIDATE, version)
+            logger.info("%s is %s, alias %s", out, uri, CANDIDATE)
+            publish_markdown("policy-export", f"# Exported policy\n\n- directory: `{out.resolve()}`\n"
+                             f"- model version: `{uri}` (alias `{CANDIDATE}`: `models:/{name}@{CANDIDATE}`)\n"
+                             f"- load: `AutoModelForCausalLM.from_pretrained(\"{out.resolve()}\")`\n",
+                             "The exported final policy")
+        return Checkpoint(path=str(out.resolve()), model_uri=uri, step=trained.step, metrics=trained.metrics,
+                          key=trained.key, extra={"source": trained.path})

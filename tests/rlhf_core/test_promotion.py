@@ -1,0 +1,33 @@
+import pytest
+
+from rlhf_core.promotion import Gates, decide
+
+GATES = Gates(metric="vader", min_improvement=0.05, max_kl=10.0, min_value=None)
+
+
+def summary(vader, kl=1.0):
+    return {"eval/vader_mean": vader, "eval/kl_mean": kl, "eval/length_mean": 6.0}
+
+
+def test_first_promotion_passes_the_absolute_gates():
+    d = decide(summary(0.2), None, GATES)
+    assert d.promote and d.champion_value is None and d.candidate_value == 0.2 and d.candidate_kl == 1.0
+    refused = decide(summary(0.2), None, Gates("vader", 0.05, 10.0, min_value=0.3))
+    assert not refused.promote and "min_value" in refused.reason
+
+
+def test_the_candidate_must_win_by_min_improvement():
+    assert decide(summary(0.36), summary(0.30), GATES).promote  # +0.06 >= 0.05
+    worse = decide(summary(0.34), summary(0.30), GATES)  # +0.04 < 0.05
+    assert not worse.promote and "+0.0400" in worse.reason and worse.champion_value == 0.30
+
+
+def test_the_kl_gate_refuses_even_a_better_candidate():
+    d = decide(summary(0.9, kl=12.5), summary(0.3), GATES)
+    assert not d.promote and "12.500" in d.reason and "max_kl" in d.reason
+    assert decide(summary(0.9, kl=12.5), None, Gates("vader", 0.0, None, None)).promote  # no KL gate
+
+
+def test_a_metric_the_evaluation_lacks_is_named():
+    with pytest.raises(ValueError, match="promote.metric 'score'"):
+        decide(summary(0.1), None, Gates("score", 0.0, None, None))
