@@ -57,7 +57,7 @@ def print_summary(summary: dict) -> None:
         table.add_row("Reward model version", summary["reward_model_uri"])
     for key, value in summary.get("metrics", {}).items():
         table.add_row(key, f"{value:.4f}")
-    console = Console()
+    console = Console(width=max(140, Console().width))  # paths stay on one line in logs
     if summary.get("final_eval_rows"):
         from tasks.progress import print_rows
 

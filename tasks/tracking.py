@@ -224,6 +224,27 @@ def _await_ready(model_name: str, version: str, timeout_s: float = 300.0) -> Non
         time.sleep(0.5)
 
 
+def version_cache_key(uri: str) -> str:
+    """A directory name unique to the model version a models:/ URI points at now.
+
+    Aliases move and version numbers restart when a registry is recreated, so the key holds the
+    resolved version and a hash of where its artifacts live, never the URI as written.
+    """
+    import hashlib
+    import re
+
+    ref = uri.removeprefix("models:/")
+    client = MlflowClient()
+    if "@" in ref:
+        name, alias = ref.split("@", 1)
+        version = client.get_model_version_by_alias(name, alias)
+    else:
+        name, number = ref.rsplit("/", 1)
+        version = client.get_model_version(name, number)
+    digest = hashlib.sha256(f"{version.source}|{version.run_id}|{version.creation_timestamp}".encode()).hexdigest()[:10]
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", f"{name}-v{version.version}-{digest}")
+
+
 def materialize_model(uri: str, destination: str | Path) -> Path:
     """Resolve a models:/ URI to a local Hugging Face directory (model + tokenizer) and return it."""
     destination = Path(destination)
