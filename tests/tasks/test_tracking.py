@@ -101,3 +101,20 @@ def test_materialize_model_round_trips_a_version(cfg, smoke_world, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     assert AutoModelForCausalLM.from_pretrained(local).config.vocab_size == len(AutoTokenizer.from_pretrained(local))
+
+
+def test_registry_sources_follow_the_alias_and_a_missing_version_is_named(cfg, smoke_world, tmp_path):
+    from rlhf_core.models import ModelSourceError
+    from tasks.data import resolve_model_source
+
+    with tracking.pipeline_run(cfg) as parent, tracking.stage_run(parent, "export") as run_id:
+        versions = [tracking.register_checkpoint(smoke_world.base_model, "unit-policy", task="text-generation",
+                                                 tags={"stage": "export", "step": str(i)}, run_id=run_id)["version"] for i in (1, 2)]
+    tracking.set_alias("unit-policy", "candidate", versions[0])
+    first = resolve_model_source("models:/unit-policy@candidate", field="grpo.rewards[0].model", cfg=cfg, world=None)
+    assert resolve_model_source("models:/unit-policy/1", field="f", cfg=cfg, world=None) == first  # same version, one copy
+    tracking.set_alias("unit-policy", "candidate", versions[1])
+    moved = resolve_model_source("models:/unit-policy@candidate", field="grpo.rewards[0].model", cfg=cfg, world=None)
+    assert moved != first and "-v2-" in moved
+    with pytest.raises(ModelSourceError, match=r"grpo.rewards\[0\].model: the registry at .* has no model version models:/unit-policy/9"):
+        resolve_model_source("models:/unit-policy/9", field="grpo.rewards[0].model", cfg=cfg, world=None)
