@@ -21,8 +21,9 @@ def test_grpo_with_only_callable_rewards_runs_without_a_reward_model(prefect_har
     client = MlflowClient(mlflow_uri)
     assert client.search_model_versions("name = 'smoke-reward-model'") == []
     versions = sorted(client.search_model_versions("name = 'smoke-policy'"), key=lambda v: int(v.version))
-    assert [(v.tags["stage"], v.tags["step"]) for v in versions] == [("sft", "8"), ("grpo", "1"), ("grpo", "2")]
-    assert versions[-1].tags["algorithm"] == "grpo" and versions[-1].tags["reward_model_version"] == "none"
+    assert [(v.tags["stage"], v.tags["step"]) for v in versions] == [("sft", "8"), ("grpo", "1"), ("grpo", "2"), ("export", "2")]
+    assert versions[2].tags["algorithm"] == "grpo" and versions[2].tags["reward_model_version"] == "none"
+    assert versions[3].tags["algorithm"] == "grpo" and summary["candidate_uri"] == "models:/smoke-policy/4"
     assert summary["reward_model_uri"] is None and summary["algorithm"] == "grpo"
 
     parent = client.get_run(summary["mlflow_run_id"])

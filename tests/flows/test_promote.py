@@ -54,7 +54,7 @@ def test_promotion_first_better_worse_and_idempotent(prefect_harness, tmp_path, 
     monkeypatch.setenv("RLHF_TEST_TARGETS", str(targets))
     overrides = [f"run.output_dir={tmp_path / 'out'}", f"tracking.uri={mlflow_uri}", "eval.greedy=true",
                  "eval.metrics=['tests.flows.promote_metric:agreement']", "promote.max_kl=1000", "promote.min_improvement=0.5"]
-    client = MlflowClient(mlflow_uri)
+    client = MlflowClient(mlflow_uri, registry_uri=mlflow_uri)  # not the registry an earlier test configured
     base = Path(smoke_world.base_model)
     a = perturbed(base, tmp_path / "a", seed=1)
     b = perturbed(base, tmp_path / "b", seed=2)
