@@ -19,7 +19,26 @@ def _parser() -> argparse.ArgumentParser:
         cmd.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
                          help="override a config field, e.g. --set ppo.kl_coef=0.1 (repeatable)")
     sub.add_parser("fields", help="print every config field, its default and meaning as a Markdown table")
+    deploy = sub.add_parser("deploy", help="create the work pool (if missing) and every deployment in deployments/prefect.yaml")
+    deploy.add_argument("--pool", default="rlhf-process", help="process work pool the deployments use")
     return parser
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def deploy(pool: str) -> int:
+    """prefect work-pool create (when missing) + prefect deploy --all, run from the repository root."""
+    import subprocess
+
+    prefect = str(Path(sys.executable).with_name("prefect"))
+    exists = subprocess.run([prefect, "work-pool", "inspect", pool], cwd=REPO, capture_output=True).returncode == 0
+    if not exists:
+        subprocess.run([prefect, "work-pool", "create", pool, "--type", "process"], cwd=REPO, check=True)
+    done = subprocess.run([prefect, "--no-prompt", "deploy", "--prefect-file", "deployments/prefect.yaml", "--all"], cwd=REPO)
+    if done.returncode == 0:
+        print(f"start a worker: {prefect} worker start --pool {pool}")
+    return done.returncode
 
 
 def fields_markdown() -> str:
@@ -82,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "fields":
         print(fields_markdown())
         return 0
+    if args.command == "deploy":
+        return deploy(args.pool)
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as err:

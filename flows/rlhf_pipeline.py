@@ -13,21 +13,34 @@ from prefect.logging import get_run_logger
 from rlhf_core.config import load_config
 from tasks import tracking
 from tasks.data import prepare_data
-from tasks.export import export_final_policy
+from tasks.export import CANDIDATE, export_final_policy
 from tasks.reward import train_reward
 from tasks.rl import initialize_models, train_policy, uses_reward_stage
 from tasks.sft import sft_warm_start
 
 
 @flow(name="rlhf-pipeline", log_prints=True)
-def rlhf_pipeline(config_path: str | None = "configs/demo.yaml", overrides: list[str] | None = None) -> dict:
-    """Run the pipeline on the config at `config_path` with `overrides` applied; return a summary."""
+def rlhf_pipeline(config_path: str | None = "configs/demo.yaml", overrides: list[str] | None = None,
+                  only_if_new_data: bool = False) -> dict:
+    """Run the pipeline on the config at `config_path` with `overrides` applied; return a summary.
+
+    only_if_new_data: stop after the data stage when the current `candidate` policy was trained on
+    data with the same fingerprint (scheduled retraining with no new preference files).
+    """
     cfg = load_config(config_path, overrides or [])
     logger = get_run_logger()
     logger.info("config %s (hash %s), output in %s", config_path, cfg.config_hash(), cfg.run.output_dir)
 
     with tracking.pipeline_run(cfg) as run_id:
         data = prepare_data(cfg, run_id)
+        if only_if_new_data:
+            latest = tracking.version_by_alias(cfg.registry.policy_model_name, CANDIDATE)
+            if latest is not None and latest.tags.get("data_fingerprint") == data.fingerprint:
+                logger.info("no new data: version %s was trained on data fingerprint %s; nothing to retrain",
+                            latest.version, data.fingerprint)
+                tracking.set_run_tags(run_id, {"rlhf.skipped": "no new data"})
+                return {"mlflow_run_id": run_id, "skipped": "no new data", "data_fingerprint": data.fingerprint,
+                        "candidate_uri": f"models:/{cfg.registry.policy_model_name}/{latest.version}"}
         policy = sft_warm_start(cfg, data, run_id) if cfg.sft.enabled else None
         reward = train_reward(cfg, data, policy, run_id) if uses_reward_stage(cfg) else None
         plan = initialize_models(cfg, data, policy, reward)
@@ -36,6 +49,7 @@ def rlhf_pipeline(config_path: str | None = "configs/demo.yaml", overrides: list
 
     return {
         "mlflow_run_id": run_id,
+        "skipped": None,
         "tracking_uri": cfg.tracking_uri(),
         "output_dir": str(cfg.run.output_dir.resolve()),
         "demo_world": data.demo_world,

@@ -87,7 +87,7 @@ class ColumnMap(Section):
 
 
 class DatasetSpec(Section):
-    path: str = Field(DEMO, min_length=1, description="'demo', a local json/jsonl/parquet/csv file or directory, or a hub dataset name.")
+    path: str = Field(DEMO, min_length=1, description="'demo', a local json/jsonl/parquet/csv file, directory or glob (data/prefs/*.jsonl), or a hub dataset name.")
     split: str = Field("train", min_length=1, description="Split to read (local files are one 'train' split).")
     columns: ColumnMap = Field(default_factory=ColumnMap, description="Mapping from the pipeline's column names to the source's.")
     limit: int | None = Field(None, ge=1, description="Read at most this many rows, in file order.")
@@ -165,7 +165,8 @@ class RewardConfig(OptimSettings):
 
 
 class InitConfig(Section):
-    policy: Literal["sft", "base"] = Field("sft", description="Policy start: the SFT warm start's output or model.base as is.")
+    policy: Literal["sft", "base", "champion"] = Field(
+        "sft", description="Policy start: the SFT warm start's output, model.base as is, or the registry's champion (sft, else base, when there is none).")
     value_from: Literal["reward", "policy"] = Field("reward", description="Value model start: the reward model's weights (as TRL) or the policy's.")
     reference: Literal["auto", "copy", "adapter_disabled"] = Field(
         "auto", description="Reference model: a frozen copy, or with LoRA the policy with adapters off; auto picks by LoRA."

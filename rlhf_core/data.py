@@ -36,13 +36,36 @@ def required_columns(kind: Kind, spec: DatasetSpec) -> dict[str, str]:
     return {"text": cols.text}
 
 
+def is_glob(path: str) -> bool:
+    return any(c in path for c in "*?[")
+
+
 def looks_local(path: str) -> bool:
-    """A path rather than a hub name: it exists, starts like a path, or ends in a data extension."""
+    """A path rather than a hub name: it exists, starts like a path, is a glob, or ends in a data extension."""
     return (
         Path(path).exists()
         or path.startswith(("/", "./", "../", "~"))
+        or is_glob(path)
         or Path(path).suffix.lower() in LOCAL_FORMATS
     )
+
+
+def _same_format(where: str, files: list[Path]) -> tuple[str, list[str]]:
+    formats = {LOCAL_FORMATS[p.suffix.lower()] for p in files}
+    if len(formats) > 1:
+        raise DataValidationError(f"{where}: mixes file types {sorted(formats)}; keep one per directory or glob")
+    return formats.pop(), [str(p) for p in files]
+
+
+def _glob_files(pattern: str, field: str) -> tuple[str, list[str]]:
+    """The data files a glob such as data/prefs/*.jsonl matches, sorted (the order is part of the fingerprint)."""
+    import glob
+
+    files = sorted(Path(p) for p in glob.glob(str(Path(pattern).expanduser()), recursive=True)
+                   if Path(p).is_file() and Path(p).suffix.lower() in LOCAL_FORMATS)
+    if not files:
+        raise DataValidationError(f"{field}.path: the glob {pattern} matches no {'/'.join(sorted(LOCAL_FORMATS))} files")
+    return _same_format(f"the glob {pattern}", files)
 
 
 def _local_files(path: Path) -> tuple[str, list[str]]:
@@ -54,10 +77,7 @@ def _local_files(path: Path) -> tuple[str, list[str]]:
     files = sorted(p for p in path.iterdir() if p.suffix.lower() in LOCAL_FORMATS)
     if not files:
         raise DataValidationError(f"{path}: directory holds no {'/'.join(sorted(LOCAL_FORMATS))} files")
-    formats = {LOCAL_FORMATS[p.suffix.lower()] for p in files}
-    if len(formats) > 1:
-        raise DataValidationError(f"{path}: directory mixes file types {sorted(formats)}; keep one per directory")
-    return formats.pop(), [str(p) for p in files]
+    return _same_format(f"{path}: directory", files)
 
 
 def _locate_bad_json_row(files: list[str], columns: list[str]) -> str:
@@ -100,9 +120,12 @@ def load_table(spec: DatasetSpec, kind: Kind, *, field: str, resolved_path: str 
     mapping = required_columns(kind, spec)
     if looks_local(path):
         local = Path(path).expanduser()
-        if not local.exists():
+        if is_glob(path) and not local.exists():
+            fmt, files = _glob_files(path, field)
+        elif not local.exists():
             raise DataValidationError(f"{field}.path: {local} does not exist")
-        fmt, files = _local_files(local)
+        else:
+            fmt, files = _local_files(local)
         try:
             ds = datasets.load_dataset(fmt, data_files=files, split="train")
         except Exception as err:  # arrow refuses mixed types or broken JSON

@@ -62,7 +62,13 @@ def uses_reward_stage(cfg: PipelineConfig) -> bool:
 def initialize_models(cfg: PipelineConfig, data: PreparedData, sft: Checkpoint | None, reward: Checkpoint | None) -> InitPlan:
     """Pick the policy, value, reference and reward sources, and check they fit together."""
     logger = get_run_logger()
-    if cfg.init.policy == "sft" and sft is not None:
+    champion = tracking.version_by_alias(cfg.registry.policy_model_name, "champion") if cfg.init.policy == "champion" else None
+    if champion is not None:  # retraining from what serves today
+        policy_identity = f"models:/{cfg.registry.policy_model_name}/{champion.version}"
+        policy_path = resolve_model_source(policy_identity, field="init.policy", cfg=cfg, world=None)
+    elif cfg.init.policy in ("sft", "champion") and sft is not None:
+        if cfg.init.policy == "champion":
+            logger.info("no version of %s is champion yet: starting from the SFT warm start", cfg.registry.policy_model_name)
         policy_path, policy_identity = sft.path, sft.model_uri or f"sft:{sft.key}"
     else:
         policy_path, policy_identity = data.base_model, cfg.model.base

@@ -37,6 +37,20 @@ def test_loads_jsonl_parquet_csv_and_directories(tmp_path):
         assert len(ds) == 3
 
 
+def test_a_glob_reads_every_matching_file_in_name_order(tmp_path):
+    (tmp_path / "drops").mkdir()
+    write_jsonl(tmp_path / "drops" / "2026-11-02.jsonl", GOOD[2:])
+    write_jsonl(tmp_path / "drops" / "2026-11-01.jsonl", GOOD[:2])
+    (tmp_path / "drops" / "notes.txt").write_text("not data")
+    ds = load(f"{tmp_path}/drops/*.jsonl")
+    assert [r["prompt"] for r in ds] == [r["prompt"] for r in GOOD]
+    with pytest.raises(DataValidationError, match=r"data.preference.path: the glob .*/none-\*.jsonl matches no"):
+        load(f"{tmp_path}/drops/none-*.jsonl")
+    pd.DataFrame(GOOD).to_csv(tmp_path / "drops" / "2026-11-03.csv", index=False)
+    with pytest.raises(DataValidationError, match="mixes file types"):
+        load(f"{tmp_path}/drops/2026-*")
+
+
 def test_column_mapping_and_margin(tmp_path):
     rows = [{"q": r["prompt"], "good": r["chosen"], "bad": r["rejected"], "m": 0.5, "extra": 1} for r in GOOD]
     path = write_jsonl(tmp_path / "mapped.jsonl", rows)
