@@ -23,6 +23,7 @@ from rlhf_core.evaluation import evaluate_generations, summarize_rows
 from rlhf_core.promotion import Decision, Gates, decide
 from rlhf_core.training import seed_everything
 from tasks import tracking
+from tasks.retry import IO_RETRIES
 from tasks.data import PreparedData, prepare_data, resolve_model_source
 from tasks.export import CANDIDATE
 from tasks.progress import print_rows, publish_markdown
@@ -38,7 +39,7 @@ def _model_dir(source: str, cfg: PipelineConfig, data: PreparedData, field: str)
     return resolve_model_source(source, field=field, cfg=cfg, world=None)
 
 
-@task(name="evaluate-version", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=[5, 20])
+@task(name="evaluate-version", cache_policy=NO_CACHE, **IO_RETRIES)
 def evaluate_version(cfg: PipelineConfig, data: PreparedData, model_uri: str, reference: str | None,
                      reward_model: str | None) -> tuple[dict[str, float], list[dict]]:
     """Near-greedy completions of the held-out prompts by `model_uri`, scored; (summary, rows)."""

@@ -7,8 +7,12 @@ validated before any task runs.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from typing import Iterator
+
 from prefect import flow
 from prefect.logging import get_run_logger
+from prefect.states import Failed
 
 from rlhf_core.config import load_config
 from tasks import tracking
@@ -17,6 +21,18 @@ from tasks.export import CANDIDATE, export_final_policy
 from tasks.reward import train_reward
 from tasks.rl import initialize_models, train_policy, uses_reward_stage
 from tasks.sft import sft_warm_start
+
+
+class StageMarker:
+    """`with stage("reward"): ...` records which stage is running, for the failed state's message."""
+
+    def __init__(self):
+        self.current = "setup"
+
+    @contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        self.current = name
+        yield
 
 
 @flow(name="rlhf-pipeline", log_prints=True)
@@ -31,21 +47,32 @@ def rlhf_pipeline(config_path: str | None = "configs/demo.yaml", overrides: list
     logger = get_run_logger()
     logger.info("config %s (hash %s), output in %s", config_path, cfg.config_hash(), cfg.run.output_dir)
 
-    with tracking.pipeline_run(cfg) as run_id:
-        data = prepare_data(cfg, run_id)
-        if only_if_new_data:
-            latest = tracking.version_by_alias(cfg.registry.policy_model_name, CANDIDATE)
-            if latest is not None and latest.tags.get("data_fingerprint") == data.fingerprint:
-                logger.info("no new data: version %s was trained on data fingerprint %s; nothing to retrain",
-                            latest.version, data.fingerprint)
-                tracking.set_run_tags(run_id, {"rlhf.skipped": "no new data"})
-                return {"mlflow_run_id": run_id, "skipped": "no new data", "data_fingerprint": data.fingerprint,
-                        "candidate_uri": f"models:/{cfg.registry.policy_model_name}/{latest.version}"}
-        policy = sft_warm_start(cfg, data, run_id) if cfg.sft.enabled else None
-        reward = train_reward(cfg, data, policy, run_id) if uses_reward_stage(cfg) else None
-        plan = initialize_models(cfg, data, policy, reward)
-        trained = train_policy(cfg, data, plan, run_id)
-        exported = export_final_policy(cfg, data, plan, trained, run_id)
+    stage = StageMarker()
+    try:
+        with tracking.pipeline_run(cfg) as run_id:
+            with stage("data"):
+                data = prepare_data(cfg, run_id)
+            if only_if_new_data:
+                latest = tracking.version_by_alias(cfg.registry.policy_model_name, CANDIDATE)
+                if latest is not None and latest.tags.get("data_fingerprint") == data.fingerprint:
+                    logger.info("no new data: version %s was trained on data fingerprint %s; nothing to retrain",
+                                latest.version, data.fingerprint)
+                    tracking.set_run_tags(run_id, {"rlhf.skipped": "no new data"})
+                    return {"mlflow_run_id": run_id, "skipped": "no new data", "data_fingerprint": data.fingerprint,
+                            "candidate_uri": f"models:/{cfg.registry.policy_model_name}/{latest.version}"}
+            with stage("sft"):
+                policy = sft_warm_start(cfg, data, run_id) if cfg.sft.enabled else None
+            with stage("reward"):
+                reward = train_reward(cfg, data, policy, run_id) if uses_reward_stage(cfg) else None
+            with stage("init"):
+                plan = initialize_models(cfg, data, policy, reward)
+            with stage(cfg.rl.algorithm):
+                trained = train_policy(cfg, data, plan, run_id)
+            with stage("export"):
+                exported = export_final_policy(cfg, data, plan, trained, run_id)
+    except Exception as err:  # the MLflow run is FAILED by now; say which stage failed and why
+        logger.error("stage %s failed: %s", stage.current, err)
+        return Failed(message=f"stage '{stage.current}' failed: {type(err).__name__}: {err}", data=err)
 
     return {
         "mlflow_run_id": run_id,

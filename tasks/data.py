@@ -19,6 +19,7 @@ from rlhf_core.data import Kind, apply_length_policy, fingerprint_rows, load_tab
 from rlhf_core.demo_world import DemoWorld, build_demo_world
 from rlhf_core.models import ModelSourceError, check_source, load_tokenizer
 from tasks import tracking
+from tasks.retry import IO_RETRIES
 from tasks.progress import StageProgress, publish_table
 
 
@@ -82,7 +83,7 @@ def tables_to_prepare(cfg: PipelineConfig) -> list[tuple[str, str, DatasetSpec, 
     return tables
 
 
-@task(name="prepare-data", cache_policy=NO_CACHE)
+@task(name="prepare-data", cache_policy=NO_CACHE, **IO_RETRIES)
 def prepare_data(cfg: PipelineConfig, parent_run_id: str) -> PreparedData:
     """Build or reuse the demo world, validate every table, write them under <output_dir>/data."""
     logger = get_run_logger()

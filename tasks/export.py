@@ -12,6 +12,7 @@ from rlhf_core.config import PipelineConfig
 from rlhf_core.export import ExportInfo, export_policy, generation_settings
 from rlhf_core.models import load_tokenizer
 from tasks import tracking
+from tasks.retry import IO_RETRIES
 from tasks.data import PreparedData
 from tasks.progress import publish_markdown
 from tasks.rl import InitPlan
@@ -35,7 +36,7 @@ def export_info(cfg: PipelineConfig, data: PreparedData, plan: InitPlan, trained
     )
 
 
-@task(name="export-policy", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=[5, 20])
+@task(name="export-policy", cache_policy=NO_CACHE, **IO_RETRIES)
 def export_final_policy(cfg: PipelineConfig, data: PreparedData, plan: InitPlan, trained: Checkpoint,
                         parent_run_id: str) -> Checkpoint:
     """Write <export dir> from the last RL checkpoint, register it as a version, point `candidate` at it."""

@@ -21,6 +21,7 @@ from rlhf_core.demo_world import DemoWorld
 from rlhf_core.models import load_tokenizer, prepare_for_training
 from rlhf_core.reward import load_reward_model, train_reward_model
 from tasks import tracking
+from tasks.retry import IO_RETRIES
 from tasks.data import PreparedData, resolve_model_source
 from tasks.plots import close, curve_figure
 from tasks.progress import StageProgress, publish_table
@@ -64,7 +65,7 @@ def reward_key(cfg: PipelineConfig, data: PreparedData, base_identity: str) -> s
     })
 
 
-@task(name="train-reward-model", cache_policy=NO_CACHE)
+@task(name="train-reward-model", cache_policy=NO_CACHE, **IO_RETRIES)
 def train_reward(cfg: PipelineConfig, data: PreparedData, policy: Checkpoint | None, parent_run_id: str) -> Checkpoint:
     """Train (or resume, or reuse) the reward model and register each checkpoint as a model version."""
     logger = get_run_logger()

@@ -26,6 +26,7 @@ from rlhf_core.ppo import train_ppo
 from rlhf_core.reward import load_reward_model
 from rlhf_core.rewards import load_function
 from tasks import tracking
+from tasks.retry import IO_RETRIES
 from tasks.data import PreparedData, resolve_model_source
 from tasks.plots import close, curve_figure
 from tasks.progress import StageProgress, print_rows, publish_markdown, publish_table
@@ -58,7 +59,7 @@ def uses_reward_stage(cfg: PipelineConfig) -> bool:
     return cfg.rl.algorithm == "ppo" or any(r.model == "reward_stage" for r in cfg.grpo.rewards)
 
 
-@task(name="initialize-models", cache_policy=NO_CACHE)
+@task(name="initialize-models", cache_policy=NO_CACHE, **IO_RETRIES)
 def initialize_models(cfg: PipelineConfig, data: PreparedData, sft: Checkpoint | None, reward: Checkpoint | None) -> InitPlan:
     """Pick the policy, value, reference and reward sources, and check they fit together."""
     logger = get_run_logger()
@@ -162,7 +163,7 @@ def rl_key(cfg: PipelineConfig, data: PreparedData, plan: InitPlan) -> str:
     })
 
 
-@task(name="train-policy", cache_policy=NO_CACHE)
+@task(name="train-policy", cache_policy=NO_CACHE, **IO_RETRIES)
 def train_policy(cfg: PipelineConfig, data: PreparedData, plan: InitPlan, parent_run_id: str) -> Checkpoint:
     """PPO or GRPO on the prompt set; resume, evaluate, register every checkpoint as a policy version."""
     from transformers import AutoModelForSequenceClassification

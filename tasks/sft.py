@@ -18,6 +18,7 @@ from rlhf_core.data import read_column
 from rlhf_core.models import load_causal_lm, load_tokenizer, prepare_for_training
 from rlhf_core.sft import train_sft
 from tasks import tracking
+from tasks.retry import IO_RETRIES
 from tasks.data import PreparedData
 from tasks.plots import close, curve_figure
 from tasks.progress import StageProgress
@@ -42,7 +43,7 @@ def _read_stage_file(path: Path) -> dict:
         return {}
 
 
-@task(name="sft-warm-start", cache_policy=NO_CACHE)
+@task(name="sft-warm-start", cache_policy=NO_CACHE, **IO_RETRIES)
 def sft_warm_start(cfg: PipelineConfig, data: PreparedData, parent_run_id: str) -> Checkpoint:
     """Fine-tune the base policy on the text corpus; reuse a finished run with the same key."""
     logger = get_run_logger()

@@ -109,6 +109,7 @@ def test_bad_data_fails_the_flow_and_the_mlflow_run_with_nothing_registered(pref
     state = rlhf_pipeline(config_path=SMOKE, overrides=overrides, return_state=True)
 
     assert state.is_failed()
+    assert state.message.startswith("stage 'data' failed: DataValidationError: ") and "prefs.jsonl row 1" in state.message
     with pytest.raises(DataValidationError, match=r"prefs.jsonl row 1: `chosen` is identical to `rejected`"):
         state.result()
     client = MlflowClient(mlflow_uri)
