@@ -23,10 +23,10 @@ from rlhf_core.evaluation import evaluate_generations, summarize_rows
 from rlhf_core.promotion import Decision, Gates, decide
 from rlhf_core.training import seed_everything
 from tasks import tracking
-from tasks.retry import IO_RETRIES
 from tasks.data import PreparedData, prepare_data, resolve_model_source
 from tasks.export import CANDIDATE
 from tasks.progress import print_rows, publish_markdown
+from tasks.retry import IO_RETRIES
 from tasks.rl import metric_functions
 
 CHAMPION = "champion"

@@ -98,8 +98,8 @@ def generate(policy, query_ids: torch.Tensor, query_mask: torch.Tensor, settings
     done = torch.zeros(batch, dtype=torch.bool, device=device)
     mask = torch.zeros((batch, context + settings.response_length), dtype=torch.long, device=device)
     mask[:, :context] = query_mask
-    shared = prompt_repeats > 1 and batch % prompt_repeats == 0 and bool(
-        (query_ids.view(-1, prompt_repeats, context) == query_ids[::prompt_repeats, None]).all())
+    shared = prompt_repeats > 1 and batch % prompt_repeats == 0 and all(
+        bool((t.view(-1, prompt_repeats, context) == t[::prompt_repeats, None]).all()) for t in (query_ids, query_mask))
     rows = slice(None, None, prompt_repeats) if shared else slice(None)
     out = policy(input_ids=query_ids[rows], attention_mask=query_mask[rows], position_ids=position_ids_from_mask(query_mask[rows]),
                  use_cache=True, logits_to_keep=1)  # the prefill needs the last position's logits only

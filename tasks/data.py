@@ -19,8 +19,8 @@ from rlhf_core.data import Kind, apply_length_policy, fingerprint_rows, load_tab
 from rlhf_core.demo_world import DemoWorld, build_demo_world
 from rlhf_core.models import ModelSourceError, check_source, load_tokenizer
 from tasks import tracking
-from tasks.retry import IO_RETRIES
 from tasks.progress import StageProgress, publish_table
+from tasks.retry import IO_RETRIES
 
 
 @dataclass(frozen=True)

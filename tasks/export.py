@@ -12,9 +12,9 @@ from rlhf_core.config import PipelineConfig
 from rlhf_core.export import ExportInfo, export_policy, generation_settings
 from rlhf_core.models import load_tokenizer
 from tasks import tracking
-from tasks.retry import IO_RETRIES
 from tasks.data import PreparedData
 from tasks.progress import publish_markdown
+from tasks.retry import IO_RETRIES
 from tasks.rl import InitPlan
 from tasks.stage_io import Checkpoint
 

@@ -21,10 +21,10 @@ from rlhf_core.demo_world import DemoWorld
 from rlhf_core.models import load_tokenizer, prepare_for_training
 from rlhf_core.reward import load_reward_model, train_reward_model
 from tasks import tracking
-from tasks.retry import IO_RETRIES
 from tasks.data import PreparedData, resolve_model_source
 from tasks.plots import close, curve_figure
 from tasks.progress import StageProgress, publish_table
+from tasks.retry import IO_RETRIES
 from tasks.stage_io import Checkpoint, register_saved_checkpoints, stage_key
 
 CARD_BODY = """\

@@ -26,10 +26,10 @@ from rlhf_core.ppo import train_ppo
 from rlhf_core.reward import load_reward_model
 from rlhf_core.rewards import load_function
 from tasks import tracking
-from tasks.retry import IO_RETRIES
 from tasks.data import PreparedData, resolve_model_source
 from tasks.plots import close, curve_figure
 from tasks.progress import StageProgress, print_rows, publish_markdown, publish_table
+from tasks.retry import IO_RETRIES
 from tasks.stage_io import Checkpoint, register_saved_checkpoints, stage_key
 
 

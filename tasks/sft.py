@@ -18,10 +18,10 @@ from rlhf_core.data import read_column
 from rlhf_core.models import load_causal_lm, load_tokenizer, prepare_for_training
 from rlhf_core.sft import train_sft
 from tasks import tracking
-from tasks.retry import IO_RETRIES
 from tasks.data import PreparedData
 from tasks.plots import close, curve_figure
 from tasks.progress import StageProgress
+from tasks.retry import IO_RETRIES
 from tasks.stage_io import Checkpoint, stage_key
 
 STAGE_FILE = "rlhf_stage.json"
