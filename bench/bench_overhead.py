@@ -93,7 +93,8 @@ def main() -> None:
         "anchor_name": "the bare training loops", "ratio": flow_s / bare_s,
         "versions_registered": versions, "evaluations": evaluations,
         "notes": (f"flow + tracking {flow_s:.0f} s vs bare SFT/reward/PPO loops {bare_s:.0f} s: +{flow_s - bare_s:.0f} s for "
-                  f"{versions} registered versions, {evaluations} generation evaluations, data validation and Prefect; "
+                  f"a new MLflow store, data validation, {versions} registered versions, {evaluations} generation "
+                  "evaluations and Prefect; "
                   "sft 100, reward 100, ppo 20 steps of configs/demo.yaml, CPU"),
     }
     Path(args.out).write_text(json.dumps(result, indent=2))
