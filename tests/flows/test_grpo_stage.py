@@ -4,7 +4,9 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+import torch
 from mlflow.tracking import MlflowClient
+from transformers import AutoModelForCausalLM
 
 from flows.rlhf_pipeline import rlhf_pipeline
 from rlhf_core.rewards import RewardFunctionError
@@ -44,3 +46,24 @@ def test_a_reward_function_that_cannot_be_imported_stops_before_rl(prefect_harne
         state.result()
     versions = MlflowClient(mlflow_uri).search_model_versions("name = 'smoke-policy'")
     assert [v.tags["stage"] for v in versions] == ["sft"]
+
+
+def test_a_lora_run_exports_adapter_and_merged_model_and_registers_the_merged_one(prefect_harness, tmp_path, mlflow_uri):
+    from peft import AutoPeftModelForCausalLM
+
+    from rlhf_core.model_card import read_front_matter
+
+    overrides = [f"run.output_dir={tmp_path / 'out'}", f"tracking.uri={mlflow_uri}", "rl.algorithm=grpo", VADER_ONLY,
+                 "model.lora.enabled=true", "export.merge=true", f"export.output_dir={tmp_path / 'shipped'}"]
+    summary = rlhf_pipeline(config_path=SMOKE, overrides=overrides)
+    shipped = tmp_path / "shipped"
+    assert summary["export_dir"] == str(shipped.resolve())
+    assert (shipped / "model.safetensors").is_file() and (shipped / "adapter" / "adapter_model.safetensors").is_file()
+    assert read_front_matter(shipped / "README.md")["tags"] == ["rlhf", "grpo", "lora"]
+    ids = {"input_ids": torch.tensor([[5, 6, 7]])}
+    merged = AutoModelForCausalLM.from_pretrained(shipped)
+    adapter = AutoPeftModelForCausalLM.from_pretrained(str(shipped / "adapter"))
+    with torch.no_grad():
+        torch.testing.assert_close(merged(**ids).logits, adapter(**ids).logits, atol=1e-4, rtol=1e-4)
+    candidate = MlflowClient(mlflow_uri).get_model_version_by_alias("smoke-policy", "candidate")
+    assert candidate.tags["stage"] == "export" and summary["candidate_uri"].endswith(f"/{candidate.version}")
