@@ -65,6 +65,25 @@ def reward_key(cfg: PipelineConfig, data: PreparedData, base_identity: str) -> s
     })
 
 
+def reuse_registered(cfg: PipelineConfig, key: str, out_dir: Path) -> Checkpoint | None:
+    """The finished reward model of this stage key from the registry, when this machine has no checkpoint of it.
+
+    A worker without the previous run's output directory (another machine, a wiped disk) then
+    downloads the registered final version instead of training the same model again.
+    """
+    if not cfg.tracking.register_models or any(Path(out_dir).glob("checkpoint-*")):
+        return None
+    name = cfg.registry.reward_model_name
+    version = tracking.find_version(name, {"stage": "reward", "stage_key": key, "step": str(cfg.reward.max_steps)})
+    if version is None:
+        return None
+    uri = f"models:/{name}/{version.version}"
+    local = tracking.materialize_model(uri, Path(out_dir) / "registry" / tracking.version_cache_key(uri))
+    metrics = {k: float(version.tags[k]) for k in ("eval_accuracy", "eval_loss") if k in version.tags}
+    return Checkpoint(path=str(local.resolve()), model_uri=uri, step=cfg.reward.max_steps, metrics=metrics, key=key,
+                      extra={"resumed_from": None, "from_registry": True})
+
+
 @task(name="train-reward-model", cache_policy=NO_CACHE, **IO_RETRIES)
 def train_reward(cfg: PipelineConfig, data: PreparedData, policy: Checkpoint | None, parent_run_id: str) -> Checkpoint:
     """Train (or resume, or reuse) the reward model and register each checkpoint as a model version."""
@@ -74,6 +93,11 @@ def train_reward(cfg: PipelineConfig, data: PreparedData, policy: Checkpoint | N
     out_dir = cfg.run.output_dir / "reward" / key
     name = cfg.registry.reward_model_name
     with tracking.stage_run(parent_run_id, "reward") as run_id:
+        reused = reuse_registered(cfg, key, out_dir)
+        if reused is not None:
+            logger.info("reward model for stage key %s is already registered as %s: reused, not retrained", key, reused.model_uri)
+            tracking.set_run_tags(run_id, {"rlhf.reused": reused.model_uri})
+            return reused
         tokenizer = load_tokenizer(base, revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code)
         model = load_reward_model(base, tokenizer, lora=cfg.model.lora if cfg.reward.lora else None,
                                   torch_dtype=cfg.model.torch_dtype, trust_remote_code=cfg.model.trust_remote_code,

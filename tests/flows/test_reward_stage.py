@@ -92,3 +92,22 @@ def test_a_reward_tokenizer_with_no_pad_and_no_eos_is_refused(prefect_harness, t
     with pytest.raises(ModelSourceError, match="has no pad token and no eos token to borrow"):
         state.result()
     assert MlflowClient(mlflow_uri).search_model_versions("name = 'smoke-reward-model'") == []
+
+
+def test_a_worker_without_the_output_directory_reuses_the_registered_reward_model(prefect_harness, tmp_path, mlflow_uri,
+                                                                                  monkeypatch):
+    overrides = [f"run.output_dir={tmp_path / 'out'}", f"tracking.uri={mlflow_uri}"]
+    first = rlhf_pipeline(config_path=SMOKE, overrides=overrides)
+    client = MlflowClient(mlflow_uri)
+    before = reward_versions(client)
+    # another machine, or a wiped disk: the stage's checkpoints are gone, the registry still has them
+    shutil.rmtree(tmp_path / "out" / "reward")
+
+    def must_not_train(*args, **kwargs):
+        raise AssertionError("the registered reward model should have been reused")
+
+    monkeypatch.setattr(tasks.reward, "train_reward_model", must_not_train)
+    again = rlhf_pipeline(config_path=SMOKE, overrides=overrides)
+    assert again["reward_model_uri"] == first["reward_model_uri"]
+    assert reward_versions(client) == before
+    assert again["metrics"]["reward/eval_accuracy"] == pytest.approx(first["metrics"]["reward/eval_accuracy"], abs=1e-4)
