@@ -20,7 +20,7 @@ from rlhf_core.ppo_math import kl_per_token, masked_mean
 from rlhf_core.rewards import call_scoring_function
 from rlhf_core.rl_loop import Evaluate, OnEval, RLLoop, RLResult
 from rlhf_core.rollout import Rollout, SamplingSettings, collect_rollout, response_logprobs, sequence_scores
-from rlhf_core.training import OnCheckpoint, OnLog
+from rlhf_core.training import OnCheckpoint, OnLog, OnStep
 
 LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo"]
 
@@ -113,6 +113,7 @@ def function_reward(name: str, weight: float, fn) -> RewardSourceFn:
 def train_grpo(policy, ref_model, rewards: list[RewardSourceFn], tokenizer, prompt_rows: list[dict], rl: RLConfig,
                grpo: GRPOConfig, run: RunConfig, *, max_prompt_length: int, output_dir: str | Path,
                on_log: OnLog | None = None, on_checkpoint: OnCheckpoint | None = None, on_eval: OnEval | None = None,
+              on_step: OnStep | None = None,
                evaluate: Evaluate | None = None, eval_every: int | None = None,
                on_completions: Callable[[list[dict], int], None] | None = None, show_progress: bool = True) -> RLResult:
     """Train `policy` with GRPO for rl.total_steps generation batches; resume from output_dir.
@@ -224,4 +225,4 @@ def train_grpo(policy, ref_model, rewards: list[RewardSourceFn], tokenizer, prom
         return metrics
 
     return loop.run(iteration, on_log=on_log, on_checkpoint=on_checkpoint, on_eval=on_eval, evaluate=evaluate,
-                    eval_every=eval_every, repeat=G, show_progress=show_progress)
+                    on_step=on_step, eval_every=eval_every, repeat=G, show_progress=show_progress)

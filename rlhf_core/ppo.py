@@ -20,7 +20,7 @@ from rlhf_core.ppo_math import (
 )
 from rlhf_core.rl_loop import Evaluate, OnEval, RLLoop, RLResult
 from rlhf_core.rollout import Rollout, SamplingSettings, collect_rollout, response_logprobs, sequence_scores, token_values
-from rlhf_core.training import OnCheckpoint, OnLog
+from rlhf_core.training import OnCheckpoint, OnLog, OnStep
 
 
 class PolicyAndValue(torch.nn.Module):
@@ -57,6 +57,7 @@ def score_rollout(rollout: Rollout, value_model, reward_model, *, missing_eos_pe
 def train_ppo(policy, value_model, ref_model, reward_model, tokenizer, prompts: list[str], rl: RLConfig, ppo: PPOConfig,
               run: RunConfig, *, max_prompt_length: int, output_dir: str | Path,
               on_log: OnLog | None = None, on_checkpoint: OnCheckpoint | None = None, on_eval: OnEval | None = None,
+              on_step: OnStep | None = None,
               evaluate: Evaluate | None = None, eval_every: int | None = None, show_progress: bool = True) -> RLResult:
     """Train `policy` and `value_model` with PPO for rl.total_steps iterations; resume from output_dir.
 
@@ -151,4 +152,4 @@ def train_ppo(policy, value_model, ref_model, reward_model, tokenizer, prompts: 
         }
 
     return loop.run(iteration, on_log=on_log, on_checkpoint=on_checkpoint, on_eval=on_eval, evaluate=evaluate,
-                    eval_every=eval_every, show_progress=show_progress)
+                    on_step=on_step, eval_every=eval_every, show_progress=show_progress)

@@ -21,8 +21,8 @@ from rlhf_core.checkpoint import latest_checkpoint, load_training_state, save_tr
 from rlhf_core.config import LoraSettings, RewardConfig, RunConfig
 from rlhf_core.model_card import write_model_card
 from rlhf_core.training import (
-    OnCheckpoint, OnLog, assert_finite, atomic_dir, build_optimizer, epoch_batches, make_accelerator, restore_weights,
-    save_hf_dir, seed_everything,
+    OnCheckpoint, OnLog, OnStep, ShardedBatches, assert_finite, atomic_dir, build_optimizer, make_accelerator,
+    restore_weights, save_hf_dir, seed_everything,
 )
 
 EVAL_METRICS = ("eval_loss", "eval_accuracy", "eval_margin", "eval_min_reward", "eval_mean_reward", "eval_max_reward")
@@ -175,7 +175,8 @@ class RewardResult:
 def train_reward_model(model, tokenizer, train_rows: list[dict], eval_rows: list[dict], cfg: RewardConfig,
                        run: RunConfig, *, max_length: int, output_dir: str | Path, card: dict,
                        on_log: OnLog | None = None, on_eval: Callable[[dict[str, float], int], None] | None = None,
-                       on_checkpoint: OnCheckpoint | None = None, show_progress: bool = True) -> RewardResult:
+                       on_checkpoint: OnCheckpoint | None = None, on_step: OnStep | None = None,
+                       show_progress: bool = True) -> RewardResult:
     """Train for cfg.max_steps optimizer steps, resuming from the newest complete checkpoint in output_dir.
 
     card: {"title", "metadata", "body"} for the model card of each checkpoint.
@@ -194,7 +195,9 @@ def train_reward_model(model, tokenizer, train_rows: list[dict], eval_rows: list
         step, epoch, position = progress["step"], progress["epoch"], progress["position"]
         metrics = json.loads((resume / "metrics.json").read_text())
     resumed_from = step
-    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    # the schedule stays outside Accelerate: it counts optimizer steps of the global batch, while an
+    # Accelerate-prepared scheduler advances num_processes times per step
+    model, optimizer = accelerator.prepare(model, optimizer)
     device = accelerator.device
     model.train()
 
@@ -212,7 +215,11 @@ def train_reward_model(model, tokenizer, train_rows: list[dict], eval_rows: list
     train_items = tokenize_pairs(tokenizer, train_rows, max_length)
     eval_items = tokenize_pairs(tokenizer, eval_rows, max_length)
 
+    main = accelerator.is_main_process
+
     def evaluate(at_step: int) -> dict[str, float]:
+        if not main:  # evaluation and logging belong to the main process; the others only train
+            return {}
         result = evaluate_encoded(accelerator.unwrap_model(model), eval_items, tokenizer.pad_token_id,
                                   batch_size=cfg.batch_size, center_rewards_coefficient=cfg.center_rewards_coefficient,
                                   device=device)
@@ -220,16 +227,15 @@ def train_reward_model(model, tokenizer, train_rows: list[dict], eval_rows: list
             on_eval(result, at_step)
         return result
 
-    batches = epoch_batches(len(train_rows), cfg.batch_size, run.seed, epoch)
+    # data parallel: every process its own batch of cfg.batch_size pairs per micro-step
+    order = ShardedBatches(len(train_rows), cfg.batch_size, run.seed, rank=accelerator.process_index,
+                           world=accelerator.num_processes, epoch=epoch, position=position)
     window: list[dict[str, float]] = []
-    bar = tqdm(total=cfg.max_steps, initial=step, desc="reward", disable=not show_progress or not accelerator.is_main_process)
+    bar = tqdm(total=cfg.max_steps, initial=step, desc="reward", disable=not show_progress or not main)
     while step < cfg.max_steps:
         for _ in range(cfg.gradient_accumulation_steps):
-            items = [train_items[i] for i in batches[position]]
-            position += 1
-            if position == len(batches):
-                epoch, position = epoch + 1, 0
-                batches = epoch_batches(len(train_rows), cfg.batch_size, run.seed, epoch)
+            items = [train_items[i] for i in order.next()]
+            epoch, position = order.epoch, order.position
             batch = {k: v.to(device) for k, v in collate_pairs(items, tokenizer.pad_token_id).items()}
             with accelerator.accumulate(model):
                 rc, rr = score_pairs(model, batch)
@@ -237,19 +243,23 @@ def train_reward_model(model, tokenizer, train_rows: list[dict], eval_rows: list
                 accelerator.backward(loss)
                 grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm) if accelerator.sync_gradients else None
                 optimizer.step()
-                scheduler.step()
+                if accelerator.sync_gradients:
+                    scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
             window.append({"loss": loss.item(), **preference_metrics(rc.detach().float(), rr.detach().float())})
         step += 1
         bar.update(1)
         bar.set_postfix(loss=f"{window[-1]['loss']:.3f}", acc=f"{window[-1]['accuracy']:.2f}")
-        if on_log is not None and (step % cfg.log_steps == 0 or step == cfg.max_steps):
+        if on_step is not None:
+            on_step(step)
+        if main and on_log is not None and (step % cfg.log_steps == 0 or step == cfg.max_steps):
             logged = {f"reward/{k}": sum(w[k] for w in window) / len(window) for k in window[0]}
             logged.update({"reward/learning_rate": scheduler.get_last_lr()[0], "reward/grad_norm": float(grad_norm),
-                           "reward/epoch": epoch + position / max(len(batches), 1)})
+                           "reward/epoch": order.fraction})
             if not all(math.isfinite(v) for v in logged.values()):
                 raise FloatingPointError(f"reward training diverged at step {step}: {logged}")
             on_log(logged, step)
+        if step % cfg.log_steps == 0 or step == cfg.max_steps:
             window = []
         if step % cfg.eval_steps == 0 or step == cfg.max_steps:
             metrics = evaluate(step)

@@ -21,8 +21,8 @@ from rlhf_core.checkpoint import latest_checkpoint, load_training_state, save_tr
 from rlhf_core.config import RLConfig, RunConfig
 from rlhf_core.rollout import left_pad, tokenize_prompts
 from rlhf_core.training import (
-    OnCheckpoint, OnLog, assert_finite, atomic_dir, build_optimizer, epoch_batches, make_accelerator, restore_weights,
-    save_hf_dir, seed_everything,
+    OnCheckpoint, OnLog, OnStep, ShardedBatches, assert_finite, atomic_dir, build_optimizer, make_accelerator,
+    restore_weights, save_hf_dir, seed_everything,
 )
 
 OnEval = Callable[[list[dict], int], None]
@@ -68,7 +68,8 @@ class RLLoop:
             self.state.update(progress.get("state", {}))
             self.metrics = json.loads((resume / "metrics.json").read_text())
         self.resumed_from = self.step
-        self.trainable, self.optimizer, self.scheduler = self.accelerator.prepare(trainable, self.optimizer, self.scheduler)
+        # the schedule stays outside Accelerate: one step per optimizer step, whatever num_processes is
+        self.trainable, self.optimizer = self.accelerator.prepare(trainable, self.optimizer)
         self.device = self.accelerator.device
         self.prompt_ids = tokenize_prompts(tokenizer, prompts, max_prompt_length)
 
@@ -106,22 +107,23 @@ class RLLoop:
 
     def run(self, iteration: Callable[[torch.Tensor, torch.Tensor, list[int]], dict[str, float]], *, on_log: OnLog | None = None,
             on_checkpoint: OnCheckpoint | None = None, on_eval: OnEval | None = None, evaluate: Evaluate | None = None,
-            eval_every: int | None = None, repeat: int = 1, show_progress: bool = True) -> RLResult:
+            eval_every: int | None = None, repeat: int = 1, on_step: OnStep | None = None,
+            show_progress: bool = True) -> RLResult:
         """Call `iteration(query_ids, query_mask, prompt_indices)` once per step on the next
         `prompts_per_step` prompts, each repeated `repeat` times (GRPO's groups)."""
         from tqdm.auto import tqdm
 
         rl = self.rl
-        batches = epoch_batches(len(self.prompt_ids), self.prompts_per_step, self.run_cfg.seed, self.epoch)
-        bar = tqdm(total=rl.total_steps, initial=self.step, desc=self.name,
-                   disable=not show_progress or not self.accelerator.is_main_process)
+        main = self.accelerator.is_main_process
+        # data parallel: every process rolls out its own prompts_per_step prompts per step
+        order = ShardedBatches(len(self.prompt_ids), self.prompts_per_step, self.run_cfg.seed,
+                               rank=self.accelerator.process_index, world=self.accelerator.num_processes,
+                               epoch=self.epoch, position=self.position)
+        bar = tqdm(total=rl.total_steps, initial=self.step, desc=self.name, disable=not show_progress or not main)
         while self.step < rl.total_steps:
             started = time.perf_counter()
-            indices = batches[self.position]
-            self.position += 1
-            if self.position == len(batches):
-                self.epoch, self.position = self.epoch + 1, 0
-                batches = epoch_batches(len(self.prompt_ids), self.prompts_per_step, self.run_cfg.seed, self.epoch)
+            indices = order.next()
+            self.epoch, self.position = order.epoch, order.position
             indices = [i for i in indices for _ in range(repeat)]
             query_ids, query_mask = left_pad([self.prompt_ids[i] for i in indices], self.tokenizer.pad_token_id)
             metrics = iteration(query_ids.to(self.device), query_mask.to(self.device), indices)
@@ -135,9 +137,11 @@ class RLLoop:
             bar.update(1)
             shown = {k: metrics[k] for k in ("objective/scores", "reward", "objective/kl", "kl") if k in metrics}
             bar.set_postfix({k.split("/")[-1]: f"{v:.3f}" for k, v in shown.items()})
-            if on_log is not None and (self.step % rl.log_steps == 0 or self.step == rl.total_steps):
+            if on_step is not None:
+                on_step(self.step)
+            if main and on_log is not None and (self.step % rl.log_steps == 0 or self.step == rl.total_steps):
                 on_log({k: v for k, v in metrics.items() if math.isfinite(v)}, self.step)
-            if evaluate is not None and on_eval is not None and eval_every and (
+            if main and evaluate is not None and on_eval is not None and eval_every and (
                     self.step % eval_every == 0 or self.step == rl.total_steps):
                 on_eval(evaluate(self.models["policy"], self.step), self.step)
             if self.step % rl.save_steps == 0 or self.step == rl.total_steps:

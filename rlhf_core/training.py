@@ -16,6 +16,12 @@ class OnLog(Protocol):
     def __call__(self, metrics: dict[str, float], step: int) -> None: ...
 
 
+class OnStep(Protocol):
+    """Called on every process after each optimizer step (the others are called on the main one only)."""
+
+    def __call__(self, step: int) -> None: ...
+
+
 class OnCheckpoint(Protocol):
     def __call__(self, path: Path, step: int) -> None: ...
 
@@ -93,6 +99,36 @@ def epoch_batches(n_rows: int, batch_size: int, seed: int, epoch: int) -> list[l
     order = torch.randperm(n_rows, generator=torch.Generator().manual_seed(seed * 1000 + epoch)).tolist()
     size = min(batch_size, n_rows)
     return [order[i : i + size] for i in range(0, n_rows - size + 1, size)]
+
+
+class ShardedBatches:
+    """Data-parallel batch order: each optimizer step consumes `world` consecutive batches of the
+    epoch's permutation and process `rank` takes the `rank`-th one (different data on every
+    process, the same order on one process). With world 1 this is `epoch_batches` in order.
+
+    `epoch` and `position` are what a checkpoint saves to resume the exact order.
+    """
+
+    def __init__(self, n_rows: int, batch_size: int, seed: int, *, rank: int, world: int, epoch: int = 0, position: int = 0):
+        self.n_rows, self.batch_size, self.seed, self.rank, self.world = n_rows, batch_size, seed, rank, world
+        self.epoch, self.position = epoch, position
+        self.batches = epoch_batches(n_rows, batch_size, seed, epoch)
+        if len(self.batches) < world:
+            raise ValueError(f"{n_rows} rows make {len(self.batches)} batches of {batch_size}, fewer than the "
+                             f"{world} processes that each need one per step; lower the batch size or add data")
+
+    def next(self) -> list[int]:
+        """This process's batch for the next step."""
+        indices = self.batches[self.position + self.rank]
+        self.position += self.world
+        if self.position + self.world > len(self.batches):
+            self.epoch, self.position = self.epoch + 1, 0
+            self.batches = epoch_batches(self.n_rows, self.batch_size, self.seed, self.epoch)
+        return indices
+
+    @property
+    def fraction(self) -> float:
+        return self.epoch + self.position / max(len(self.batches), 1)
 
 
 def is_peft(model) -> bool:

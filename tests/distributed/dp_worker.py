@@ -1,0 +1,75 @@
+"""Run under `torchrun --nproc_per_node 2`: a few steps of reward, PPO and GRPO training, data parallel.
+
+Each process appends a fingerprint of its weights after every optimizer step (and every on_log call
+it receives) to <out>/rank<R>.jsonl; tests/rlhf_core/test_data_parallel.py compares them.
+"""
+
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from rlhf_core.config import GRPOConfig, PPOConfig, RewardConfig, RLConfig, RunConfig, load_config
+from rlhf_core.data import read_column, read_rows
+from rlhf_core.demo_world import build_demo_world
+from rlhf_core.grpo import function_reward, train_grpo
+from rlhf_core.models import load_causal_lm, load_tokenizer
+from rlhf_core.ppo import train_ppo
+from rlhf_core.reward import load_reward_model, train_reward_model
+from rlhf_core.rewards import vader_compound
+
+
+def fingerprint(*models) -> str:
+    digest = hashlib.sha256()
+    for model in models:
+        for name, param in sorted(model.state_dict().items()):
+            digest.update(name.encode())
+            digest.update(param.detach().float().contiguous().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def main(world_root: str, out: str) -> None:
+    rank = int(os.environ["RANK"])
+    out_dir = Path(out)
+    trace = out_dir / f"rank{rank}.jsonl"
+
+    def record(**entry):
+        with open(trace, "a") as fh:
+            fh.write(json.dumps(entry) + "\n")
+
+    cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "smoke.yaml")
+    world = build_demo_world(Path(world_root), cfg.run.seed, cfg.data.demo, cfg.model.demo)
+    run = RunConfig(device="cpu", seed=3)
+    tok = load_tokenizer(str(world.tokenizer))
+
+    reward = load_reward_model(str(world.base_model), tok, seed=3)
+    train_reward_model(reward, tok, read_rows(world.preferences("train")), read_rows(world.preferences("test")),
+                       RewardConfig(max_steps=3, batch_size=4, eval_steps=3, save_steps=3, log_steps=1, learning_rate=1e-3),
+                       run, max_length=40, output_dir=out_dir / "reward", card={"title": "r", "metadata": {}, "body": ""},
+                       on_step=lambda step: record(stage="reward", step=step, weights=fingerprint(reward)),
+                       on_log=lambda metrics, step: record(stage="reward", log=step), show_progress=False)
+
+    prompts = read_column(world.prompts("train"), "prompt")
+    policy, ref = load_causal_lm(str(world.base_model)), load_causal_lm(str(world.base_model))
+    value = load_reward_model(str(world.base_model), tok, seed=3)
+    scorer = load_reward_model(str(world.base_model), tok, seed=4).eval()
+    rl = RLConfig(total_steps=2, batch_size=4, response_length=4, save_steps=2, learning_rate=1e-3, temperature=1.0)
+    train_ppo(policy, value, ref, scorer, tok, prompts, rl, PPOConfig(num_ppo_epochs=1), run, max_prompt_length=16,
+              output_dir=out_dir / "ppo", on_step=lambda step: record(stage="ppo", step=step, weights=fingerprint(policy, value)),
+              on_log=lambda metrics, step: record(stage="ppo", log=step), show_progress=False)
+
+    policy = load_causal_lm(str(world.base_model))
+    rl = RLConfig(algorithm="grpo", total_steps=2, batch_size=4, response_length=4, save_steps=2, learning_rate=1e-3,
+                  temperature=1.0)
+    train_grpo(policy, None, [function_reward("vader", 1.0, lambda prompts, completions, **_: vader_compound(completions=completions))],
+               tok, read_rows(world.prompts("train")), rl, GRPOConfig(num_generations=2, beta=0.0), run, max_prompt_length=16,
+               output_dir=out_dir / "grpo", on_step=lambda step: record(stage="grpo", step=step, weights=fingerprint(policy)),
+               on_log=lambda metrics, step: record(stage="grpo", log=step), show_progress=False)
+    torch.distributed.barrier() if torch.distributed.is_initialized() else None
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
