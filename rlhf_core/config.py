@@ -39,6 +39,9 @@ class RunConfig(Section):
     seed: int = Field(42, ge=0, description="Seed for data generation, model initialization, shuffling and sampling.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where training runs: auto picks CUDA when available.")
     mixed_precision: Literal["no", "fp16", "bf16"] = Field("no", description="Accelerate mixed precision for training loops.")
+    num_processes: int = Field(
+        1, ge=1, description="Data-parallel processes for the reward, PPO and GRPO stages; >1 launches torchrun (CPU, gloo) or accelerate launch (CUDA).")
+    accelerate_config: Path | None = Field(None, description="accelerate launch config file (DeepSpeed, FSDP) for num_processes > 1 on CUDA.")
 
 
 class DemoModelConfig(Section):

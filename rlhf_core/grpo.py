@@ -190,7 +190,8 @@ def train_grpo(policy, ref_model, rewards: list[RewardSourceFn], tokenizer, prom
             loop.optimizer_step(finite)
 
         step = loop.step + 1
-        if on_completions is not None and (step % grpo.log_completions_steps == 0 or step == rl.total_steps):
+        if on_completions is not None and loop.accelerator.is_main_process and (
+                step % grpo.log_completions_steps == 0 or step == rl.total_steps):
             table = [{"step": step, "prompt": p, "completion": c, "advantage": float(a), "reward": float(t),
                       **{s.name: (None if torch.isnan(v) else float(v)) for s, v in zip(rewards, per_source[i])}}
                      for i, (p, c, a, t) in enumerate(zip(prompts, completions, advantages.tolist(), total.tolist()))]

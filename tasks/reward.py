@@ -13,14 +13,13 @@ from pathlib import Path
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
-from prefect.logging import get_run_logger
 
 from rlhf_core.config import PipelineConfig
 from rlhf_core.data import read_rows
 from rlhf_core.demo_world import DemoWorld
 from rlhf_core.models import load_tokenizer, prepare_for_training
 from rlhf_core.reward import load_reward_model, train_reward_model
-from tasks import tracking
+from tasks import distributed, tracking
 from tasks.data import PreparedData, resolve_model_source
 from tasks.plots import close, curve_figure
 from tasks.progress import StageProgress, publish_table
@@ -87,7 +86,9 @@ def reuse_registered(cfg: PipelineConfig, key: str, out_dir: Path) -> Checkpoint
 @task(name="train-reward-model", cache_policy=NO_CACHE, **IO_RETRIES)
 def train_reward(cfg: PipelineConfig, data: PreparedData, policy: Checkpoint | None, parent_run_id: str) -> Checkpoint:
     """Train (or resume, or reuse) the reward model and register each checkpoint as a model version."""
-    logger = get_run_logger()
+    if cfg.run.num_processes > 1 and not distributed.launched():
+        return distributed.launch("reward", cfg, data=data, policy=policy, parent_run_id=parent_run_id)
+    logger = distributed.stage_logger()
     base, base_identity = reward_base(cfg, data, policy)
     key = reward_key(cfg, data, base_identity)
     out_dir = cfg.run.output_dir / "reward" / key

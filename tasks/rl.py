@@ -15,7 +15,6 @@ from pathlib import Path
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
-from prefect.logging import get_run_logger
 
 from rlhf_core.config import PipelineConfig
 from rlhf_core.data import read_column, read_rows
@@ -25,7 +24,7 @@ from rlhf_core.grpo import train_grpo
 from rlhf_core.ppo import train_ppo
 from rlhf_core.reward import load_reward_model
 from rlhf_core.rewards import load_function
-from tasks import tracking
+from tasks import distributed, tracking
 from tasks.data import PreparedData, resolve_model_source
 from tasks.plots import close, curve_figure
 from tasks.progress import StageProgress, print_rows, publish_markdown, publish_table
@@ -62,7 +61,7 @@ def uses_reward_stage(cfg: PipelineConfig) -> bool:
 @task(name="initialize-models", cache_policy=NO_CACHE, **IO_RETRIES)
 def initialize_models(cfg: PipelineConfig, data: PreparedData, sft: Checkpoint | None, reward: Checkpoint | None) -> InitPlan:
     """Pick the policy, value, reference and reward sources, and check they fit together."""
-    logger = get_run_logger()
+    logger = distributed.stage_logger()
     champion = tracking.version_by_alias(cfg.registry.policy_model_name, "champion") if cfg.init.policy == "champion" else None
     if champion is not None:  # retraining from what serves today
         policy_identity = f"models:/{cfg.registry.policy_model_name}/{champion.version}"
@@ -168,7 +167,9 @@ def train_policy(cfg: PipelineConfig, data: PreparedData, plan: InitPlan, parent
     """PPO or GRPO on the prompt set; resume, evaluate, register every checkpoint as a policy version."""
     from transformers import AutoModelForSequenceClassification
 
-    logger = get_run_logger()
+    if cfg.run.num_processes > 1 and not distributed.launched():
+        return distributed.launch("rl", cfg, data=data, plan=plan, parent_run_id=parent_run_id)
+    logger = distributed.stage_logger()
     algorithm = cfg.rl.algorithm
     key = rl_key(cfg, data, plan)
     out_dir = cfg.run.output_dir / algorithm / key
@@ -243,7 +244,7 @@ def train_policy(cfg: PipelineConfig, data: PreparedData, plan: InitPlan, parent
             pd.DataFrame(rows).to_parquet(path)
             tracking.log_artifact(run_id, path, "completions")
 
-        if not (out_dir.exists() and any(out_dir.glob("checkpoint-*"))):
+        if distributed.is_main() and not (out_dir.exists() and any(out_dir.glob("checkpoint-*"))):
             on_eval(evaluate(policy, 0), 0)  # the starting point, for the before/after comparison
         common = dict(max_prompt_length=cfg.data.max_prompt_length, output_dir=out_dir, on_log=on_log,
                       on_checkpoint=register, on_eval=on_eval, evaluate=evaluate, eval_every=cfg.eval.every_steps)
@@ -262,7 +263,8 @@ def train_policy(cfg: PipelineConfig, data: PreparedData, plan: InitPlan, parent
             tracking.log_figure(run_id, fig, f"{algorithm}_curves.png")
             close(fig)
         evals = load_eval_history(out_dir)  # every evaluation of this stage key, resumed attempts included
-        report_evaluations(run_id, algorithm, evals, gold)
+        if distributed.is_main():
+            report_evaluations(run_id, algorithm, evals, gold)
         final_step = max(evals) if evals else None
         return Checkpoint(path=str((result.checkpoint / "policy").resolve()), model_uri=registered.get(result.step),
                           step=result.step, metrics=result.metrics, key=key,

@@ -42,6 +42,13 @@ def code_version() -> str:
         return version
 
 
+def writes() -> bool:
+    """Only rank 0 of a data-parallel stage talks to MLflow (see tasks/distributed.py); the others skip writes."""
+    import os
+
+    return int(os.environ.get("RANK", "0")) == 0
+
+
 def configure(tracking_uri: str) -> None:
     """Point tracking and the registry at `tracking_uri`."""
     mlflow.set_tracking_uri(tracking_uri)
@@ -93,6 +100,9 @@ def pipeline_run(cfg: PipelineConfig, tags: dict[str, str] | None = None) -> Ite
 @contextmanager
 def stage_run(parent_run_id: str, stage: str) -> Iterator[str]:
     """A nested run for one stage under the pipeline run; FAILED if the stage raises."""
+    if not writes():
+        yield ""
+        return
     parent = MlflowClient().get_run(parent_run_id)
     run = mlflow.start_run(
         experiment_id=parent.info.experiment_id, run_name=stage, nested=True,
@@ -109,27 +119,37 @@ def stage_run(parent_run_id: str, stage: str) -> Iterator[str]:
 
 def log_metrics(run_id: str, metrics: dict[str, float], step: int) -> None:
     """Log a metric dict at `step` to the given run."""
+    if not writes():
+        return
     now = int(time.time() * 1000)
     MlflowClient().log_batch(run_id, metrics=[Metric(k, float(v), now, step) for k, v in metrics.items()])
 
 
 def log_figure(run_id: str, figure, artifact_file: str) -> None:
     """Log a matplotlib figure as a PNG artifact of the run."""
+    if not writes():
+        return
     MlflowClient().log_figure(run_id, figure, artifact_file)
 
 
 def log_artifact(run_id: str, path: str | Path, artifact_path: str | None = None) -> None:
+    if not writes():
+        return
     MlflowClient().log_artifact(run_id, str(path), artifact_path)
 
 
 def log_table(run_id: str, rows: list[dict], artifact_file: str) -> None:
     """Log rows as an MLflow table artifact (a new file per call; nothing is overwritten)."""
+    if not writes():
+        return
     if rows:
         columns = {key: [row.get(key) for row in rows] for key in rows[0]}
         MlflowClient().log_table(run_id, data=columns, artifact_file=artifact_file)
 
 
 def set_run_tags(run_id: str, tags: dict[str, str]) -> None:
+    if not writes():
+        return
     client = MlflowClient()
     for key, value in tags.items():
         client.set_tag(run_id, key, str(value))
@@ -204,8 +224,11 @@ def register_once(checkpoint_dir: str | Path, model_name: str, *, task: str, tag
                   identity: tuple[str, ...] = ("stage", "stage_key", "step")) -> str:
     """URI of the version whose `identity` tags match `tags`, registering the checkpoint only if none does.
 
-    This is what makes re-runs and resumed runs register no duplicate versions.
+    This is what makes re-runs and resumed runs register no duplicate versions. Returns "" on the
+    processes of a data-parallel stage other than rank 0.
     """
+    if not writes():
+        return ""
     existing = find_version(model_name, {k: tags[k] for k in identity})
     if existing is not None:
         return f"models:/{model_name}/{existing.version}"
@@ -257,6 +280,8 @@ def materialize_model(uri: str, destination: str | Path) -> Path:
 
 
 def set_alias(model_name: str, alias: str, version: str) -> None:
+    if not writes():
+        return
     MlflowClient().set_registered_model_alias(model_name, alias, str(version))
 
 
@@ -269,6 +294,8 @@ def version_by_alias(model_name: str, alias: str):
 
 
 def set_version_tags(model_name: str, version: str, tags: dict[str, str]) -> None:
+    if not writes():
+        return
     client = MlflowClient()
     for key, value in tags.items():
         client.set_model_version_tag(model_name, str(version), key, str(value))
