@@ -89,8 +89,8 @@ def launch(stage: str, cfg, **inputs):
         logger.info("%s stage on %d processes: %s", stage, cfg.run.num_processes, " ".join(command))
         tail: deque[str] = deque(maxlen=30)
         env = {**os.environ, WORKER_ENV: "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-        repo = Path(__file__).resolve().parents[1]
-        with subprocess.Popen(command, cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        # the task's working directory: relative paths in the config mean the same in every process
+        with subprocess.Popen(command, cwd=Path.cwd(), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               bufsize=1) as proc:
             for line in proc.stdout:  # stream the processes' log into the task's
                 line = line.rstrip()
