@@ -19,7 +19,7 @@ from rlhf_core.config import GRPOConfig, RLConfig, RunConfig
 from rlhf_core.ppo_math import kl_per_token, masked_mean
 from rlhf_core.rewards import call_scoring_function
 from rlhf_core.rl_loop import Evaluate, OnEval, RLLoop, RLResult
-from rlhf_core.rollout import Rollout, SamplingSettings, collect_rollout, response_logprobs, sequence_scores
+from rlhf_core.rollout import Rollout, collect_rollout, response_logprobs, sequence_scores
 from rlhf_core.training import OnCheckpoint, OnLog, OnStep
 
 LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo"]
@@ -128,10 +128,7 @@ def train_grpo(policy, ref_model, rewards: list[RewardSourceFn], tokenizer, prom
                   name="grpo")
     if ref_model is not None:
         ref_model.to(loop.device).eval().requires_grad_(False)
-    pad_id = tokenizer.pad_token_id
-    stop_id = tokenizer.eos_token_id if rl.stop_token == "eos" else None
-    settings = SamplingSettings(response_length=rl.response_length, temperature=rl.temperature, top_k=rl.top_k, top_p=rl.top_p,
-                                min_tokens=rl.min_response_length)
+    pad_id, stop_id, settings = loop.pad_id, loop.stop_id, loop.sampling
     weights = torch.tensor([s.weight for s in rewards], dtype=torch.float32)
     eps_low, eps_high = grpo.epsilon, grpo.epsilon_high or grpo.epsilon
     micro = max(1, rl.batch_size // rl.gradient_accumulation_steps)

@@ -19,7 +19,7 @@ from rlhf_core.ppo_math import (
     policy_loss, value_loss,
 )
 from rlhf_core.rl_loop import Evaluate, OnEval, RLLoop, RLResult
-from rlhf_core.rollout import Rollout, SamplingSettings, collect_rollout, response_logprobs, sequence_scores, token_values
+from rlhf_core.rollout import Rollout, collect_rollout, response_logprobs, sequence_scores, token_values
 from rlhf_core.training import OnCheckpoint, OnLog, OnStep
 
 
@@ -72,10 +72,7 @@ def train_ppo(policy, value_model, ref_model, reward_model, tokenizer, prompts: 
     for frozen in (ref_model, reward_model):
         if frozen is not None:
             frozen.to(loop.device).eval().requires_grad_(False)
-    pad_id = tokenizer.pad_token_id
-    stop_id = tokenizer.eos_token_id if rl.stop_token == "eos" else None
-    settings = SamplingSettings(response_length=rl.response_length, temperature=rl.temperature, top_k=rl.top_k, top_p=rl.top_p,
-                                min_tokens=rl.min_response_length)
+    pad_id, stop_id, settings = loop.pad_id, loop.stop_id, loop.sampling
     mini_size = rl.batch_size // ppo.num_mini_batches
     micro_size = max(1, mini_size // rl.gradient_accumulation_steps)
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 
 INVALID_LOGPROB = 1.0  # written into padded positions so that nothing downstream mistakes them for real
 

@@ -19,7 +19,7 @@ import torch
 
 from rlhf_core.checkpoint import latest_checkpoint, load_training_state, save_training_state
 from rlhf_core.config import RLConfig, RunConfig
-from rlhf_core.rollout import left_pad, tokenize_prompts
+from rlhf_core.rollout import SamplingSettings, left_pad, tokenize_prompts
 from rlhf_core.training import (
     OnCheckpoint, OnLog, OnStep, ShardedBatches, assert_finite, atomic_dir, build_optimizer, make_accelerator,
     restore_weights, save_hf_dir, seed_everything,
@@ -72,6 +72,10 @@ class RLLoop:
         self.trainable, self.optimizer = self.accelerator.prepare(trainable, self.optimizer)
         self.device = self.accelerator.device
         self.prompt_ids = tokenize_prompts(tokenizer, prompts, max_prompt_length)
+        self.pad_id = tokenizer.pad_token_id
+        self.stop_id = tokenizer.eos_token_id if rl.stop_token == "eos" else None
+        self.sampling = SamplingSettings(response_length=rl.response_length, temperature=rl.temperature, top_k=rl.top_k,
+                                         top_p=rl.top_p, min_tokens=rl.min_response_length)
 
     # -- pieces the algorithms call ------------------------------------------------------------
 

@@ -14,7 +14,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.logging import get_run_logger
 
-from rlhf_core.config import DEMO, DatasetSpec, PipelineConfig, redact_uri
+from rlhf_core.config import DEMO, DatasetSpec, PipelineConfig
 from rlhf_core.data import Kind, apply_length_policy, fingerprint_rows, load_table, save_table
 from rlhf_core.demo_world import DemoWorld, build_demo_world
 from rlhf_core.models import ModelSourceError, check_source, load_tokenizer
@@ -58,14 +58,10 @@ def resolve_model_source(source: str, *, field: str, cfg: PipelineConfig, world:
         assert world is not None
         return str(world.base_model)
     if source.startswith("models:/"):
-        from mlflow.exceptions import MlflowException
-
         try:
-            key = tracking.version_cache_key(source)
-        except MlflowException as err:
-            raise ModelSourceError(f"{field}: the registry at {redact_uri(cfg.tracking_uri())} has no model version "
-                                   f"{source} ({err.error_code})") from None
-        return str(tracking.materialize_model(source, cfg.run.output_dir / "sources" / key))
+            return str(tracking.materialize_version(source, cfg.run.output_dir / "sources"))
+        except tracking.MissingVersion as err:
+            raise ModelSourceError(f"{field}: {err}") from None
     check_source(source, field)
     return source
 

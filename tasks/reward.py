@@ -77,7 +77,7 @@ def reuse_registered(cfg: PipelineConfig, key: str, out_dir: Path) -> Checkpoint
     if version is None:
         return None
     uri = f"models:/{name}/{version.version}"
-    local = tracking.materialize_model(uri, Path(out_dir) / "registry" / tracking.version_cache_key(uri))
+    local = tracking.materialize_version(uri, Path(out_dir) / "registry")
     metrics = {k: float(version.tags[k]) for k in ("eval_accuracy", "eval_loss") if k in version.tags}
     return Checkpoint(path=str(local.resolve()), model_uri=uri, step=cfg.reward.max_steps, metrics=metrics, key=key,
                       extra={"resumed_from": None, "from_registry": True})

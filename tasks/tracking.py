@@ -8,7 +8,10 @@ in the same call that creates the version, so there is never a version without i
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
+import re
 import subprocess
 import time
 from contextlib import contextmanager
@@ -44,8 +47,6 @@ def code_version() -> str:
 
 def writes() -> bool:
     """Only rank 0 of a data-parallel stage talks to MLflow (see tasks/distributed.py); the others skip writes."""
-    import os
-
     return int(os.environ.get("RANK", "0")) == 0
 
 
@@ -247,25 +248,36 @@ def _await_ready(model_name: str, version: str, timeout_s: float = 300.0) -> Non
         time.sleep(0.5)
 
 
+class MissingVersion(LookupError):
+    """A models:/ URI that names no version in the registry."""
+
+
 def version_cache_key(uri: str) -> str:
     """A directory name unique to the model version a models:/ URI points at now.
 
     Aliases move and version numbers restart when a registry is recreated, so the key holds the
     resolved version and a hash of where its artifacts live, never the URI as written.
+    Raises MissingVersion when the registry has no such version.
     """
-    import hashlib
-    import re
-
     ref = uri.removeprefix("models:/")
     client = MlflowClient()
-    if "@" in ref:
-        name, alias = ref.split("@", 1)
-        version = client.get_model_version_by_alias(name, alias)
-    else:
-        name, number = ref.rsplit("/", 1)
-        version = client.get_model_version(name, number)
+    try:
+        if "@" in ref:
+            name, alias = ref.split("@", 1)
+            version = client.get_model_version_by_alias(name, alias)
+        else:
+            name, number = ref.rsplit("/", 1)
+            version = client.get_model_version(name, number)
+    except mlflow.exceptions.MlflowException as err:
+        raise MissingVersion(f"the registry at {redact_uri(mlflow.get_tracking_uri())} has no model version {uri} "
+                             f"({err.error_code})") from None
     digest = hashlib.sha256(f"{version.source}|{version.run_id}|{version.creation_timestamp}".encode()).hexdigest()[:10]
     return re.sub(r"[^A-Za-z0-9._-]+", "_", f"{name}-v{version.version}-{digest}")
+
+
+def materialize_version(uri: str, cache_root: str | Path) -> Path:
+    """The version a models:/ URI (number or alias) points at, as a local Hugging Face directory under cache_root."""
+    return materialize_model(uri, Path(cache_root) / version_cache_key(uri))
 
 
 def materialize_model(uri: str, destination: str | Path) -> Path:
