@@ -75,11 +75,15 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def save_training_state(directory: str | Path, *, optimizer, scheduler, progress: dict[str, Any]) -> Path:
-    """Write <directory>/training_state/ atomically: tensors.safetensors + state.json."""
+    """Write <directory>/training_state/ atomically: tensors.safetensors + state.json.
+
+    optimizer None: its state is not saved (DeepSpeed and FSDP split it across processes); a resume
+    then restarts the optimizer's moments and keeps everything else.
+    """
     target = Path(directory) / STATE_DIR
     tensors: dict[str, torch.Tensor] = {}
     payload = {
-        "optimizer": encode(optimizer.state_dict(), tensors, "optimizer"),
+        "optimizer": None if optimizer is None else encode(optimizer.state_dict(), tensors, "optimizer"),
         "scheduler": encode(scheduler.state_dict(), tensors, "scheduler"),
         "rng": encode(rng_state(), tensors, "rng"),
         "progress": encode(progress, tensors, "progress"),
@@ -95,7 +99,8 @@ def load_training_state(directory: str | Path, *, optimizer, scheduler) -> dict[
     source = Path(directory) / STATE_DIR
     tensors = load_file(str(source / TENSORS))
     payload = json.loads((source / STATE_JSON).read_text())
-    optimizer.load_state_dict(decode(payload["optimizer"], tensors))
+    if payload["optimizer"] is not None:
+        optimizer.load_state_dict(decode(payload["optimizer"], tensors))
     scheduler.load_state_dict(decode(payload["scheduler"], tensors))
     set_rng_state(decode(payload["rng"], tensors))
     return decode(payload["progress"], tensors)

@@ -316,6 +316,17 @@ class PipelineConfig(Section):
                 f"a PPO mini-batch of {self.rl.batch_size // self.ppo.num_mini_batches} (rl.batch_size / ppo.num_mini_batches) "
                 f"must be a multiple of rl.gradient_accumulation_steps {self.rl.gradient_accumulation_steps}"
             )
+        if self.run.accelerate_config is not None:
+            from rlhf_core.parallel import accelerate_strategy
+
+            strategy = accelerate_strategy(self.run.accelerate_config)
+            if strategy == "fsdp1":
+                raise ValueError(f"run.accelerate_config {self.run.accelerate_config} uses FSDP version 1; set "
+                                 "fsdp_config.fsdp_version: 2 (see configs/accelerate/fsdp.yaml)")
+            if strategy in ("zero3", "fsdp") and (self.model.lora.enabled or self.reward.lora):
+                raise ValueError(f"run.accelerate_config {self.run.accelerate_config} shards parameters ({strategy}), "
+                                 "which LoRA training does not need or support here; use configs/accelerate/ddp.yaml "
+                                 "or deepspeed_zero2.yaml, or turn model.lora.enabled / reward.lora off")
         if self.init.policy == "sft" and not self.sft.enabled:
             raise ValueError("init.policy is 'sft' but sft.enabled is false; set init.policy to 'base' or enable sft")
         names = self.metric_names()

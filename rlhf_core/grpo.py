@@ -16,6 +16,7 @@ from typing import Callable, Literal
 import torch
 
 from rlhf_core.config import GRPOConfig, RLConfig, RunConfig
+from rlhf_core.parallel import reduce_metrics
 from rlhf_core.ppo_math import kl_per_token, masked_mean
 from rlhf_core.rewards import call_scoring_function
 from rlhf_core.rl_loop import Evaluate, OnEval, RLLoop, RLResult
@@ -77,7 +78,7 @@ def reduce_loss(per_token: torch.Tensor, mask: torch.Tensor, loss_type: LossType
         return (per_token * mask).sum() / mask.sum().clamp(min=1.0)
     if loss_type == "dr_grpo":
         return (per_token * mask).sum() / (per_token.shape[0] * max_completion_length)
-    return (per_token * mask).sum() / max(total_tokens, 1.0)
+    return (per_token * mask).sum() / (total_tokens if total_tokens > 0 else 1.0)
 
 
 @dataclass
@@ -123,22 +124,24 @@ def train_grpo(policy, ref_model, rewards: list[RewardSourceFn], tokenizer, prom
     grpo.log_completions_steps the prompts, completions, each reward and the advantages.
     """
     G = grpo.num_generations
+    micro = max(1, rl.batch_size // rl.gradient_accumulation_steps)
     loop = RLLoop(policy, {"policy": policy}, tokenizer, [r["prompt"] for r in prompt_rows], rl, run,
                   output_dir=output_dir, max_prompt_length=max_prompt_length, prompts_per_step=rl.batch_size // G,
-                  name="grpo")
+                  name="grpo", micro_batches=-(-rl.batch_size // micro), micro_batch_size=micro)
     if ref_model is not None:
         ref_model.to(loop.device).eval().requires_grad_(False)
     pad_id, stop_id, settings = loop.pad_id, loop.stop_id, loop.sampling
     weights = torch.tensor([s.weight for s in rewards], dtype=torch.float32)
     eps_low, eps_high = grpo.epsilon, grpo.epsilon_high or grpo.epsilon
-    micro = max(1, rl.batch_size // rl.gradient_accumulation_steps)
+    world = loop.accelerator.num_processes
 
     def iteration(query_ids: torch.Tensor, query_mask: torch.Tensor, indices: list[int]) -> dict[str, float]:
         # 1. sample G completions per prompt
         model = loop.unwrapped()
-        rollout = collect_rollout(model, ref_model, query_ids, query_mask, settings, pad_token_id=pad_id,
-                                  stop_token_id=stop_id, need_reference=grpo.beta > 0,
-                                  need_logprobs=grpo.num_iterations > 1, prompt_repeats=G)
+        with loop.full_parameters():
+            rollout = collect_rollout(model, ref_model, query_ids, query_mask, settings, pad_token_id=pad_id,
+                                      stop_token_id=stop_id, need_reference=grpo.beta > 0,
+                                      need_logprobs=grpo.num_iterations > 1, prompt_repeats=G)
         rows = [prompt_rows[i] for i in indices]
         prompts = [r["prompt"] for r in rows]
         completions = tokenizer.batch_decode(rollout.responses, skip_special_tokens=True)
@@ -154,37 +157,36 @@ def train_grpo(policy, ref_model, rewards: list[RewardSourceFn], tokenizer, prom
         mask = rollout.resp_mask
         if grpo.mask_truncated_completions:
             mask = mask * rollout.has_stop.unsqueeze(1).long()
-        total_tokens = float(mask.sum().item())
-        stats: dict[str, list[float]] = {k: [] for k in ("loss", "low", "high", "region", "kl", "entropy")}
+        # dapo normalizes by the active tokens of the global batch: every process's count, and the
+        # processes' gradients are averaged, hence the factor world
+        total_tokens = reduce_metrics(loop.accelerator, {"tokens": mask.sum()}, sums=("tokens",))["tokens"] / world
+        stats: dict[str, list[torch.Tensor]] = {k: [] for k in ("loss", "low", "high", "region", "kl", "entropy")}
         policy.train()
         for _ in range(grpo.num_iterations):
-            finite = True
             for start in range(0, rl.batch_size, micro):
                 idx = slice(start, start + micro)
                 m = mask[idx]
-                logp, entropy = response_logprobs(loop.trainable, rollout.query_ids[idx], rollout.query_mask[idx],
-                                                  rollout.responses[idx], rollout.resp_mask[idx], rl.temperature,
-                                                  with_entropy=True)
-                old_logp = rollout.logprobs[idx] if rollout.logprobs is not None else logp.detach()
-                per_token, tstats = grpo_token_loss(
-                    logp, old_logp, advantages[idx], epsilon_low=eps_low, epsilon_high=eps_high,
-                    beta=grpo.beta, ref_logp=rollout.ref_logprobs[idx] if rollout.ref_logprobs is not None else None)
-                loss = reduce_loss(per_token, m, grpo.loss_type, max_completion_length=rl.response_length,
-                                   total_tokens=total_tokens)
-                if grpo.loss_type != "dapo":
-                    loss = loss * (m.shape[0] / rl.batch_size)  # mean over micro-batches
-                if not torch.isfinite(loss):
-                    finite = False
-                    break
-                loop.accelerator.backward(loss)
-                stats["loss"].append(loss.item())
-                stats["low"].append(masked_mean(tstats["low_clipped"], m).item())
-                stats["high"].append(masked_mean(tstats["high_clipped"], m).item())
-                stats["region"].append(masked_mean(tstats["low_clipped"] + tstats["high_clipped"], m).item())
-                stats["entropy"].append(masked_mean(entropy, m).item())
+                with loop.micro_batch():
+                    logp, entropy = response_logprobs(loop.trainable, rollout.query_ids[idx], rollout.query_mask[idx],
+                                                      rollout.responses[idx], rollout.resp_mask[idx], rl.temperature,
+                                                      with_entropy=True)
+                    old_logp = rollout.logprobs[idx] if rollout.logprobs is not None else logp.detach()
+                    per_token, tstats = grpo_token_loss(
+                        logp, old_logp, advantages[idx], epsilon_low=eps_low, epsilon_high=eps_high,
+                        beta=grpo.beta, ref_logp=rollout.ref_logprobs[idx] if rollout.ref_logprobs is not None else None)
+                    loss = reduce_loss(per_token, m, grpo.loss_type, max_completion_length=rl.response_length,
+                                       total_tokens=total_tokens)
+                    if grpo.loss_type != "dapo":
+                        loss = loss * (m.shape[0] / rl.batch_size)  # mean over micro-batches
+                    loop.backward(loss)
+                stats["loss"].append(loss.detach())
+                stats["low"].append(masked_mean(tstats["low_clipped"], m))
+                stats["high"].append(masked_mean(tstats["high_clipped"], m))
+                stats["region"].append(masked_mean(tstats["low_clipped"] + tstats["high_clipped"], m))
+                stats["entropy"].append(masked_mean(entropy.detach(), m))
                 if "kl" in tstats:
-                    stats["kl"].append(masked_mean(tstats["kl"], m).item())
-            loop.optimizer_step(finite)
+                    stats["kl"].append(masked_mean(tstats["kl"].detach(), m))
+            loop.optimizer_step()
 
         step = loop.step + 1
         if on_completions is not None and loop.accelerator.is_main_process and (
@@ -194,24 +196,24 @@ def train_grpo(policy, ref_model, rewards: list[RewardSourceFn], tokenizer, prom
                      for i, (p, c, a, t) in enumerate(zip(prompts, completions, advantages.tolist(), total.tolist()))]
             on_completions(table, step)
 
-        def avg(key: str) -> float:
-            return sum(stats[key]) / len(stats[key]) if stats[key] else float("nan")
+        def avg(key: str) -> torch.Tensor | float:
+            return torch.stack(stats[key]).float().mean() if stats[key] else float("nan")
 
         lengths = rollout.resp_mask.sum(1).float()
         metrics = {
-            "reward": total.mean().item(),
-            "reward_std": total.std().item(),
-            "frac_reward_zero_std": (group_std < 1e-6).float().mean().item(),
-            "completions/mean_length": lengths.mean().item(),
-            "completions/min_length": lengths.min().item(),
-            "completions/max_length": lengths.max().item(),
-            "completions/clipped_ratio": (~rollout.has_stop).float().mean().item(),
+            "reward": total.mean(),
+            "reward_std": total.std(),
+            "frac_reward_zero_std": (group_std < 1e-6).float().mean(),
+            "completions/mean_length": lengths.mean(),
+            "completions/min_length": lengths.min(),
+            "completions/max_length": lengths.max(),
+            "completions/clipped_ratio": (~rollout.has_stop).float().mean(),
             "entropy": avg("entropy"),
             "clip_ratio/low_mean": avg("low"),
             "clip_ratio/high_mean": avg("high"),
             "clip_ratio/region_mean": avg("region"),
             "loss": avg("loss"),
-            "_tokens": float(rollout.resp_mask.sum().item()),
+            "_tokens": rollout.resp_mask.sum(),
         }
         if stats["kl"]:
             metrics["kl"] = avg("kl")

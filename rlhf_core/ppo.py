@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from rlhf_core.config import PPOConfig, RLConfig, RunConfig
+from rlhf_core.parallel import reduce_metrics
 from rlhf_core.ppo_math import (
     AdaptiveKLController, FixedKLController, compute_gae, kl_penalized_rewards, kl_per_token, masked_mean, masked_whiten,
     policy_loss, value_loss,
@@ -30,6 +31,11 @@ class PolicyAndValue(torch.nn.Module):
         super().__init__()
         self.policy = policy
         self.value_model = value_model
+
+    @property
+    def _no_split_modules(self) -> list[str]:
+        """The decoder-layer classes of both models: FSDP's transformer auto-wrap shards by them."""
+        return sorted({name for model in (self.policy, self.value_model) for name in (getattr(model, "_no_split_modules", None) or [])})
 
     def forward(self, query_ids, query_mask, responses, resp_mask, temperature: float):
         """(log-probabilities, entropies, values) of the response tokens, each (B, R)."""
@@ -65,23 +71,27 @@ def train_ppo(policy, value_model, ref_model, reward_model, tokenizer, prompts: 
     `evaluate(policy, step)` returns eval rows; it runs every `eval_every` steps and at the end.
     """
     kl_ctl = make_kl_controller(ppo)
+    mini_size = rl.batch_size // ppo.num_mini_batches
+    micro_size = max(1, mini_size // rl.gradient_accumulation_steps)
     loop = RLLoop(PolicyAndValue(policy, value_model), {"policy": policy, "value": value_model}, tokenizer, prompts, rl,
                   run, output_dir=output_dir, max_prompt_length=max_prompt_length, prompts_per_step=rl.batch_size,
-                  name="ppo", state={"kl_coef": ppo.kl_coef})
+                  name="ppo", micro_batches=mini_size // micro_size, micro_batch_size=micro_size,
+                  state={"kl_coef": ppo.kl_coef})
     kl_ctl.value = loop.state["kl_coef"]
     for frozen in (ref_model, reward_model):
         if frozen is not None:
             frozen.to(loop.device).eval().requires_grad_(False)
     pad_id, stop_id, settings = loop.pad_id, loop.stop_id, loop.sampling
-    mini_size = rl.batch_size // ppo.num_mini_batches
-    micro_size = max(1, mini_size // rl.gradient_accumulation_steps)
+    world = loop.accelerator.num_processes
 
     def iteration(query_ids: torch.Tensor, query_mask: torch.Tensor, indices: list[int]) -> dict[str, float]:
         # 1. generate  2. score
         models = loop.unwrapped()
-        rollout = collect_rollout(models.policy, ref_model, query_ids, query_mask, settings, pad_token_id=pad_id,
-                                  stop_token_id=stop_id)
-        scores, values = score_rollout(rollout, models.value_model, reward_model, missing_eos_penalty=rl.missing_eos_penalty)
+        with loop.full_parameters():
+            rollout = collect_rollout(models.policy, ref_model, query_ids, query_mask, settings, pad_token_id=pad_id,
+                                      stop_token_id=stop_id)
+            scores, values = score_rollout(rollout, models.value_model, reward_model,
+                                           missing_eos_penalty=rl.missing_eos_penalty)
         mask = rollout.resp_mask
 
         # 3. KL-penalized per-token rewards
@@ -95,45 +105,43 @@ def train_ppo(policy, value_model, ref_model, reward_model, tokenizer, prompts: 
         if ppo.whiten_advantages:
             advantages = masked_whiten(advantages, mask) * mask
 
-        # 5. PPO epochs over mini-batches, with gradient accumulation over micro-batches
+        # 5. PPO epochs over mini-batches, with gradient accumulation over micro-batches; the statistics
+        # stay on the device (one transfer per step, in the loop's reduce_metrics)
         loop.trainable.train()
-        stats: dict[str, list[float]] = {k: [] for k in ("pg_loss", "vf_loss", "pg_clipfrac", "vf_clipfrac", "approxkl", "ratio", "entropy")}
+        stats: dict[str, list[torch.Tensor]] = {k: [] for k in ("pg_loss", "vf_loss", "pg_clipfrac", "vf_clipfrac", "approxkl", "ratio", "entropy")}
         for _ in range(ppo.num_ppo_epochs):
             order = torch.randperm(rl.batch_size, device=loop.device)
             for mini_start in range(0, rl.batch_size, mini_size):
                 mini = order[mini_start : mini_start + mini_size]
-                finite = True
                 for micro_start in range(0, mini_size, micro_size):
                     idx = mini[micro_start : micro_start + micro_size]
                     m = mask[idx]
-                    new_logp, entropy, vpred = loop.trainable(rollout.query_ids[idx], rollout.query_mask[idx],
-                                                              rollout.responses[idx], m, rl.temperature)
-                    pg, pg_stats = policy_loss(new_logp, rollout.logprobs[idx], advantages[idx], m, ppo.cliprange)
-                    vf, vf_stats = value_loss(vpred, values[idx], returns[idx], m, ppo.cliprange_value)
-                    loss = pg + ppo.vf_coef * vf
-                    if not torch.isfinite(loss):
-                        finite = False
-                        break
-                    loop.accelerator.backward(loss * len(idx) / mini_size)
+                    with loop.micro_batch():
+                        new_logp, entropy, vpred = loop.trainable(rollout.query_ids[idx], rollout.query_mask[idx],
+                                                                  rollout.responses[idx], m, rl.temperature)
+                        pg, pg_stats = policy_loss(new_logp, rollout.logprobs[idx], advantages[idx], m, ppo.cliprange)
+                        vf, vf_stats = value_loss(vpred, values[idx], returns[idx], m, ppo.cliprange_value)
+                        loop.backward((pg + ppo.vf_coef * vf) * len(idx) / mini_size)
                     for key, value in (("pg_loss", pg), ("vf_loss", vf), ("pg_clipfrac", pg_stats["clipfrac"]),
                                        ("vf_clipfrac", vf_stats["clipfrac"]), ("approxkl", pg_stats["approxkl"]),
                                        ("ratio", pg_stats["ratio"]), ("entropy", masked_mean(entropy, m))):
-                        stats[key].append(value.item())
-                loop.optimizer_step(finite)
+                        stats[key].append(value.detach())
+                loop.optimizer_step()
 
-        mean_kl = kl.sum(1).mean().item()
-        kl_ctl.update(mean_kl, rl.batch_size)
+        # the adaptive controller needs the KL of the whole global batch now, not at logging time
+        mean_kl = reduce_metrics(loop.accelerator, {"kl": kl.sum(1).mean()})["kl"]
+        kl_ctl.update(mean_kl, rl.batch_size * world)
         loop.state["kl_coef"] = kl_ctl.value
 
-        def avg(key: str) -> float:
-            return sum(stats[key]) / len(stats[key]) if stats[key] else float("nan")
+        def avg(key: str) -> torch.Tensor | float:
+            return torch.stack(stats[key]).float().mean() if stats[key] else float("nan")
 
         return {
             "objective/kl": mean_kl,
-            "objective/entropy": (-rollout.logprobs * mask).sum(1).mean().item(),
-            "objective/non_score_reward": non_score.sum(1).mean().item(),
-            "objective/rlhf_reward": scores.mean().item() + non_score.sum(1).mean().item(),
-            "objective/scores": scores.mean().item(),
+            "objective/entropy": (-rollout.logprobs * mask).sum(1).mean(),
+            "objective/non_score_reward": non_score.sum(1).mean(),
+            "objective/rlhf_reward": scores.mean() + non_score.sum(1).mean(),
+            "objective/scores": scores.mean(),
             "objective/kl_coef": kl_ctl.value,
             "policy/approxkl_avg": avg("approxkl"),
             "policy/clipfrac_avg": avg("pg_clipfrac"),
@@ -142,10 +150,10 @@ def train_ppo(policy, value_model, ref_model, reward_model, tokenizer, prompts: 
             "loss/value_avg": avg("vf_loss"),
             "val/clipfrac_avg": avg("vf_clipfrac"),
             "val/ratio": avg("ratio"),
-            "val/num_eos_tokens": float(rollout.has_stop.sum().item()),
-            "val/mean_response_length": float(mask.sum(1).float().mean().item()),
-            "episode": float((loop.step + 1) * rl.batch_size),
-            "_tokens": float(mask.sum().item()),
+            "val/num_eos_tokens": rollout.has_stop.sum(),
+            "val/mean_response_length": mask.sum(1).float().mean(),
+            "episode": float((loop.step + 1) * rl.batch_size * world),
+            "_tokens": mask.sum(),
         }
 
     return loop.run(iteration, on_log=on_log, on_checkpoint=on_checkpoint, on_eval=on_eval, evaluate=evaluate,

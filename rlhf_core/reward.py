@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from rlhf_core.checkpoint import latest_checkpoint, load_training_state, save_training_state
 from rlhf_core.config import LoraSettings, RewardConfig, RunConfig
 from rlhf_core.model_card import write_model_card
+from rlhf_core.parallel import full_parameters, gathered_state_dicts, reduce_metrics, shards_optimizer
 from rlhf_core.training import (
     OnCheckpoint, OnLog, OnStep, ShardedBatches, assert_finite, atomic_dir, build_optimizer, make_accelerator,
     restore_weights, save_hf_dir, seed_everything,
@@ -44,16 +45,21 @@ def bradley_terry_loss(r_chosen: torch.Tensor, r_rejected: torch.Tensor, margin:
     return loss
 
 
-def preference_metrics(r_chosen: torch.Tensor, r_rejected: torch.Tensor) -> dict[str, float]:
-    """accuracy (chosen strictly above rejected), margin, and min/mean/max over all rewards."""
+def preference_stats(r_chosen: torch.Tensor, r_rejected: torch.Tensor) -> dict[str, torch.Tensor]:
+    """accuracy (chosen strictly above rejected), margin, and min/mean/max over all rewards, as 0-d tensors."""
     both = torch.cat([r_chosen, r_rejected])
     return {
-        "accuracy": (r_chosen > r_rejected).float().mean().item(),
-        "margin": (r_chosen - r_rejected).mean().item(),
-        "min_reward": both.min().item(),
-        "mean_reward": both.mean().item(),
-        "max_reward": both.max().item(),
+        "accuracy": (r_chosen > r_rejected).float().mean(),
+        "margin": (r_chosen - r_rejected).mean(),
+        "min_reward": both.min(),
+        "mean_reward": both.mean(),
+        "max_reward": both.max(),
     }
+
+
+def preference_metrics(r_chosen: torch.Tensor, r_rejected: torch.Tensor) -> dict[str, float]:
+    """`preference_stats` as floats."""
+    return {k: v.item() for k, v in preference_stats(r_chosen, r_rejected).items()}
 
 
 def tokenize_pairs(tokenizer, rows: list[dict], max_length: int) -> list[dict]:
@@ -152,14 +158,18 @@ def load_reward_model(source: str, tokenizer, *, lora: LoraSettings | None = Non
 
 
 def save_reward_checkpoint(model, tokenizer, path: Path, *, card: dict, metrics: dict[str, float],
-                           optimizer=None, scheduler=None, progress: dict | None = None) -> Path:
-    """A loadable HF directory (merged weights when LoRA, adapter in `adapter/`), card, metrics, training state."""
-    assert_finite(model, "the reward model")
+                           optimizer=None, scheduler=None, progress: dict | None = None, state_dict: dict | None = None) -> Path:
+    """A loadable HF directory (merged weights when LoRA, adapter in `adapter/`), card, metrics, training state.
+
+    With a scheduler the training state is saved (its optimizer part only when `optimizer` is given);
+    `state_dict`: weights gathered from sharded processes, saved instead of the model's own.
+    """
+    assert_finite(model, "the reward model", state_dict)
     with atomic_dir(path) as tmp:
-        save_hf_dir(model, tokenizer, tmp)
+        save_hf_dir(model, tokenizer, tmp, state_dict)
         write_model_card(tmp, title=card["title"], metadata={**card["metadata"], "eval_metrics": metrics}, body=card["body"])
         (tmp / "metrics.json").write_text(json.dumps(metrics, indent=2))
-        if optimizer is not None:
+        if scheduler is not None:
             save_training_state(tmp, optimizer=optimizer, scheduler=scheduler, progress=progress or {})
     return path
 
@@ -185,7 +195,8 @@ def train_reward_model(model, tokenizer, train_rows: list[dict], eval_rows: list
 
     output_dir = Path(output_dir)
     seed_everything(run.seed)
-    accelerator = make_accelerator(run, cfg.gradient_accumulation_steps)
+    accelerator = make_accelerator(run, cfg.gradient_accumulation_steps, micro_batch_size=cfg.batch_size,
+                                   max_grad_norm=cfg.max_grad_norm)
     optimizer, scheduler = build_optimizer(model, cfg, cfg.max_steps)
     step, epoch, position, metrics = 0, 0, 0, {}
     resume = latest_checkpoint(output_dir)
@@ -203,10 +214,13 @@ def train_reward_model(model, tokenizer, train_rows: list[dict], eval_rows: list
 
     def checkpoint(at_step: int) -> Path:
         path = output_dir / f"checkpoint-{at_step}"
+        unwrapped = accelerator.unwrap_model(model)
+        gathered = gathered_state_dicts(accelerator, model, {"reward": unwrapped})  # collective; None unsharded
         if accelerator.is_main_process:
-            save_reward_checkpoint(accelerator.unwrap_model(model), tokenizer, path, card=card, metrics=metrics,
-                                   optimizer=optimizer, scheduler=scheduler,
-                                   progress={"step": at_step, "epoch": epoch, "position": position})
+            save_reward_checkpoint(unwrapped, tokenizer, path, card=card, metrics=metrics,
+                                   optimizer=None if shards_optimizer(accelerator) else optimizer, scheduler=scheduler,
+                                   progress={"step": at_step, "epoch": epoch, "position": position},
+                                   state_dict=gathered["reward"] if gathered else None)
             if on_checkpoint is not None:
                 on_checkpoint(path, at_step)
         accelerator.wait_for_everyone()
@@ -218,11 +232,12 @@ def train_reward_model(model, tokenizer, train_rows: list[dict], eval_rows: list
     main = accelerator.is_main_process
 
     def evaluate(at_step: int) -> dict[str, float]:
-        if not main:  # evaluation and logging belong to the main process; the others only train
-            return {}
-        result = evaluate_encoded(accelerator.unwrap_model(model), eval_items, tokenizer.pad_token_id,
-                                  batch_size=cfg.batch_size, center_rewards_coefficient=cfg.center_rewards_coefficient,
-                                  device=device)
+        with full_parameters(accelerator, model):  # every process gathers (ZeRO-3, FSDP); the main one evaluates
+            if not main:  # evaluation and logging belong to the main process; the others only train
+                return {}
+            result = evaluate_encoded(accelerator.unwrap_model(model), eval_items, tokenizer.pad_token_id,
+                                      batch_size=cfg.batch_size, center_rewards_coefficient=cfg.center_rewards_coefficient,
+                                      device=device)
         if on_eval is not None:
             on_eval(result, at_step)
         return result
@@ -246,20 +261,23 @@ def train_reward_model(model, tokenizer, train_rows: list[dict], eval_rows: list
                 if accelerator.sync_gradients:
                     scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
-            window.append({"loss": loss.item(), **preference_metrics(rc.detach().float(), rr.detach().float())})
+            # statistics stay on the device until the log step: no host round trip per step
+            window.append({"loss": loss.detach(), **preference_stats(rc.detach().float(), rr.detach().float())})
         step += 1
         bar.update(1)
-        bar.set_postfix(loss=f"{window[-1]['loss']:.3f}", acc=f"{window[-1]['accuracy']:.2f}")
         if on_step is not None:
             on_step(step)
-        if main and on_log is not None and (step % cfg.log_steps == 0 or step == cfg.max_steps):
-            logged = {f"reward/{k}": sum(w[k] for w in window) / len(window) for k in window[0]}
-            logged.update({"reward/learning_rate": scheduler.get_last_lr()[0], "reward/grad_norm": float(grad_norm),
-                           "reward/epoch": order.fraction})
+        if step % cfg.log_steps == 0 or step == cfg.max_steps:
+            # all processes: the window's means over the global batch, one all-reduce
+            logged = reduce_metrics(accelerator, {f"reward/{k}": torch.stack([w[k] for w in window]).mean() for k in window[0]})
+            logged.update({"reward/learning_rate": scheduler.get_last_lr()[0], "reward/epoch": order.fraction})
+            if grad_norm is not None:  # DeepSpeed clips inside its engine and may not report the norm
+                logged["reward/grad_norm"] = float(grad_norm)
+            bar.set_postfix(loss=f"{logged['reward/loss']:.3f}", acc=f"{logged['reward/accuracy']:.2f}")
             if not all(math.isfinite(v) for v in logged.values()):
                 raise FloatingPointError(f"reward training diverged at step {step}: {logged}")
-            on_log(logged, step)
-        if step % cfg.log_steps == 0 or step == cfg.max_steps:
+            if main and on_log is not None:
+                on_log(logged, step)
             window = []
         if step % cfg.eval_steps == 0 or step == cfg.max_steps:
             metrics = evaluate(step)

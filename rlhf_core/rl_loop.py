@@ -19,6 +19,7 @@ import torch
 
 from rlhf_core.checkpoint import latest_checkpoint, load_training_state, save_training_state
 from rlhf_core.config import RLConfig, RunConfig
+from rlhf_core.parallel import full_parameters, gathered_state_dicts, reduce_metrics, shards_optimizer
 from rlhf_core.rollout import SamplingSettings, left_pad, tokenize_prompts
 from rlhf_core.training import (
     OnCheckpoint, OnLog, OnStep, ShardedBatches, assert_finite, atomic_dir, build_optimizer, make_accelerator,
@@ -43,11 +44,17 @@ class RLLoop:
 
     models: name -> model saved in checkpoint-N/<name>/ ("policy" is the one registered).
     state: algorithm scalars saved and restored with the training state (PPO's KL coefficient).
+    micro_batches / micro_batch_size: backward passes per optimizer step and sequences in each; the
+    algorithm runs each pass inside `micro_batch()` and calls `backward` on a loss already normalized
+    over the whole optimizer step.
     """
+
+    # metrics that add up over processes (the others are averaged)
+    SUMMED = ("_tokens", "val/num_eos_tokens")
 
     def __init__(self, trainable: torch.nn.Module, models: dict[str, torch.nn.Module], tokenizer, prompts: list[str],
                  rl: RLConfig, run: RunConfig, *, output_dir: str | Path, max_prompt_length: int, prompts_per_step: int,
-                 name: str, state: dict[str, float] | None = None):
+                 name: str, micro_batches: int, micro_batch_size: int, state: dict[str, float] | None = None):
         if not prompts:
             raise ValueError(f"the prompt set is empty; {name.upper()} needs at least one prompt")
         self.rl, self.run_cfg, self.name = rl, run, name
@@ -55,7 +62,10 @@ class RLLoop:
         self.models, self.tokenizer, self.state = models, tokenizer, dict(state or {})
         self.prompts_per_step = prompts_per_step
         seed_everything(run.seed)
-        self.accelerator = make_accelerator(run)
+        # accumulation through accelerate: no gradient all-reduce until the last micro-batch (DDP), and
+        # DeepSpeed steps its engine at that boundary only
+        self.accelerator = make_accelerator(run, micro_batches, micro_batch_size=micro_batch_size,
+                                            max_grad_norm=rl.max_grad_norm)
         self.optimizer, self.scheduler = build_optimizer(trainable, rl, rl.total_steps)
         self.step, self.epoch, self.position, self.skipped, self.metrics = 0, 0, 0, 0, {}
         resume = latest_checkpoint(self.output_dir)
@@ -79,10 +89,23 @@ class RLLoop:
 
     # -- pieces the algorithms call ------------------------------------------------------------
 
-    def optimizer_step(self, finite: bool) -> None:
-        """Clip and step, or skip a step whose loss was not finite (its gradients are poisoned)."""
-        if finite:
-            self.accelerator.clip_grad_norm_(self.trainable.parameters(), self.rl.max_grad_norm)
+    def micro_batch(self):
+        """Context for one micro-batch's forward and backward (gradient accumulation)."""
+        return self.accelerator.accumulate(self.trainable)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of a micro-batch loss already normalized over the optimizer step (accelerate would
+        divide it by the number of micro-batches once more)."""
+        self.accelerator.backward(loss * self.accelerator.gradient_accumulation_steps)
+
+    def optimizer_step(self) -> None:
+        """Clip and step, or skip the step when the gradient norm is not finite (a NaN or inf loss on
+        any process poisons the averaged gradients on all of them, so all of them skip).
+
+        The only host-device synchronization of an optimizer step.
+        """
+        norm = self.accelerator.clip_grad_norm_(self.trainable.parameters(), self.rl.max_grad_norm)
+        if norm is None or bool(torch.isfinite(torch.as_tensor(norm))):
             self.optimizer.step()
         else:
             self.skipped += 1
@@ -91,18 +114,24 @@ class RLLoop:
     def unwrapped(self) -> torch.nn.Module:
         return self.accelerator.unwrap_model(self.trainable)
 
+    def full_parameters(self):
+        """Context for generation and evaluation: parameters whole (ZeRO-3, FSDP); every process enters."""
+        return full_parameters(self.accelerator, self.trainable)
+
     # -- the loop --------------------------------------------------------------------------------
 
     def _save(self, step: int, on_checkpoint: OnCheckpoint | None) -> None:
+        gathered = gathered_state_dicts(self.accelerator, self.trainable, self.models)  # collective; None unsharded
         if self.accelerator.is_main_process:
             path = self.output_dir / f"checkpoint-{step}"
             for sub, model in self.models.items():
-                assert_finite(model, f"the {sub} model")
+                assert_finite(model, f"the {sub} model", gathered[sub] if gathered else None)
             with atomic_dir(path) as tmp:
                 for sub, model in self.models.items():
-                    save_hf_dir(model, self.tokenizer, tmp / sub)
+                    save_hf_dir(model, self.tokenizer, tmp / sub, gathered[sub] if gathered else None)
                 (tmp / "metrics.json").write_text(json.dumps(self.metrics, indent=2))
-                save_training_state(tmp, optimizer=self.optimizer, scheduler=self.scheduler, progress={
+                optimizer = None if shards_optimizer(self.accelerator) else self.optimizer
+                save_training_state(tmp, optimizer=optimizer, scheduler=self.scheduler, progress={
                     "step": step, "epoch": self.epoch, "position": self.position,
                     "skipped_steps": self.skipped, "state": self.state})
             if on_checkpoint is not None:
@@ -130,7 +159,9 @@ class RLLoop:
             self.epoch, self.position = order.epoch, order.position
             indices = [i for i in indices for _ in range(repeat)]
             query_ids, query_mask = left_pad([self.prompt_ids[i] for i in indices], self.tokenizer.pad_token_id)
-            metrics = iteration(query_ids.to(self.device), query_mask.to(self.device), indices)
+            # every process's numbers, averaged (or summed) in one all-reduce, so the log is the global batch's
+            metrics = reduce_metrics(self.accelerator, iteration(query_ids.to(self.device), query_mask.to(self.device), indices),
+                                     sums=self.SUMMED)
             self.scheduler.step()
             self.step += 1
             elapsed = time.perf_counter() - started
@@ -145,9 +176,11 @@ class RLLoop:
                 on_step(self.step)
             if main and on_log is not None and (self.step % rl.log_steps == 0 or self.step == rl.total_steps):
                 on_log({k: v for k, v in metrics.items() if math.isfinite(v)}, self.step)
-            if main and evaluate is not None and on_eval is not None and eval_every and (
+            if evaluate is not None and on_eval is not None and eval_every and (
                     self.step % eval_every == 0 or self.step == rl.total_steps):
-                on_eval(evaluate(self.models["policy"], self.step), self.step)
+                with self.full_parameters():  # all processes gather; the main one evaluates
+                    if main:
+                        on_eval(evaluate(self.models["policy"], self.step), self.step)
             if self.step % rl.save_steps == 0 or self.step == rl.total_steps:
                 self._save(self.step, on_checkpoint)
         bar.close()

@@ -35,15 +35,28 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def make_accelerator(run: RunConfig, gradient_accumulation_steps: int = 1):
-    """An Accelerator honouring run.device and run.mixed_precision (launch-time settings win)."""
+def make_accelerator(run: RunConfig, gradient_accumulation_steps: int = 1, *, micro_batch_size: int | None = None,
+                     max_grad_norm: float | None = None):
+    """An Accelerator honouring run.device and run.mixed_precision (launch-time settings win).
+
+    Under DeepSpeed, `micro_batch_size` and `max_grad_norm` fill the engine's "auto" batch size and
+    clipping: the loops prepare no DataLoader from which accelerate could read them.
+    """
     from accelerate import Accelerator
 
-    return Accelerator(
+    accelerator = Accelerator(
         cpu=run.device == "cpu",
         mixed_precision=run.mixed_precision,
         gradient_accumulation_steps=gradient_accumulation_steps,
     )
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    if plugin is not None:
+        ds = plugin.deepspeed_config
+        if micro_batch_size is not None and ds.get("train_micro_batch_size_per_gpu", "auto") == "auto":
+            ds["train_micro_batch_size_per_gpu"] = micro_batch_size
+        if max_grad_norm is not None and ds.get("gradient_clipping", "auto") == "auto":
+            ds["gradient_clipping"] = max_grad_norm
+    return accelerator
 
 
 def build_optimizer(model, settings: OptimSettings, max_steps: int):
@@ -135,15 +148,20 @@ def is_peft(model) -> bool:
     return hasattr(model, "peft_config")
 
 
-def save_hf_dir(model, tokenizer, directory: str | Path) -> None:
+def save_hf_dir(model, tokenizer, directory: str | Path, state_dict: dict | None = None) -> None:
     """A directory `from_pretrained` loads: full weights (LoRA merged into a copy) and the tokenizer.
 
-    With LoRA the adapter is saved too, in `adapter/`, so training can resume from it.
+    With LoRA the adapter is saved too, in `adapter/`, so training can resume from it. `state_dict`:
+    the model's full weights gathered from sharded processes (ZeRO-3, FSDP), saved instead of its own.
     """
     import copy
 
     directory = Path(directory)
-    if is_peft(model):
+    if state_dict is not None:
+        if is_peft(model):
+            raise ValueError("LoRA models are not trained with sharded parameters (ZeRO-3, FSDP); use DDP or ZeRO-2")
+        model.save_pretrained(directory, state_dict=state_dict, safe_serialization=True)
+    elif is_peft(model):
         model.save_pretrained(directory / "adapter")
         copy.deepcopy(model).merge_and_unload().save_pretrained(directory, safe_serialization=True)
     else:
@@ -167,8 +185,12 @@ def restore_weights(model, directory: str | Path) -> None:
         raise RuntimeError(f"{directory} does not match the model (missing {missing}, unexpected {unexpected})")
 
 
-def assert_finite(model, what: str) -> None:
-    """Refuse to save weights with NaN or inf in them: a checkpoint must never be corrupt."""
-    for name, param in model.named_parameters():
-        if not param.detach().isfinite().all():
+def assert_finite(model, what: str, state_dict: dict | None = None) -> None:
+    """Refuse to save weights with NaN or inf in them: a checkpoint must never be corrupt.
+
+    `state_dict`: the gathered weights to check instead of the (sharded) model's own.
+    """
+    named = state_dict.items() if state_dict is not None else model.named_parameters()
+    for name, param in named:
+        if param.is_floating_point() and not param.detach().isfinite().all():
             raise FloatingPointError(f"{what} has non-finite values in {name}; not saving a corrupt checkpoint")

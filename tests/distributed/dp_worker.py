@@ -40,6 +40,14 @@ def main(world_root: str, out: str) -> None:
         with open(trace, "a") as fh:
             fh.write(json.dumps(entry) + "\n")
 
+    from accelerate import Accelerator
+
+    from rlhf_core.parallel import reduce_metrics
+
+    # metrics: the mean over processes, the total for the summed keys, one all-reduce
+    reduced = reduce_metrics(Accelerator(cpu=True), {"loss": torch.tensor(float(rank)), "tokens": 3.0 + rank}, sums=("tokens",))
+    record(stage="reduce", metrics=reduced)
+
     cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "smoke.yaml")
     world = build_demo_world(Path(world_root), cfg.run.seed, cfg.data.demo, cfg.model.demo)
     run = RunConfig(device="cpu", seed=3)
@@ -59,7 +67,7 @@ def main(world_root: str, out: str) -> None:
     rl = RLConfig(total_steps=2, batch_size=4, response_length=4, save_steps=2, learning_rate=1e-3, temperature=1.0)
     train_ppo(policy, value, ref, scorer, tok, prompts, rl, PPOConfig(num_ppo_epochs=1), run, max_prompt_length=16,
               output_dir=out_dir / "ppo", on_step=lambda step: record(stage="ppo", step=step, weights=fingerprint(policy, value)),
-              on_log=lambda metrics, step: record(stage="ppo", log=step), show_progress=False)
+              on_log=lambda metrics, step: record(stage="ppo", log=step, episode=metrics["episode"]), show_progress=False)
 
     policy = load_causal_lm(str(world.base_model))
     rl = RLConfig(algorithm="grpo", total_steps=2, batch_size=4, response_length=4, save_steps=2, learning_rate=1e-3,

@@ -45,6 +45,9 @@ def test_two_processes_train_reward_ppo_and_grpo_with_identical_weights(tmp_path
         # metrics are logged by the main process only
         assert [e["log"] for e in traces[0] if e["stage"] == stage and "log" in e] == list(range(1, steps + 1))
         assert not [e for e in traces[1] if e["stage"] == stage and "log" in e]
+    assert [e["metrics"] for e in traces[0] if e["stage"] == "reduce"] == [{"loss": 0.5, "tokens": 7.0}]
+    # PPO's episode counts the prompts of both processes
+    assert [e["episode"] for e in traces[0] if e["stage"] == "ppo" and "log" in e] == [8.0, 16.0]
     # one writer: each checkpoint exists once and no temporary directory is left behind
     assert sorted(p.name for p in (out / "reward").iterdir()) == ["checkpoint-3"]
     assert sorted(p.name for p in (out / "ppo").iterdir()) == ["checkpoint-2"]

@@ -1,0 +1,151 @@
+"""What the training loops need to run unchanged under DDP, DeepSpeed ZeRO and FSDP.
+
+- `reduce_metrics`: the logged numbers of all processes in one all-reduce (means, or totals).
+- `full_parameters`: parameters whole on every process for generation and evaluation, which run
+  outside the prepared module's training forward (ZeRO-3 and FSDP keep one shard per process).
+- `gathered_state_dicts`: the full weights of the trained models for a checkpoint, gathered on
+  every process (a collective) and written by the main one.
+
+Under DDP (and on one process) each of these is a no-op or a plain `state_dict()`. All of them are
+collective: every process must call them at the same point of the loop.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterable, Iterator, Mapping
+
+import torch
+
+
+def _distributed_type(accelerator):
+    return accelerator.distributed_type
+
+
+def uses_deepspeed(accelerator) -> bool:
+    from accelerate.utils import DistributedType
+
+    return _distributed_type(accelerator) == DistributedType.DEEPSPEED
+
+
+def shards_parameters(accelerator) -> bool:
+    """True under DeepSpeed ZeRO-3 and FSDP: no process holds every parameter between forwards."""
+    from accelerate.utils import DistributedType
+
+    kind = _distributed_type(accelerator)
+    if kind == DistributedType.FSDP:
+        return True
+    return kind == DistributedType.DEEPSPEED and accelerator.state.deepspeed_plugin.zero_stage == 3
+
+
+def shards_optimizer(accelerator) -> bool:
+    """True under DeepSpeed (any ZeRO stage) and FSDP: each process holds a part of the optimizer state."""
+    from accelerate.utils import DistributedType
+
+    return _distributed_type(accelerator) in (DistributedType.DEEPSPEED, DistributedType.FSDP)
+
+
+def reduce_metrics(accelerator, metrics: Mapping[str, float | torch.Tensor], sums: Iterable[str] = ()) -> dict[str, float]:
+    """The metrics of every process in one all-reduce: the mean of each key, the total for keys in `sums`.
+
+    Values may be floats or 0-d tensors (left on the device until here, so the loop never waits on
+    them); one transfer brings them all back. On one process this is just that transfer.
+    """
+    keys = list(metrics)
+    if not keys:
+        return {}
+    device = accelerator.device
+    dtype = torch.float32 if device.type == "mps" else torch.float64
+    values = torch.stack([torch.as_tensor(metrics[k], dtype=dtype, device=device).detach().reshape(()) for k in keys])
+    world = accelerator.num_processes
+    if world > 1:
+        values = accelerator.reduce(values, reduction="sum")
+        totals = set(sums)
+        scale = torch.tensor([1.0 if k in totals else 1.0 / world for k in keys], dtype=dtype, device=device)
+        values = values * scale
+    return dict(zip(keys, values.tolist()))
+
+
+@contextmanager
+def full_parameters(accelerator, prepared: torch.nn.Module) -> Iterator[None]:
+    """Inside the block every parameter of `prepared` is whole on every process.
+
+    ZeRO-3: gathered once (`deepspeed.zero.GatheredParameters`) instead of per module and per token.
+    FSDP2: every sharded module unsharded and kept so until the block ends (no resharding after each
+    forward), so a generation loop whose length differs between processes issues no collective.
+    Elsewhere: nothing to do. Every process must enter, even one that only waits.
+    """
+    if not shards_parameters(accelerator):
+        yield
+        return
+    if uses_deepspeed(accelerator):
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(prepared.parameters()), modifier_rank=None):
+            yield
+        return
+    if not accelerator.is_fsdp2:
+        raise RuntimeError("FSDP version 1 is not supported; set fsdp_version: 2 in the accelerate config "
+                           "(configs/accelerate/fsdp.yaml does)")
+    from torch.distributed.fsdp import FSDPModule
+
+    sharded = [m for m in prepared.modules() if isinstance(m, FSDPModule)]
+    for module in sharded:
+        module.set_reshard_after_forward(False, recurse=False)
+        module.unshard()
+    try:
+        yield
+    finally:
+        for module in sharded:
+            module.reshard()
+            # FSDP keeps the root unsharded after forward (backward needs it at once); the others reshard
+            module.set_reshard_after_forward(module is not sharded[0], recurse=False)
+
+
+def gathered_state_dicts(accelerator, prepared: torch.nn.Module, models: Mapping[str, torch.nn.Module]) -> dict[str, dict] | None:
+    """Under parameter sharding: {name: full state dict} of each model in `models` (sub-modules of
+    `prepared`), complete on the main process. Without sharding: None (save the modules as they are).
+
+    Collective: every process calls it; accelerate gathers the weights (ZeRO-3 needs
+    `zero3_save_16bit_model: true`, which configs/accelerate/deepspeed_zero3.yaml sets).
+    """
+    if not shards_parameters(accelerator):
+        return None
+    full = accelerator.get_state_dict(prepared)
+    root = accelerator.unwrap_model(prepared)
+    prefixes = {}
+    for name, model in models.items():
+        found = [prefix for prefix, module in root.named_modules() if module is model]
+        if not found:
+            raise ValueError(f"the {name} model is not part of the trained module")
+        prefixes[name] = f"{found[0]}." if found[0] else ""
+    if not accelerator.is_main_process:
+        return {name: {} for name in models}
+    return {name: {k[len(p):]: v for k, v in full.items() if k.startswith(p)} for name, p in prefixes.items()}
+
+
+def accelerate_strategy(path) -> str:
+    """What an `accelerate launch` config file asks for: 'ddp', 'zero1'/'zero2'/'zero3', 'fsdp' (or 'fsdp1').
+
+    Raises ValueError naming the file when it is missing, not YAML, or not an accelerate config.
+    """
+    from pathlib import Path
+
+    import yaml
+
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"run.accelerate_config: {path} does not exist")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise ValueError(f"run.accelerate_config: {path} is not valid YAML ({err})") from None
+    if not isinstance(raw, dict) or "distributed_type" not in raw:
+        raise ValueError(f"run.accelerate_config: {path} has no distributed_type; write it with `accelerate config`")
+    kind = str(raw["distributed_type"]).upper()
+    if kind == "DEEPSPEED":
+        stage = int((raw.get("deepspeed_config") or {}).get("zero_stage", 2))
+        return f"zero{stage}"
+    if kind == "FSDP":
+        return "fsdp" if int((raw.get("fsdp_config") or {}).get("fsdp_version", 1)) == 2 else "fsdp1"
+    return "ddp"

@@ -1,0 +1,94 @@
+"""Scale-out pieces that run without a GPU: metric reduction on one process, the accelerate config
+files and what the config check makes of them, the launch command, FSDP's wrap classes."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from accelerate import Accelerator
+from accelerate.commands.config.config_args import load_config_from_file
+
+from rlhf_core.config import PipelineConfig, load_config
+from rlhf_core.parallel import accelerate_strategy, full_parameters, gathered_state_dicts, reduce_metrics
+
+REPO = Path(__file__).resolve().parents[2]
+ACCELERATE = REPO / "configs" / "accelerate"
+
+
+def test_reduce_metrics_on_one_process_brings_tensors_and_floats_back_as_floats():
+    out = reduce_metrics(Accelerator(cpu=True), {"loss": torch.tensor(0.25), "tokens": torch.tensor(7), "lr": 1e-3},
+                         sums=("tokens",))
+    assert out == {"loss": 0.25, "tokens": 7.0, "lr": pytest.approx(1e-3)}
+    assert all(type(v) is float for v in out.values())
+    assert reduce_metrics(Accelerator(cpu=True), {}) == {}
+
+
+def test_without_sharding_generation_needs_no_gathering_and_checkpoints_save_the_modules_themselves():
+    accelerator = Accelerator(cpu=True)
+    model = accelerator.prepare(torch.nn.Linear(2, 2))
+    with full_parameters(accelerator, model):
+        assert model(torch.ones(1, 2)).shape == (1, 2)
+    assert gathered_state_dicts(accelerator, model, {"m": model}) is None
+
+
+@pytest.mark.parametrize(("name", "strategy"), [("ddp", "ddp"), ("deepspeed_zero2", "zero2"), ("deepspeed_zero3", "zero3"),
+                                                ("fsdp", "fsdp")])
+def test_shipped_accelerate_configs_load_in_accelerate_and_say_what_they_shard(name, strategy):
+    path = ACCELERATE / f"{name}.yaml"
+    loaded = load_config_from_file(str(path))
+    assert loaded.num_processes == -1  # taken from run.num_processes at launch
+    assert loaded.mixed_precision == "bf16"
+    assert accelerate_strategy(path) == strategy
+    if strategy == "zero3":
+        assert loaded.deepspeed_config["zero3_save_16bit_model"] is True  # checkpoints need the gathered weights
+
+
+def test_accelerate_config_errors_name_the_field_and_file(tmp_path):
+    with pytest.raises(ValueError, match=r"run.accelerate_config: .*nope.yaml does not exist"):
+        accelerate_strategy(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("mixed_precision: bf16\n")
+    with pytest.raises(ValueError, match=r"bad.yaml has no distributed_type"):
+        accelerate_strategy(bad)
+    fsdp1 = tmp_path / "fsdp1.yaml"
+    fsdp1.write_text("distributed_type: FSDP\nfsdp_config: {fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP}\n")
+    with pytest.raises(ValueError, match="FSDP version 1"):
+        PipelineConfig.model_validate({"run": {"accelerate_config": str(fsdp1)}})
+
+
+@pytest.mark.parametrize("name", ["deepspeed_zero3", "fsdp"])
+def test_lora_with_parameter_sharding_is_refused(name):
+    path = str(ACCELERATE / f"{name}.yaml")
+    with pytest.raises(ValueError, match="shards parameters"):
+        PipelineConfig.model_validate({"run": {"accelerate_config": path}, "model": {"lora": {"enabled": True}}})
+    with pytest.raises(ValueError, match="shards parameters"):
+        PipelineConfig.model_validate({"run": {"accelerate_config": path}, "reward": {"lora": True}})
+    PipelineConfig.model_validate({"run": {"accelerate_config": str(ACCELERATE / "deepspeed_zero2.yaml")},
+                                   "model": {"lora": {"enabled": True}}})
+
+
+def test_stage_launch_command_cpu_torchrun_cuda_accelerate_with_the_config_file(tmp_path, monkeypatch):
+    from tasks import distributed
+
+    cpu = PipelineConfig.model_validate({"run": {"device": "cpu", "num_processes": 2}})
+    command = distributed._command(cpu, tmp_path / "spec.json")
+    assert Path(command[0]).name == "torchrun" and command[1:4] == ["--standalone", "--nproc_per_node", "2"]
+    assert command[-3:] == ["-m", "tasks.distributed", str(tmp_path / "spec.json")]
+    monkeypatch.chdir(REPO)
+    example = load_config(REPO / "configs" / "examples" / "multi-gpu.yaml")
+    command = distributed._command(example, tmp_path / "spec.json")
+    assert Path(command[0]).name == "accelerate" and command[1:4] == ["launch", "--num_processes", "8"]
+    assert command[4:6] == ["--config_file", "configs/accelerate/deepspeed_zero2.yaml"]
+    plain = PipelineConfig.model_validate({"run": {"device": "cuda", "num_processes": 4, "mixed_precision": "bf16"}})
+    assert "--multi_gpu" in distributed._command(plain, tmp_path / "spec.json")
+
+
+def test_ppo_wrapper_exposes_the_decoder_layer_class_for_fsdp_auto_wrap(smoke_world):
+    from rlhf_core.models import load_causal_lm, load_tokenizer
+    from rlhf_core.ppo import PolicyAndValue
+    from rlhf_core.reward import load_reward_model
+
+    tok = load_tokenizer(str(smoke_world.tokenizer))
+    both = PolicyAndValue(load_causal_lm(str(smoke_world.base_model)), load_reward_model(str(smoke_world.base_model), tok))
+    assert both._no_split_modules == ["LlamaDecoderLayer"]
+
