@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+DEMO = HERE.parent / "configs" / "demo.yaml"
 sys.path.insert(0, str(HERE.parent))
 
 
@@ -28,6 +29,7 @@ def main() -> None:
     from prefect.testing.utilities import prefect_test_harness
 
     from flows.rlhf_pipeline import rlhf_pipeline
+    from rlhf_core.config import load_config
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -38,7 +40,7 @@ def main() -> None:
         root = Path(tmp)
         overrides = [f"run.output_dir={root / 'demo'}", f"tracking.uri=sqlite:///{root / 'mlflow.db'}"]
         start = time.perf_counter()
-        summary = rlhf_pipeline(config_path=str(HERE.parent / "configs" / "demo.yaml"), overrides=overrides)
+        summary = rlhf_pipeline(config_path=str(DEMO), overrides=overrides)
         seconds = time.perf_counter() - start
     gold = summary["gold_metric"]
     history = {int(step): row for step, row in summary["eval_history"].items()}
@@ -51,7 +53,7 @@ def main() -> None:
         "ratio": after - before, "gain": after - before, "kl": kl, "seconds": seconds,
         "notes": (f"`make demo` end to end in {seconds:.0f} s: gold ({gold}) {before:.2f} -> {after:.2f} "
                   f"({after - before:+.2f}) at KL {kl:.1f} after {max(history)} PPO steps; "
-                  f"{len(history)} evaluations of {len(summary['final_eval_rows'])} prompts, CPU"),
+                  f"{len(history)} evaluations of {load_config(DEMO).eval.num_prompts} prompts, CPU"),
     }
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2))
