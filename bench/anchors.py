@@ -72,3 +72,25 @@ def interleaved(run_side: Callable[[str], dict]) -> tuple[list[dict], list[dict]
     for side in "TOOTTO":
         (anchor if side == "T" else ours).append(run_side("trl" if side == "T" else "ours"))
     return anchor, ours
+
+
+def pipeline_main(measure: Callable[[Path], dict]) -> None:
+    """main() of a benchmark that runs the Prefect flow: `measure(root)` runs inside a fresh temporary
+    directory with a Prefect server up (not timed) and returns the result written to --out."""
+    import argparse
+    import json
+    import os
+    import tempfile
+    import warnings
+
+    from prefect.testing.utilities import prefect_test_harness
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    with tempfile.TemporaryDirectory() as tmp, prefect_test_harness(server_startup_timeout=180):
+        result = measure(Path(tmp))
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    print(json.dumps(result, indent=2))

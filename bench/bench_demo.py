@@ -10,10 +10,7 @@ a large KL would be reward hacking.
 
 from __future__ import annotations
 
-import json
-import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -21,33 +18,23 @@ HERE = Path(__file__).resolve().parent
 DEMO = HERE.parent / "configs" / "demo.yaml"
 sys.path.insert(0, str(HERE.parent))
 
+from anchors import pipeline_main  # noqa: E402  (after the repository root is on sys.path)
 
-def main() -> None:
-    import argparse
-    import warnings
 
-    from prefect.testing.utilities import prefect_test_harness
-
+def measure(root: Path) -> dict:
     from flows.rlhf_pipeline import rlhf_pipeline
     from rlhf_core.config import load_config
 
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
-    warnings.filterwarnings("ignore")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    with tempfile.TemporaryDirectory() as tmp, prefect_test_harness(server_startup_timeout=180):
-        root = Path(tmp)
-        overrides = [f"run.output_dir={root / 'demo'}", f"tracking.uri=sqlite:///{root / 'mlflow.db'}"]
-        start = time.perf_counter()
-        summary = rlhf_pipeline(config_path=str(DEMO), overrides=overrides)
-        seconds = time.perf_counter() - start
+    overrides = [f"run.output_dir={root / 'demo'}", f"tracking.uri=sqlite:///{root / 'mlflow.db'}"]
+    start = time.perf_counter()
+    summary = rlhf_pipeline(config_path=str(DEMO), overrides=overrides)
+    seconds = time.perf_counter() - start
     gold = summary["gold_metric"]
     history = {int(step): row for step, row in summary["eval_history"].items()}
     first, last = history[min(history)], history[max(history)]
     before, after = first[f"eval/{gold}_mean"], last[f"eval/{gold}_mean"]
     kl = last.get("eval/kl_mean", float("nan"))
-    result = {
+    return {
         "metric": f"mean gold score ({gold}) on the held-out prompts", "unit": "gold", "kind": "gain",
         "ours": after, "anchor": before, "anchor_name": f"the starting policy, step {min(history)}",
         "ratio": after - before, "gain": after - before, "kl": kl, "seconds": seconds,
@@ -55,9 +42,7 @@ def main() -> None:
                   f"({after - before:+.2f}) at KL {kl:.1f} after {max(history)} PPO steps; "
                   f"{len(history)} evaluations of {load_config(DEMO).eval.num_prompts} prompts, CPU"),
     }
-    Path(args.out).write_text(json.dumps(result, indent=2))
-    print(json.dumps(result, indent=2))
 
 
 if __name__ == "__main__":
-    main()
+    pipeline_main(measure)

@@ -10,15 +10,14 @@ difference is made of (registered versions, evaluations).
 
 from __future__ import annotations
 
-import json
-import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
+
+from anchors import pipeline_main  # noqa: E402  (after the repository root is on sys.path)
 OVERRIDES = ["sft.max_steps=100", "reward.max_steps=100", "reward.save_steps=50", "reward.eval_steps=50",
              "rl.total_steps=20", "rl.save_steps=10", "eval.every_steps=10"]
 
@@ -60,35 +59,24 @@ def flow(root: Path) -> tuple[float, dict]:
     return time.perf_counter() - start, summary
 
 
-def main() -> None:
-    import argparse
+def measure(root: Path) -> dict:
     import shutil
-    import warnings
 
-    from prefect.testing.utilities import prefect_test_harness
+    from mlflow.tracking import MlflowClient
 
     from rlhf_core.config import load_config
     from rlhf_core.demo_world import build_demo_world
 
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
-    warnings.filterwarnings("ignore")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     cfg = load_config(HERE.parent / "configs" / "demo.yaml", OVERRIDES)
-    with tempfile.TemporaryDirectory() as tmp, prefect_test_harness(server_startup_timeout=180):
-        root = Path(tmp)
-        world = build_demo_world(root / "demo_world", cfg.run.seed, cfg.data.demo, cfg.model.demo)
-        (root / "flow").mkdir()
-        shutil.copytree(world.root, root / "flow" / "demo_world")  # both sides start with the world built
-        bare_s = bare(cfg, root)
-        flow_s, summary = flow(root)
-        from mlflow.tracking import MlflowClient
-
-        client = MlflowClient(f"sqlite:///{root / 'mlflow.db'}", registry_uri=f"sqlite:///{root / 'mlflow.db'}")
-        versions = sum(len(client.search_model_versions(f"name = '{n}'")) for n in ("demo-policy", "demo-reward-model"))
-        evaluations = len(summary.get("eval_history", {}))
-    result = {
+    world = build_demo_world(root / "demo_world", cfg.run.seed, cfg.data.demo, cfg.model.demo)
+    (root / "flow").mkdir()
+    shutil.copytree(world.root, root / "flow" / "demo_world")  # both sides start with the world built
+    bare_s = bare(cfg, root)
+    flow_s, summary = flow(root)
+    client = MlflowClient(f"sqlite:///{root / 'mlflow.db'}", registry_uri=f"sqlite:///{root / 'mlflow.db'}")
+    versions = sum(len(client.search_model_versions(f"name = '{n}'")) for n in ("demo-policy", "demo-reward-model"))
+    evaluations = len(summary.get("eval_history", {}))
+    return {
         "metric": "wall seconds of the whole pipeline", "unit": "s", "ours": flow_s, "anchor": bare_s,
         "anchor_name": "the bare training loops", "ratio": flow_s / bare_s,
         "versions_registered": versions, "evaluations": evaluations,
@@ -97,9 +85,7 @@ def main() -> None:
                   "evaluations and Prefect; "
                   "sft 100, reward 100, ppo 20 steps of configs/demo.yaml, CPU"),
     }
-    Path(args.out).write_text(json.dumps(result, indent=2))
-    print(json.dumps(result, indent=2))
 
 
 if __name__ == "__main__":
-    main()
+    pipeline_main(measure)

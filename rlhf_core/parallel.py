@@ -18,21 +18,17 @@ from typing import Iterable, Iterator, Mapping
 import torch
 
 
-def _distributed_type(accelerator):
-    return accelerator.distributed_type
-
-
 def uses_deepspeed(accelerator) -> bool:
     from accelerate.utils import DistributedType
 
-    return _distributed_type(accelerator) == DistributedType.DEEPSPEED
+    return accelerator.distributed_type == DistributedType.DEEPSPEED
 
 
 def shards_parameters(accelerator) -> bool:
     """True under DeepSpeed ZeRO-3 and FSDP: no process holds every parameter between forwards."""
     from accelerate.utils import DistributedType
 
-    kind = _distributed_type(accelerator)
+    kind = accelerator.distributed_type
     if kind == DistributedType.FSDP:
         return True
     return kind == DistributedType.DEEPSPEED and accelerator.state.deepspeed_plugin.zero_stage == 3
@@ -42,7 +38,7 @@ def shards_optimizer(accelerator) -> bool:
     """True under DeepSpeed (any ZeRO stage) and FSDP: each process holds a part of the optimizer state."""
     from accelerate.utils import DistributedType
 
-    return _distributed_type(accelerator) in (DistributedType.DEEPSPEED, DistributedType.FSDP)
+    return accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP)
 
 
 def reduce_metrics(accelerator, metrics: Mapping[str, float | torch.Tensor], sums: Iterable[str] = ()) -> dict[str, float]:
