@@ -15,6 +15,8 @@ $(STAMP): pyproject.toml
 	# torch first and pinned: this takes the CPU build on disk; an unpinned torch pulls CUDA wheels
 	$(BIN)/python -m pip install torch==2.13.0
 	$(BIN)/python -m pip install -e '.[dev]'
+	# TRL 1.12 (the last with PPOTrainer) for the PPO parity test, apart from the TRL 1.16 installed above
+	$(BIN)/python -m pip install --quiet --no-deps --upgrade --target $(VENV)/trl-1.12.0 trl==1.12.0
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -117,7 +117,7 @@ def learning(root: Path) -> dict:
 
     def evaluate(model):
         out = evaluate_generations(model, ref, None, tok, eval_prompts, response_length=12, max_prompt_length=16,
-                                   metrics={"vader": vader_compound}, batch_size=64, stop_token_id=tok.eos_token_id)
+                                   metrics={"vader": vader_compound}, batch_size=64, stop_token_ids=(tok.eos_token_id,))
         return summarize_rows(out)
 
     rl = RLConfig(algorithm="grpo", total_steps=60, batch_size=64, learning_rate=2e-3, response_length=12, temperature=1.0,

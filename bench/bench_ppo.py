@@ -119,7 +119,7 @@ def learning(root: Path) -> dict:
     def evaluate(model):
         rows = evaluate_generations(model, ref, reward, tok, eval_prompts, response_length=cfg.rl.response_length,
                                     max_prompt_length=cfg.data.max_prompt_length, metrics={"vader": vader_compound},
-                                    batch_size=cfg.eval.batch_size, stop_token_id=tok.eos_token_id)
+                                    batch_size=cfg.eval.batch_size, stop_token_ids=(tok.eos_token_id,))
         return summarize_rows(rows), rows[:5]
 
     before, _ = evaluate(policy)

@@ -45,7 +45,7 @@ def evaluate_version(cfg: PipelineConfig, data: PreparedData, model_uri: str, re
     """Near-greedy completions of the held-out prompts by `model_uri`, scored; (summary, rows)."""
     from transformers import AutoModelForSequenceClassification
 
-    from rlhf_core.models import load_causal_lm, load_tokenizer
+    from rlhf_core.models import load_causal_lm, load_tokenizer, stop_token_ids
 
     policy_dir = _model_dir(model_uri, cfg, data, "registry")
     tokenizer = load_tokenizer(policy_dir)
@@ -58,7 +58,8 @@ def evaluate_version(cfg: PipelineConfig, data: PreparedData, model_uri: str, re
     rows = evaluate_generations(policy, ref, reward, tokenizer, prompts, response_length=cfg.rl.response_length,
                                 max_prompt_length=cfg.data.max_prompt_length, metrics=metric_functions(cfg.eval.metrics),
                                 batch_size=cfg.eval.batch_size, greedy=cfg.eval.greedy,
-                                stop_token_id=tokenizer.eos_token_id if cfg.rl.stop_token == "eos" else None)
+                                stop_token_ids=stop_token_ids(tokenizer, policy.generation_config, stop_token=cfg.rl.stop_token,
+                                                              stop_tokens=cfg.rl.stop_tokens))
     return summarize_rows(rows), rows
 
 

@@ -165,6 +165,7 @@ class RewardConfig(OptimSettings):
     save_steps: int = Field(100, ge=1, description="Checkpoint and register a version every this many steps.")
     log_steps: int = Field(10, ge=1, description="Log training metrics every this many steps.")
     lora: bool = Field(False, description="Train the reward model with LoRA (model.lora settings, score head trainable).")
+    disable_dropout: bool = Field(True, description="Turn every dropout of the reward model off while it trains (TRL's default); false keeps the model's own.")
 
 
 class InitConfig(Section):
@@ -185,16 +186,25 @@ class RLConfig(OptimSettings):
     temperature: float = Field(0.7, gt=0.0, description="Sampling temperature of rollouts (TRL's default).")
     top_k: int = Field(0, ge=0, description="Top-k filtering of rollouts; 0 disables it.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus filtering of rollouts; 1.0 disables it.")
-    stop_token: Literal["eos", "none"] = Field("eos", description="Truncate responses after this token: the tokenizer's eos, or none.")
+    stop_token: str = Field(
+        "eos", min_length=1, description="What ends a response: 'eos' (every id of the policy's generation_config.eos_token_id and the tokenizer's eos), 'none', or one token of the tokenizer.")
+    stop_tokens: list[str] = Field(
+        default_factory=list, description="More tokens that end a response (e.g. '<|im_end|>'), each one token of the policy's tokenizer.")
     min_response_length: int = Field(1, ge=1, description="The stop token cannot end a response before this many tokens (transformers' min_new_tokens).")
     missing_eos_penalty: float | None = Field(None, description="Subtract this from the score of responses that never emit eos.")
     save_steps: int = Field(50, ge=1, description="Checkpoint and register a policy version every this many steps.")
     log_steps: int = Field(1, ge=1, description="Log training metrics every this many steps.")
+    disable_dropout: bool = Field(True, description="Turn every dropout (LoRA's included) off in the policy, value, reference and reward models while RL trains (TRL's default); false keeps them.")
+    skip_nonfinite_steps: bool = Field(
+        True, description="Skip an optimizer step whose gradient norm is NaN or inf and count it; false stops the run there. DeepSpeed needs false.")
 
     @model_validator(mode="after")
     def _min_within_max(self) -> RLConfig:
         if self.min_response_length > self.response_length:
             raise ValueError(f"min_response_length {self.min_response_length} must not exceed response_length {self.response_length}")
+        if self.missing_eos_penalty is not None and self.stop_token == "none" and not self.stop_tokens:
+            raise ValueError("missing_eos_penalty needs a stop token, but stop_token is 'none' and stop_tokens is empty, "
+                             "so every response would be penalized")
         return self
 
 
@@ -237,12 +247,30 @@ def _default_grpo_rewards() -> list[RewardSource]:
 class GRPOConfig(Section):
     num_generations: int = Field(8, ge=2, description="Completions sampled per prompt (the group).")
     epsilon: float = Field(0.2, gt=0.0, description="Lower clip of the importance ratio.")
-    epsilon_high: float | None = Field(None, gt=0.0, description="Upper clip of the ratio; null uses epsilon.")
+    epsilon_high: float | None = Field(
+        None, gt=0.0, description="Upper clip of the ratio; null uses epsilon. With loss_type cispo: the cap of the ratio (TRL recommends 5.0).")
+    delta: float | None = Field(
+        None, gt=1.0, description="Two-sided clipping (INTELLECT-2): cap the unclipped ratio at delta; null is off. Should exceed 1 + epsilon_high.")
     beta: float = Field(0.0, ge=0.0, description="KL coefficient to the reference (k3); 0 loads no reference (TRL's default).")
-    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = Field("dapo", description="Loss normalization (TRL's default: dapo).")
+    use_bias_correction_kl: bool = Field(True, description="Multiply the k3 KL term by the importance ratio (TRL 1.16's default).")
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"] = Field(
+        "dapo", description="Loss: grpo, bnpo, dr_grpo, dapo (TRL's default), cispo (clipped-IS-weight policy gradient) or sapo (soft gate).")
+    importance_sampling_level: Literal["token", "sequence"] = Field(
+        "token", description="Importance ratio per token, or one per sequence from the mean log ratio (GSPO).")
+    sapo_temperature_pos: float = Field(1.0, gt=0.0, description="SAPO's gate temperature for tokens with positive advantage.")
+    sapo_temperature_neg: float = Field(1.05, gt=0.0, description="SAPO's gate temperature for tokens with non-positive advantage.")
     scale_rewards: Literal["group", "batch", "none"] = Field("group", description="Divide advantages by the group's, the batch's or no std.")
+    multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = Field(
+        "sum_then_normalize", description="Weighted sum of rewards then group-normalize, or normalize each reward per group, sum, then batch-normalize.")
+    top_entropy_quantile: float = Field(
+        1.0, gt=0.0, le=1.0, description="Train only on the tokens whose entropy is in this top fraction of the batch's; 1.0 trains on all.")
     num_iterations: int = Field(1, ge=1, description="Updates per generation batch, reusing stored old log-probabilities.")
-    mask_truncated_completions: bool = Field(False, description="Leave completions without eos out of the loss.")
+    steps_per_generation: int | None = Field(
+        None, ge=1, description="Micro-batches each generation batch feeds (TRL's name); a multiple of rl.gradient_accumulation_steps; null: one optimizer step per generation.")
+    mask_truncated_completions: bool = Field(False, description="Leave completions without a stop token out of the loss.")
+    sync_ref_model: bool = Field(False, description="Mix the policy into the reference every ref_model_sync_steps optimizer steps (TR-DPO).")
+    ref_model_mixup_alpha: float = Field(0.6, ge=0.0, le=1.0, description="ref = alpha * policy + (1 - alpha) * ref at each sync.")
+    ref_model_sync_steps: int = Field(512, ge=1, description="Optimizer steps between reference syncs.")
     rewards: list[RewardSource] = Field(default_factory=_default_grpo_rewards, min_length=1, description="Reward sources and weights.")
     log_completions_steps: int = Field(10, ge=1, description="Write a Parquet of completions and rewards every this many steps.")
 
@@ -317,9 +345,7 @@ class PipelineConfig(Section):
                 f"must be a multiple of rl.gradient_accumulation_steps {self.rl.gradient_accumulation_steps}"
             )
         if self.run.accelerate_config is not None:
-            from rlhf_core.parallel import accelerate_strategy
-
-            strategy = accelerate_strategy(self.run.accelerate_config)
+            strategy = accelerate_strategy_of(self.run.accelerate_config)
             if strategy == "fsdp1":
                 raise ValueError(f"run.accelerate_config {self.run.accelerate_config} uses FSDP version 1; set "
                                  "fsdp_config.fsdp_version: 2 (see configs/accelerate/fsdp.yaml)")
@@ -327,6 +353,13 @@ class PipelineConfig(Section):
                 raise ValueError(f"run.accelerate_config {self.run.accelerate_config} shards parameters ({strategy}), "
                                  "which LoRA training does not need or support here; use configs/accelerate/ddp.yaml "
                                  "or deepspeed_zero2.yaml, or turn model.lora.enabled / reward.lora off")
+        if self.rl.algorithm == "grpo":
+            self._grpo_checks()
+        if self.run.accelerate_config is not None and self.rl.skip_nonfinite_steps and \
+                accelerate_strategy_of(self.run.accelerate_config).startswith("zero"):
+            raise ValueError(f"run.accelerate_config {self.run.accelerate_config} uses DeepSpeed, whose engine steps inside "
+                             "backward before a non-finite gradient can be seen; set rl.skip_nonfinite_steps: false "
+                             "(a non-finite gradient then stops the run)")
         if self.init.policy == "sft" and not self.sft.enabled:
             raise ValueError("init.policy is 'sft' but sft.enabled is false; set init.policy to 'base' or enable sft")
         names = self.metric_names()
@@ -334,6 +367,30 @@ class PipelineConfig(Section):
             allowed = ", ".join(repr(n) for n in ("score", *names))
             raise ValueError(f"promote.metric {self.promote.metric!r} is not an eval column; allowed: {allowed}")
         return self
+
+    def _grpo_checks(self) -> None:
+        grpo, rl = self.grpo, self.rl
+        if grpo.steps_per_generation is not None and grpo.steps_per_generation % rl.gradient_accumulation_steps:
+            raise ValueError(f"grpo.steps_per_generation {grpo.steps_per_generation} must be a multiple of "
+                             f"rl.gradient_accumulation_steps {rl.gradient_accumulation_steps}")
+        if rl.batch_size % rl.gradient_accumulation_steps:
+            raise ValueError(f"rl.batch_size {rl.batch_size} must be a multiple of rl.gradient_accumulation_steps "
+                             f"{rl.gradient_accumulation_steps} for GRPO")
+        if rl.missing_eos_penalty is not None and grpo.multi_objective_aggregation == "normalize_then_sum":
+            raise ValueError("rl.missing_eos_penalty is subtracted from the summed reward before group statistics, which "
+                             "grpo.multi_objective_aggregation 'normalize_then_sum' does not have; use 'sum_then_normalize' "
+                             "or add the penalty as a reward function")
+        if grpo.delta is not None and grpo.loss_type in ("cispo", "sapo"):
+            raise ValueError(f"grpo.delta applies to the clipped losses (grpo, bnpo, dr_grpo, dapo), not loss_type '{grpo.loss_type}'")
+        if grpo.sync_ref_model:
+            if grpo.beta == 0:
+                raise ValueError("grpo.sync_ref_model needs a reference model, but grpo.beta is 0 so none is loaded")
+            if self.model.lora.enabled:
+                raise ValueError("grpo.sync_ref_model needs a reference copy to mix into, but with model.lora.enabled the "
+                                 "reference is the policy with its adapters disabled")
+            if self.run.accelerate_config is not None and accelerate_strategy_of(self.run.accelerate_config) in ("zero3", "fsdp"):
+                raise ValueError(f"grpo.sync_ref_model mixes whole weights, which run.accelerate_config "
+                                 f"{self.run.accelerate_config} shards; use ddp.yaml or deepspeed_zero2.yaml")
 
     # derived values, computed in one place ---------------------------------------------------
 
@@ -372,6 +429,12 @@ class PipelineConfig(Section):
         """Stable short hash of the whole config (JSON with sorted keys)."""
         blob = json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def accelerate_strategy_of(path) -> str:
+    from rlhf_core.parallel import accelerate_strategy
+
+    return accelerate_strategy(path)
 
 
 # --------------------------------------------------------------------------------------------

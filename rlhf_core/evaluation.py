@@ -7,12 +7,14 @@ no reference is loaded), and its length. The caller turns rows into MLflow table
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
 from rlhf_core.ppo_math import kl_per_token
 from rlhf_core.rewards import call_scoring_function
 from rlhf_core.rollout import (
-    NEAR_GREEDY_TEMPERATURE, SamplingSettings, generate, left_pad, reference_context, response_logprobs, sequence_scores,
+    NEAR_GREEDY_TEMPERATURE, SamplingSettings, decode_responses, generate, left_pad, reference_context, response_logprobs, sequence_scores,
     tokenize_prompts,
 )
 from rlhf_core.ppo_math import response_mask
@@ -22,7 +24,7 @@ from rlhf_core.training import is_peft
 @torch.no_grad()
 def evaluate_generations(policy, ref_model, reward_model, tokenizer, prompts: list[str], *, response_length: int,
                          max_prompt_length: int, metrics: dict[str, object], batch_size: int, greedy: bool = False,
-                         stop_token_id: int | None = None, device=None) -> list[dict]:
+                         stop_token_ids: Sequence[int] = (), device=None) -> list[dict]:
     """Rows of near-greedy (or greedy) completions of `prompts`, scored by the reward model and `metrics`."""
     settings = SamplingSettings(response_length=response_length, temperature=NEAR_GREEDY_TEMPERATURE, top_k=0,
                                 top_p=1.0, greedy=greedy)
@@ -38,8 +40,8 @@ def evaluate_generations(policy, ref_model, reward_model, tokenizer, prompts: li
         if device is not None:
             query_ids, query_mask = query_ids.to(device), query_mask.to(device)
         responses = generate(policy, query_ids, query_mask, settings, pad_token_id=tokenizer.pad_token_id,
-                             stop_token_id=stop_token_id)
-        resp_mask, last_index = response_mask(responses, tokenizer.pad_token_id)
+                             stop_token_ids=stop_token_ids)
+        resp_mask, last_index, _ = response_mask(responses, stop_token_ids)
         kl = None
         if ref_model is not None or is_peft(policy):  # GRPO with beta 0 loads no reference at all
             logp, _ = response_logprobs(policy, query_ids, query_mask, responses, resp_mask)
@@ -47,7 +49,7 @@ def evaluate_generations(policy, ref_model, reward_model, tokenizer, prompts: li
                 ref_logp, _ = response_logprobs(ref_model or policy, query_ids, query_mask, responses, resp_mask)
             kl = (kl_per_token(logp, ref_logp, "k1") * resp_mask).sum(1)
         scores = sequence_scores(reward_model, query_ids, query_mask, responses, resp_mask, last_index) if reward_model is not None else None
-        completions = tokenizer.batch_decode(responses, skip_special_tokens=True)
+        completions = decode_responses(tokenizer, responses, resp_mask)
         extra = {name: call_scoring_function(name, fn, prompts=chunk, completions=completions) for name, fn in metrics.items()}
         for i, (prompt, completion) in enumerate(zip(chunk, completions)):
             row = {"prompt": prompt, "completion": completion}

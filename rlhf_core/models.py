@@ -49,6 +49,49 @@ def ensure_pad_token(tokenizer, source: str) -> None:
     tokenizer.pad_token = tokenizer.eos_token
 
 
+def generation_config_of(source: str, *, trust_remote_code: bool = False):
+    """The GenerationConfig a model directory or hub name ships, else the one its config.json implies."""
+    from transformers import AutoConfig, GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(source)
+    except (OSError, ValueError):
+        return GenerationConfig.from_model_config(AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code))
+
+
+def _as_ids(value) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
+
+
+def stop_token_ids(tokenizer, generation_config=None, *, stop_token: str = "eos", stop_tokens=(),
+                   field: str = "rl.stop_token") -> tuple[int, ...]:
+    """The token ids that end a response, in a stable order and without repeats.
+
+    stop_token 'eos': every id of `generation_config.eos_token_id` (an int or a list: instruct models
+    stop on two) and the tokenizer's eos; 'none': nothing; any other string: that token. `stop_tokens`
+    adds more tokens. The pad id plays no part: it may equal a stop id (Qwen2.5 base, GPT-2 once eos
+    is borrowed as pad) or be missing. Raises ModelSourceError naming the field for a token the
+    tokenizer does not know, and for 'eos' when the model has no eos at all.
+    """
+    ids: list[int] = []
+    if stop_token == "eos":
+        ids += _as_ids(getattr(generation_config, "eos_token_id", None)) + _as_ids(tokenizer.eos_token_id)
+        if not ids:
+            raise ModelSourceError(f"{field} is 'eos' but neither the policy's generation_config nor its tokenizer has an "
+                                   "eos token; name the token that ends a response in rl.stop_tokens, or set rl.stop_token: none")
+    vocab = tokenizer.get_vocab()
+    named = [(field, stop_token)] if stop_token not in ("eos", "none") else []
+    named += [(f"rl.stop_tokens[{i}]", token) for i, token in enumerate(stop_tokens)]
+    for where, token in named:
+        if token not in vocab:
+            raise ModelSourceError(f"{where}: '{token}' is not a token of the policy's tokenizer "
+                                   f"({len(vocab)} tokens); give the token's exact text, e.g. {tokenizer.convert_ids_to_tokens(ids[0]) if ids else '<|im_end|>'!r}")
+        ids.append(int(vocab[token]))
+    return tuple(dict.fromkeys(ids))
+
+
 def load_tokenizer(source: str, *, field: str = "model.tokenizer", revision: str | None = None,
                    trust_remote_code: bool = False):
     from transformers import AutoTokenizer

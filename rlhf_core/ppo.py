@@ -19,8 +19,11 @@ from rlhf_core.ppo_math import (
     AdaptiveKLController, FixedKLController, compute_gae, kl_penalized_rewards, kl_per_token, masked_mean, masked_whiten,
     policy_loss, value_loss,
 )
+from rlhf_core.rewards import check_finite
 from rlhf_core.rl_loop import Evaluate, OnEval, RLLoop, RLResult
-from rlhf_core.rollout import Rollout, collect_rollout, response_logprobs, sequence_scores, token_values
+from rlhf_core.rollout import (
+    Rollout, collect_rollout, completion_metrics, response_logprobs, sequence_scores, token_values,
+)
 from rlhf_core.training import OnCheckpoint, OnLog, OnStep
 
 
@@ -55,6 +58,7 @@ def score_rollout(rollout: Rollout, value_model, reward_model, *, missing_eos_pe
     """(scores (B,), values (B, R)) of a rollout; responses without the stop token lose the penalty."""
     args = (rollout.query_ids, rollout.query_mask, rollout.responses, rollout.resp_mask)
     scores = sequence_scores(reward_model, *args, rollout.last_index)
+    check_finite("the reward model", scores)
     if missing_eos_penalty is not None:
         scores = scores - missing_eos_penalty * (~rollout.has_stop).float()
     return scores, token_values(value_model, *args)
@@ -81,15 +85,16 @@ def train_ppo(policy, value_model, ref_model, reward_model, tokenizer, prompts: 
     for frozen in (ref_model, reward_model):
         if frozen is not None:
             frozen.to(loop.device).eval().requires_grad_(False)
-    pad_id, stop_id, settings = loop.pad_id, loop.stop_id, loop.sampling
-    world = loop.accelerator.num_processes
+    pad_id, stop_ids, settings = loop.pad_id, loop.stop_ids, loop.sampling
+    world = loop.world
+    all_reduce = loop.global_sum if world > 1 else None  # whitening over every process's rows
 
     def iteration(query_ids: torch.Tensor, query_mask: torch.Tensor, indices: list[int]) -> dict[str, float]:
         # 1. generate  2. score
         models = loop.unwrapped()
         with loop.full_parameters():
             rollout = collect_rollout(models.policy, ref_model, query_ids, query_mask, settings, pad_token_id=pad_id,
-                                      stop_token_id=stop_id)
+                                      stop_token_ids=stop_ids)
             scores, values = score_rollout(rollout, models.value_model, reward_model,
                                            missing_eos_penalty=rl.missing_eos_penalty)
         mask = rollout.resp_mask
@@ -98,21 +103,24 @@ def train_ppo(policy, value_model, ref_model, reward_model, tokenizer, prompts: 
         kl = kl_per_token(rollout.logprobs, rollout.ref_logprobs, ppo.kl_estimator) * mask  # (B, R)
         rewards, non_score = kl_penalized_rewards(scores, kl, mask, rollout.last_index, kl_ctl.value)
         if ppo.whiten_rewards:
-            rewards = masked_whiten(rewards, mask, shift_mean=False) * mask
+            rewards = masked_whiten(rewards, mask, shift_mean=False, all_reduce=all_reduce) * mask
 
         # 4. GAE
         advantages, returns = compute_gae(rewards, values, mask, ppo.gamma, ppo.lam)
         if ppo.whiten_advantages:
-            advantages = masked_whiten(advantages, mask) * mask
+            advantages = masked_whiten(advantages, mask, all_reduce=all_reduce) * mask
 
         # 5. PPO epochs over mini-batches, with gradient accumulation over micro-batches; the statistics
-        # stay on the device (one transfer per step, in the loop's reduce_metrics)
+        # stay on the device (one transfer per step, in the loop's reduce_metrics). Each loss is the mean
+        # over the real tokens of the whole mini-batch, every process's: the update does not depend on how
+        # the mini-batch is split into micro-batches or processes (the gradients are averaged, hence / world)
         loop.trainable.train()
         stats: dict[str, list[torch.Tensor]] = {k: [] for k in ("pg_loss", "vf_loss", "pg_clipfrac", "vf_clipfrac", "approxkl", "ratio", "entropy")}
         for _ in range(ppo.num_ppo_epochs):
             order = torch.randperm(rl.batch_size, device=loop.device)
             for mini_start in range(0, rl.batch_size, mini_size):
                 mini = order[mini_start : mini_start + mini_size]
+                mini_tokens = loop.global_sum(mask[mini].sum().float()) / world
                 for micro_start in range(0, mini_size, micro_size):
                     idx = mini[micro_start : micro_start + micro_size]
                     m = mask[idx]
@@ -121,7 +129,7 @@ def train_ppo(policy, value_model, ref_model, reward_model, tokenizer, prompts: 
                                                                   rollout.responses[idx], m, rl.temperature)
                         pg, pg_stats = policy_loss(new_logp, rollout.logprobs[idx], advantages[idx], m, ppo.cliprange)
                         vf, vf_stats = value_loss(vpred, values[idx], returns[idx], m, ppo.cliprange_value)
-                        loop.backward((pg + ppo.vf_coef * vf) * len(idx) / mini_size)
+                        loop.backward((pg + ppo.vf_coef * vf) * m.sum() / mini_tokens)
                     for key, value in (("pg_loss", pg), ("vf_loss", vf), ("pg_clipfrac", pg_stats["clipfrac"]),
                                        ("vf_clipfrac", vf_stats["clipfrac"]), ("approxkl", pg_stats["approxkl"]),
                                        ("ratio", pg_stats["ratio"]), ("entropy", masked_mean(entropy, m))):
@@ -152,6 +160,7 @@ def train_ppo(policy, value_model, ref_model, reward_model, tokenizer, prompts: 
             "val/ratio": avg("ratio"),
             "val/num_eos_tokens": rollout.has_stop.sum(),
             "val/mean_response_length": mask.sum(1).float().mean(),
+            **completion_metrics(rollout),
             "episode": float((loop.step + 1) * rl.batch_size * world),
             "_tokens": mask.sum(),
         }

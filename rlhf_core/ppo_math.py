@@ -6,7 +6,7 @@ and plain loops. Shapes: B sequences, T response tokens; `mask` is 1 on real res
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Callable, Literal
 
 import torch
 
@@ -29,9 +29,22 @@ def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> to
     return var
 
 
-def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
-    """(x - mean) / std over the masked entries; with shift_mean=False the mean is added back."""
-    mean, var = masked_mean(x, mask), masked_var(x, mask)
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True,
+                  all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """(x - mean) / std over the masked entries; with shift_mean=False the mean is added back.
+
+    `all_reduce` (a sum over data-parallel processes) makes mean and std those of every process's
+    entries together, so that N processes with B rows each whiten as one process with N x B rows.
+    """
+    if all_reduce is None:
+        mean, var = masked_mean(x, mask), masked_var(x, mask)
+    else:
+        m = mask.to(x.dtype)
+        total, total_sq, n = all_reduce(torch.stack([(x * m).sum(), (x * x * m).sum(), m.sum()]))
+        mean = total / n.clamp(min=1)
+        var = (total_sq / n.clamp(min=1) - mean**2).clamp(min=0)
+        if n > 1:
+            var = var * n / (n - 1)
     whitened = (x - mean) * torch.rsqrt(var + 1e-8)
     return whitened if shift_mean else whitened + mean
 
@@ -43,16 +56,23 @@ def first_true_indices(bools: torch.Tensor, dtype=torch.long) -> torch.Tensor:
     return torch.min(zero_or_index, dim=-1).values
 
 
-def response_mask(responses: torch.Tensor, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(mask (B, T) with 1 up to the last real token, index of the last real token (B,)).
+def response_mask(responses: torch.Tensor, stop_token_ids) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(mask (B, T), index of the last real token (B,), has_stop (B,)) from the stop positions.
 
-    Responses are right-padded after their stop token (see `rollout.generate`), so the first pad ends
-    the response.
-    A response that is all padding keeps its first token so every row has a place for its score.
+    A response ends at its first stop token, which belongs to it (in the mask, last_index on it). A
+    row without a stop token ran to the full length. The pad id is never looked at: it may equal a
+    stop id (Qwen2.5 base, GPT-2) or be a token the policy really generated.
     """
-    last = (first_true_indices(responses == pad_token_id) - 1).clamp(min=0)  # (B,)
-    positions = torch.arange(responses.shape[1], device=responses.device).view(1, -1)
-    return (positions <= last.unsqueeze(-1)).long(), last
+    rows, width = responses.shape
+    positions = torch.arange(width, device=responses.device)
+    if len(stop_token_ids):
+        stops = torch.as_tensor(list(stop_token_ids), dtype=responses.dtype, device=responses.device)
+        first = first_true_indices(torch.isin(responses, stops))  # (B,), width where none
+    else:
+        first = torch.full((rows,), width, dtype=torch.long, device=responses.device)
+    has_stop = first < width
+    last = torch.where(has_stop, first, torch.full_like(first, width - 1))
+    return (positions.view(1, -1) <= last.unsqueeze(-1)).long(), last, has_stop
 
 
 def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor,

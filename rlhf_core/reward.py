@@ -22,8 +22,8 @@ from rlhf_core.config import LoraSettings, RewardConfig, RunConfig
 from rlhf_core.model_card import write_model_card
 from rlhf_core.parallel import full_parameters, gathered_state_dicts, reduce_metrics, shards_optimizer
 from rlhf_core.training import (
-    OnCheckpoint, OnLog, OnStep, ShardedBatches, assert_finite, atomic_dir, build_optimizer, make_accelerator,
-    restore_weights, save_hf_dir, seed_everything,
+    OnCheckpoint, OnLog, OnStep, ShardedBatches, assert_finite, atomic_dir, build_optimizer, disable_dropout,
+    make_accelerator, restore_weights, save_hf_dir, seed_everything,
 )
 
 EVAL_METRICS = ("eval_loss", "eval_accuracy", "eval_margin", "eval_min_reward", "eval_mean_reward", "eval_max_reward")
@@ -206,6 +206,8 @@ def train_reward_model(model, tokenizer, train_rows: list[dict], eval_rows: list
         step, epoch, position = progress["step"], progress["epoch"], progress["position"]
         metrics = json.loads((resume / "metrics.json").read_text())
     resumed_from = step
+    if cfg.disable_dropout:  # the same pair scores the same in every forward (TRL's default)
+        disable_dropout(model)
     # the schedule stays outside Accelerate: it counts optimizer steps of the global batch, while an
     # Accelerate-prepared scheduler advances num_processes times per step
     model, optimizer = accelerator.prepare(model, optimizer)

@@ -55,4 +55,21 @@ def call_scoring_function(name: str, fn, *, prompts: list[str], completions: lis
     for i, value in enumerate(out):
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
             raise RewardFunctionError(f"reward function {name} returned {value!r} (a {type(value).__name__}) for completion {i}, not a number or None")
-    return [None if v is None else float(v) for v in out]
+    values = [None if v is None else float(v) for v in out]
+    check_finite(f"reward function {name}", values)
+    return values
+
+
+def check_finite(what: str, values) -> None:
+    """Raise RewardFunctionError naming `what`, the sample's index and the value for the first NaN or inf.
+
+    A non-finite reward would otherwise turn into 0 (nansum) or poison every advantage of the batch.
+    `values`: floats or None (not applicable), or a tensor.
+    """
+    import math
+
+    listed = values.tolist() if hasattr(values, "tolist") else list(values)
+    for i, value in enumerate(listed):
+        if value is not None and not math.isfinite(value):
+            raise RewardFunctionError(f"{what} returned {value} for completion {i}; rewards must be finite numbers "
+                                      "(or None for not applicable)")

@@ -20,10 +20,11 @@ import torch
 from rlhf_core.checkpoint import latest_checkpoint, load_training_state, save_training_state
 from rlhf_core.config import RLConfig, RunConfig
 from rlhf_core.parallel import full_parameters, gathered_state_dicts, reduce_metrics, shards_optimizer
+from rlhf_core.models import stop_token_ids
 from rlhf_core.rollout import SamplingSettings, left_pad, tokenize_prompts
 from rlhf_core.training import (
-    OnCheckpoint, OnLog, OnStep, ShardedBatches, assert_finite, atomic_dir, build_optimizer, make_accelerator,
-    restore_weights, save_hf_dir, seed_everything,
+    OnCheckpoint, OnLog, OnStep, ShardedBatches, assert_finite, atomic_dir, build_optimizer, disable_dropout,
+    make_accelerator, restore_weights, save_hf_dir, seed_everything,
 )
 
 OnEval = Callable[[list[dict], int], None]
@@ -78,12 +79,20 @@ class RLLoop:
             self.state.update(progress.get("state", {}))
             self.metrics = json.loads((resume / "metrics.json").read_text())
         self.resumed_from = self.step
+        if rl.disable_dropout:  # on-policy, the first update's ratio must be exactly 1
+            disable_dropout(trainable)
         # the schedule stays outside Accelerate: one step per optimizer step, whatever num_processes is
         self.trainable, self.optimizer = self.accelerator.prepare(trainable, self.optimizer)
         self.device = self.accelerator.device
+        self.world, self.rank = self.accelerator.num_processes, self.accelerator.process_index
+        if self.world > 1:
+            # the weights are identical (loaded, then broadcast by prepare); the samples must not be: seed + rank,
+            # and on resume (every process restored the main one's saved RNG) seed + rank + the step reached
+            seed_everything(run.seed + self.rank + 100_003 * self.step)
         self.prompt_ids = tokenize_prompts(tokenizer, prompts, max_prompt_length)
         self.pad_id = tokenizer.pad_token_id
-        self.stop_id = tokenizer.eos_token_id if rl.stop_token == "eos" else None
+        self.stop_ids = stop_token_ids(tokenizer, getattr(models["policy"], "generation_config", None),
+                                       stop_token=rl.stop_token, stop_tokens=rl.stop_tokens)
         self.sampling = SamplingSettings(response_length=rl.response_length, temperature=rl.temperature, top_k=rl.top_k,
                                          top_p=rl.top_p, min_tokens=rl.min_response_length)
 
@@ -100,16 +109,30 @@ class RLLoop:
 
     def optimizer_step(self) -> None:
         """Clip and step, or skip the step when the gradient norm is not finite (a NaN or inf loss on
-        any process poisons the averaged gradients on all of them, so all of them skip).
+        any process poisons the averaged gradients on all of them, so all of them skip). With
+        rl.skip_nonfinite_steps false a non-finite norm stops the run instead (DeepSpeed, whose engine
+        has already stepped inside backward, needs that).
 
         The only host-device synchronization of an optimizer step.
         """
         norm = self.accelerator.clip_grad_norm_(self.trainable.parameters(), self.rl.max_grad_norm)
-        if norm is None or bool(torch.isfinite(torch.as_tensor(norm))):
+        finite = norm is None or bool(torch.isfinite(torch.as_tensor(norm)))
+        if not finite and not self.rl.skip_nonfinite_steps:
+            raise FloatingPointError(f"{self.name}: the gradient norm is {float(norm)} at step {self.step + 1} and "
+                                     "rl.skip_nonfinite_steps is false; stopping before a corrupt update is saved")
+        if finite:
             self.optimizer.step()
         else:
             self.skipped += 1
         self.optimizer.zero_grad(set_to_none=True)
+
+    def global_sum(self, value: torch.Tensor) -> torch.Tensor:
+        """The sum of `value` over data-parallel processes (itself on one process); a collective."""
+        return self.accelerator.reduce(value, reduction="sum") if self.world > 1 else value
+
+    def gather(self, value: torch.Tensor) -> torch.Tensor:
+        """Every process's rows of `value`, concatenated in rank order (itself on one process); a collective."""
+        return self.accelerator.gather(value) if self.world > 1 else value
 
     def unwrapped(self) -> torch.nn.Module:
         return self.accelerator.unwrap_model(self.trainable)

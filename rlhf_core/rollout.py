@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
@@ -84,16 +85,19 @@ def sample_next(logits: torch.Tensor, settings: SamplingSettings) -> torch.Tenso
 
 @torch.no_grad()
 def generate(policy, query_ids: torch.Tensor, query_mask: torch.Tensor, settings: SamplingSettings, *,
-             pad_token_id: int, stop_token_id: int | None, prompt_repeats: int = 1) -> torch.Tensor:
-    """Sample responses with the KV cache: (B, response_length), padded after the stop token.
+             pad_token_id: int, stop_token_ids: Sequence[int] = (), prompt_repeats: int = 1) -> torch.Tensor:
+    """Sample responses with the KV cache: (B, response_length), padded with pad_token_id after the stop.
 
     A plain decode loop over the model's forward with `past_key_values`: one batched forward per
     new token, position ids from the attention mask (left padding), no stop token before
-    settings.min_tokens tokens, and an early exit once every row has stopped. With prompt_repeats G the rows come in runs
-    of G copies of one prompt (GRPO's groups): each prompt is prefilled once and its cache repeated.
+    settings.min_tokens tokens, and an early exit once every row has stopped. A row stops at the
+    first of any id in `stop_token_ids` (instruct models stop on two); the stop token is part of the
+    response, and `response_mask` finds it again, never the pad. With prompt_repeats G the rows come
+    in runs of G copies of one prompt (GRPO's groups): each prompt is prefilled once and its cache repeated.
     """
     batch, context = query_ids.shape
     device = query_ids.device
+    stops = torch.as_tensor(list(stop_token_ids), dtype=torch.long, device=device)
     responses = torch.full((batch, settings.response_length), pad_token_id, dtype=torch.long, device=device)
     done = torch.zeros(batch, dtype=torch.bool, device=device)
     mask = torch.zeros((batch, context + settings.response_length), dtype=torch.long, device=device)
@@ -109,22 +113,28 @@ def generate(policy, query_ids: torch.Tensor, query_mask: torch.Tensor, settings
         logits = logits.repeat_interleave(prompt_repeats, dim=0)
         cache.batch_repeat_interleave(prompt_repeats)
     for t in range(settings.response_length):
-        if t < settings.min_tokens and stop_token_id is not None:
-            logits = logits.clone()
-            logits[:, stop_token_id] = float("-inf")
+        if t < settings.min_tokens and len(stops):
+            logits = logits.index_fill(-1, stops, float("-inf"))
+        alive = ~done
         token = sample_next(logits, settings).masked_fill(done, pad_token_id)
         responses[:, t] = token
-        if stop_token_id is not None:
-            done = done | (token == stop_token_id)
+        if len(stops):
+            done = done | torch.isin(token, stops)
         if bool(done.all()) or t == settings.response_length - 1:
             break
-        mask[:, context + t] = (~done | (token == stop_token_id)).long()
+        mask[:, context + t] = alive.long()  # the stop token itself is attended to; what follows it is not
         step_mask = mask[:, : context + t + 1]
         positions = (step_mask.sum(1, keepdim=True) - 1).clamp(min=0)
         out = policy(input_ids=token.unsqueeze(1), attention_mask=step_mask, position_ids=positions,
                      past_key_values=cache, use_cache=True)
         logits, cache = out.logits[:, -1, :], out.past_key_values
     return responses
+
+
+def decode_responses(tokenizer, responses: torch.Tensor, resp_mask: torch.Tensor) -> list[str]:
+    """The text of each response up to and including its stop token, special tokens skipped (as TRL)."""
+    lengths = resp_mask.sum(1).tolist()
+    return tokenizer.batch_decode([row[:n] for row, n in zip(responses.tolist(), lengths)], skip_special_tokens=True)
 
 
 def _full_mask(query_mask: torch.Tensor, resp_mask: torch.Tensor) -> torch.Tensor:
@@ -187,7 +197,7 @@ class Rollout:
     last_index: torch.Tensor  # (B,) index of the last real response token
     logprobs: torch.Tensor | None  # (B, R) policy at sampling time; None when not asked for
     ref_logprobs: torch.Tensor | None  # (B, R)
-    has_stop: torch.Tensor  # (B,) bool: the response ended with the stop token
+    has_stop: torch.Tensor  # (B,) bool: the response ended with a stop token (else it ran to response_length)
 
 
 def reference_context(policy, ref_model):
@@ -199,7 +209,7 @@ def reference_context(policy, ref_model):
 
 @torch.no_grad()
 def collect_rollout(policy, ref_model, query_ids, query_mask, settings: SamplingSettings, *, pad_token_id: int,
-                    stop_token_id: int | None, need_reference: bool = True, need_logprobs: bool = True,
+                    stop_token_ids: Sequence[int] = (), need_reference: bool = True, need_logprobs: bool = True,
                     prompt_repeats: int = 1) -> Rollout:
     """Generate responses and score them under the policy and, when asked, the reference.
 
@@ -208,9 +218,9 @@ def collect_rollout(policy, ref_model, query_ids, query_mask, settings: Sampling
     prompt_repeats: see `generate`.
     """
     policy.eval()
-    responses = generate(policy, query_ids, query_mask, settings, pad_token_id=pad_token_id, stop_token_id=stop_token_id,
+    responses = generate(policy, query_ids, query_mask, settings, pad_token_id=pad_token_id, stop_token_ids=stop_token_ids,
                          prompt_repeats=prompt_repeats)
-    resp_mask, last_index = response_mask(responses, pad_token_id)
+    resp_mask, last_index, has_stop = response_mask(responses, stop_token_ids)
     logprobs = None
     if need_logprobs:
         logprobs, _ = response_logprobs(policy, query_ids, query_mask, responses, resp_mask, settings.temperature)
@@ -219,6 +229,18 @@ def collect_rollout(policy, ref_model, query_ids, query_mask, settings: Sampling
         with reference_context(policy, ref_model):
             ref_logprobs, _ = response_logprobs(ref_model or policy, query_ids, query_mask, responses, resp_mask,
                                                 settings.temperature)
-    rows = torch.arange(responses.shape[0], device=responses.device)
-    has_stop = (responses[rows, last_index] == stop_token_id) if stop_token_id is not None else torch.zeros_like(last_index, dtype=torch.bool)
     return Rollout(query_ids, query_mask, responses, resp_mask, last_index, logprobs, ref_logprobs, has_stop)
+
+
+def completion_metrics(rollout: Rollout) -> dict[str, torch.Tensor]:
+    """TRL's completion statistics of a rollout, as 0-d tensors: lengths in tokens (stop token included),
+    the fraction that never stopped, and the mean length of those that did (0 when none did)."""
+    lengths = rollout.resp_mask.sum(1).float()
+    stopped = rollout.has_stop.float()
+    return {
+        "completions/mean_length": lengths.mean(),
+        "completions/min_length": lengths.min(),
+        "completions/max_length": lengths.max(),
+        "completions/clipped_ratio": 1.0 - stopped.mean(),
+        "completions/mean_terminated_length": (lengths * stopped).sum() / stopped.sum().clamp(min=1.0),
+    }

@@ -59,6 +59,23 @@ def make_accelerator(run: RunConfig, gradient_accumulation_steps: int = 1, *, mi
     return accelerator
 
 
+def disable_dropout(*models) -> None:
+    """Dropout off in every given model (LoRA's branch dropout and attention dropout included), as TRL's
+    `disable_dropout`: in RL the log-probabilities of one update must match the rollout's, so that the
+    importance ratio is exactly 1 on-policy. The modules' `training` flags are left as they are."""
+    import torch
+
+    for model in models:
+        if model is None:
+            continue
+        for module in model.modules():
+            if isinstance(module, torch.nn.Dropout):
+                module.p = 0.0
+            for attr in ("attention_dropout", "dropout", "attn_dropout", "resid_dropout"):
+                if isinstance(getattr(module, attr, None), float):
+                    setattr(module, attr, 0.0)
+
+
 def build_optimizer(model, settings: OptimSettings, max_steps: int):
     """AdamW over the trainable parameters and the configured warm-up + schedule."""
     import torch

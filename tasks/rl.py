@@ -19,7 +19,9 @@ from prefect.cache_policies import NO_CACHE
 from rlhf_core.config import PipelineConfig
 from rlhf_core.data import read_column, read_rows
 from rlhf_core.evaluation import evaluate_generations, summarize_rows
-from rlhf_core.models import ModelSourceError, load_causal_lm, load_tokenizer, prepare_for_training
+from rlhf_core.models import (
+    ModelSourceError, generation_config_of, load_causal_lm, load_tokenizer, prepare_for_training, stop_token_ids,
+)
 from rlhf_core.grpo import train_grpo
 from rlhf_core.ppo import train_ppo
 from rlhf_core.reward import load_reward_model
@@ -98,6 +100,9 @@ def initialize_models(cfg: PipelineConfig, data: PreparedData, sft: Checkpoint |
                 f"the reward model's tokenizer ({directory}) does not match the policy's ({policy_path}): {mismatch}; "
                 "train the reward model from the policy's tokenizer"
             )
+    # the stop tokens are checked against the policy's tokenizer now, not after the reward stage
+    stop_token_ids(policy_tok, generation_config_of(policy_path, trust_remote_code=cfg.model.trust_remote_code),
+                   stop_token=cfg.rl.stop_token, stop_tokens=cfg.rl.stop_tokens)
     from transformers import AutoConfig
 
     context = getattr(AutoConfig.from_pretrained(policy_path, trust_remote_code=cfg.model.trust_remote_code),
@@ -188,13 +193,14 @@ def train_policy(cfg: PipelineConfig, data: PreparedData, plan: InitPlan, parent
         prompt_rows = read_rows(data.tables["prompts"])
         eval_prompts = read_column(data.tables["eval_prompts"], "prompt")[: cfg.eval.num_prompts]
         metrics_fns = metric_functions(cfg.eval.metrics)
-        stop_id = tokenizer.eos_token_id if cfg.rl.stop_token == "eos" else None
+        stop_ids = stop_token_ids(tokenizer, policy.generation_config, stop_token=cfg.rl.stop_token,
+                                  stop_tokens=cfg.rl.stop_tokens)
 
         def evaluate(model, step: int) -> list[dict]:
             return evaluate_generations(model, ref_model, reward_model, tokenizer, eval_prompts,
                                         response_length=cfg.rl.response_length, max_prompt_length=cfg.data.max_prompt_length,
                                         metrics=metrics_fns, batch_size=cfg.eval.batch_size, greedy=cfg.eval.greedy,
-                                        stop_token_id=stop_id, device=next(model.parameters()).device)
+                                        stop_token_ids=stop_ids, device=next(model.parameters()).device)
 
         registered: dict[int, str] = {}
 

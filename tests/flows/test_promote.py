@@ -45,7 +45,7 @@ def write_targets(model_dir: Path, world, path: Path) -> None:
     tok = load_tokenizer(str(model_dir))
     prompts = read_column(world.prompts("test"), "prompt")
     rows = evaluate_generations(load_causal_lm(str(model_dir)), None, None, tok, prompts, response_length=6,
-                                max_prompt_length=16, metrics={}, batch_size=64, greedy=True, stop_token_id=tok.eos_token_id)
+                                max_prompt_length=16, metrics={}, batch_size=64, greedy=True, stop_token_ids=[tok.eos_token_id])
     path.write_text(json.dumps({r["prompt"]: r["completion"] for r in rows}))
 
 

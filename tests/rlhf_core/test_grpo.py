@@ -31,14 +31,19 @@ def test_token_loss_clips_asymmetrically():
     old = torch.zeros(2, 1)
     new = torch.log(torch.tensor([[1.5], [0.5]]))
     adv = torch.tensor([1.0, -1.0])
-    loss, stats = grpo_token_loss(new, old, adv, epsilon_low=0.2, epsilon_high=0.28)
+    mask = torch.ones(2, 1)
+    loss, stats = grpo_token_loss(new, old, adv, mask, GRPOConfig(epsilon=0.2, epsilon_high=0.28))
     # row 1: -min(1.5, 1.28) = -1.28 ; row 2: -min(-0.5, -0.8) = 0.8
     torch.testing.assert_close(loss, torch.tensor([[-1.28], [0.8]]))
     assert stats["high_clipped"].tolist() == [[1.0], [0.0]] and stats["low_clipped"].tolist() == [[0.0], [1.0]]
     ref = torch.log(torch.tensor([[1.0], [1.0]]))
-    with_kl, stats = grpo_token_loss(new, old, adv, epsilon_low=0.2, epsilon_high=0.28, beta=0.1, ref_logp=ref)
+    plain_kl = GRPOConfig(epsilon=0.2, epsilon_high=0.28, beta=0.1, use_bias_correction_kl=False)
+    with_kl, stats = grpo_token_loss(new, old, adv, mask, plain_kl, ref_logp=ref)
     k3 = torch.expm1(ref - new) - (ref - new)
     torch.testing.assert_close(with_kl, loss + 0.1 * k3)
+    # TRL 1.16's default: the KL term times the importance ratio (1.5 and 0.5 here)
+    corrected, _ = grpo_token_loss(new, old, adv, mask, plain_kl.model_copy(update={"use_bias_correction_kl": True}), ref_logp=ref)
+    torch.testing.assert_close(corrected, loss + 0.1 * k3 * torch.tensor([[1.5], [0.5]]))
 
 
 def test_each_loss_type_normalizes_as_its_paper():

@@ -136,16 +136,41 @@ def test_lora_reference_is_the_policy_with_adapters_disabled(tmp_path, smoke_wor
     assert lora_logs[0][1]["objective/kl"] == pytest.approx(0.0, abs=1e-4)  # adapters start as identity
 
 
-def test_a_non_finite_loss_skips_the_step_and_never_corrupts_a_checkpoint(tmp_path, smoke_world):
+def test_a_non_finite_loss_skips_the_step_and_never_corrupts_a_checkpoint(tmp_path, smoke_world, monkeypatch):
+    import rlhf_core.ppo as ppo_module
+
     tok, policy, ref, value, reward = setup(smoke_world)
-    with torch.no_grad():
-        reward.score.bias.fill_(float("nan"))
+    finite_loss = ppo_module.policy_loss
+
+    def inf_loss(*args, **kwargs):  # a forced inf in every policy loss: the gradient norm is not finite
+        loss, stats = finite_loss(*args, **kwargs)
+        return loss * float("inf"), stats
+
+    monkeypatch.setattr(ppo_module, "policy_loss", inf_loss)
     result = train_ppo(policy, value, ref, reward, tok, prompts_of(smoke_world), RLConfig(total_steps=2, **RL),
                        PPOConfig(num_ppo_epochs=1), RunConfig(device="cpu", seed=5), max_prompt_length=12,
                        output_dir=tmp_path / "nan", show_progress=False)
     assert result.skipped_steps == 2 and result.metrics["perf/skipped_steps"] == 2.0
     weights = load_file(str(result.checkpoint / "policy" / "model.safetensors"))
     assert all(t.isfinite().all() for t in weights.values())
+    # skip_nonfinite_steps false (what DeepSpeed needs): the run stops at the first such step, saving nothing
+    with pytest.raises(FloatingPointError, match="gradient norm is (inf|nan) at step 1"):
+        train_ppo(policy, value, ref, reward, tok, prompts_of(smoke_world), RLConfig(total_steps=2, skip_nonfinite_steps=False, **RL),
+                  PPOConfig(num_ppo_epochs=1), RunConfig(device="cpu", seed=5), max_prompt_length=12,
+                  output_dir=tmp_path / "stop", show_progress=False)
+    assert not list((tmp_path / "stop").glob("checkpoint-*"))
+
+
+def test_a_non_finite_reward_model_score_stops_the_step_naming_the_sample(tmp_path, smoke_world):
+    from rlhf_core.rewards import RewardFunctionError
+
+    tok, policy, ref, value, reward = setup(smoke_world)
+    with torch.no_grad():
+        reward.score.bias.fill_(float("nan"))
+    with pytest.raises(RewardFunctionError, match="the reward model returned nan for completion 0"):
+        train_ppo(policy, value, ref, reward, tok, prompts_of(smoke_world), RLConfig(total_steps=1, **RL),
+                  PPOConfig(num_ppo_epochs=1), RunConfig(device="cpu", seed=5), max_prompt_length=12,
+                  output_dir=tmp_path / "nan", show_progress=False)
 
 
 def test_empty_prompt_set_is_refused(tmp_path, smoke_world):

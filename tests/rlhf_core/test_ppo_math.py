@@ -93,11 +93,22 @@ def test_adaptive_kl_controller_update():
     assert fixed.value == 0.05
 
 
-def test_response_masks_end_at_the_first_pad():
+def test_response_masks_end_at_the_first_stop_token_which_they_keep():
     cut = torch.tensor([[5, 9, 0, 0], [5, 6, 7, 8], [9, 0, 0, 0]])  # pad 0 after the stop token 9
-    mask, last = response_mask(cut, 0)
+    mask, last, has_stop = response_mask(cut, [9])
     assert mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]]
-    assert last.tolist() == [1, 3, 0]
+    assert last.tolist() == [1, 3, 0] and has_stop.tolist() == [True, False, True]
+    # pad == eos (Qwen2.5 base, GPT-2): the stop token is still the response's last token
+    same = torch.tensor([[5, 0, 0, 0], [5, 6, 7, 8]])
+    mask, last, has_stop = response_mask(same, [0])
+    assert mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 1]] and has_stop.tolist() == [True, False]
+    # two stop ids (instruct models): whichever comes first ends the response; a generated pad (3) is a real token
+    two = torch.tensor([[3, 7, 8, 8], [8, 2, 2, 2], [3, 3, 3, 3]])
+    mask, last, has_stop = response_mask(two, [7, 8])
+    assert last.tolist() == [1, 0, 3] and has_stop.tolist() == [True, True, False]
+    # no stop token at all: every response is full length
+    mask, last, has_stop = response_mask(two, [])
+    assert mask.all() and not has_stop.any()
     assert first_true_indices(torch.tensor([[False, False], [False, True]])).tolist() == [2, 1]
 
 

@@ -23,7 +23,7 @@ def test_greedy_decode_loop_matches_transformers_generate(smoke_world, min_token
     tok, ids, mask = batch(smoke_world)
     model = load_causal_lm(str(smoke_world.base_model)).eval()
     ours = generate(model, ids, mask, SamplingSettings(response_length=7, greedy=True, min_tokens=min_tokens),
-                    pad_token_id=tok.pad_token_id, stop_token_id=tok.eos_token_id)
+                    pad_token_id=tok.pad_token_id, stop_token_ids=[tok.eos_token_id])
     theirs = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=7, min_new_tokens=min_tokens,
                             eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)[:, ids.shape[1]:]
     width = theirs.shape[1]
@@ -37,14 +37,14 @@ def test_groups_of_one_prompt_share_its_prefill(smoke_world):
     ids, mask = ids.repeat_interleave(4, dim=0), mask.repeat_interleave(4, dim=0)  # 3 prompts x 4 copies
     model = load_causal_lm(str(smoke_world.base_model)).eval()
     settings = SamplingSettings(response_length=6, greedy=True)
-    shared = generate(model, ids, mask, settings, pad_token_id=tok.pad_token_id, stop_token_id=tok.eos_token_id,
+    shared = generate(model, ids, mask, settings, pad_token_id=tok.pad_token_id, stop_token_ids=[tok.eos_token_id],
                       prompt_repeats=4)
-    alone = generate(model, ids, mask, settings, pad_token_id=tok.pad_token_id, stop_token_id=tok.eos_token_id)
+    alone = generate(model, ids, mask, settings, pad_token_id=tok.pad_token_id, stop_token_ids=[tok.eos_token_id])
     assert torch.equal(shared, alone)
     # rows that are not runs of one prompt fall back to prefilling every row
     order = torch.arange(12).view(3, 4).T.flatten()  # prompt 0, 1, 2, 0, 1, 2, ...
     mixed = generate(model, ids[order], mask[order], settings, pad_token_id=tok.pad_token_id,
-                     stop_token_id=tok.eos_token_id, prompt_repeats=4)
+                     stop_token_ids=[tok.eos_token_id], prompt_repeats=4)
     assert torch.equal(mixed, alone[order])
 
 
@@ -52,8 +52,8 @@ def test_left_padding_does_not_change_log_probabilities(smoke_world):
     tok, ids, mask = batch(smoke_world)
     model = load_causal_lm(str(smoke_world.base_model)).eval()
     responses = generate(model, ids, mask, SamplingSettings(response_length=5), pad_token_id=tok.pad_token_id,
-                         stop_token_id=tok.eos_token_id)
-    resp_mask, _ = response_mask(responses, tok.pad_token_id)
+                         stop_token_ids=[tok.eos_token_id])
+    resp_mask, _, _ = response_mask(responses, [tok.eos_token_id])
     with torch.no_grad():
         batched, _ = response_logprobs(model, ids, mask, responses, resp_mask)
         for row in range(ids.shape[0]):
