@@ -5,7 +5,8 @@ import torch
 
 from rlhf_core.config import GRPOConfig, RLConfig, RunConfig
 from rlhf_core.grpo import (
-    combine_rewards, function_reward, group_advantages, grpo_token_loss, reduce_loss, train_grpo,
+    combine_rewards, function_reward, group_advantages, grpo_advantages, grpo_token_loss, high_entropy_mask,
+    mix_into_reference, reduce_loss, train_grpo,
 )
 from rlhf_core.models import load_causal_lm, load_tokenizer
 from rlhf_core.rewards import RewardFunctionError
@@ -160,3 +161,156 @@ def test_reward_rises_with_an_easy_callable_reward(tmp_path, smoke_world):
     rewards = [m["reward"] for _, m in logs]
     first, last = sum(rewards[:4]) / 4, sum(rewards[-4:]) / 4
     assert last > first + 0.1, f"reward did not rise: {rewards}"
+
+
+# --- TRL 1.16's reward handling and GRPO options, pinned by hand ------------------------------------------------
+
+
+def test_unscorable_rows_are_nan_left_out_of_the_group_statistics_and_get_advantage_zero():
+    nan = float("nan")
+    # one group of three: the middle completion got None from every source
+    per_source = torch.tensor([[1.0, nan], [nan, nan], [3.0, nan]])
+    out = grpo_advantages(per_source, torch.tensor([1.0, 2.0]), 3)
+    expected = 1 / (math.sqrt(2) + 1e-4)  # mean 2 and std sqrt(2) of {1, 3}: the None row is not a 0
+    torch.testing.assert_close(out.advantages, torch.tensor([-expected, 0.0, expected]))
+    assert out.unscorable.tolist() == [False, True, False] and math.isnan(out.rewards[1])
+    # nothing to compare with in a group: advantage 0, never NaN
+    alone = grpo_advantages(torch.tensor([[2.0], [nan]]), torch.ones(1), 2)
+    assert alone.advantages.tolist() == [0.0, 0.0]
+
+
+def test_batch_scale_and_the_missing_stop_penalty_come_before_group_statistics():
+    nan = float("nan")
+    per_source = torch.tensor([[1.0], [3.0], [nan], [4.0]])
+    out = grpo_advantages(per_source, torch.ones(1), 2, scale_rewards="batch")
+    batch_std = torch.tensor([1.0, 3.0, 4.0]).std().item()  # the scorable rows only
+    torch.testing.assert_close(out.advantages, torch.tensor([-1.0, 1.0, 0.0, 0.0]) / (batch_std + 1e-4))
+    penalized = grpo_advantages(torch.tensor([[1.0], [1.0]]), torch.ones(1), 2, scale_rewards="none",
+                                penalty=torch.tensor([0.0, 2.0]))  # the second never stopped
+    assert penalized.rewards.tolist() == [1.0, -1.0] and penalized.advantages.tolist() == [1.0, -1.0]
+
+
+def test_normalize_then_sum_matches_a_loop():
+    torch.manual_seed(0)
+    per_source, weights, G = torch.randn(6, 2) * torch.tensor([1.0, 10.0]), torch.tensor([1.0, 0.5]), 3
+    out = grpo_advantages(per_source, weights, G, aggregation="normalize_then_sum")
+    summed = []
+    for row in range(6):
+        group = per_source[row // G * G : row // G * G + G]
+        z = (per_source[row] - group.mean(0)) / (group.std(0) + 1e-4)
+        summed.append(float((z * weights).sum()))
+    summed = torch.tensor(summed)
+    torch.testing.assert_close(out.advantages, (summed - summed.mean()) / (summed.std() + 1e-4), rtol=1e-5, atol=1e-6)
+
+
+def test_cispo_sapo_delta_and_sequence_level_by_hand():
+    old, mask = torch.zeros(2, 1), torch.ones(2, 1)
+    adv = torch.tensor([1.0, -1.0])
+    # cispo: -sg(min(r, eps_high)) * A * logp; the gradient with respect to logp is -min(r, eps_high) * A
+    logp = torch.log(torch.tensor([[1.5], [0.5]])).requires_grad_()
+    loss, stats = grpo_token_loss(logp, old, adv, mask, GRPOConfig(loss_type="cispo", epsilon_high=1.2))
+    loss.sum().backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([[-1.2], [0.5]]))
+    assert stats["cispo_clipped"].tolist() == [[1.0], [0.0]]
+    # sapo: -(4 / tau) sigmoid(tau (r - 1)) A; on-policy (r = 1) its gradient is the plain policy gradient -A
+    logp = torch.zeros(2, 1, requires_grad=True)
+    loss, _ = grpo_token_loss(logp, old, adv, mask, GRPOConfig(loss_type="sapo"))
+    torch.testing.assert_close(loss.detach(), torch.tensor([[-4 * 0.5 * 1.0], [4 * 0.5 / 1.05]]))  # sigmoid(0) = 0.5
+    loss.sum().backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([[-1.0], [1.0]]))
+    # delta: a negative advantage with r = 3 costs min(r, delta) = 2, not 3
+    far = torch.log(torch.tensor([[3.0]]))
+    plain, _ = grpo_token_loss(far, old[:1], adv[1:], mask[:1], GRPOConfig())
+    capped, _ = grpo_token_loss(far, old[:1], adv[1:], mask[:1], GRPOConfig(delta=2.0))
+    assert plain.item() == pytest.approx(3.0) and capped.item() == pytest.approx(2.0)
+    # GSPO: one ratio per sequence, exp of the mean log ratio over its real tokens
+    logp, old2 = torch.tensor([[0.2, 0.4, 9.0]]), torch.zeros(1, 3)
+    seq, _ = grpo_token_loss(logp, old2, torch.tensor([1.0]), torch.tensor([[1, 1, 0]]),
+                             GRPOConfig(importance_sampling_level="sequence", epsilon=0.5))
+    assert seq.shape == (1, 1) and seq.item() == pytest.approx(-math.exp(0.3))
+
+
+def test_high_entropy_mask_keeps_the_top_quantile_of_real_tokens():
+    entropies = torch.tensor([[0.1, 0.5, 0.9], [0.3, 0.7, 5.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    # real tokens 0.1 0.3 0.5 0.7 0.9: the 0.6 quantile is 0.58, so the top 40% are 0.7 and 0.9; padding never
+    keep = high_entropy_mask(entropies, mask, 0.4)
+    assert keep.tolist() == [[False, False, True], [False, True, False]]
+    # the mask multiplies the policy term only; the KL term still counts on every token
+    logp, ref = torch.zeros(1, 2), torch.tensor([[-0.5, -0.5]])
+    per_token, _ = grpo_token_loss(logp, logp, torch.tensor([1.0]), torch.ones(1, 2), GRPOConfig(beta=0.1), ref_logp=ref,
+                                   entropy_mask=torch.tensor([[1.0, 0.0]]))
+    k3 = math.exp(-0.5) + 0.5 - 1
+    torch.testing.assert_close(per_token, torch.tensor([[-1.0 + 0.1 * k3, 0.1 * k3]]))
+
+
+def test_reference_sync_mixes_alpha_of_the_policy():
+    ref, policy = torch.nn.Linear(2, 1), torch.nn.Linear(2, 1)
+    with torch.no_grad():
+        ref.weight.fill_(1.0), policy.weight.fill_(3.0)
+    mix_into_reference(ref, policy, 0.6)
+    torch.testing.assert_close(ref.weight, torch.full((1, 2), 0.6 * 3.0 + 0.4 * 1.0))
+
+
+def test_steps_per_generation_feeds_several_optimizer_steps_from_one_generation(tmp_path, smoke_world, monkeypatch):
+    import rlhf_core.grpo as grpo_module
+    from rlhf_core.rl_loop import RLLoop
+
+    rollouts, steps = [], []
+    real_collect, real_step = grpo_module.collect_rollout, RLLoop.optimizer_step
+    monkeypatch.setattr(grpo_module, "collect_rollout", lambda *a, **k: rollouts.append(real_collect(*a, **k)) or rollouts[-1])
+    monkeypatch.setattr(RLLoop, "optimizer_step", lambda self: steps.append(self.step) or real_step(self))
+    run(smoke_world, tmp_path / "spg", steps=2, batch_size=8, gradient_accumulation_steps=2,
+        grpo=GRPOConfig(num_generations=4, steps_per_generation=4, num_iterations=2))
+    # 16 completions per generation (2 optimizer batches of 8), each batch used twice: 4 optimizer steps per generation
+    assert [r.responses.shape[0] for r in rollouts] == [16, 16] and steps == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert all(r.logprobs is not None for r in rollouts)  # off-policy steps need the sampling-time log-probabilities
+
+
+def test_sync_ref_model_moves_the_reference_and_saves_it(tmp_path, smoke_world):
+    tok, policy = setup(smoke_world)
+    ref = load_causal_lm(str(smoke_world.base_model))
+    result = train_grpo(policy, ref, [make_reward(tok)], tok, prompt_rows(smoke_world), RLConfig(total_steps=2, algorithm="grpo", **RL),
+                        GRPOConfig(num_generations=4, beta=0.04, sync_ref_model=True, ref_model_mixup_alpha=1.0, ref_model_sync_steps=1),
+                        RunConfig(device="cpu", seed=5), max_prompt_length=12, output_dir=tmp_path / "sync", show_progress=False)
+    for (name, a), (_, b) in zip(policy.named_parameters(), ref.named_parameters()):
+        torch.testing.assert_close(a, b, msg=f"alpha 1 after every step: the reference is the policy ({name})")
+    assert (result.checkpoint / "ref" / "model.safetensors").is_file()  # a resume restores the moved reference
+
+
+def test_unscorable_completions_are_counted_and_non_finite_rewards_stop_the_step(tmp_path, smoke_world):
+    tok, policy = setup(smoke_world)
+    logs = []
+    every_other = function_reward("every_other", 1.0, lambda prompts, completions, **_: [None if i % 2 else float(len(c))
+                                                                                        for i, c in enumerate(completions)])
+    train_grpo(policy, None, [every_other], tok, prompt_rows(smoke_world), RLConfig(total_steps=1, algorithm="grpo", **RL),
+               GRPOConfig(num_generations=4), RunConfig(device="cpu", seed=5), max_prompt_length=12,
+               output_dir=tmp_path / "none", on_log=lambda m, s: logs.append(m), show_progress=False)
+    assert logs[0]["rewards/num_unscorable"] == 8.0 and math.isfinite(logs[0]["reward"])
+    broken = function_reward("broken", 1.0, lambda prompts, completions, **_: [1.0] * 3 + [float("inf")] + [0.0] * (len(completions) - 4))
+    with pytest.raises(RewardFunctionError, match="reward function broken returned inf for completion 3"):
+        train_grpo(policy, None, [broken], tok, prompt_rows(smoke_world), RLConfig(total_steps=1, algorithm="grpo", **RL),
+                   GRPOConfig(num_generations=4), RunConfig(device="cpu", seed=5), max_prompt_length=12,
+                   output_dir=tmp_path / "inf", show_progress=False)
+    assert not list((tmp_path / "inf").glob("checkpoint-*"))
+
+
+def test_grpo_subtracts_the_missing_stop_penalty(tmp_path, smoke_world):
+    tok, policy = setup(smoke_world)
+    logs = []
+    zero = function_reward("zero", 1.0, lambda prompts, completions, **_: [0.0] * len(completions))
+    train_grpo(policy, None, [zero], tok, prompt_rows(smoke_world),
+               RLConfig(total_steps=2, algorithm="grpo", missing_eos_penalty=2.0, **RL), GRPOConfig(num_generations=4),
+               RunConfig(device="cpu", seed=5), max_prompt_length=12, output_dir=tmp_path / "pen",
+               on_log=lambda m, s: logs.append(m), show_progress=False)
+    for metrics in logs:
+        assert 0 < metrics["completions/clipped_ratio"] <= 1
+        assert metrics["reward"] == pytest.approx(-2.0 * metrics["completions/clipped_ratio"])
+
+
+def test_logged_loss_is_the_optimizer_steps_not_a_micro_batch_share(tmp_path, smoke_world):
+    whole, split = [], []
+    for accumulation, logs in ((1, whole), (4, split)):
+        run(smoke_world, tmp_path / f"ga{accumulation}", steps=1, gradient_accumulation_steps=accumulation,
+            on_log=lambda m, s, logs=logs: logs.append(m), grpo=GRPOConfig(num_generations=4, loss_type="grpo"))
+    assert split[0]["loss"] == pytest.approx(whole[0]["loss"], rel=1e-4, abs=1e-6)

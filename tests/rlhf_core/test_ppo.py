@@ -189,3 +189,42 @@ def test_reward_rises_on_an_easy_reward(tmp_path, smoke_world):
     scores = [m["objective/scores"] for _, m in logs]
     first, last = sum(scores[:4]) / 4, sum(scores[-4:]) / 4
     assert last > first + 1.5, f"scores did not rise: {scores}"
+
+
+def dropout_policy(world):
+    """The smoke policy with attention dropout and LoRA dropout at 0.5: far from on-policy if left on."""
+    from peft import LoraConfig, TaskType, get_peft_model
+
+    policy = load_causal_lm(str(world.base_model))
+    policy.config.attention_dropout = 0.5
+    for module in policy.modules():
+        if hasattr(module, "attention_dropout"):
+            module.attention_dropout = 0.5
+    return get_peft_model(policy, LoraConfig(task_type=TaskType.CAUSAL_LM, r=4, lora_alpha=8, lora_dropout=0.5,
+                                             target_modules=["q_proj", "v_proj"]))
+
+
+def test_disable_dropout_turns_off_lora_and_attention_dropout(smoke_world):
+    from rlhf_core.training import disable_dropout
+
+    policy = dropout_policy(smoke_world).train()
+    ids = torch.randint(5, 50, (2, 8))
+    with torch.no_grad():
+        assert not torch.equal(policy(input_ids=ids).logits, policy(input_ids=ids).logits)
+        disable_dropout(policy)
+        assert torch.equal(policy(input_ids=ids).logits, policy(input_ids=ids).logits)
+    assert policy.training  # only the dropout rates change
+
+
+@pytest.mark.parametrize("disable", [True, False])
+def test_ppo_ratio_is_one_on_policy_only_with_dropout_off(tmp_path, smoke_world, disable):
+    tok, _, _, value, reward = setup(smoke_world)
+    logs = []
+    train_ppo(dropout_policy(smoke_world), value, None, reward, tok, prompts_of(smoke_world),
+              RLConfig(total_steps=1, disable_dropout=disable, **RL), PPOConfig(num_ppo_epochs=1), RunConfig(device="cpu", seed=5),
+              max_prompt_length=12, output_dir=tmp_path / str(disable), on_log=lambda m, s: logs.append(m), show_progress=False)
+    # one epoch, one mini-batch: the update's log-probabilities are the rollout's own, unless dropout differs
+    if disable:
+        assert logs[0]["val/ratio"] == pytest.approx(1.0, abs=1e-5) and logs[0]["policy/approxkl_avg"] < 1e-9
+    else:
+        assert abs(logs[0]["val/ratio"] - 1.0) > 1e-3

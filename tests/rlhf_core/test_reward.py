@@ -159,3 +159,11 @@ def test_evaluate_reward_model_counts_all_rows(smoke_world):
     a = evaluate_reward_model(model, tokenizer, rows, max_length=40, batch_size=3)
     b = evaluate_reward_model(model, tokenizer, rows, max_length=40, batch_size=len(rows))
     assert a == pytest.approx(b, rel=1e-5)
+
+
+@pytest.mark.parametrize("disable", [True, False])
+def test_reward_training_turns_dropout_off_unless_asked(tmp_path, smoke_world, disable):
+    model, _, _, _ = short_run(smoke_world, tmp_path / "rm", lora=LoraSettings(enabled=True, r=4, alpha=8, dropout=0.5),
+                               max_steps=1, disable_dropout=disable)
+    rates = {m.p for m in model.modules() if isinstance(m, torch.nn.Dropout)}
+    assert rates == ({0.0} if disable else {0.5})
