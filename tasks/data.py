@@ -17,7 +17,7 @@ from prefect.logging import get_run_logger
 from rlhf_core.config import DEMO, DatasetSpec, PipelineConfig
 from rlhf_core.data import Kind, apply_length_policy, fingerprint_rows, load_table, save_table
 from rlhf_core.demo_world import DemoWorld, build_demo_world
-from rlhf_core.models import ModelSourceError, check_source, load_tokenizer
+from rlhf_core.models import ModelSourceError, check_source, generation_config_of, load_tokenizer, stop_token_ids
 from tasks import tracking
 from tasks.progress import StageProgress, publish_table
 from tasks.retry import IO_RETRIES
@@ -98,6 +98,9 @@ def prepare_data(cfg: PipelineConfig, parent_run_id: str) -> PreparedData:
             check_source(cfg.reward.base, "reward.base")  # fail before any training, not after SFT
         tokenizer_source = cfg.model.tokenizer or base_model
         tokenizer = load_tokenizer(tokenizer_source, revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code)
+        # the stop tokens against the base model's tokenizer now, before SFT or reward training
+        stop_token_ids(tokenizer, generation_config_of(base_model, trust_remote_code=cfg.model.trust_remote_code),
+                       stop_token=cfg.rl.stop_token, stop_tokens=cfg.rl.stop_tokens)
 
         tables, fingerprints, reports = {}, {}, []
         for name, field_name, spec, kind in tables_to_prepare(cfg):

@@ -74,7 +74,8 @@ def main(world_root: str, out: str) -> None:
                   temperature=1.0)
     train_grpo(policy, None, [function_reward("vader", 1.0, lambda prompts, completions, **_: vader_compound(completions=completions))],
                tok, read_rows(world.prompts("train")), rl, GRPOConfig(num_generations=2, beta=0.0), run, max_prompt_length=16,
-               output_dir=out_dir / "grpo", on_step=lambda step: record(stage="grpo", step=step, weights=fingerprint(policy)),
+               output_dir=out_dir / "grpo",
+               on_step=lambda step: record(stage="grpo", step=step, weights=fingerprint(policy), sampling_seed=torch.initial_seed()),
                on_log=lambda metrics, step: record(stage="grpo", log=step), show_progress=False)
     torch.distributed.barrier() if torch.distributed.is_initialized() else None
 

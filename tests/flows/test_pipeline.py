@@ -119,6 +119,17 @@ def test_bad_data_fails_the_flow_and_the_mlflow_run_with_nothing_registered(pref
     assert client.search_registered_models() == []
 
 
+def test_an_unknown_stop_token_fails_in_the_data_stage_before_any_training(prefect_harness, tmp_path, mlflow_uri):
+    overrides = [f"run.output_dir={tmp_path / 'out'}", f"tracking.uri={mlflow_uri}", "rl.stop_tokens=['<|im_end|>']"]
+
+    state = rlhf_pipeline(config_path=SMOKE, overrides=overrides, return_state=True)
+
+    assert state.is_failed()
+    assert state.message.startswith("stage 'data' failed: ModelSourceError: rl.stop_tokens[0]: '<|im_end|>' is not a "
+                                    "token of the policy's tokenizer")
+    assert not list((tmp_path / "out").glob("sft")) and not list((tmp_path / "out").glob("reward"))
+
+
 def test_prefect_settings_honour_the_user_environment():
     code = ("import flows; from prefect.settings import get_current_settings as g; s = g(); "
             "print(s.api.url, s.server.ephemeral.startup_timeout_seconds)")

@@ -46,6 +46,8 @@ def test_two_processes_train_reward_ppo_and_grpo_with_identical_weights(tmp_path
         assert [e["log"] for e in traces[0] if e["stage"] == stage and "log" in e] == list(range(1, steps + 1))
         assert not [e for e in traces[1] if e["stage"] == stage and "log" in e]
     assert [e["metrics"] for e in traces[0] if e["stage"] == "reduce"] == [{"loss": 0.5, "tokens": 7.0}]
+    # identical weights, but each process samples with its own seed (run.seed + rank)
+    assert [{e["sampling_seed"] for e in t if e["stage"] == "grpo" and "step" in e} for t in traces] == [{3}, {4}]
     # PPO's episode counts the prompts of both processes
     assert [e["episode"] for e in traces[0] if e["stage"] == "ppo" and "log" in e] == [8.0, 16.0]
     # one writer: each checkpoint exists once and no temporary directory is left behind
