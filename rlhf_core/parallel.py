@@ -1,6 +1,6 @@
 """What the training loops need to run unchanged under DDP, DeepSpeed ZeRO and FSDP.
 
-- `reduce_metrics`: the logged numbers of all processes in one all-reduce (means, or totals).
+- `reduce_metrics`: the logged numbers of all processes in one collective (means, totals, minima, maxima).
 - `full_parameters`: parameters whole on every process for generation and evaluation, which run
   outside the prepared module's training forward (ZeRO-3 and FSDP keep one shard per process).
 - `gathered_state_dicts`: the full weights of the trained models for a checkpoint, gathered on
@@ -41,8 +41,10 @@ def shards_optimizer(accelerator) -> bool:
     return accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP)
 
 
-def reduce_metrics(accelerator, metrics: Mapping[str, float | torch.Tensor], sums: Iterable[str] = ()) -> dict[str, float]:
-    """The metrics of every process in one all-reduce: the mean of each key, the total for keys in `sums`.
+def reduce_metrics(accelerator, metrics: Mapping[str, float | torch.Tensor], sums: Iterable[str] = (),
+                   mins: Iterable[str] = (), maxes: Iterable[str] = ()) -> dict[str, float]:
+    """The metrics of every process in one collective: the mean of each key, the total for keys in
+    `sums`, the smallest for `mins`, the largest for `maxes`.
 
     Values may be floats or 0-d tensors (left on the device until here, so the loop never waits on
     them); one transfer brings them all back. On one process this is just that transfer.
@@ -55,10 +57,17 @@ def reduce_metrics(accelerator, metrics: Mapping[str, float | torch.Tensor], sum
     values = torch.stack([torch.as_tensor(metrics[k], dtype=dtype, device=device).detach().reshape(()) for k in keys])
     world = accelerator.num_processes
     if world > 1:
-        values = accelerator.reduce(values, reduction="sum")
-        totals = set(sums)
-        scale = torch.tensor([1.0 if k in totals else 1.0 / world for k in keys], dtype=dtype, device=device)
-        values = values * scale
+        low, high = set(mins), set(maxes)
+        if low or high:  # a gather (min and max are not sums); still one collective
+            every = accelerator.gather(values.unsqueeze(0)).view(world, -1)
+            totals, means = every.sum(0), every.mean(0)
+            values = torch.stack([every[:, i].min() if k in low else every[:, i].max() if k in high
+                                  else totals[i] if k in set(sums) else means[i] for i, k in enumerate(keys)])
+        else:
+            values = accelerator.reduce(values, reduction="sum")
+            totals = set(sums)
+            scale = torch.tensor([1.0 if k in totals else 1.0 / world for k in keys], dtype=dtype, device=device)
+            values = values * scale
     return dict(zip(keys, values.tolist()))
 
 

@@ -52,6 +52,7 @@ class RLLoop:
 
     # metrics that add up over processes (the others are averaged)
     SUMMED = ("_tokens", "val/num_eos_tokens")
+    MINIMA, MAXIMA = ("completions/min_length",), ("completions/max_length",)
 
     def __init__(self, trainable: torch.nn.Module, models: dict[str, torch.nn.Module], tokenizer, prompts: list[str],
                  rl: RLConfig, run: RunConfig, *, output_dir: str | Path, max_prompt_length: int, prompts_per_step: int,
@@ -184,7 +185,7 @@ class RLLoop:
             query_ids, query_mask = left_pad([self.prompt_ids[i] for i in indices], self.tokenizer.pad_token_id)
             # every process's numbers, averaged (or summed) in one all-reduce, so the log is the global batch's
             metrics = reduce_metrics(self.accelerator, iteration(query_ids.to(self.device), query_mask.to(self.device), indices),
-                                     sums=self.SUMMED)
+                                     sums=self.SUMMED, mins=self.MINIMA, maxes=self.MAXIMA)
             self.scheduler.step()
             self.step += 1
             elapsed = time.perf_counter() - started

@@ -47,6 +47,9 @@ def main(world_root: str, out: str) -> None:
     # metrics: the mean over processes, the total for the summed keys, one all-reduce
     reduced = reduce_metrics(Accelerator(cpu=True), {"loss": torch.tensor(float(rank)), "tokens": 3.0 + rank}, sums=("tokens",))
     record(stage="reduce", metrics=reduced)
+    extremes = reduce_metrics(Accelerator(cpu=True), {"low": 2.0 + rank, "high": 5.0 * (1 + rank), "mean": float(rank),
+                                                      "n": 1.0}, sums=("n",), mins=("low",), maxes=("high",))
+    record(stage="reduce", metrics=extremes)
 
     cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "smoke.yaml")
     world = build_demo_world(Path(world_root), cfg.run.seed, cfg.data.demo, cfg.model.demo)

@@ -45,7 +45,8 @@ def test_two_processes_train_reward_ppo_and_grpo_with_identical_weights(tmp_path
         # metrics are logged by the main process only
         assert [e["log"] for e in traces[0] if e["stage"] == stage and "log" in e] == list(range(1, steps + 1))
         assert not [e for e in traces[1] if e["stage"] == stage and "log" in e]
-    assert [e["metrics"] for e in traces[0] if e["stage"] == "reduce"] == [{"loss": 0.5, "tokens": 7.0}]
+    assert [e["metrics"] for e in traces[0] if e["stage"] == "reduce"] == [
+        {"loss": 0.5, "tokens": 7.0}, {"low": 2.0, "high": 10.0, "mean": 0.5, "n": 2.0}]
     # identical weights, but each process samples with its own seed (run.seed + rank)
     assert [{e["sampling_seed"] for e in t if e["stage"] == "grpo" and "step" in e} for t in traces] == [{3}, {4}]
     # PPO's episode counts the prompts of both processes
