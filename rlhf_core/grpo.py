@@ -51,7 +51,7 @@ def combine_rewards(per_source: torch.Tensor, weights: torch.Tensor) -> torch.Te
 @dataclass
 class Advantages:
     advantages: torch.Tensor  # (B,) 0 for unscorable rows
-    rewards: torch.Tensor  # (B,) the total each advantage came from; NaN for unscorable rows
+    rewards: torch.Tensor  # (B,) the weighted sum of the sources (minus any penalty); NaN for unscorable rows
     std: torch.Tensor  # (B,) the std each row was (or, with scale none, would be) divided by
     unscorable: torch.Tensor  # (B,) bool: every source returned None
 
@@ -90,9 +90,11 @@ def grpo_advantages(per_source: torch.Tensor, weights: torch.Tensor, num_generat
             raise ValueError("a missing-stop penalty needs aggregation 'sum_then_normalize'")
         grouped = per_source.view(-1, G, per_source.shape[1])
         z = (grouped - torch.nanmean(grouped, dim=1, keepdim=True)) / (nanstd(grouped, dim=1, keepdim=True) + STD_EPS)
-        rewards = torch.nansum(z.view(-1, per_source.shape[1]) * w, dim=1).masked_fill(unscorable, float("nan"))
-        std = nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
-        advantages = (rewards - torch.nanmean(rewards)) / (std + STD_EPS)
+        summed = torch.nansum(z.view(-1, per_source.shape[1]) * w, dim=1).masked_fill(unscorable, float("nan"))
+        std = nanstd(summed).expand_as(summed) if summed.numel() > 1 else torch.zeros_like(summed)
+        advantages = (summed - torch.nanmean(summed)) / (std + STD_EPS)
+        # what is logged (and tabled) as the reward is the plain weighted sum, as TRL logs it
+        rewards = torch.nansum(per_source * w, dim=1).masked_fill(unscorable, float("nan"))
     return Advantages(torch.nan_to_num(advantages, nan=0.0), rewards, std, unscorable)
 
 

@@ -9,9 +9,9 @@ Sampling would differ between the two (each process seeds with seed + rank), so 
 independent of the random generator: the first response token of each row and the step at which it
 emits its stop token are fixed functions of the row's prompt ids (and, in GRPO, of its place in the
 group, so that a group's completions differ), and every other token is the argmax. The lengths vary,
-so the processes hold different numbers of tokens (what the token normalizations must get right). Only the token choice is replaced (`rlhf_core.rollout.sample_next`):
-generation, masks, log-probabilities and reference log-probabilities all come from the real code and
-the real models.
+so the processes hold different numbers of tokens (what the token normalizations must get right).
+Only the token choice is replaced (`rlhf_core.rollout.sample_next`): generation, masks,
+log-probabilities and reference log-probabilities all come from the real code and the real models.
 
 After every optimizer step each run records the summed gradient it stepped with (before clipping);
 after every loop step, the weights, those gradients and the step's responses, in
@@ -88,7 +88,8 @@ def deterministic_collect_rollout(real, recorder: Recorder, vocab_size: int):
         real_sample_next = rollout_mod.sample_next
         rollout_mod.sample_next = choose
         try:
-            rollout = real(policy, ref_model, query_ids, query_mask, dataclasses.replace(settings, greedy=True), **kwargs)
+            greedy = dataclasses.replace(settings, greedy=True)
+            rollout = real(policy, ref_model, query_ids, query_mask, greedy, **kwargs)
         finally:
             rollout_mod.sample_next = real_sample_next
         recorder.responses.append(rollout.responses.detach().cpu().clone())
@@ -217,7 +218,8 @@ def run_grpo(world_root: str | Path, out: str | Path, batch_size: int, tag: str,
 def train_prompts(world_root: str | Path) -> list[str]:
     import json
 
-    return [json.loads(line)["prompt"] for line in (Path(world_root) / "prompts" / "train.jsonl").read_text().splitlines()]
+    lines = (Path(world_root) / "prompts" / "train.jsonl").read_text().splitlines()
+    return [json.loads(line)["prompt"] for line in lines]
 
 
 def main(world_root: str, out: str, ppo_batch: int, grpo_batch: int) -> None:

@@ -20,7 +20,7 @@ memory. Our side gets the very same tensors.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -209,6 +209,7 @@ def test_truncated_completion_mask_matches_trl(make_trainer):
     resp_mask, _, has_stop = response_mask(out["completion_ids"], (EOS,))
     assert (~has_stop).sum() == 3
     assert torch.equal(out["completion_mask"].long(), (resp_mask * has_stop.unsqueeze(1)).long())
+    assert out["num_items_in_batch"].item() == (resp_mask * has_stop.unsqueeze(1)).sum().item()  # dapo's token count
     trainer.mask_truncated_completions = False
     out = drive_trl_scoring(trainer, torch.arange(8.0).view(8, 1), completions)
     assert torch.equal(out["completion_mask"].long(), resp_mask.long())

@@ -56,11 +56,20 @@ SETTINGS = dict(temperature=0.7, gamma=0.99, lam=0.9)
 MAX_DIFFS: dict[str, float] = {}  # name -> max abs diff reached, printed at the end (pytest -s / -rA)
 
 
+TRL112_CANDIDATES = tuple(dict.fromkeys([Path(sys.executable).parents[1] / "trl-1.12.0", REPO / ".venv" / "trl-1.12.0"]))
+
+
 def trl112_dir() -> Path | None:
-    for candidate in (Path(sys.executable).parents[1] / "trl-1.12.0", REPO / ".venv" / "trl-1.12.0"):
+    for candidate in TRL112_CANDIDATES:
         if (candidate / "trl" / "experimental" / "ppo" / "ppo_trainer.py").is_file():
             return candidate
     return None
+
+
+MISSING = ("TRL 1.12.0 is not installed apart: expected "
+           + " or ".join(str(c) for c in TRL112_CANDIDATES)
+           + " to hold trl/experimental/ppo/ppo_trainer.py. Run `make venv`, or: .venv/bin/python -m pip install"
+           " --no-deps --target .venv/trl-1.12.0 trl==1.12.0")
 
 
 # ----------------------------------------------------------------------------------------------- fixtures
@@ -139,12 +148,7 @@ def world(tmp_path_factory):
     """Save the models and tokenizers, run TRL 1.12's side once for every run, load what it recorded."""
     trl_dir = trl112_dir()
     if trl_dir is None:
-        pytest.fail(
-            f"TRL 1.12.0 is not installed apart: expected {Path(sys.executable).parents[1] / 'trl-1.12.0'} "
-            f"(or {REPO / '.venv' / 'trl-1.12.0'}) holding trl/experimental/ppo/ppo_trainer.py. Run `make venv`, "
-            "or: .venv/bin/python -m pip install --no-deps --target .venv/trl-1.12.0 trl==1.12.0",
-            pytrace=False,
-        )
+        pytest.fail(MISSING, pytrace=False)
     tmp = tmp_path_factory.mktemp("trl112_ppo")
     models = build_models()
     model_dirs = {}
@@ -234,7 +238,7 @@ def trl_way(r: dict, logprobs, ref_logprobs, values, scores, mask, last_index):
     end = torch.where(last_index + 1 < width, last_index + 1, last_index)
     mask_p1 = (torch.arange(width).view(1, -1) <= end.view(-1, 1)).long()
     kl = kl_per_token(logprobs, ref_logprobs, ppo["kl_estimator"]) * mask
-    rewards, _ = kl_penalized_rewards(scores, kl, mask, end, ppo["kl_coef"])  # the only change: `end`
+    rewards, _ = kl_penalized_rewards(scores, kl, mask, end, ppo["kl_coef"])  # the score on `end`, not `last`
     raw_rewards = rewards
     if ppo["whiten_rewards"]:
         rewards = masked_whiten(rewards, mask_p1, shift_mean=False) * mask_p1
@@ -264,8 +268,7 @@ def inputs(r: dict):
 
 def test_trl_112_is_installed_apart():
     if trl112_dir() is None:
-        pytest.fail(f"TRL 1.12.0 missing: no {Path(sys.executable).parents[1] / 'trl-1.12.0'} nor "
-                    f"{REPO / '.venv' / 'trl-1.12.0'}; run `make venv`", pytrace=False)
+        pytest.fail(MISSING, pytrace=False)
 
 
 def test_trl_side_is_trl_112(world):
@@ -292,6 +295,8 @@ def test_rollout_inputs_match(world, name):
     assert torch.equal(has_stop, r["frame_contain_eos_token"])
     expected_stop = torch.tensor([s is not None for s in r["stops"]])
     assert torch.equal(has_stop, expected_stop)
+    context = int(r["context_length"])
+    assert torch.equal(r["reward_index"] - context, last), "TRL reads the score at the last real token, as we do"
 
     rollout = Rollout(queries, query_mask, responses, mask, last, None, None, has_stop)
     scores, values = score_rollout(rollout, models["value"], models["reward"],
@@ -416,6 +421,8 @@ def test_pad_equals_eos(world, name):
     assert bool((trl_mask[rows[stopped], last[stopped]] == 0).all()), "TRL 1.12's mask drops the eos when pad == eos"
     assert torch.equal(r["frame_contain_eos_token"], has_stop)
     assert torch.equal(r["frame_actual_end"], last)  # TRL's score column: the eos position (s - 1 + 1)
+    # ...but the reward model is read one token earlier, at the token before the eos
+    assert torch.equal(r["reward_index"] - int(r["context_length"]), trl_last)
 
     # TRL's score: the reward model at the token before the eos, not attending the eos
     penalty = r["ppo"]["missing_eos_penalty"] or 0.0

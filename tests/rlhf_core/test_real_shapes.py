@@ -25,6 +25,15 @@ from tests.fixtures.real_shapes import (
 INSTRUCT = [f for f in FAMILIES if is_chat(family(f))]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models run several times faster on one thread when the CPU is shared (no spinning workers)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def family_root(tmp_path_factory):
     root = tmp_path_factory.mktemp("families")
@@ -49,6 +58,31 @@ def one_sentence(message: str) -> bool:
 # ------------------------------------------------------------------------------------------------
 # 1. the stop ids of each family
 # ------------------------------------------------------------------------------------------------
+
+
+RAW = {  # as the hub checkouts ship them: (tokenizer class, eos, pad, bos), before load_tokenizer borrows a pad
+    "qwen2.5": ("Qwen2Tokenizer", "<|endoftext|>", "<|endoftext|>", None),
+    "qwen2.5-instruct": ("Qwen2Tokenizer", "<|im_end|>", "<|endoftext|>", None),
+    "llama-3-instruct": ("TokenizersBackend", "<|eot_id|>", None, "<|begin_of_text|>"),  # PreTrainedTokenizerFast in v5
+    "gpt2": ("GPT2Tokenizer", "<|endoftext|>", None, "<|endoftext|>"),
+}
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_fixtures_have_the_families_special_token_layout(family_root, name):
+    path = build_family(name, family_root)
+    raw = AutoTokenizer.from_pretrained(path)
+    assert (type(raw).__name__, raw.eos_token, raw.pad_token, raw.bos_token) == RAW[name]
+    specials = family(name).specials
+    assert ids_of(raw, specials) == list(range(len(raw) - len(specials), len(raw)))  # after the ordinary vocabulary
+    model = load_causal_lm(str(path))
+    assert model.config.vocab_size >= len(raw) and type(model).__name__ == {
+        "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel"}[family(name).arch]
+    assert (raw.chat_template is not None) == (name != "gpt2")
+    if name == "llama-3-instruct":
+        assert raw("hi")["input_ids"][0] == raw.bos_token_id  # the tokenizer prepends <|begin_of_text|>
+    else:
+        assert raw.bos_token_id not in raw("hi")["input_ids"] or raw.bos_token_id is None
 
 
 EXPECTED = {  # (stop tokens in order, pad token after load_tokenizer, generation_config eos is a list)
@@ -239,6 +273,16 @@ def test_stop_token_eos_with_no_eos_anywhere_is_named(tmp_path):
     assert "\n" not in str(err.value)
     assert stop_token_ids(tok, gen, stop_token="none") == ()
     assert stop_token_ids(tok, gen, stop_token="<|endoftext|>") == (tok.pad_token_id,)
+
+
+def test_an_unknown_stop_text_with_a_newline_is_reported_on_one_line(family_root):
+    """BUG (fails today): the error quotes the token as '{token}', so a stop text holding a newline
+    (here two words, which are no single token under any lookup) splits the one-sentence message over
+    two lines. Suggested fix in rlhf_core.models.stop_token_ids: quote it with {token!r}."""
+    tok, model = load(family_root, "gpt2")
+    with pytest.raises(ModelSourceError, match=r"^rl\.stop_tokens\[0\]") as err:
+        stop_token_ids(tok, model.generation_config, stop_tokens=["the end\n"])
+    assert "\n" not in str(err.value)
 
 
 def test_a_stop_token_written_as_its_text_is_found_in_a_byte_level_vocabulary(family_root):
