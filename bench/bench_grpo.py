@@ -3,7 +3,7 @@
 Part A: the same SFT-initialized tiny Llama, 4 prompts x 8 generations per step, exactly 16 new
 tokens (eos suppressed before that on both sides, min_new_tokens = 16: with eos stopping, the tokens generated per step follow what
 each policy happens to learn, e.g. 14.7 vs 3.3 mean tokens in one run, and the timing compares
-different work), temperature 1.0, beta 0.04, loss dapo, scale_rewards group, the VADER compound score of the
+different work), temperature 1.0, beta 0.04 with the bias-corrected KL (TRL 1.16's default and ours), loss dapo, scale_rewards group, the VADER compound score of the
 completion as the only reward, the same learning rate and steps. Each side in its own process; order
 TRL, ours, ours, TRL, TRL, ours; best of three; the reward curve is the mean reward over the steps and runs.
 Part B: our GRPO with the demo world's reward function (VADER) at demo sizes; gold (VADER) and KL of
@@ -60,7 +60,7 @@ def side_ours(root: Path) -> dict:
 
     start = time.perf_counter()
     train_grpo(policy, ref, [function_reward("vader", 1.0, vader_reward)], tok, rows, rl,
-               GRPOConfig(num_generations=G, beta=0.04), RunConfig(device="cpu", seed=SEED), max_prompt_length=16,
+               GRPOConfig(num_generations=G, beta=0.04, use_bias_correction_kl=True), RunConfig(device="cpu", seed=SEED), max_prompt_length=16,
                output_dir=root / f"ours-{time.time_ns()}", on_log=on_log, show_progress=False)
     return {"seconds_per_step": (time.perf_counter() - start) / STEPS, "rewards": rewards, "lengths": lengths}
 
@@ -89,7 +89,7 @@ def side_trl(root: Path) -> dict:
         output_dir=str(root / f"trl-{time.time_ns()}"), per_device_train_batch_size=PROMPTS * G, num_generations=G,
         max_completion_length=TOKENS, max_steps=STEPS, learning_rate=LR, beta=0.04, temperature=1.0, use_cpu=True,
         bf16=False, gradient_checkpointing=False, logging_steps=1, report_to=[], save_strategy="no", seed=SEED,
-        disable_tqdm=True, loss_type="dapo", scale_rewards="group",
+        disable_tqdm=True, loss_type="dapo", scale_rewards="group", use_bias_correction_kl=True,  # TRL 1.16's default, ours too
         generation_kwargs={"min_new_tokens": TOKENS},  # eos suppressed: every completion has TOKENS tokens, as ours
     )
     trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(root / "sft"), reward_funcs=[vader_reward],
@@ -155,7 +155,7 @@ def measure(run_side) -> dict:
         "notes": (f"mean reward over {STEPS} steps x {len(ours)} runs ours {ours_curve:.3f} vs TRL {anchor_curve:.3f}; "
                   f"completion length ours {ours_len:.1f} vs TRL {anchor_len:.1f} tokens; "
                   f"demo gold (VADER) {learned['gold_before']:.2f} -> {learned['gold_after']:.2f}, KL {learned['kl_after']:.2f}, "
-                  f"{learned['steps']} steps at beta {learned['beta']} in {learned['wall_s']:.0f} s; timing: {PROMPTS}x{G} completions x {TOKENS} tokens, beta 0.04, CPU"),
+                  f"{learned['steps']} steps at beta {learned['beta']} in {learned['wall_s']:.0f} s; timing: {PROMPTS}x{G} completions x {TOKENS} tokens, beta 0.04, bias-corrected KL on both sides, CPU"),
     }
     return result
 

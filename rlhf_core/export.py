@@ -16,7 +16,7 @@ from __future__ import annotations
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from rlhf_core.model_card import write_model_card
 from rlhf_core.training import atomic_dir
@@ -38,11 +38,16 @@ class ExportInfo:
     model_name: str = ""  # the registered model the export becomes a version of
 
 
-def generation_settings(*, tokenizer, max_new_tokens: int, temperature: float, top_k: int, top_p: float) -> dict[str, Any]:
-    """generation_config.json: the sampling the policy was trained with."""
+def generation_settings(*, tokenizer, max_new_tokens: int, temperature: float, top_k: int, top_p: float,
+                        stop_token_ids: Sequence[int] = ()) -> dict[str, Any]:
+    """generation_config.json: the sampling the policy was trained with, and every id it learned to stop
+    on as eos_token_id (a list when there are several, as instruct models ship; the tokenizer's eos when none)."""
+    eos: Any = list(stop_token_ids) or tokenizer.eos_token_id
+    if isinstance(eos, list) and len(eos) == 1:
+        eos = eos[0]
     settings: dict[str, Any] = {
         "do_sample": True, "temperature": temperature, "top_k": top_k, "top_p": top_p, "max_new_tokens": max_new_tokens,
-        "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id,
+        "eos_token_id": eos, "pad_token_id": tokenizer.pad_token_id,
     }
     if tokenizer.bos_token_id is not None:
         settings["bos_token_id"] = tokenizer.bos_token_id

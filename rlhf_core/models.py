@@ -85,10 +85,16 @@ def stop_token_ids(tokenizer, generation_config=None, *, stop_token: str = "eos"
     named = [(field, stop_token)] if stop_token not in ("eos", "none") else []
     named += [(f"rl.stop_tokens[{i}]", token) for i, token in enumerate(stop_tokens)]
     for where, token in named:
-        if token not in vocab:
-            raise ModelSourceError(f"{where}: '{token}' is not a token of the policy's tokenizer "
-                                   f"({len(vocab)} tokens); give the token's exact text, e.g. {tokenizer.convert_ids_to_tokens(ids[0]) if ids else '<|im_end|>'!r}")
-        ids.append(int(vocab[token]))
+        if token in vocab:
+            ids.append(int(vocab[token]))
+            continue
+        # text that is one token although the vocabulary spells it otherwise ("\n" is 'Ċ' in a byte-level BPE)
+        encoded = tokenizer.encode(token, add_special_tokens=False)
+        if len(encoded) != 1:
+            example = tokenizer.convert_ids_to_tokens(ids[0]) if ids else "<|im_end|>"
+            raise ModelSourceError(f"{where}: {token!r} is not a token of the policy's tokenizer ({len(vocab)} tokens, "
+                                   f"and it encodes to {len(encoded)}); give one token's exact text, e.g. {example!r}")
+        ids.append(int(encoded[0]))
     return tuple(dict.fromkeys(ids))
 
 

@@ -17,7 +17,9 @@ def tokenize_corpus(tokenizer, texts: list[str], max_length: int):
     import torch
 
     eos = tokenizer.eos_token or ""
-    enc = tokenizer([t + " " + eos if eos else t for t in texts], max_length=max_length, truncation=True,
+    # eos right after the text, as TRL does: a space before it would be a token of its own in a
+    # byte-level BPE, and the model would learn to stop after a stray space
+    enc = tokenizer([t if not eos or t.endswith(eos) else t + eos for t in texts], max_length=max_length, truncation=True,
                     padding="longest", return_tensors="pt", padding_side="right")
     labels = enc["input_ids"].masked_fill(enc["attention_mask"] == 0, -100)  # (N, T) no loss on pads
     return torch.utils.data.TensorDataset(enc["input_ids"], enc["attention_mask"], labels)

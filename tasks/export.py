@@ -10,7 +10,7 @@ from prefect.logging import get_run_logger
 
 from rlhf_core.config import PipelineConfig
 from rlhf_core.export import ExportInfo, export_policy, generation_settings
-from rlhf_core.models import load_tokenizer
+from rlhf_core.models import generation_config_of, load_tokenizer, stop_token_ids
 from tasks import tracking
 from tasks.data import PreparedData
 from tasks.progress import publish_markdown
@@ -44,8 +44,11 @@ def export_final_policy(cfg: PipelineConfig, data: PreparedData, plan: InitPlan,
     out = cfg.export_dir
     with tracking.stage_run(parent_run_id, "export") as run_id:
         tokenizer = load_tokenizer(trained.path)
+        stops = stop_token_ids(tokenizer, generation_config_of(trained.path), stop_token=cfg.rl.stop_token,
+                               stop_tokens=cfg.rl.stop_tokens)
         generation = generation_settings(tokenizer=tokenizer, max_new_tokens=cfg.rl.response_length,
-                                         temperature=cfg.rl.temperature, top_k=cfg.rl.top_k, top_p=cfg.rl.top_p)
+                                         temperature=cfg.rl.temperature, top_k=cfg.rl.top_k, top_p=cfg.rl.top_p,
+                                         stop_token_ids=stops)
         export_policy(trained.path, out, export_info(cfg, data, plan, trained), generation=generation, merge=cfg.export.merge)
         tracking.log_artifact(run_id, out / "README.md", "model_card")
         logger.info("exported the %s policy (step %d) to %s", cfg.rl.algorithm, trained.step, out.resolve())

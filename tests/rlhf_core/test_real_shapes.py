@@ -276,9 +276,8 @@ def test_stop_token_eos_with_no_eos_anywhere_is_named(tmp_path):
 
 
 def test_an_unknown_stop_text_with_a_newline_is_reported_on_one_line(family_root):
-    """BUG (fails today): the error quotes the token as '{token}', so a stop text holding a newline
-    (here two words, which are no single token under any lookup) splits the one-sentence message over
-    two lines. Suggested fix in rlhf_core.models.stop_token_ids: quote it with {token!r}."""
+    """A stop text holding a newline (here two words, no single token under any lookup) is quoted as a
+    Python literal, so the one-sentence error stays on one line."""
     tok, model = load(family_root, "gpt2")
     with pytest.raises(ModelSourceError, match=r"^rl\.stop_tokens\[0\]") as err:
         stop_token_ids(tok, model.generation_config, stop_tokens=["the end\n"])
@@ -286,12 +285,10 @@ def test_an_unknown_stop_text_with_a_newline_is_reported_on_one_line(family_root
 
 
 def test_a_stop_token_written_as_its_text_is_found_in_a_byte_level_vocabulary(family_root):
-    """BUG (fails today): GPT-2, Qwen and Llama 3 use byte-level BPE, whose vocabulary spells a
-    newline 'Ċ' and a leading space 'Ġ'. rl.stop_tokens: ["\\n"] (stop at the end of a line, a common
-    choice for GPT-2 completions) names one token of the tokenizer, but stop_token_ids looks the text
-    up in get_vocab() only and refuses it. Suggested fix in rlhf_core.models.stop_token_ids: when
-    `token` is not a vocabulary key, accept it if tokenizer.encode(token, add_special_tokens=False)
-    is exactly one id, and only then raise."""
+    """GPT-2, Qwen and Llama 3 use byte-level BPE, whose vocabulary spells a newline 'Ċ' and a leading
+    space 'Ġ'. rl.stop_tokens: ["\\n"] (stop at the end of a line, a common choice for GPT-2
+    completions) is one token of the tokenizer: found by encoding the text when it is not a vocabulary
+    key; either spelling works."""
     tok, model = load(family_root, "gpt2")
     newline = tok.encode("\n", add_special_tokens=False)
     assert len(newline) == 1 and tok.convert_ids_to_tokens(newline) == ["Ċ"]
@@ -320,12 +317,9 @@ def test_sft_corpus_ends_every_answer_with_the_stop_token(family_root, name):
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_sft_corpus_puts_the_stop_right_after_the_answer(family_root, name):
-    """BUG (fails today): tokenize_corpus appends `" " + eos`. With a byte-level BPE (every family
-    here) the space becomes a token of its own ('Ġ'), so SFT teaches the model to end every answer
-    with a stray space before <|im_end|> / <|eot_id|> / <|endoftext|>; a chat model learns
-    "content Ġ<|im_end|>" instead of its format's "content<|im_end|>". TRL appends the eos text with
-    no separator (and only when the text does not already end with it). Suggested fix in
-    rlhf_core/sft.py: `t if t.endswith(eos) else t + eos` (or append tokenizer.eos_token_id to the ids)."""
+    """tokenize_corpus puts eos right after the text, as TRL does (and not again when the text already
+    ends with it). With a byte-level BPE (every family here) a space before it would be a token of its
+    own ('Ġ'), and SFT would teach a chat model "content Ġ<|im_end|>" instead of "content<|im_end|>"."""
     from rlhf_core.sft import tokenize_corpus
 
     tok, _ = load(family_root, name)
@@ -446,16 +440,13 @@ def test_llama_3_instruct_chat_template_ends_turns_with_eot_id(family_root):
 
 @pytest.mark.parametrize("name", INSTRUCT)
 def test_exported_generation_config_keeps_every_stop_id(family_root, name):
-    """BUG (fails today): rlhf_core.export.generation_settings writes eos_token_id =
-    tokenizer.eos_token_id alone, so the exported Qwen2.5-Instruct / Llama-3-Instruct policy loses
-    <|endoftext|> / <|end_of_text|> (and any rl.stop_tokens) although it was trained to stop on them:
-    transformers' generate and any later RL run from the export (stop_token 'eos') stop on one id
-    only. Suggested fix: pass the stop ids the run used (`stop_token_ids(tokenizer, policy.generation_config,
-    stop_token=cfg.rl.stop_token, stop_tokens=cfg.rl.stop_tokens)`) to generation_settings and write them
-    as eos_token_id (an int when there is one)."""
+    """The exported generation_config keeps every id the run stopped on (both ids of an instruct model,
+    and rl.stop_tokens), so transformers' generate, and a later RL run from the export, stop as the
+    trained policy learned to; not the tokenizer's eos alone."""
     from rlhf_core.export import generation_settings
 
     tok, model = load(family_root, name)
-    settings = generation_settings(tokenizer=tok, max_new_tokens=8, temperature=0.7, top_k=0, top_p=1.0)
+    stops = stop_token_ids(tok, model.generation_config)
+    settings = generation_settings(tokenizer=tok, max_new_tokens=8, temperature=0.7, top_k=0, top_p=1.0, stop_token_ids=stops)
     exported = GenerationConfig(**settings)
-    assert set(stop_token_ids(tok, exported)) == set(stop_token_ids(tok, model.generation_config))
+    assert len(stops) == 2 and set(stop_token_ids(tok, exported)) == set(stops)
