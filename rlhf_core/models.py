@@ -90,7 +90,7 @@ def stop_token_ids(tokenizer, generation_config=None, *, stop_token: str = "eos"
             continue
         # text that is one token although the vocabulary spells it otherwise ("\n" is 'Ċ' in a byte-level BPE)
         encoded = tokenizer.encode(token, add_special_tokens=False)
-        if len(encoded) != 1:
+        if len(encoded) != 1 or (encoded[0] == tokenizer.unk_token_id and token != tokenizer.unk_token):
             example = tokenizer.convert_ids_to_tokens(ids[0]) if ids else "<|im_end|>"
             raise ModelSourceError(f"{where}: {token!r} is not a token of the policy's tokenizer ({len(vocab)} tokens, "
                                    f"and it encodes to {len(encoded)}); give one token's exact text, e.g. {example!r}")

@@ -405,7 +405,6 @@ def test_pad_equals_eos(world, name):
     models, results = world
     r = results[name]
     queries, query_mask, responses, mask, last, has_stop = inputs(r)
-    width = mask.shape[1]
     rows = torch.arange(BATCH)
     stopped = torch.tensor([s is not None for s in r["stops"]])
 
