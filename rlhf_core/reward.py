@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from rlhf_core.checkpoint import latest_checkpoint, load_training_state, save_training_state
 from rlhf_core.config import LoraSettings, RewardConfig, RunConfig
 from rlhf_core.model_card import write_model_card
+from rlhf_core.rollout import head_per_token
 from rlhf_core.parallel import full_parameters, gathered_state_dicts, reduce_metrics, shards_optimizer
 from rlhf_core.training import (
     OnCheckpoint, OnLog, OnStep, ShardedBatches, assert_finite, atomic_dir, build_optimizer, disable_dropout,
@@ -98,9 +99,36 @@ def encode_pairs(tokenizer, rows: list[dict], max_length: int) -> dict[str, torc
     return collate_pairs(tokenize_pairs(tokenizer, rows, max_length), tokenizer.pad_token_id)
 
 
+class LastTokenScore(torch.nn.Module):
+    """A one-output sequence classifier read at each row's last attended token (right padding).
+
+    The classifier's own forward pools at the last token that is not the pad id, which with pad ==
+    eos (Qwen2.5 base, GPT-2) is the token before the closing eos, while RL reads the score at the
+    stop token. This reads both at the same place. Trained as a module of its own, so that DDP and
+    DeepSpeed see the forward.
+    """
+
+    def __init__(self, reward_model):
+        super().__init__()
+        self.reward_model = reward_model
+
+    @property
+    def _no_split_modules(self) -> list[str]:
+        return list(getattr(self.reward_model, "_no_split_modules", None) or [])
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        per_token = head_per_token(self.reward_model, input_ids, attention_mask)  # (B, T)
+        last = (attention_mask.sum(1) - 1).clamp(min=0)
+        return per_token[torch.arange(per_token.shape[0], device=per_token.device), last]  # (B,)
+
+
 def score_pairs(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """One forward over chosen and rejected together -> (r_chosen, r_rejected), each (B,)."""
-    rewards = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.squeeze(-1)  # (2B,)
+    """One forward over chosen and rejected together -> (r_chosen, r_rejected), each (B,).
+
+    `model`: a reward model, or a LastTokenScore (possibly wrapped by accelerate) around one.
+    """
+    scorer = model if isinstance(getattr(model, "module", model), LastTokenScore) else LastTokenScore(model)
+    rewards = scorer(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])  # (2B,)
     half = rewards.shape[0] // 2
     return rewards[:half], rewards[half:]
 
@@ -210,13 +238,14 @@ def train_reward_model(model, tokenizer, train_rows: list[dict], eval_rows: list
         disable_dropout(model)
     # the schedule stays outside Accelerate: it counts optimizer steps of the global batch, while an
     # Accelerate-prepared scheduler advances num_processes times per step
-    model, optimizer = accelerator.prepare(model, optimizer)
+    reward_model = model
+    model, optimizer = accelerator.prepare(LastTokenScore(reward_model), optimizer)
     device = accelerator.device
     model.train()
 
     def checkpoint(at_step: int) -> Path:
         path = output_dir / f"checkpoint-{at_step}"
-        unwrapped = accelerator.unwrap_model(model)
+        unwrapped = reward_model
         gathered = gathered_state_dicts(accelerator, model, {"reward": unwrapped})  # collective; None unsharded
         if accelerator.is_main_process:
             save_reward_checkpoint(unwrapped, tokenizer, path, card=card, metrics=metrics,
@@ -237,7 +266,7 @@ def train_reward_model(model, tokenizer, train_rows: list[dict], eval_rows: list
         with full_parameters(accelerator, model):  # every process gathers (ZeRO-3, FSDP); the main one evaluates
             if not main:  # evaluation and logging belong to the main process; the others only train
                 return {}
-            result = evaluate_encoded(accelerator.unwrap_model(model), eval_items, tokenizer.pad_token_id,
+            result = evaluate_encoded(reward_model, eval_items, tokenizer.pad_token_id,
                                       batch_size=cfg.batch_size, center_rewards_coefficient=cfg.center_rewards_coefficient,
                                       device=device)
         if on_eval is not None:

@@ -162,8 +162,16 @@ def response_logprobs(model, query_ids: torch.Tensor, query_mask: torch.Tensor, 
     return logp, entropy
 
 
-def _head_per_token(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """A sequence classifier's score head applied to every position: (B, T)."""
+def head_per_token(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """A sequence classifier's score head applied to every position: (B, T).
+
+    Used instead of the classifier's own forward, which pools at the last token that is not the pad
+    id: with pad == eos (Qwen2.5 base, GPT-2) that is the token before the eos. Callers pick the
+    position from the attention mask or the stop position. A PEFT model is read through its base
+    model, adapters active.
+    """
+    if hasattr(model, "peft_config"):
+        model = model.get_base_model()
     backbone = getattr(model, model.base_model_prefix)
     hidden = backbone(input_ids=input_ids, attention_mask=attention_mask,
                       position_ids=position_ids_from_mask(attention_mask), use_cache=False).last_hidden_state
@@ -173,7 +181,7 @@ def _head_per_token(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
 def token_values(value_model, query_ids, query_mask, responses, resp_mask) -> torch.Tensor:
     """V(state before each response token), zero on padding. (B, R)"""
     input_ids = torch.cat([query_ids, responses], dim=1)
-    values = _head_per_token(value_model, input_ids, _full_mask(query_mask, resp_mask))
+    values = head_per_token(value_model, input_ids, _full_mask(query_mask, resp_mask))
     context = query_ids.shape[1]
     return values[:, context - 1 : -1] * resp_mask
 
@@ -181,7 +189,7 @@ def token_values(value_model, query_ids, query_mask, responses, resp_mask) -> to
 def sequence_scores(reward_model, query_ids, query_mask, responses, resp_mask, last_index: torch.Tensor) -> torch.Tensor:
     """The reward model's score at the last real token of each query+response. (B,)"""
     input_ids = torch.cat([query_ids, responses], dim=1)
-    per_token = _head_per_token(reward_model, input_ids, _full_mask(query_mask, resp_mask))
+    per_token = head_per_token(reward_model, input_ids, _full_mask(query_mask, resp_mask))
     rows = torch.arange(per_token.shape[0], device=per_token.device)
     return per_token[rows, query_ids.shape[1] + last_index]
 

@@ -50,7 +50,7 @@ def test_chosen_and_rejected_share_one_forward(smoke_world):
     assert batch["input_ids"].shape[0] == 4 and batch["margin"].tolist() == [1.0, 0.0]
     model = load_reward_model(str(smoke_world.base_model), tokenizer)
     calls = []
-    model.register_forward_hook(lambda mod, args, out: calls.append(1))
+    model.model.register_forward_hook(lambda mod, args, out: calls.append(1))  # the backbone
     rc, rr = score_pairs(model, batch)
     assert len(calls) == 1 and rc.shape == rr.shape == (2,)
     # every sequence ends with eos, and right padding does not change its score (read at the last real token)
@@ -167,3 +167,33 @@ def test_reward_training_turns_dropout_off_unless_asked(tmp_path, smoke_world, d
                                max_steps=1, disable_dropout=disable)
     rates = {m.p for m in model.modules() if isinstance(m, torch.nn.Dropout)}
     assert rates == ({0.0} if disable else {0.5})
+
+
+@pytest.mark.parametrize("name", ["qwen2.5", "gpt2"])
+def test_pairs_are_scored_on_their_closing_eos_when_pad_is_eos(tmp_path, name):
+    """With pad == eos the classifier's own forward pools at the last non-pad token, the one before
+    the eos; ours reads the eos itself, where RL's sequence_scores reads a response's stop token."""
+    from tests.fixtures.real_shapes import build_family
+
+    from rlhf_core.rollout import head_per_token, sequence_scores
+
+    path = build_family(name, tmp_path)
+    tokenizer = load_tokenizer(str(path))
+    assert tokenizer.pad_token_id == tokenizer.eos_token_id
+    model = load_reward_model(str(path), tokenizer, seed=0).eval()
+    rows = [{"prompt": "the food was", "chosen": " great", "rejected": " not good at all"}]
+    batch = encode_pairs(tokenizer, rows, max_length=32)
+    with torch.no_grad():
+        rc, rr = score_pairs(model, batch)
+        per_token = head_per_token(model, batch["input_ids"], batch["attention_mask"])
+        last = batch["attention_mask"].sum(1) - 1
+        assert batch["input_ids"][0, last[0]] == tokenizer.eos_token_id
+        torch.testing.assert_close(torch.stack([rc[0], rr[0]]), per_token[torch.arange(2), last])
+        hf_pooled = model(**batch).logits.squeeze(-1)
+        torch.testing.assert_close(hf_pooled[0], per_token[0, last[0] - 1])  # what the pad search reads
+        # the chosen text as an RL query + response that stopped on eos: the same score
+        prompt = tokenizer("the food was")["input_ids"]
+        response = batch["input_ids"][0, len(prompt) : last[0] + 1]
+        score = sequence_scores(model, torch.tensor([prompt]), torch.ones(1, len(prompt), dtype=torch.long),
+                                response[None], torch.ones_like(response)[None], torch.tensor([len(response) - 1]))
+        torch.testing.assert_close(score[0], rc[0])
