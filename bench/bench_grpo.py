@@ -19,7 +19,7 @@ from anchors import interleaved, side_process_main
 
 HERE = Path(__file__).resolve().parent
 STEPS, PROMPTS, G, TOKENS, SEED, LR = 30, 4, 8, 16, 42, 2e-3
-LEARNING_BETA = 0.2
+LEARNING_BETA, LEARNING_STEPS = 0.04, 120
 
 
 def prepare(root: Path) -> None:
@@ -120,11 +120,13 @@ def learning(root: Path) -> dict:
                                    metrics={"vader": vader_compound}, batch_size=64, stop_token_ids=(tok.eos_token_id,))
         return summarize_rows(out)
 
-    rl = RLConfig(algorithm="grpo", total_steps=60, batch_size=64, learning_rate=2e-3, response_length=12, temperature=1.0,
-                  save_steps=60)
+    rl = RLConfig(algorithm="grpo", total_steps=LEARNING_STEPS, batch_size=64, learning_rate=2e-3, response_length=12, temperature=1.0,
+                  save_steps=LEARNING_STEPS)
     before = evaluate(policy)
     start = time.perf_counter()
-    # beta 0.2: with TRL's 0.04 the policy reaches gold 0.99 by repeating one positive word (KL ~100)
+    # TRL's beta 0.04 with its bias-corrected KL (the default, ours too). With that correction the KL term
+    # binds: beta 0.2 kept the policy at the reference for 60 steps (gold 0.00, KL 0.3). At 0.04 the gold
+    # gain is reward hacking (a repeated "<neutral word> but friends" at a KL near 100): read it beside the KL
     train_grpo(policy, ref, [function_reward("vader", 1.0, vader_reward)], tok, rows, rl, GRPOConfig(num_generations=8, beta=LEARNING_BETA),
                cfg.run, max_prompt_length=16, output_dir=root / "learning", show_progress=False)
     seconds = time.perf_counter() - start
