@@ -194,7 +194,7 @@ class RLConfig(OptimSettings):
     missing_eos_penalty: float | None = Field(None, description="Subtract this from the score of responses that never emit eos.")
     save_steps: int = Field(50, ge=1, description="Checkpoint and register a policy version every this many steps.")
     log_steps: int = Field(1, ge=1, description="Log training metrics every this many steps.")
-    disable_dropout: bool = Field(True, description="Turn every dropout (LoRA's included) off in the policy, value, reference and reward models while RL trains (TRL's default); false keeps them.")
+    disable_dropout: bool = Field(True, description="Turn every dropout (LoRA's and attention's included) off in the trained policy and value models (TRL's default; frozen models run in eval mode anyway); false keeps them.")
     skip_nonfinite_steps: bool = Field(
         True, description="Skip an optimizer step whose gradient norm is NaN or inf and count it; false stops the run there. DeepSpeed needs false.")
 
@@ -432,6 +432,7 @@ class PipelineConfig(Section):
 
 
 def accelerate_strategy_of(path) -> str:
+    """`rlhf_core.parallel.accelerate_strategy`, imported when a config names a launch file (it imports torch)."""
     from rlhf_core.parallel import accelerate_strategy
 
     return accelerate_strategy(path)
