@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -11,12 +12,15 @@ from rlhf_core.config import ConfigError, load_config, redact_uri
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlhf", description="RLHF pipeline on Prefect and MLflow.")
+    parser.add_argument("--debug", action="store_true",
+                        help="show the traceback of an error too (as does RLHF_DEBUG=1)")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, text in (("run", "run the pipeline flow"), ("validate", "check a config and print it resolved"),
                        ("promote", "evaluate @candidate against @champion and promote it when it passes promote.*")):
         cmd = sub.add_parser(name, help=text)
         cmd.add_argument("--config", "-c", default="configs/demo.yaml", help="YAML config file")
         cmd.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
+                         type=credential_free_override,
                          help="override a config field, e.g. --set ppo.kl_coef=0.1 (repeatable)")
     sub.add_parser("fields", help="print every config field, its default and meaning as a Markdown table")
     deploy = sub.add_parser("deploy", help="create the work pool (if missing) and every deployment in deployments/prefect.yaml")
@@ -25,6 +29,31 @@ def _parser() -> argparse.ArgumentParser:
 
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def credential_free_override(text: str) -> str:
+    """The `--set` parser: a `tracking.uri` that carries credentials leaves them in MLflow's environment.
+
+    The overrides become Prefect flow-run parameters, which Prefect stores and shows, so the secret
+    must not be in them: `http://user:password@host` becomes `http://host` plus MLFLOW_TRACKING_USERNAME
+    and MLFLOW_TRACKING_PASSWORD; any other credentialed URI (a token as the user name, a ?token=
+    parameter) becomes MLFLOW_TRACKING_URI and the override `tracking.uri=null`, which falls back to it.
+    """
+    import os
+
+    from rlhf_core.config import parse_override
+    from rlhf_core.redaction import has_secret, split_credentials
+
+    key, sep, raw = text.partition("=")
+    if key.strip() != "tracking.uri" or not has_secret(raw):
+        return text
+    uri = str(parse_override(text)[1]).strip()
+    clean, user, password = split_credentials(uri)
+    if user is not None and not has_secret(clean):
+        os.environ["MLFLOW_TRACKING_USERNAME"], os.environ["MLFLOW_TRACKING_PASSWORD"] = user, password
+        return f"tracking.uri={clean}"
+    os.environ["MLFLOW_TRACKING_URI"] = uri
+    return "tracking.uri=null"
 
 
 def deploy(pool: str) -> int:
@@ -96,18 +125,55 @@ def print_summary(summary: dict) -> None:
         console.print(f"MLflow UI: {redact_uri(uri)}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+def user_error_types() -> tuple[type[BaseException], ...]:
+    """Exceptions a user causes (a config, a file, a model source, a reward function): one sentence, exit 2."""
+    from rlhf_core.data import DataValidationError
+    from rlhf_core.models import ModelSourceError
+    from rlhf_core.rewards import RewardFunctionError
+    from rlhf_core.ownership import OwnershipError
+    from tasks.preflight import PreflightError
+
+    return ConfigError, ModelSourceError, DataValidationError, RewardFunctionError, PreflightError, OwnershipError
+
+
+OUR_PACKAGES = tuple(str(REPO / name) + "/" for name in ("rlhf_core", "tasks", "flows"))
+
+
+def is_user_error(err: BaseException) -> bool:
+    """One of `user_error_types`, or a plain ValueError that our own checks raised (rlhf_core, tasks, flows)."""
+    if isinstance(err, user_error_types()):
+        return True
+    if type(err) is not ValueError or err.__traceback__ is None:
+        return False
+    tb = err.__traceback__
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb.tb_frame.f_code.co_filename.startswith(OUR_PACKAGES)
+
+
+def debug_wanted(args: argparse.Namespace | None = None) -> bool:
+    return bool(getattr(args, "debug", False)) or os.environ.get("RLHF_DEBUG", "").strip().lower() not in ("", "0", "false", "no")
+
+
+def one_sentence(err: BaseException) -> str:
+    text = " ".join(str(err).split()) or type(err).__name__
+    return text
+
+
+def _run_command(args: argparse.Namespace) -> int:
     if args.command == "fields":
         print(fields_markdown())
         return 0
     if args.command == "deploy":
         return deploy(args.pool)
-    try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    cfg = load_config(args.config, args.overrides)
+    if args.command in ("validate", "run"):
+        from tasks.preflight import check
+
+        check(cfg)  # files, functions, models, context, tracking server, registry names: before any work
+        from rlhf_core.ownership import check_pipeline_outputs
+
+        check_pipeline_outputs(cfg, config_path=args.config, claim=False)  # owned writes only; writes nothing here
     if args.command == "validate":
         import yaml
 
@@ -127,6 +193,26 @@ def main(argv: list[str] | None = None) -> int:
     summary = rlhf_pipeline(config_path=args.config, overrides=args.overrides)
     print_summary(summary)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run a command; a user error (see `is_user_error`) prints one sentence on stderr and exits 2.
+
+    `--debug` or RLHF_DEBUG=1 prints its traceback as well; any other exception is a bug and
+    propagates with its traceback.
+    """
+    args = _parser().parse_args(argv)
+    try:
+        return _run_command(args)
+    except Exception as err:
+        if not is_user_error(err):
+            raise
+        if debug_wanted(args):
+            import traceback
+
+            traceback.print_exception(err, file=sys.stderr)
+        print(f"error: {one_sentence(err)}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.logging import get_run_logger
 
 from rlhf_core.config import PipelineConfig, load_config
+from rlhf_core.redaction import refuse_secret_overrides
 from rlhf_core.data import read_column
 from rlhf_core.evaluation import evaluate_generations, summarize_rows
 from rlhf_core.promotion import Decision, Gates, decide
@@ -77,6 +78,7 @@ def _report(name: str, candidate, champion, decision: Decision, summaries: dict[
 @flow(name="rlhf-promote", log_prints=True)
 def rlhf_promote(config_path: str | None = "configs/demo.yaml", overrides: list[str] | None = None) -> dict:
     """Promote `models:/<policy>@candidate` to `@champion` when it passes the promote.* gates."""
+    refuse_secret_overrides(overrides)  # Prefect stores parameters: credentials come from MLflow's env variables
     cfg = load_config(config_path, overrides or [])
     logger = get_run_logger()
     name = cfg.registry.policy_model_name

@@ -15,9 +15,12 @@ from prefect.logging import get_run_logger
 from prefect.states import Failed
 
 from rlhf_core.config import load_config
+from rlhf_core.redaction import redact, refuse_secret_overrides
+from rlhf_core.ownership import check_pipeline_outputs
 from tasks import tracking
 from tasks.data import prepare_data
 from tasks.export import CANDIDATE, export_final_policy
+from tasks.preflight import check as preflight
 from tasks.reward import train_reward
 from tasks.rl import initialize_models, train_policy, uses_reward_stage
 from tasks.sft import sft_warm_start
@@ -43,12 +46,15 @@ def rlhf_pipeline(config_path: str | None = "configs/demo.yaml", overrides: list
     only_if_new_data: stop after the data stage when the current `candidate` policy was trained on
     data with the same fingerprint (scheduled retraining with no new preference files).
     """
+    refuse_secret_overrides(overrides)  # Prefect stores parameters: credentials come from MLflow's env variables
     cfg = load_config(config_path, overrides or [])
+    preflight(cfg)  # everything that can be checked without training, before any run, file or stage
     logger = get_run_logger()
     logger.info("config %s (hash %s), output in %s", config_path, cfg.config_hash(), cfg.run.output_dir)
 
     stage = StageMarker()
     try:
+        check_pipeline_outputs(cfg, config_path=config_path)  # before any work: owned writes only
         with tracking.pipeline_run(cfg) as run_id:
             with stage("data"):
                 data = prepare_data(cfg, run_id)
@@ -71,8 +77,8 @@ def rlhf_pipeline(config_path: str | None = "configs/demo.yaml", overrides: list
             with stage("export"):
                 exported = export_final_policy(cfg, data, plan, trained, run_id)
     except Exception as err:  # the MLflow run is FAILED by now; say which stage failed and why
-        logger.error("stage %s failed: %s", stage.current, err)
-        return Failed(message=f"stage '{stage.current}' failed: {type(err).__name__}: {err}", data=err)
+        logger.error("stage %s failed: %s", stage.current, redact(str(err)))
+        return Failed(message=redact(f"stage '{stage.current}' failed: {type(err).__name__}: {err}"), data=err)
 
     return {
         "mlflow_run_id": run_id,

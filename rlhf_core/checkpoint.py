@@ -8,6 +8,7 @@ containers are encoded so that int dict keys and tuples survive the JSON round t
 from __future__ import annotations
 
 import json
+import logging
 import random
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,10 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from rlhf_core.ownership import remove_orphan_temps  # noqa: F401  (resume cleans up with it)
 from rlhf_core.training import atomic_dir
+
+logger = logging.getLogger(__name__)
 
 STATE_DIR = "training_state"
 TENSORS = "tensors.safetensors"
@@ -119,14 +123,61 @@ def checkpoint_step(path: Path) -> int | None:
     return None
 
 
-def latest_checkpoint(directory: str | Path) -> Path | None:
-    """The checkpoint-N directory with the largest N that has training state.
+def safetensors_intact(path: str | Path) -> bool:
+    """True when `path` is a whole safetensors file: its header parses and its size is exactly what the
+    header says (a truncated write fails this). No tensor is loaded; flipped bits inside the data are
+    not detected (the format carries no checksum)."""
+    import struct
 
-    Checkpoint directories appear by one rename once complete, so training state means complete.
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as f:
+            head = f.read(8)
+            if len(head) != 8:
+                return False
+            (length,) = struct.unpack("<Q", head)
+            if length > size - 8:
+                return False
+            header = json.loads(f.read(length))
+        ends = [entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"]
+        return size == 8 + length + max(ends, default=0)
+    except (OSError, ValueError, KeyError, TypeError, IndexError, struct.error):
+        return False
+
+
+def checkpoint_problem(path: str | Path) -> str | None:
+    """Why the checkpoint directory `path` cannot be resumed from (a sentence), or None when it is intact."""
+    path = Path(path)
+    if not has_training_state(path):
+        return "it has no training state"
+    for file in sorted(path.rglob("*.safetensors")):
+        if not safetensors_intact(file):
+            return f"{file} is truncated or corrupt"
+    for file in sorted(path.rglob("*.json")):
+        try:
+            json.loads(file.read_text())
+        except (OSError, ValueError):
+            return f"{file} is truncated or corrupt"
+    return None
+
+
+def latest_checkpoint(directory: str | Path) -> Path | None:
+    """The checkpoint-N directory with the largest N that is complete and intact.
+
+    Checkpoint directories appear by one rename once complete, so training state means complete; a
+    newer one whose files were truncated or damaged afterwards (a full disk, a copy cut short) is
+    skipped with a warning naming it, and the previous good one is returned.
     """
     directory = Path(directory)
     if not directory.is_dir():
         return None
     found = [(checkpoint_step(p), p) for p in directory.iterdir() if p.is_dir() and checkpoint_step(p) is not None]
-    complete = [(s, p) for s, p in found if has_training_state(p)]
-    return max(complete)[1] if complete else None
+    for _, path in sorted(found, reverse=True):
+        if not has_training_state(path):
+            continue
+        problem = checkpoint_problem(path)
+        if problem is None:
+            return path
+        logger.warning("skipping checkpoint %s for resume: %s; falling back to the previous one", path, problem)
+    return None

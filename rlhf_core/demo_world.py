@@ -28,6 +28,7 @@ from pathlib import Path
 
 from rlhf_core.config import DemoModelConfig, DemoWorldConfig
 from rlhf_core.rewards import vader_analyzer
+from rlhf_core.training import apply_umask
 
 WORLD_VERSION = 1  # bump when the generator changes, so cached worlds are rebuilt
 
@@ -315,7 +316,7 @@ def build_demo_world(root: str | Path, seed: int, world: DemoWorldConfig, model:
         report(len(steps), len(steps), "done")
         if root.exists():
             shutil.rmtree(root)
-        tmp.chmod(0o755)
+        apply_umask(tmp)  # mkdtemp's 0700 and safetensors' 0600 files: the umask's modes instead
         tmp.rename(root)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

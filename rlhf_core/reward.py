@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from rlhf_core.checkpoint import latest_checkpoint, load_training_state, save_training_state
+from rlhf_core.checkpoint import latest_checkpoint, load_training_state, remove_orphan_temps, save_training_state
 from rlhf_core.config import LoraSettings, RewardConfig, RunConfig
 from rlhf_core.model_card import write_model_card
 from rlhf_core.rollout import head_per_token
@@ -227,6 +227,8 @@ def train_reward_model(model, tokenizer, train_rows: list[dict], eval_rows: list
                                    max_grad_norm=cfg.max_grad_norm)
     optimizer, scheduler = build_optimizer(model, cfg, cfg.max_steps)
     step, epoch, position, metrics = 0, 0, 0, {}
+    if accelerator.is_main_process:
+        remove_orphan_temps(output_dir)  # a killed run's half-written saves
     resume = latest_checkpoint(output_dir)
     if resume is not None:
         restore_weights(model, resume)

@@ -47,8 +47,15 @@ def load_function(spec: str, *, field: str = "eval.metrics"):
 
 
 def call_scoring_function(name: str, fn, *, prompts: list[str], completions: list[str], **columns) -> list[float | None]:
-    """Call fn(prompts=, completions=, **columns) and check it returned one number (or None) per completion."""
-    out = fn(prompts=prompts, completions=completions, **columns)
+    """Call fn(prompts=, completions=, **columns) and check it returned one number (or None) per completion.
+
+    When fn raises, the error is a RewardFunctionError naming the function, the first sample it fails
+    on (found by calling it again one sample at a time) and the exception.
+    """
+    try:
+        out = fn(prompts=prompts, completions=completions, **columns)
+    except Exception as err:
+        raise RewardFunctionError(_raised_sentence(name, fn, err, prompts, completions, columns)) from err
     if not isinstance(out, (list, tuple)) or len(out) != len(completions):
         got = f"{len(out)} values" if isinstance(out, (list, tuple)) else f"a {type(out).__name__}"
         raise RewardFunctionError(f"reward function {name} returned {got} for {len(completions)} completions")
@@ -58,6 +65,24 @@ def call_scoring_function(name: str, fn, *, prompts: list[str], completions: lis
     values = [None if v is None else float(v) for v in out]
     check_finite(f"reward function {name}", values)
     return values
+
+
+def _one_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0]}" if text else type(err).__name__
+
+
+def _raised_sentence(name: str, fn, err: Exception, prompts, completions, columns) -> str:
+    """'reward function x raised ValueError: ... on completion 3' (the batch, when no single sample fails)."""
+    def row(values, i):
+        return values[i:i + 1] if isinstance(values, (list, tuple)) and len(values) == len(completions) else values
+
+    for i in range(len(completions)):
+        try:
+            fn(prompts=row(prompts, i), completions=completions[i:i + 1], **{k: row(v, i) for k, v in columns.items()})
+        except Exception as single:
+            return f"reward function {name} raised {_one_line(single)} on completion {i} (of {len(completions)})"
+    return f"reward function {name} raised {_one_line(err)} on a batch of {len(completions)} completions, though each one alone scores"
 
 
 def check_finite(what: str, values) -> None:

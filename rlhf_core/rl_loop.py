@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 
-from rlhf_core.checkpoint import latest_checkpoint, load_training_state, save_training_state
+from rlhf_core.checkpoint import latest_checkpoint, load_training_state, remove_orphan_temps, save_training_state
 from rlhf_core.config import RLConfig, RunConfig
 from rlhf_core.parallel import full_parameters, gathered_state_dicts, reduce_metrics, shards_optimizer
 from rlhf_core.models import stop_token_ids
@@ -70,6 +70,8 @@ class RLLoop:
                                             max_grad_norm=rl.max_grad_norm)
         self.optimizer, self.scheduler = build_optimizer(trainable, rl, rl.total_steps)
         self.step, self.epoch, self.position, self.skipped, self.metrics = 0, 0, 0, 0, {}
+        if self.accelerator.is_main_process:
+            remove_orphan_temps(self.output_dir)  # a killed run's half-written saves
         resume = latest_checkpoint(self.output_dir)
         if resume is not None:
             for sub, model in models.items():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 import shutil
 import tempfile
@@ -10,6 +11,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Protocol
 
 from rlhf_core.config import OptimSettings, RunConfig
+from rlhf_core.ownership import ATOMIC_CREATOR, MARKER, OwnershipError, is_owned, write_marker
 
 
 class OnLog(Protocol):
@@ -89,21 +91,86 @@ def build_optimizer(model, settings: OptimSettings, max_steps: int):
     return optimizer, scheduler
 
 
+def current_umask() -> int:
+    """The process umask, read without changing it where /proc allows (os.umask both sets and gets)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def apply_umask(root: str | Path) -> None:
+    """Give `root` and everything under it the modes a plain mkdir/open would: 0o777 / 0o666 less the umask.
+
+    tempfile.mkdtemp makes 0700 directories and some writers make 0600 files; the weights a run
+    publishes must be readable as the user's umask says (0755 / 0644 under the usual 022).
+    Execute bits of files are kept (less the umask).
+    """
+    mask = current_umask()
+    root = Path(root)
+    root.chmod(0o777 & ~mask)
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames:
+            path = Path(dirpath) / name
+            if not path.is_symlink():
+                path.chmod(0o777 & ~mask)
+        for name in filenames:
+            path = Path(dirpath) / name
+            if not path.is_symlink():
+                path.chmod((0o666 | (path.stat().st_mode & 0o111)) & ~mask)
+
+
+def _refuse_unowned(output_dir: Path) -> None:
+    if output_dir.is_symlink() or (output_dir.exists() and not output_dir.is_dir()):
+        raise OwnershipError(f"refusing to replace {output_dir}: it is not a directory the pipeline created; "
+                             "move it away or choose another output path")
+    if output_dir.is_dir() and not is_owned(output_dir) and any(output_dir.iterdir()):
+        raise OwnershipError(f"refusing to replace {output_dir}: it is a non-empty directory the pipeline did not "
+                             f"create (no {MARKER} marker); move it away or choose another output path")
+
+
 @contextmanager
 def atomic_dir(output_dir: str | Path) -> Iterator[Path]:
-    """Yield a temporary sibling of `output_dir` to fill; on success it replaces `output_dir` in one rename.
+    """Yield a temporary sibling of `output_dir` to fill; on success it replaces `output_dir` by renames.
 
-    A crash while filling it leaves the previous directory (or none), never a half-written one.
+    A crash while filling it leaves the previous directory (or none), never a half-written one. The
+    temporary directory carries the ownership marker from its creation (so a killed run's leftover
+    is recognisably ours, see `ownership.remove_orphan_temps`) and keeps it once renamed. An
+    existing `output_dir` is replaced only when it carries the marker (or is empty): anything else
+    raises OwnershipError before any work. Modes follow the umask (see `apply_umask`).
     """
     output_dir = Path(output_dir)
+    _refuse_unowned(output_dir)
     output_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}-", dir=output_dir.parent))
     try:
+        write_marker(tmp, ATOMIC_CREATOR)
         yield tmp
-        tmp.chmod(0o755)
+        if not is_owned(tmp):
+            write_marker(tmp, ATOMIC_CREATOR)
+        apply_umask(tmp)
+        _refuse_unowned(output_dir)  # it may have appeared while we filled tmp
+        old = None
         if output_dir.exists():
-            shutil.rmtree(output_dir)
-        tmp.rename(output_dir)
+            # the previous one goes aside first, so that no moment leaves neither; a run killed between
+            # the two renames leaves it in a marked holder that `remove_orphan_temps` puts back
+            old = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}-old-", dir=output_dir.parent))
+            write_marker(old, ATOMIC_CREATOR, aside_of=output_dir.name)
+            output_dir.rename(old / output_dir.name)
+        try:
+            tmp.rename(output_dir)
+        except BaseException:
+            if old is not None:
+                (old / output_dir.name).rename(output_dir)
+                shutil.rmtree(old, ignore_errors=True)
+            raise
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -25,6 +25,7 @@ from mlflow.entities import Metric, Param, RunStatus
 from mlflow.tracking import MlflowClient
 
 from rlhf_core.config import PipelineConfig, flatten_config, redact_uri
+from rlhf_core.redaction import has_secret, redact, split_credentials
 
 # Packages a logged model needs to load again. Listed explicitly because MLflow's inference of
 # default requirements looks for torchvision, which has no CPU build in our registries.
@@ -50,10 +51,72 @@ def writes() -> bool:
     return int(os.environ.get("RANK", "0")) == 0
 
 
+USERNAME_ENV, PASSWORD_ENV, SUPPRESS_URL_ENV = (
+    "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT")
+_suppressed_by_us = False
+
+
+def credentials_to_env(tracking_uri: str) -> str:
+    """`tracking_uri` without its `user:password@`, which moves into MLflow's own environment variables.
+
+    A URI's userinfo is sent as basic auth (requests puts it over MLflow's own Authorization header),
+    and MLflow sends MLFLOW_TRACKING_USERNAME/PASSWORD as the same basic auth, so the move changes
+    nothing for the server; what changes is that MLflow never holds the secret in its URI, so its
+    "View run ... at" links and its error messages cannot show it. A secret that has no such
+    variable (a token given as the user name, a ?token= query parameter) stays in the URI.
+    """
+    clean, user, password = split_credentials(tracking_uri)
+    if user is None:
+        return tracking_uri
+    os.environ[USERNAME_ENV], os.environ[PASSWORD_ENV] = user, password
+    return clean
+
+
 def configure(tracking_uri: str) -> None:
-    """Point tracking and the registry at `tracking_uri`."""
-    mlflow.set_tracking_uri(tracking_uri)
-    mlflow.set_registry_uri(tracking_uri)
+    """Point tracking and the registry at `tracking_uri` (its credentials moved into MLflow's env variables)."""
+    global _suppressed_by_us
+    uri = credentials_to_env(tracking_uri)
+    mlflow.set_tracking_uri(uri)
+    mlflow.set_registry_uri(uri)
+    # a secret that could not move out of the URI (a token as the user name, a ?token= parameter)
+    # would be in the "View run ... at" links MLflow writes to stdout: MLflow then prints none
+    if has_secret(uri) and SUPPRESS_URL_ENV not in os.environ:
+        os.environ[SUPPRESS_URL_ENV], _suppressed_by_us = "true", True
+    elif not has_secret(uri) and _suppressed_by_us:
+        os.environ.pop(SUPPRESS_URL_ENV, None)
+        _suppressed_by_us = False
+
+
+def _redacting_record_factory(base):
+    """A log record factory that hides credentials in every record's message and traceback."""
+
+    def factory(*args, **kwargs):
+        record = base(*args, **kwargs)
+        try:
+            message = record.getMessage()
+        except Exception:  # a malformed record is logging's to report, not ours
+            return record
+        if has_secret(message):
+            record.msg, record.args = redact(message), ()
+        exc = record.exc_info[1] if record.exc_info else None
+        if exc is not None and has_secret(f"{exc} {exc.__cause__ or ''} {exc.__context__ or ''}"):
+            import traceback
+
+            record.exc_text = redact("".join(traceback.format_exception(exc)).rstrip("\n"))
+        return record
+
+    factory.redacting = True
+    return factory
+
+
+def install_log_redaction() -> None:
+    """Hide credentials in every log record of the process: ours, Prefect's (console and API) and MLflow's."""
+    base = logging.getLogRecordFactory()
+    if not getattr(base, "redacting", False):
+        logging.setLogRecordFactory(_redacting_record_factory(base))
+
+
+install_log_redaction()
 
 
 def artifact_root_for(tracking_uri: str) -> str | None:

@@ -31,7 +31,7 @@ def test_pipeline_runs_registers_and_reuses_finished_stages(prefect_harness, tmp
     # then
     assert state.is_completed()
     summary = state.result()
-    client = MlflowClient(mlflow_uri)
+    client = MlflowClient(mlflow_uri, registry_uri=mlflow_uri)
     assert client.get_run(summary["mlflow_run_id"]).info.status == "FINISHED"
     stages = child_runs(client, summary["mlflow_run_id"])
     assert {name: r.info.status for name, r in stages.items()} == {
@@ -112,7 +112,7 @@ def test_bad_data_fails_the_flow_and_the_mlflow_run_with_nothing_registered(pref
     assert state.message.startswith("stage 'data' failed: DataValidationError: ") and "prefs.jsonl row 1" in state.message
     with pytest.raises(DataValidationError, match=r"prefs.jsonl row 1: `chosen` is identical to `rejected`"):
         state.result()
-    client = MlflowClient(mlflow_uri)
+    client = MlflowClient(mlflow_uri, registry_uri=mlflow_uri)
     [run] = client.search_runs([client.get_experiment_by_name("rlhf-smoke").experiment_id],
                                "attributes.run_name = 'smoke'")
     assert run.info.status == "FAILED"

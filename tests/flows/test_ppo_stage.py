@@ -33,7 +33,7 @@ def test_a_crash_in_ppo_resumes_from_the_last_checkpoint_without_duplicate_versi
 
     monkeypatch.setattr(tasks.rl, "train_ppo", crashing)
     assert rlhf_pipeline(config_path=SMOKE, overrides=overrides, return_state=True).is_failed()
-    client = MlflowClient(mlflow_uri)
+    client = MlflowClient(mlflow_uri, registry_uri=mlflow_uri)
     assert [s for _, _, s in ppo_versions(client)] == ["1"]
 
     monkeypatch.setattr(tasks.rl, "train_ppo", real)
@@ -51,7 +51,7 @@ def test_prompts_and_responses_longer_than_the_context_are_refused(prefect_harne
     state = rlhf_pipeline(config_path=SMOKE, overrides=overrides, return_state=True)
     with pytest.raises(ValueError, match=r"data.max_prompt_length 16 \+ rl.response_length 60 = 76 tokens exceeds the policy's context of 64"):
         state.result()
-    assert ppo_versions(MlflowClient(mlflow_uri)) == []
+    assert ppo_versions(MlflowClient(mlflow_uri, registry_uri=mlflow_uri)) == []
 
 
 def test_a_reward_model_with_another_tokenizer_is_refused(prefect_harness, tmp_path, mlflow_uri):
@@ -61,4 +61,4 @@ def test_a_reward_model_with_another_tokenizer_is_refused(prefect_harness, tmp_p
     state = rlhf_pipeline(config_path=SMOKE, overrides=overrides, return_state=True)
     with pytest.raises(ModelSourceError, match="reward model's tokenizer .* does not match the policy's .*: their vocabularies differ"):
         state.result()
-    assert ppo_versions(MlflowClient(mlflow_uri)) == []
+    assert ppo_versions(MlflowClient(mlflow_uri, registry_uri=mlflow_uri)) == []

@@ -34,7 +34,7 @@ def test_a_crash_mid_training_resumes_without_duplicate_versions(prefect_harness
     monkeypatch.setattr(tasks.reward, "train_reward_model", crashing)
     state = rlhf_pipeline(config_path=SMOKE, overrides=overrides, return_state=True)
     assert state.is_failed()
-    client = MlflowClient(mlflow_uri)
+    client = MlflowClient(mlflow_uri, registry_uri=mlflow_uri)
     assert reward_versions(client) == [(1, "2")]
 
     # when it runs again
@@ -61,7 +61,7 @@ def test_a_checkpoint_saved_but_not_registered_is_registered_on_the_next_run(pre
 
     monkeypatch.setattr(tasks.tracking, "register_once", registry_down_at_step_4)
     assert rlhf_pipeline(config_path=SMOKE, overrides=overrides, return_state=True).is_failed()
-    client = MlflowClient(mlflow_uri)
+    client = MlflowClient(mlflow_uri, registry_uri=mlflow_uri)
     assert reward_versions(client) == [(1, "2")]
 
     monkeypatch.setattr(tasks.tracking, "register_once", real)
@@ -74,7 +74,7 @@ def test_a_missing_reward_base_fails_before_any_training(prefect_harness, tmp_pa
     state = rlhf_pipeline(config_path=SMOKE, overrides=overrides, return_state=True)
     with pytest.raises(ModelSourceError, match=r"^reward.base: directory .*no-model does not exist$"):
         state.result()
-    assert MlflowClient(mlflow_uri).search_registered_models() == []
+    assert MlflowClient(mlflow_uri, registry_uri=mlflow_uri).search_registered_models() == []
     assert not (tmp_path / "out" / "sft").exists()
 
 
@@ -91,14 +91,14 @@ def test_a_reward_tokenizer_with_no_pad_and_no_eos_is_refused(prefect_harness, t
     state = rlhf_pipeline(config_path=SMOKE, overrides=overrides, return_state=True)
     with pytest.raises(ModelSourceError, match="has no pad token and no eos token to borrow"):
         state.result()
-    assert MlflowClient(mlflow_uri).search_model_versions("name = 'smoke-reward-model'") == []
+    assert MlflowClient(mlflow_uri, registry_uri=mlflow_uri).search_model_versions("name = 'smoke-reward-model'") == []
 
 
 def test_a_worker_without_the_output_directory_reuses_the_registered_reward_model(prefect_harness, tmp_path, mlflow_uri,
                                                                                   monkeypatch):
     overrides = [f"run.output_dir={tmp_path / 'out'}", f"tracking.uri={mlflow_uri}"]
     first = rlhf_pipeline(config_path=SMOKE, overrides=overrides)
-    client = MlflowClient(mlflow_uri)
+    client = MlflowClient(mlflow_uri, registry_uri=mlflow_uri)
     before = reward_versions(client)
     # another machine, or a wiped disk: the stage's checkpoints are gone, the registry still has them
     shutil.rmtree(tmp_path / "out" / "reward")

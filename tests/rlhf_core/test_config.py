@@ -65,7 +65,7 @@ def test_override_does_not_mutate_input():
 @pytest.mark.parametrize(
     "overrides, expected",
     [
-        (["ppo.kl_coeff=0.1"], "unknown config field `ppo.kl_coeff`; the fields allowed in ppo are: kl_coef,"),
+        (["ppo.kl_coeff=0.1"], "unknown config field `ppo.kl_coeff` (did you mean `ppo.kl_coef`?); the fields allowed in ppo are: kl_coef,"),
         (["nonsense.x=1"], "unknown config field `nonsense`"),
         (["rl.algorithm=dpo"], "`rl.algorithm` got 'dpo': allowed values are 'ppo' or 'grpo'"),
         (["grpo.loss_type=sum"], "allowed values are 'grpo', 'bnpo', 'dr_grpo', 'dapo', 'cispo' or 'sapo'"),
@@ -83,7 +83,7 @@ def test_override_does_not_mutate_input():
         (["rl.algorithm=grpo", "grpo.loss_type=cispo", "grpo.delta=2"], "grpo.delta applies to the clipped losses"),
         (["rl.missing_eos_penalty=1", "rl.stop_token=none"], "missing_eos_penalty needs a stop token"),
         (["ppo.cliprange=-1"], "`ppo.cliprange` got -1: Input should be greater than 0"),
-        (["run.seed=abc"], "`run.seed` got 'abc'"),
+        (["run.seed=abc"], "`run.seed` must be an integer, but got 'abc' (a string)"),
         (["rl.algorithm=grpo", "rl.batch_size=12"], "rl.batch_size 12 must be a multiple of grpo.num_generations 8"),
         (["data.prompts.split=validation"], "`data.prompts`: split 'validation' does not exist in the demo world"),
         (["grpo.rewards=[{name: x}]"], "reward 'x' must set exactly one of model or function"),

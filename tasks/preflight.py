@@ -1,0 +1,334 @@
+"""Everything that can be checked without training, checked before the first stage starts.
+
+`preflight(cfg)` returns the problems it finds, each one sentence naming the config field;
+`check(cfg)` raises :class:`PreflightError` with the first of them. `rlhf validate` and the pipeline
+flow call `check` right after the config is loaded, so a wrong reward function, a missing data file,
+a model that cannot hold prompt + response, an unreachable tracking server or a bad registry name
+stops the run before the demo world is built, before SFT and before reward training.
+
+This module stays light (no prefect, mlflow or torch imports): `rlhf validate` runs it in a second.
+"""
+
+from __future__ import annotations
+
+import csv
+import inspect
+import json
+import os
+import re
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any, Callable
+
+from rlhf_core.config import DEMO, DatasetSpec, PipelineConfig, redact_uri
+from rlhf_core.data import (
+    DataValidationError, Kind, _glob_files, _local_files, is_glob, looks_local, required_columns,
+)
+from rlhf_core.models import ModelSourceError, check_source, looks_like_path
+from rlhf_core.rewards import RewardFunctionError, load_function
+
+TRACKING_TIMEOUT_S = 10.0
+FIRST_ROWS = 5
+HUB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?")
+MODELS_URI = re.compile(r"models:/[^/@\s]+(/\d+|@[A-Za-z0-9_-]+)")
+
+
+class PreflightError(ValueError):
+    """A config that validates but cannot run (an unreachable server, a bad registry name...); one sentence."""
+
+
+class Problem(str):
+    """One problem's sentence, remembering the error class `check` raises it as."""
+
+    kind: type[ValueError] = PreflightError
+
+    @classmethod
+    def of(cls, kind: type[ValueError], message: str) -> Problem:
+        problem = cls(message)
+        problem.kind = kind
+        return problem
+
+
+def check(cfg: PipelineConfig) -> None:
+    """Raise the first problem `preflight` finds (and say how many more there are).
+
+    It is raised as what the stage that would have met it raises: RewardFunctionError for functions,
+    DataValidationError for data, ModelSourceError for model sources, else PreflightError; all of
+    them are ValueErrors with a one-sentence message.
+    """
+    problems = preflight(cfg)
+    if problems:
+        more = len(problems) - 1
+        kind = getattr(problems[0], "kind", PreflightError)
+        raise kind(problems[0] + (f" (and {more} more problem{'s' if more > 1 else ''}; "
+                                  "`rlhf validate` checks them all)" if more else ""))
+
+
+def preflight(cfg: PipelineConfig) -> list[str]:
+    """Every problem found without training, one sentence each; an empty list means go."""
+    problems: list[str] = []
+    for check_one, kind in ((_check_functions, RewardFunctionError), (_check_data, DataValidationError),
+                            (_check_models, ModelSourceError), (_check_context, PreflightError),
+                            (_check_tracking, PreflightError), (_check_registry, PreflightError)):
+        problems += [Problem.of(kind, p) for p in check_one(cfg)]
+    return problems
+
+
+# --------------------------------------------------------------------------------------------
+# reward and metric functions
+# --------------------------------------------------------------------------------------------
+
+
+def _signature_problem(fn: Callable, *, needs_kwargs: bool) -> str | None:
+    """Why fn(prompts=[...], completions=[...], **columns) cannot be called, else None."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # builtins without a signature: give them the benefit of the doubt
+        return None
+    params = sig.parameters.values()
+    if needs_kwargs and not any(p.kind is p.VAR_KEYWORD for p in params):
+        return "it takes no **kwargs, which receive the prompt table's other columns"
+    try:
+        sig.bind(prompts=[], completions=[])
+    except TypeError as err:
+        return str(err)
+    return None
+
+
+def _check_functions(cfg: PipelineConfig) -> list[str]:
+    specs: list[tuple[str, str, bool]] = []
+    if cfg.rl.algorithm == "grpo":
+        specs += [(f"grpo.rewards[{i}].function", r.function, True) for i, r in enumerate(cfg.grpo.rewards) if r.function]
+    specs += [("eval.metrics", spec, False) for spec in cfg.eval.metrics]
+    problems = []
+    for field, spec, needs_kwargs in specs:
+        try:
+            fn = load_function(spec, field=field)
+        except RewardFunctionError as err:
+            problems.append(str(err))
+            continue
+        why = _signature_problem(fn, needs_kwargs=needs_kwargs)
+        if why:
+            call = "fn(prompts=..., completions=..., **kwargs)" if needs_kwargs else "fn(prompts=..., completions=...)"
+            problems.append(f"{field}: '{spec}' cannot be called as {call} ({why})")
+    return problems
+
+
+# --------------------------------------------------------------------------------------------
+# data: the files exist and their first rows have the mapped columns
+# --------------------------------------------------------------------------------------------
+
+
+def tables_to_check(cfg: PipelineConfig) -> list[tuple[str, DatasetSpec, Kind]]:
+    """(config field, spec, kind) of every table the pipeline reads (as tasks.data.tables_to_prepare)."""
+    tables = [("data.preference", cfg.data.preference, "preference"),
+              ("data.preference_eval", cfg.data.preference_eval, "preference"),
+              ("data.prompts", cfg.data.prompts, "prompt"),
+              ("data.eval_prompts", cfg.data.eval_prompts, "prompt")]
+    if cfg.sft.enabled:
+        tables.append(("sft.dataset", cfg.sft.dataset, "text"))
+    return tables
+
+
+def first_rows(fmt: str, file: str, n: int = FIRST_ROWS) -> list[Any]:
+    """The first `n` rows of a local data file, read without loading the whole table."""
+    if fmt == "csv":
+        with open(file, newline="", encoding="utf-8") as fh:
+            return [row for _, row in zip(range(n), csv.DictReader(fh))]
+    if fmt == "parquet":
+        import pyarrow.parquet as pq
+
+        batch = next(pq.ParquetFile(file).iter_batches(batch_size=n), None)
+        return batch.to_pylist() if batch is not None else []
+    with open(file, encoding="utf-8") as fh:
+        head = fh.read(1)
+        while head.isspace():
+            head = fh.read(1)
+        fh.seek(0)
+        if head == "[":  # one JSON array
+            rows = json.load(fh)
+            return rows[:n] if isinstance(rows, list) else [rows]
+        if head == "{" and file.endswith(".json"):
+            try:  # a single JSON object over several lines, or JSON lines in a .json file
+                return [json.loads(fh.read())]
+            except json.JSONDecodeError:
+                fh.seek(0)
+        rows = []
+        for line_no, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                raise DataValidationError(f"{file} row {line_no} is not valid JSON") from None
+            if len(rows) == n:
+                break
+        return rows
+
+
+def _check_table(field: str, spec: DatasetSpec, kind: Kind) -> str | None:
+    path = spec.path
+    if path == DEMO:
+        return None
+    if not looks_local(path):
+        if not HUB_NAME.fullmatch(path) or ".." in path or "--" in path:
+            return f"{field}.path: '{path}' is neither an existing local file nor a hub dataset name such as 'owner/dataset'"
+        return None  # a hub dataset: only the data stage can reach the hub
+    local = Path(path).expanduser()
+    try:
+        if is_glob(path) and not local.exists():
+            fmt, files = _glob_files(path, field)
+        elif not local.exists():
+            return f"{field}.path: {local} does not exist"
+        else:
+            fmt, files = _local_files(local)
+        rows = first_rows(fmt, files[0])
+    except DataValidationError as err:
+        return str(err)
+    except (OSError, UnicodeDecodeError, ValueError, csv.Error) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        return f"{field}.path: {files[0]} could not be read as {fmt} ({first})"
+    if not rows:
+        return f"{field}.path: {files[0]} has no rows"
+    mapping = required_columns(kind, spec)
+    for i, row in enumerate(rows, start=1):
+        if not isinstance(row, dict):
+            return f"{files[0]} row {i} is a {type(row).__name__}, not an object with columns"
+        missing = [src for src in mapping.values() if src not in row]
+        if missing:
+            return (f"{files[0]} has no column `{missing[0]}` (row {i} has {sorted(row)}); "
+                    f"map it with {field}.columns.{_pipeline_name(mapping, missing[0])}")
+        for dst, src in mapping.items():
+            value = row[src]
+            if value is None:
+                return f"{files[0]} row {i} column `{src}` is missing a value"
+            if dst == "margin":
+                if isinstance(value, bool) or (not isinstance(value, (int, float)) and fmt != "csv"):
+                    return f"{files[0]} row {i} column `{src}` holds {value!r}, not a number"
+            elif not isinstance(value, str):
+                return f"{files[0]} row {i} column `{src}` holds a {type(value).__name__}, not a string"
+    return None
+
+
+def _pipeline_name(mapping: dict[str, str], source: str) -> str:
+    return next(dst for dst, src in mapping.items() if src == source)
+
+
+def _check_data(cfg: PipelineConfig) -> list[str]:
+    return [p for p in (_check_table(*t) for t in tables_to_check(cfg)) if p]
+
+
+# --------------------------------------------------------------------------------------------
+# models and tokenizers, and the context length
+# --------------------------------------------------------------------------------------------
+
+
+def _source_problem(source: str, field: str) -> str | None:
+    if source.startswith("models:/"):
+        if not MODELS_URI.fullmatch(source):
+            return f"{field}: '{source}' must look like models:/<name>/<version> or models:/<name>@<alias>"
+        return None
+    try:
+        check_source(source, field)
+    except ModelSourceError as err:
+        return str(err)
+    if not looks_like_path(source) and (not HUB_NAME.fullmatch(source) or ".." in source or "--" in source):
+        return (f"{field}: '{source}' is neither an existing local directory nor a hub model name such as "
+                "'Qwen/Qwen2.5-0.5B'")
+    return None
+
+
+def _check_models(cfg: PipelineConfig) -> list[str]:
+    sources = [("model.base", cfg.model.base)]
+    if cfg.model.tokenizer is not None:
+        sources.append(("model.tokenizer", cfg.model.tokenizer))
+    if cfg.reward.base != "policy":
+        sources.append(("reward.base", cfg.reward.base))
+    if cfg.rl.algorithm == "grpo":
+        sources += [(f"grpo.rewards[{i}].model", r.model) for i, r in enumerate(cfg.grpo.rewards)
+                    if r.model is not None and r.model != "reward_stage"]
+    return [p for p in (_source_problem(source, field) for field, source in sources if source != DEMO) if p]
+
+
+def model_context(cfg: PipelineConfig) -> tuple[int | None, str]:
+    """(the base policy's context length, where it comes from); None when it cannot be read offline."""
+    if cfg.model.base == DEMO:
+        return cfg.model.demo.max_position_embeddings, "model.demo.max_position_embeddings"
+    if looks_like_path(cfg.model.base):
+        config = Path(cfg.model.base).expanduser() / "config.json"
+        try:
+            data = json.loads(config.read_text())
+        except (OSError, ValueError):
+            return None, str(config)
+        for key in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+            value = data.get(key) if isinstance(data, dict) else None
+            if isinstance(value, int) and not isinstance(value, bool):
+                return value, f"{key} in {config}"
+    return None, cfg.model.base
+
+
+def _check_context(cfg: PipelineConfig) -> list[str]:
+    context, where = model_context(cfg)
+    needed = cfg.data.max_prompt_length + cfg.rl.response_length
+    if context is not None and needed > context:
+        return [f"data.max_prompt_length {cfg.data.max_prompt_length} + rl.response_length {cfg.rl.response_length} = "
+                f"{needed} tokens exceeds the policy's context of {context} ({where})"]
+    return []
+
+
+# --------------------------------------------------------------------------------------------
+# tracking server and registry names
+# --------------------------------------------------------------------------------------------
+
+
+def _strip_userinfo(uri: str) -> str:
+    return re.sub(r"//[^/@\s]*@", "//", uri)
+
+
+def _check_tracking(cfg: PipelineConfig) -> list[str]:
+    uri = cfg.tracking_uri()
+    field = "tracking.uri" if cfg.tracking.uri else ("MLFLOW_TRACKING_URI" if os.environ.get("MLFLOW_TRACKING_URI") else "tracking.uri")
+    if uri.startswith(("http://", "https://")):
+        url = _strip_userinfo(uri).rstrip("/") + "/health"
+        try:
+            with urllib.request.urlopen(urllib.request.Request(url, method="GET"), timeout=TRACKING_TIMEOUT_S):
+                return []
+        except urllib.error.HTTPError as err:
+            if err.code < 500:  # it answered (a proxy may want credentials for /health): reachable
+                return []
+            reason = f"HTTP {err.code}"
+        except (urllib.error.URLError, OSError, ValueError) as err:
+            reason = str(getattr(err, "reason", err)) or type(err).__name__
+        return [f"{field}: the tracking server {redact_uri(uri)} does not answer (GET /health, "
+                f"{TRACKING_TIMEOUT_S:.0f} s timeout: {reason}); start it or fix the URI"]
+    if uri.startswith("sqlite:///"):
+        db = Path(uri.removeprefix("sqlite:///")).expanduser()
+        parent = db.parent
+        if not parent.is_dir():
+            return [f"{field}: the directory {parent} of the SQLite store {db} does not exist"]
+        if not os.access(parent, os.W_OK) or (db.exists() and not os.access(db, os.W_OK)):
+            return [f"{field}: the SQLite store {db} is not writable here"]
+    return []
+
+
+def registry_name_problem(field: str, name: str) -> str | None:
+    """Why `name` cannot be a registered model's name (models:/<name>/<version> must parse), else None."""
+    if not name.strip():
+        return f"{field} is empty; give the registered model a name"
+    bad = [c for c in ("/", ":", "@") if c in name]
+    if bad:
+        return f"{field} '{name}' contains '{bad[0]}', which models:/ URIs cannot hold; use letters, digits, '-', '_' or '.'"
+    if name != name.strip():
+        return f"{field} '{name}' starts or ends with whitespace"
+    return None
+
+
+def _check_registry(cfg: PipelineConfig) -> list[str]:
+    names = [("registry.reward_model_name", cfg.registry.reward_model_name),
+             ("registry.policy_model_name", cfg.registry.policy_model_name)]
+    problems = [p for p in (registry_name_problem(f, n) for f, n in names) if p]
+    if not problems and names[0][1] == names[1][1]:
+        problems.append(f"registry.reward_model_name and registry.policy_model_name are both '{names[0][1]}'; "
+                        "reward models and policies need their own registered models")
+    return problems

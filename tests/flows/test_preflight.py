@@ -1,0 +1,274 @@
+"""`rlhf validate` (and the first step of `rlhf run`) check everything that can be checked without
+training, and a user's error is one sentence on stderr with exit code 2, no traceback."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from pathlib import Path
+
+import pytest
+
+import flows.cli
+from flows.cli import is_user_error, main
+from rlhf_core.data import DataValidationError
+from rlhf_core.config import load_config
+from tasks.preflight import preflight
+
+SMOKE = str(Path(__file__).resolve().parents[2] / "configs" / "smoke.yaml")
+
+FUNCTIONS = '''
+def no_kwargs(prompts=None, completions=None):
+    return [0.0] * len(completions)
+
+def positional(texts):
+    return [0.0] * len(texts)
+
+def fine(prompts=None, completions=None, **kwargs):
+    return [1.0] * len(completions)
+'''
+
+
+@pytest.fixture
+def funcs(tmp_path, monkeypatch):
+    """A module `preflight_funcs` on sys.path with reward functions of several signatures."""
+    (tmp_path / "preflight_funcs.py").write_text(FUNCTIONS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return "preflight_funcs"
+
+
+def cli(command: str, tmp_path: Path, capsys, *sets: str) -> tuple[int, str]:
+    base = [f"run.output_dir={tmp_path / 'out'}", f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}"]
+    argv = [command, "--config", SMOKE]
+    for text in (*base, *sets):
+        argv += ["--set", text]
+    code = main(argv)
+    return code, capsys.readouterr().err.strip()
+
+
+def assert_one_sentence(code: int, err: str, expected: str, tmp_path: Path) -> None:
+    assert code == 2, err
+    assert err.count("\n") == 0 and "Traceback" not in err, err
+    assert err.startswith("error: ") and expected in err, err
+    assert not (tmp_path / "out").exists() and not (tmp_path / "mlflow.db").exists()  # before any work
+
+
+def write_jsonl(path: Path, rows: list) -> str:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return str(path)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_valid_config_passes(tmp_path, capsys):
+    code, err = cli("validate", tmp_path, capsys)
+    assert code == 0 and err == ""
+    assert preflight(load_config(SMOKE)) == []
+
+
+@pytest.mark.parametrize("sets, expected", [
+    (["rl.algorithm=grpo", "grpo.rewards=[{name: bad, function: 'no_such_module:score'}]"],
+     "grpo.rewards[0].function: could not import module 'no_such_module'"),
+    (["rl.algorithm=grpo", "grpo.rewards=[{name: r, function: 'preflight_funcs:no_kwargs'}]"],
+     "grpo.rewards[0].function: 'preflight_funcs:no_kwargs' cannot be called as fn(prompts=..., completions=..., "
+     "**kwargs) (it takes no **kwargs"),
+    (["rl.algorithm=grpo", "grpo.rewards=[{name: r, function: 'preflight_funcs:positional'}]"], "cannot be called"),
+    (["eval.metrics=['rlhf_core.rewards:no_such_metric']"], "eval.metrics: module 'rlhf_core.rewards' has no function 'no_such_metric'"),
+    (["eval.metrics=['preflight_funcs:positional']"],
+     "eval.metrics: 'preflight_funcs:positional' cannot be called as fn(prompts=..., completions=...)"),
+])
+def test_reward_and_metric_functions_are_imported_and_their_signature_checked(funcs, tmp_path, capsys, sets, expected):
+    code, err = cli("validate", tmp_path, capsys, *sets)
+    assert_one_sentence(code, err, expected, tmp_path)
+
+
+def test_a_function_with_the_right_signature_passes(funcs, tmp_path, capsys):
+    code, err = cli("validate", tmp_path, capsys, "rl.algorithm=grpo", "eval.metrics=['preflight_funcs:no_kwargs']",
+                    "grpo.rewards=[{name: r, function: 'preflight_funcs:fine'}]")
+    assert code == 0, err
+
+
+@pytest.mark.parametrize("rows, field, expected", [
+    (None, "data.prompts", "data.prompts.path: {dir}/prompts.jsonl does not exist"),
+    ([{"question": "hi"}], "data.prompts", "prompts.jsonl has no column `prompt` (row 1 has ['question']); map it with data.prompts.columns.prompt"),
+    (["{not json"], "data.prompts", "prompts.jsonl row 1 is not valid JSON"),
+    ([{"prompt": 3}], "data.eval_prompts", "prompts.jsonl row 1 column `prompt` holds a int, not a string"),
+    ([{"prompt": None}], "data.prompts", "prompts.jsonl row 1 column `prompt` is missing a value"),
+    ([{"prompt": "p", "chosen": "a"}], "data.preference", "has no column `rejected`"),
+    ([{"text": "t"}], "sft.dataset", None),
+])
+def test_data_paths_exist_and_their_first_rows_parse(tmp_path, capsys, rows, field, expected):
+    path = tmp_path / "prompts.jsonl"
+    if rows is not None:
+        write_jsonl(path, rows)
+    code, err = cli("validate", tmp_path, capsys, f"{field}.path={path}")
+    if expected is None:
+        assert code == 0, err
+    else:
+        assert_one_sentence(code, err, expected.format(dir=tmp_path), tmp_path)
+
+
+def test_a_glob_matching_nothing_and_a_renamed_column(tmp_path, capsys):
+    code, err = cli("validate", tmp_path, capsys, f"data.prompts.path={tmp_path}/prefs/*.jsonl")
+    assert_one_sentence(code, err, f"data.prompts.path: the glob {tmp_path}/prefs/*.jsonl matches no", tmp_path)
+    write_jsonl(tmp_path / "q.jsonl", [{"question": "hi"}])
+    code, err = cli("validate", tmp_path, capsys, f"data.prompts.path={tmp_path / 'q.jsonl'}", "data.prompts.columns.prompt=question")
+    assert code == 0, err
+
+
+@pytest.mark.parametrize("sets, expected", [
+    (["model.base=./no/such/model", "sft.enabled=false", "init.policy=base"], "model.base: directory ./no/such/model does not exist"),
+    (["model.base=not a hub name!", "sft.enabled=false", "init.policy=base"],
+     "model.base: 'not a hub name!' is neither an existing local directory nor a hub model name"),
+    (["model.tokenizer=/no/such/tokenizer"], "model.tokenizer: directory /no/such/tokenizer does not exist"),
+    (["reward.base=/no/such/reward"], "reward.base: directory /no/such/reward does not exist"),
+    (["reward.base=models:/x"], "reward.base: 'models:/x' must look like models:/<name>/<version>"),
+    (["rl.algorithm=grpo", "grpo.rewards=[{name: rm, model: /no/rm}]"], "grpo.rewards[0].model: directory /no/rm does not exist"),
+])
+def test_model_and_tokenizer_sources(tmp_path, capsys, sets, expected):
+    code, err = cli("validate", tmp_path, capsys, *sets)
+    assert_one_sentence(code, err, expected, tmp_path)
+
+
+def test_prompt_and_response_must_fit_the_demo_context(tmp_path, capsys):
+    code, err = cli("validate", tmp_path, capsys, "rl.response_length=60")
+    assert_one_sentence(code, err, "data.max_prompt_length 16 + rl.response_length 60 = 76 tokens exceeds the policy's "
+                        "context of 64 (model.demo.max_position_embeddings)", tmp_path)
+
+
+def test_prompt_and_response_must_fit_a_local_models_context(tmp_path, capsys):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "llama", "max_position_embeddings": 20}))
+    code, err = cli("validate", tmp_path, capsys, f"model.base={model}", "sft.enabled=false", "init.policy=base")
+    assert_one_sentence(code, err, f"= 22 tokens exceeds the policy's context of 20 (max_position_embeddings in {model}/config.json)", tmp_path)
+
+
+def test_an_unreachable_tracking_server_is_refused(tmp_path, capsys):
+    port = free_port()
+    code, err = cli("validate", tmp_path, capsys, f"tracking.uri=http://user:hunter2@127.0.0.1:{port}")
+    assert_one_sentence(code, err, "tracking.uri: the tracking server http://", tmp_path)
+    assert f"127.0.0.1:{port} does not answer (GET /health, 10 s timeout: " in err
+    assert "hunter2" not in err
+
+
+def test_a_tracking_server_that_answers_passes(tmp_path, capsys):
+    seen = []
+
+    class Health(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            seen.append(self.path)
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b"OK")
+
+        def log_message(self, *args):
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        code, err = cli("validate", tmp_path, capsys, f"tracking.uri=http://127.0.0.1:{server.server_port}/")
+    finally:
+        server.shutdown()
+    assert code == 0, err
+    assert seen == ["/health"]
+
+
+def test_a_sqlite_store_in_a_missing_directory_is_refused(tmp_path, capsys):
+    code, err = cli("validate", tmp_path, capsys, f"tracking.uri=sqlite:///{tmp_path}/no/dir/mlflow.db")
+    assert_one_sentence(code, err, f"tracking.uri: the directory {tmp_path}/no/dir of the SQLite store", tmp_path)
+
+
+@pytest.mark.parametrize("sets, expected", [
+    (["registry.policy_model_name=team/policy"], "registry.policy_model_name 'team/policy' contains '/'"),
+    (["registry.reward_model_name='rm:1'"], "registry.reward_model_name 'rm:1' contains ':'"),
+    (["registry.reward_model_name=' '"], "registry.reward_model_name is empty"),
+    (["registry.reward_model_name="], "config field `registry.reward_model_name` got ''"),
+    (["registry.reward_model_name=same", "registry.policy_model_name=same"], "are both 'same'"),
+])
+def test_registry_names(tmp_path, capsys, sets, expected):
+    code, err = cli("validate", tmp_path, capsys, *sets)
+    assert_one_sentence(code, err, expected, tmp_path)
+
+
+def test_several_problems_are_counted_in_the_one_sentence(tmp_path, capsys):
+    code, err = cli("validate", tmp_path, capsys, "registry.policy_model_name=a/b", "rl.response_length=60")
+    assert_one_sentence(code, err, "(and 1 more problem; `rlhf validate` checks them all)", tmp_path)
+
+
+def test_a_bool_for_an_integer_is_one_sentence(tmp_path, capsys):
+    code, err = cli("validate", tmp_path, capsys, "rl.total_steps=true")
+    assert_one_sentence(code, err, "error: config field `rl.total_steps` must be an integer, but got true (a boolean)", tmp_path)
+
+
+def test_run_checks_before_any_work(tmp_path, capsys, monkeypatch):
+    import flows.rlhf_pipeline
+
+    monkeypatch.setattr(flows.rlhf_pipeline, "rlhf_pipeline", lambda **kw: pytest.fail("the flow must not start"))
+    code, err = cli("run", tmp_path, capsys, f"data.prompts.path={tmp_path / 'missing.jsonl'}")
+    assert_one_sentence(code, err, "data.prompts.path:", tmp_path)
+
+
+def test_debug_shows_the_traceback(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("RLHF_DEBUG", "1")
+    code, err = cli("validate", tmp_path, capsys, "registry.policy_model_name=a/b")
+    assert code == 2 and "Traceback" in err and "tasks.preflight.PreflightError" in err
+    assert err.splitlines()[-1].startswith("error: registry.policy_model_name 'a/b'")
+    monkeypatch.delenv("RLHF_DEBUG")
+    assert main(["--debug", "validate", "--config", SMOKE, "--set", "rl.total_steps=1.5"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "ConfigError" in err
+    assert err.strip().splitlines()[-1] == "error: config field `rl.total_steps` must be an integer, but got 1.5 (a float)"
+
+
+def test_a_user_error_inside_the_flow_exits_2_and_a_bug_keeps_its_traceback(tmp_path, capsys, monkeypatch):
+    import flows.rlhf_pipeline
+
+    def bad_data(**kwargs):
+        raise DataValidationError("prefs.jsonl row 1: `chosen` is identical to `rejected`")
+
+    monkeypatch.setattr(flows.rlhf_pipeline, "rlhf_pipeline", bad_data)
+    code, err = cli("run", tmp_path, capsys)
+    assert code == 2 and err == "error: prefs.jsonl row 1: `chosen` is identical to `rejected`"
+
+    def bug(**kwargs):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(flows.rlhf_pipeline, "rlhf_pipeline", bug)
+    with pytest.raises(RuntimeError, match="a bug"):
+        cli("run", tmp_path, capsys)
+
+
+def test_check_raises_what_the_stage_would_have_raised(tmp_path):
+    from rlhf_core.models import ModelSourceError
+    from rlhf_core.rewards import RewardFunctionError
+    from tasks.preflight import PreflightError, check
+
+    cases = [(["eval.metrics=['no_such_module:f']"], RewardFunctionError),
+             ([f"data.prompts.path={tmp_path / 'x.jsonl'}"], DataValidationError),
+             (["model.tokenizer=/no/such/dir"], ModelSourceError),
+             (["rl.response_length=60"], PreflightError)]
+    for overrides, kind in cases:
+        with pytest.raises(kind) as err:
+            check(load_config(SMOKE, overrides))
+        assert type(err.value) is kind
+
+
+def test_only_our_own_value_errors_count_as_user_errors():
+    from rlhf_core.rewards import vader_compound
+
+    with pytest.raises(ValueError) as ours:
+        vader_compound(prompts=["p"])
+    assert is_user_error(ours.value)
+    with pytest.raises(ValueError) as theirs:
+        int("not a number")
+    assert not is_user_error(theirs.value)
+    assert not is_user_error(KeyError("x"))
+    assert flows.cli.one_sentence(ValueError("two\nlines")) == "two lines"

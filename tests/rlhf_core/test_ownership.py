@@ -1,0 +1,207 @@
+import hashlib
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from rlhf_core.config import load_config
+from rlhf_core.ownership import (
+    ATOMIC_CREATOR, MARKER, OwnershipError, check_output_dir, check_pipeline_outputs, host_id, is_owned, read_marker,
+    remove_orphan_temps,
+)
+from rlhf_core.training import atomic_dir
+
+SMOKE = Path(__file__).resolve().parents[2] / "configs" / "smoke.yaml"
+
+
+def tree_hash(root: Path) -> dict[str, str]:
+    """{relative path: sha256} of every file under root (the tree as it is on disk)."""
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def filled(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "precious.txt").write_text("do not delete")
+    (path / "sub").mkdir(exist_ok=True)
+    (path / "sub" / "notes.md").write_text("mine")
+    return path
+
+
+def one_sentence(message: str) -> bool:
+    return "\n" not in message and not re.search(r"[.;]\s+[A-Z]", message)
+
+
+# -- the pure check ----------------------------------------------------------------------------
+
+def test_the_filesystem_root_is_refused():
+    with pytest.raises(OwnershipError, match=r"^run.output_dir / is the filesystem root") as err:
+        check_output_dir("/", field="run.output_dir")
+    assert one_sentence(str(err.value))
+
+
+def test_the_home_directory_is_refused(tmp_path, monkeypatch):
+    home = filled(tmp_path / "home")
+    monkeypatch.setenv("HOME", str(home))
+    for spelling in (str(home), f"{home}/sub/..", home / "sub" / ".." / "."):
+        with pytest.raises(OwnershipError, match=r"^export.output_dir .* is the home directory") as err:
+            check_output_dir(spelling, field="export.output_dir")
+        assert one_sentence(str(err.value))
+
+
+def test_the_working_directory_is_refused_even_when_empty(tmp_path, monkeypatch):
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    with pytest.raises(OwnershipError, match=r"^run.output_dir \. is the current working directory"):
+        check_output_dir(".", field="run.output_dir")
+
+
+def test_an_input_or_a_directory_holding_one_is_refused(tmp_path):
+    data = filled(tmp_path / "data")
+    inputs = {"data.preference.path": data / "precious.txt"}
+    with pytest.raises(OwnershipError, match=r"^run.output_dir .*data contains data.preference.path .*precious.txt") as err:
+        check_output_dir(data, field="run.output_dir", inputs=inputs)
+    assert one_sentence(str(err.value))
+    with pytest.raises(OwnershipError, match=r"^export.output_dir .* is run.output_dir "):
+        check_output_dir(tmp_path / "out", field="export.output_dir", inputs={"run.output_dir": tmp_path / "out"})
+    with pytest.raises(OwnershipError, match=r"^export.output_dir .* contains run.output_dir "):
+        check_output_dir(tmp_path, field="export.output_dir", inputs={"run.output_dir": tmp_path / "out"})
+
+
+def test_a_non_empty_directory_without_the_marker_is_refused_and_a_marked_or_empty_one_accepted(tmp_path):
+    legacy = filled(tmp_path / "legacy")
+    with pytest.raises(OwnershipError, match=rf"^run.output_dir .*legacy is a non-empty directory the pipeline did "
+                                             rf"not create \(it has no \{MARKER} marker\)") as err:
+        check_output_dir(legacy, field="run.output_dir")
+    assert one_sentence(str(err.value))
+    (legacy / MARKER).write_text("{}")
+    assert check_output_dir(legacy, field="run.output_dir") == legacy.resolve()
+    (tmp_path / "empty").mkdir()
+    assert check_output_dir(tmp_path / "empty", field="run.output_dir") == (tmp_path / "empty").resolve()
+    assert check_output_dir(tmp_path / "new" / "dir", field="run.output_dir") == (tmp_path / "new" / "dir").resolve()
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(OwnershipError, match="is an existing file"):
+        check_output_dir(tmp_path / "file", field="run.output_dir")
+
+
+def test_pipeline_check_names_inputs_from_the_config_and_marks_the_run_dir(tmp_path):
+    prefs = filled(tmp_path / "prefs")
+    (prefs / "a.jsonl").write_text("{}\n")
+    cfg = load_config(SMOKE, [f"run.output_dir={tmp_path / 'out'}", f"data.preference.path={prefs}/*.jsonl",
+                              f"export.output_dir={prefs}"])
+    before = tree_hash(tmp_path)
+    with pytest.raises(OwnershipError, match=r"^export.output_dir .*prefs is data.preference.path .*prefs, which"):
+        check_pipeline_outputs(cfg, config_path=SMOKE)
+    assert tree_hash(tmp_path) == before and not (tmp_path / "out").exists()
+
+    cfg = load_config(SMOKE, [f"run.output_dir={tmp_path / 'out'}", f"data.preference.path={prefs}/*.jsonl"])
+    check_pipeline_outputs(cfg, config_path=SMOKE)
+    marker = read_marker(tmp_path / "out")
+    assert marker["created_by"] and marker["created_at"] and marker["pid"] == os.getpid()
+    check_pipeline_outputs(cfg, config_path=SMOKE)  # the second run is ours: accepted, marker kept
+    assert read_marker(tmp_path / "out") == marker
+
+
+# -- atomic_dir ------------------------------------------------------------------------------------
+
+def test_atomic_dir_refuses_to_replace_a_directory_it_did_not_create(tmp_path):
+    target = filled(tmp_path / "checkpoint-2")
+    before = tree_hash(tmp_path)
+    with pytest.raises(OwnershipError, match=r"^refusing to replace .*checkpoint-2: it is a non-empty directory"):
+        with atomic_dir(target) as tmp:
+            (tmp / "weights").write_text("new")
+    assert tree_hash(tmp_path) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-2"]  # no temporary left behind
+
+
+def test_atomic_dir_marks_what_it_creates_and_replaces_only_that(tmp_path):
+    target = tmp_path / "export"
+    with atomic_dir(target) as tmp:
+        (tmp / "a.txt").write_text("1")
+    assert is_owned(target) and read_marker(target)["created_by"] == ATOMIC_CREATOR
+    with atomic_dir(target) as tmp:
+        (tmp / "b.txt").write_text("2")
+    assert sorted(p.name for p in target.iterdir()) == [MARKER, "b.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]
+
+
+def test_saved_files_follow_the_umask(tmp_path):
+    # safetensors writes 0600 files and mkdtemp makes 0700 directories; the published modes follow the umask
+    old = os.umask(0o022)
+    try:
+        with atomic_dir(tmp_path / "ckpt") as tmp:
+            save_file({"w": torch.zeros(2)}, str(tmp / "model.safetensors"))
+            (tmp / "policy").mkdir(mode=0o700)
+            save_file({"w": torch.zeros(2)}, str(tmp / "policy" / "model.safetensors"))
+        os.umask(0o027)
+        with atomic_dir(tmp_path / "private") as tmp:
+            save_file({"w": torch.zeros(2)}, str(tmp / "model.safetensors"))
+    finally:
+        os.umask(old)
+    mode = lambda p: p.stat().st_mode & 0o777  # noqa: E731
+    ckpt = tmp_path / "ckpt"
+    assert (mode(ckpt), mode(ckpt / "policy")) == (0o755, 0o755)
+    assert {mode(p) for p in ckpt.rglob("*") if p.is_file()} == {0o644}
+    assert mode(tmp_path / "private" / "model.safetensors") == 0o640 and mode(tmp_path / "private") == 0o750
+
+
+# -- orphan temporaries ------------------------------------------------------------------------------
+
+def dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_orphan_temporaries_of_a_killed_run_are_removed_and_nothing_else(tmp_path):
+    orphan = tmp_path / ".checkpoint-4-abc123"
+    (orphan / "policy").mkdir(parents=True)
+    (orphan / "policy" / "model.safetensors").write_bytes(b"half")
+    (orphan / MARKER).write_text(json.dumps({"created_by": ATOMIC_CREATOR, "host": host_id(),
+                                             "pid": dead_pid(), "created_at": "x"}))
+    live = tmp_path / ".checkpoint-6-def456"  # being written by a process that is still running (this one)
+    live.mkdir()
+    (live / MARKER).write_text(json.dumps({"created_by": ATOMIC_CREATOR, "host": host_id(),
+                                           "pid": os.getpid()}))
+    foreign = filled(tmp_path / ".checkpoint-8-unmarked")  # hidden but not ours
+    hidden_file = tmp_path / ".checkpoint-9-file"
+    hidden_file.write_text("x")
+    kept = tree_hash(foreign)
+
+    assert remove_orphan_temps(tmp_path) == [orphan]
+    assert not orphan.exists() and live.is_dir() and hidden_file.is_file() and tree_hash(foreign) == kept
+
+
+def test_a_save_killed_between_its_two_renames_gets_the_previous_directory_back(tmp_path):
+    # atomic_dir moved the previous export aside, then the run died before the new one was renamed in
+    previous = tmp_path / "export"
+    with atomic_dir(previous) as tmp:
+        (tmp / "model.safetensors").write_bytes(b"the good weights")
+    kept = tree_hash(previous)
+    holder = tmp_path / ".export-old-k1ll3d"
+    holder.mkdir()
+    previous.rename(holder / "export")
+    pid = dead_pid()
+    (holder / MARKER).write_text(json.dumps({"created_by": ATOMIC_CREATOR, "host": host_id(), "pid": pid,
+                                             "aside_of": "export"}))
+    new = tmp_path / ".export-n3w"
+    new.mkdir()
+    (new / MARKER).write_text(json.dumps({"created_by": ATOMIC_CREATOR, "host": host_id(), "pid": pid}))
+
+    assert sorted(remove_orphan_temps(tmp_path)) == sorted([holder, new])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export"] and tree_hash(previous) == kept
+
+
+def test_the_demo_world_follows_the_umask_too(smoke_world):
+    mask = os.umask(0o022)
+    os.umask(mask)
+    root = Path(smoke_world.root)
+    assert {p.stat().st_mode & 0o777 for p in root.rglob("*") if p.is_file()} == {0o666 & ~mask}
+    assert {p.stat().st_mode & 0o777 for p in [root, *root.rglob("*")] if p.is_dir()} == {0o777 & ~mask}

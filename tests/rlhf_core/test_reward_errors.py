@@ -1,0 +1,45 @@
+"""A reward or metric function that raises is named, with the sample it fails on and the exception."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlhf_core.rewards import RewardFunctionError, call_scoring_function
+
+
+def fails_on_the_third(prompts=None, completions=None, **kwargs):
+    return [1.0 / (len(c) - 5) for c in completions]  # 'hello' has 5 characters
+
+
+def test_a_raising_function_names_itself_the_sample_and_the_exception():
+    with pytest.raises(RewardFunctionError) as err:
+        call_scoring_function("brevity", fails_on_the_third, prompts=["p"] * 4,
+                              completions=["hi", "good day", "hello", "hey"], source=["a", "b", "c", "d"])
+    message = str(err.value)
+    assert message == "reward function brevity raised ZeroDivisionError: float division by zero on completion 2 (of 4)"
+    assert isinstance(err.value.__cause__, ZeroDivisionError)
+
+
+def test_the_columns_are_split_per_sample_too():
+    seen = []
+
+    def needs_a_column(prompts=None, completions=None, label=None, **kwargs):
+        seen.append(list(label))
+        if "bad" in label:
+            raise KeyError("bad label")
+        return [0.0] * len(completions)
+
+    with pytest.raises(RewardFunctionError, match=r"raised KeyError: 'bad label' on completion 1 \(of 3\)"):
+        call_scoring_function("labels", needs_a_column, prompts=["p"] * 3, completions=["a", "b", "c"],
+                              label=["ok", "bad", "ok"])
+    assert seen == [["ok", "bad", "ok"], ["ok"], ["bad"]]
+
+
+def test_a_batch_only_failure_reports_the_batch():
+    def batch_of_one_only(prompts=None, completions=None, **kwargs):
+        if len(completions) > 1:
+            raise RuntimeError("expects one completion")
+        return [0.0]
+
+    with pytest.raises(RewardFunctionError, match="raised RuntimeError: expects one completion on a batch of 2 completions"):
+        call_scoring_function("single", batch_of_one_only, prompts=["p", "q"], completions=["a", "b"])
