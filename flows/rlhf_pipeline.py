@@ -22,6 +22,7 @@ from tasks.data import prepare_data
 from tasks.export import CANDIDATE, export_final_policy
 from tasks.preflight import check as preflight
 from tasks.reward import train_reward
+from tasks.run_lock import run_lock, terminate_on_sigterm
 from tasks.rl import initialize_models, train_policy, uses_reward_stage
 from tasks.sft import sft_warm_start
 
@@ -55,7 +56,9 @@ def rlhf_pipeline(config_path: str | None = "configs/demo.yaml", overrides: list
     stage = StageMarker()
     try:
         check_pipeline_outputs(cfg, config_path=config_path)  # before any work: owned writes only
-        with tracking.pipeline_run(cfg) as run_id:
+        # one run at a time in a run directory: a second one stops here, naming the holder. SIGTERM ends the
+        # MLflow runs KILLED and releases the lock (in a Prefect flow run, Prefect's own SIGTERM bridge does).
+        with run_lock(cfg.run.output_dir), terminate_on_sigterm(), tracking.pipeline_run(cfg) as run_id:
             with stage("data"):
                 data = prepare_data(cfg, run_id)
             if only_if_new_data:

@@ -1,9 +1,13 @@
 """The only MLflow code of the project: runs, metrics, checkpoints as registered model versions.
 
 A pipeline run is one MLflow run with the flattened config as params; each stage is a nested run
-under it, so every stage has its own step axis. Whatever raises inside a run ends it FAILED, never
-RUNNING. A checkpoint directory becomes a new version of a registered model, with lineage tags set
-in the same call that creates the version, so there is never a version without its tags.
+under it, so every stage has its own step axis. Whatever raises inside a run ends it FAILED, or
+KILLED when it is an interruption (Ctrl-C, SIGTERM), never RUNNING; a run left RUNNING by a process
+killed outright is marked KILLED by the next start on the same run directory. A checkpoint
+directory becomes a new version of a registered model, with lineage tags set in the same call that
+creates the version, so there is never a version without its tags.
+Registrations and the creation of a fresh SQLite store hold file locks (`store_lock`), so concurrent
+processes neither register one checkpoint twice nor collide creating the store's tables.
 """
 
 from __future__ import annotations
@@ -12,7 +16,9 @@ import hashlib
 import logging
 import os
 import re
+import socket
 import subprocess
+import tempfile
 import time
 from contextlib import contextmanager
 from functools import lru_cache
@@ -21,6 +27,7 @@ from pathlib import Path
 from typing import Iterator
 
 import mlflow
+from filelock import FileLock, Timeout
 from mlflow.entities import Metric, Param, RunStatus
 from mlflow.tracking import MlflowClient
 
@@ -72,12 +79,52 @@ def credentials_to_env(tracking_uri: str) -> str:
     return clean
 
 
+def _sqlite_path(uri: str) -> Path | None:
+    return Path(uri.removeprefix("sqlite:///")) if uri.startswith("sqlite:///") else None
+
+
+def store_lock(uri: str, purpose: str, timeout_s: float = 900.0) -> FileLock:
+    """A lock between the processes of this machine that write to the tracking store at `uri`.
+
+    For a SQLite store the lock file lies beside the database (`<db>.rlhf-<purpose>.lock`), so it
+    covers every process that can open the database. For a server it lies in the temporary directory,
+    named after a hash of the URI and the user id: it serializes the runs of one user on one machine;
+    concurrency across machines against one server is not covered (the server has no lock of ours).
+    Reentrant within a process.
+    """
+    db = _sqlite_path(uri)
+    if db is not None:
+        path = db.parent / f"{db.name}.rlhf-{purpose}.lock"
+    else:
+        digest = hashlib.sha256(uri.encode()).hexdigest()[:16]
+        path = Path(tempfile.gettempdir()) / f"rlhf-mlflow-{os.getuid()}-{digest}-{purpose}.lock"
+    return FileLock(str(path), timeout=timeout_s, is_singleton=True)
+
+
+_prepared_stores: set[str] = set()
+
+
+def _prepare_sqlite_store(uri: str) -> None:
+    """Create a fresh SQLite store's tables under a lock: two processes creating them at once fail
+    ("table ... already exists")."""
+    db = _sqlite_path(uri)
+    if db is None or uri in _prepared_stores:
+        return
+    db.parent.mkdir(parents=True, exist_ok=True)
+    with store_lock(uri, "create"):
+        client = MlflowClient(uri, registry_uri=uri)
+        client.search_experiments(max_results=1)  # the tracking store's tables
+        client.search_registered_models(max_results=1)  # the registry's
+    _prepared_stores.add(uri)
+
+
 def configure(tracking_uri: str) -> None:
     """Point tracking and the registry at `tracking_uri` (its credentials moved into MLflow's env variables)."""
     global _suppressed_by_us
     uri = credentials_to_env(tracking_uri)
     mlflow.set_tracking_uri(uri)
     mlflow.set_registry_uri(uri)
+    _prepare_sqlite_store(uri)
     # a secret that could not move out of the URI (a token as the user name, a ?token= parameter)
     # would be in the "View run ... at" links MLflow writes to stdout: MLflow then prints none
     if has_secret(uri) and SUPPRESS_URL_ENV not in os.environ:
@@ -128,11 +175,22 @@ def artifact_root_for(tracking_uri: str) -> str | None:
 
 
 def ensure_experiment(name: str, tracking_uri: str) -> str:
+    """The id of experiment `name`, created if missing (two processes creating it at once get the same one)."""
     client = MlflowClient()
     experiment = client.get_experiment_by_name(name)
     if experiment is not None:
         return experiment.experiment_id
-    return client.create_experiment(name, artifact_location=artifact_root_for(tracking_uri))
+    with store_lock(mlflow.get_tracking_uri(), "create"):
+        experiment = client.get_experiment_by_name(name)
+        if experiment is not None:
+            return experiment.experiment_id
+        try:
+            return client.create_experiment(name, artifact_location=artifact_root_for(tracking_uri))
+        except mlflow.exceptions.MlflowException:
+            experiment = client.get_experiment_by_name(name)  # another machine created it meanwhile
+            if experiment is None:
+                raise
+            return experiment.experiment_id
 
 
 def _log_params(run_id: str, params: dict[str, str]) -> None:
@@ -142,20 +200,76 @@ def _log_params(run_id: str, params: dict[str, str]) -> None:
         client.log_batch(run_id, params=items[i : i + 100])
 
 
+def interrupted(err: BaseException) -> bool:
+    """True for an interruption from outside (Ctrl-C, SIGTERM, Prefect's termination signal), not a failure."""
+    if isinstance(err, (KeyboardInterrupt, SystemExit)):
+        return True
+    return any(cls.__name__ == "ExternalSignal" and cls.__module__ == "prefect.exceptions" for cls in type(err).__mro__)
+
+
+def _end_status(err: BaseException) -> str:
+    return RunStatus.to_string(RunStatus.KILLED if interrupted(err) else RunStatus.FAILED)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def end_abandoned_runs(experiment_id: str, output_dir: str) -> list[str]:
+    """Mark KILLED the RUNNING pipeline runs of `output_dir` whose process (on this host) no longer exists,
+    and their RUNNING stage runs; return the ids of the pipeline runs ended.
+
+    A process killed with SIGKILL (or a machine that lost power) cannot end its own runs; the next
+    start on the same run directory does. Runs of another host are left alone: their pid says nothing here.
+    """
+    client = MlflowClient()
+    running = client.search_runs([experiment_id], "attributes.status = 'RUNNING'", max_results=1000)
+    host, ended = socket.gethostname(), []
+    for run in running:
+        tags = run.data.tags
+        pid = tags.get("rlhf.pid", "")
+        if (tags.get("rlhf.output_dir") != output_dir or tags.get("rlhf.host") != host or not pid.isdigit()
+                or int(pid) == os.getpid() or _pid_alive(int(pid))):
+            continue
+        children = [r for r in running if r.data.tags.get("mlflow.parentRunId") == run.info.run_id]
+        for child in children:
+            client.set_terminated(child.info.run_id, RunStatus.to_string(RunStatus.KILLED))
+        client.set_terminated(run.info.run_id, RunStatus.to_string(RunStatus.KILLED))
+        client.set_tag(run.info.run_id, "rlhf.ended_by", f"a later start (pid {os.getpid()}): pid {pid} was gone")
+        logging.getLogger(__name__).warning("marked run %s KILLED: its process %s on this host no longer exists",
+                                            run.info.run_id, pid)
+        ended.append(run.info.run_id)
+    return ended
+
+
 @contextmanager
 def pipeline_run(cfg: PipelineConfig, tags: dict[str, str] | None = None) -> Iterator[str]:
-    """Start the pipeline's MLflow run (config as params), yield its id, end it FINISHED or FAILED."""
+    """Start the pipeline's MLflow run (config as params), yield its id, end it FINISHED, FAILED or KILLED.
+
+    KILLED: interrupted (Ctrl-C, SIGTERM). The run is tagged with its run directory, host and pid, and
+    RUNNING runs of the same directory whose process is gone are marked KILLED first (see end_abandoned_runs).
+    """
     uri = cfg.tracking_uri()
     configure(uri)
     experiment_id = ensure_experiment(cfg.tracking.experiment, uri)
-    run_tags = {"rlhf.config_hash": cfg.config_hash(), "rlhf.code_version": code_version(), **(tags or {})}
+    output_dir = str(Path(os.path.abspath(cfg.run.output_dir)).resolve())
+    end_abandoned_runs(experiment_id, output_dir)
+    run_tags = {"rlhf.config_hash": cfg.config_hash(), "rlhf.code_version": code_version(),
+                "rlhf.output_dir": output_dir, "rlhf.host": socket.gethostname(), "rlhf.pid": str(os.getpid()),
+                **(tags or {})}
     run = mlflow.start_run(experiment_id=experiment_id, run_name=cfg.run.name, tags=run_tags)
     run_id = run.info.run_id
     try:
         _log_params(run_id, flatten_config(cfg))
         yield run_id
-    except BaseException:
-        mlflow.end_run(RunStatus.to_string(RunStatus.FAILED))
+    except BaseException as err:
+        mlflow.end_run(_end_status(err))
         raise
     else:
         mlflow.end_run(RunStatus.to_string(RunStatus.FINISHED))
@@ -174,8 +288,8 @@ def stage_run(parent_run_id: str, stage: str) -> Iterator[str]:
     )
     try:
         yield run.info.run_id
-    except BaseException:
-        mlflow.end_run(RunStatus.to_string(RunStatus.FAILED))
+    except BaseException as err:
+        mlflow.end_run(_end_status(err))
         raise
     else:
         mlflow.end_run(RunStatus.to_string(RunStatus.FINISHED))
@@ -288,15 +402,30 @@ def register_once(checkpoint_dir: str | Path, model_name: str, *, task: str, tag
                   identity: tuple[str, ...] = ("stage", "stage_key", "step")) -> str:
     """URI of the version whose `identity` tags match `tags`, registering the checkpoint only if none does.
 
-    This is what makes re-runs and resumed runs register no duplicate versions. Returns "" on the
-    processes of a data-parallel stage other than rank 0.
+    This is what makes re-runs and resumed runs register no duplicate versions, also when two processes
+    register the same checkpoint at once: the look-up and the registration hold `store_lock(uri,
+    "register")` (the limits are that lock's). Returns "" on the processes of a data-parallel stage
+    other than rank 0.
     """
     if not writes():
         return ""
-    existing = find_version(model_name, {k: tags[k] for k in identity})
+    identity_tags = {k: tags[k] for k in identity}
+    existing = find_version(model_name, identity_tags)
     if existing is not None:
         return f"models:/{model_name}/{existing.version}"
-    return register_checkpoint(checkpoint_dir, model_name, task=task, tags=tags, run_id=run_id)["uri"]
+    lock = store_lock(mlflow.get_registry_uri(), "register")
+    try:
+        lock.acquire()
+    except Timeout:
+        raise RuntimeError(f"waited {lock.timeout:.0f} s for another process's registration to end "
+                           f"(lock {lock.lock_file}); is a registration hanging?") from None
+    try:
+        existing = find_version(model_name, identity_tags)  # registered by another process while we waited
+        if existing is not None:
+            return f"models:/{model_name}/{existing.version}"
+        return register_checkpoint(checkpoint_dir, model_name, task=task, tags=tags, run_id=run_id)["uri"]
+    finally:
+        lock.release()
 
 
 def _await_ready(model_name: str, version: str, timeout_s: float = 300.0) -> None:
