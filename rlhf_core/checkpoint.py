@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import random
 from pathlib import Path
 from typing import Any
@@ -181,3 +182,81 @@ def latest_checkpoint(directory: str | Path) -> Path | None:
             return path
         logger.warning("skipping checkpoint %s for resume: %s; falling back to the previous one", path, problem)
     return None
+
+
+def checkpoints_to_delete(dirs_with_metrics, keep_last: int | None, best_key: str | None) -> list[Path]:
+    """Which checkpoint-N directories retention deletes: all but the newest `keep_last` and the best one.
+
+    dirs_with_metrics: (path, metrics dict or None) pairs, paths named checkpoint-N (others are never
+    returned). The best is the one whose metrics[best_key] is largest (finite numbers only; a tie goes
+    to the newer one); with no best_key or no such value only the newest are kept. keep_last None
+    keeps everything. Returned oldest first. Pure: reads nothing, deletes nothing.
+    """
+    if keep_last is None:
+        return []
+    if keep_last < 1:
+        raise ValueError(f"keep_last must be at least 1, got {keep_last}")
+    steps = sorted(((checkpoint_step(Path(p)), Path(p), m) for p, m in dirs_with_metrics
+                    if checkpoint_step(Path(p)) is not None), key=lambda t: t[0])
+    keep = {path for _, path, _ in steps[-keep_last:]}
+    if best_key is not None:
+        scored = [(float(m[best_key]), step, path) for step, path, m in steps
+                  if isinstance(m, dict) and isinstance(m.get(best_key), (int, float))
+                  and not isinstance(m.get(best_key), bool) and math.isfinite(m[best_key])]
+        if scored:
+            keep.add(max(scored)[2])
+    return [path for _, path, _ in steps if path not in keep]
+
+
+def _read_metrics(path: Path) -> dict | None:
+    try:
+        metrics = json.loads((path / "metrics.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return metrics if isinstance(metrics, dict) else None
+
+
+def prune_checkpoints(directory: str | Path, keep_last: int | None, best_keys: tuple[str, ...] | str | None) -> list[Path]:
+    """Delete the checkpoint-N directories of `directory` that `checkpoints_to_delete` selects; return them.
+
+    Only real directories (no symlinks) carrying the marker `atomic_dir` writes are considered or
+    deleted; anything else in `directory` is left alone and does not count towards keep_last.
+    best_keys: the metric(s) in each checkpoint's metrics.json that name the best one; the first key
+    any checkpoint has is used. A directory is first renamed to a hidden sibling, then removed, so a
+    run killed half-way leaves no half-deleted checkpoint-N (`remove_orphan_temps` finishes the job).
+    Call on the main process only, after the newest checkpoint was saved and registered.
+    """
+    import shutil
+    import tempfile
+
+    from rlhf_core.ownership import ATOMIC_CREATOR, read_marker, write_marker
+
+    if keep_last is None:
+        return []
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    found = []
+    for path in directory.iterdir():
+        if checkpoint_step(path) is None or path.is_symlink() or not path.is_dir():
+            continue
+        marker = read_marker(path)
+        if marker is None or marker.get("created_by") != ATOMIC_CREATOR:
+            continue
+        found.append((path, _read_metrics(path)))
+    keys = (best_keys,) if isinstance(best_keys, str) else tuple(best_keys or ())
+    best_key = next((k for k in keys if any(m is not None and k in m for _, m in found)), None)
+    deleted = []
+    for path in checkpoints_to_delete(found, keep_last, best_key):
+        holder = Path(tempfile.mkdtemp(prefix=f".{path.name}-deleting-", dir=directory))
+        try:
+            write_marker(holder, ATOMIC_CREATOR, deleting=path.name)  # an interrupted removal is an orphan temp
+            path.rename(holder / path.name)
+        except OSError:
+            shutil.rmtree(holder, ignore_errors=True)
+            logger.warning("could not remove old checkpoint %s", path, exc_info=True)
+            continue
+        shutil.rmtree(holder, ignore_errors=True)
+        logger.info("removed checkpoint %s (run.keep_last_checkpoints=%d)", path, keep_last)
+        deleted.append(path)
+    return deleted

@@ -44,6 +44,8 @@ class RunConfig(Section):
     num_processes: int = Field(
         1, ge=1, description="Data-parallel processes for the reward, PPO and GRPO stages; >1 launches torchrun (CPU, gloo) or accelerate launch (CUDA).")
     accelerate_config: Path | None = Field(None, strict=False, description="accelerate launch config file (DeepSpeed, FSDP) for num_processes > 1 on CUDA.")
+    keep_last_checkpoints: int | None = Field(
+        None, ge=1, description="Local checkpoints kept per reward, PPO and GRPO stage: the newest N plus the best (reward: highest eval_accuracy; PPO: highest objective/scores, GRPO: highest reward, both the training metrics of the checkpoint's step); null keeps all.")
 
 
 class DemoModelConfig(Section):
@@ -311,6 +313,8 @@ class TrackingConfig(Section):
 class RegistryConfig(Section):
     reward_model_name: str = Field("rlhf-reward-model", min_length=1, description="Registered model that holds reward-model versions.")
     policy_model_name: str = Field("rlhf-policy", min_length=1, description="Registered model that holds policy versions.")
+    keep_last_versions: int | None = Field(
+        None, ge=1, description="Versions kept per registered model after each registration: the newest N plus every version with an alias or the tag keep=true; null keeps all.")
 
 
 class PipelineConfig(Section):

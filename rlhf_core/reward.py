@@ -17,7 +17,9 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from rlhf_core.checkpoint import latest_checkpoint, load_training_state, remove_orphan_temps, save_training_state
+from rlhf_core.checkpoint import (
+    latest_checkpoint, load_training_state, prune_checkpoints, remove_orphan_temps, save_training_state,
+)
 from rlhf_core.config import LoraSettings, RewardConfig, RunConfig
 from rlhf_core.model_card import write_model_card
 from rlhf_core.rollout import head_per_token
@@ -256,6 +258,8 @@ def train_reward_model(model, tokenizer, train_rows: list[dict], eval_rows: list
                                    state_dict=gathered["reward"] if gathered else None)
             if on_checkpoint is not None:
                 on_checkpoint(path, at_step)
+            # after registering: the newest N and the one with the highest eval_accuracy stay
+            prune_checkpoints(output_dir, run.keep_last_checkpoints, "eval_accuracy")
         accelerator.wait_for_everyone()
         return path
 

@@ -17,7 +17,9 @@ from typing import Callable
 
 import torch
 
-from rlhf_core.checkpoint import latest_checkpoint, load_training_state, remove_orphan_temps, save_training_state
+from rlhf_core.checkpoint import (
+    latest_checkpoint, load_training_state, prune_checkpoints, remove_orphan_temps, save_training_state,
+)
 from rlhf_core.config import RLConfig, RunConfig
 from rlhf_core.parallel import full_parameters, gathered_state_dicts, reduce_metrics, shards_optimizer
 from rlhf_core.models import stop_token_ids
@@ -162,6 +164,9 @@ class RLLoop:
                     "skipped_steps": self.skipped, "state": self.state})
             if on_checkpoint is not None:
                 on_checkpoint(path / "policy", step)
+            # after registering: the newest N and the best by the step's training score (PPO
+            # objective/scores, GRPO reward) stay; the newest, which resume reads, always does
+            prune_checkpoints(self.output_dir, self.run_cfg.keep_last_checkpoints, ("objective/scores", "reward"))
         self.accelerator.wait_for_everyone()
 
     def run(self, iteration: Callable[[torch.Tensor, torch.Tensor, list[int]], dict[str, float]], *, on_log: OnLog | None = None,

@@ -63,7 +63,8 @@ def export_final_policy(cfg: PipelineConfig, data: PreparedData, plan: InitPlan,
             )
             # an adapter-only export has no full weights to log; the checkpoint it came from has them merged
             full = out if (out / "config.json").is_file() else Path(trained.path)
-            uri = tracking.register_once(full, name, task="text-generation", tags=tags, run_id=run_id)
+            uri = tracking.register_once(full, name, task="text-generation", tags=tags, run_id=run_id,
+                                         keep_last=cfg.registry.keep_last_versions)
             version = uri.rsplit("/", 1)[1]
             tracking.set_alias(name, CANDIDATE, version)
             logger.info("%s is %s, alias %s", out, uri, CANDIDATE)

@@ -116,7 +116,8 @@ def train_reward(cfg: PipelineConfig, data: PreparedData, policy: Checkpoint | N
                 stage_key=key, base_model=base_identity,
                 **{k: f"{v:.4f}" for k, v in metrics.items() if k in ("eval_accuracy", "eval_loss")},
             )
-            registered[step] = tracking.register_once(path, name, task="text-classification", tags=tags, run_id=run_id)
+            registered[step] = tracking.register_once(path, name, task="text-classification", tags=tags, run_id=run_id,
+                                                    keep_last=cfg.registry.keep_last_versions)
             logger.info("reward checkpoint %d is %s", step, registered[step])
 
         register_saved_checkpoints(out_dir, "", register)

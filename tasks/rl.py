@@ -214,7 +214,8 @@ def train_policy(cfg: PipelineConfig, data: PreparedData, plan: InitPlan, parent
                 stage_key=key, algorithm=algorithm, reward_model_version=plan.reward_identity,
                 base_model=plan.policy_identity, **({"kl": f"{kl:.4f}"} if kl is not None else {}),
             )
-            registered[step] = tracking.register_once(policy_dir, name, task="text-generation", tags=tags, run_id=run_id)
+            registered[step] = tracking.register_once(policy_dir, name, task="text-generation", tags=tags, run_id=run_id,
+                                                    keep_last=cfg.registry.keep_last_versions)
             logger.info("%s checkpoint %d is %s", algorithm, step, registered[step])
 
         register_saved_checkpoints(out_dir, "policy", register)

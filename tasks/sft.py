@@ -84,6 +84,6 @@ def sft_warm_start(cfg: PipelineConfig, data: PreparedData, parent_run_id: str) 
             tags = tracking.lineage_tags(stage="sft", step=step, config_hash=cfg.config_hash(),
                                          data_fingerprint=data.fingerprint, stage_key=key)
             model_uri = tracking.register_once(out_dir, cfg.registry.policy_model_name, task="text-generation",
-                                               tags=tags, run_id=run_id)
+                                               tags=tags, run_id=run_id, keep_last=cfg.registry.keep_last_versions)
             logger.info("SFT checkpoint is %s", model_uri)
         return Checkpoint(path=str(out_dir.resolve()), model_uri=model_uri, step=step, metrics=metrics, key=key)

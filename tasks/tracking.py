@@ -221,6 +221,18 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def fail_pending_models(experiment_id: str, run_ids: list[str]) -> list[str]:
+    """Mark FAILED the logged models of `run_ids` still PENDING (a process killed inside `log_model`);
+    return their ids. A FAILED logged model is never registered, and MLflow shows why it is incomplete."""
+    client, failed = MlflowClient(), []
+    wanted = set(run_ids)
+    for model in client.search_logged_models([experiment_id], max_results=1000):
+        if model.source_run_id in wanted and str(getattr(model.status, "value", model.status)) == "PENDING":
+            client.finalize_logged_model(model.model_id, "FAILED")
+            failed.append(model.model_id)
+    return failed
+
+
 def end_abandoned_runs(experiment_id: str, output_dir: str) -> list[str]:
     """Mark KILLED the RUNNING pipeline runs of `output_dir` whose process (on this host) no longer exists,
     and their RUNNING stage runs; return the ids of the pipeline runs ended.
@@ -238,6 +250,7 @@ def end_abandoned_runs(experiment_id: str, output_dir: str) -> list[str]:
                 or int(pid) == os.getpid() or _pid_alive(int(pid))):
             continue
         children = [r for r in running if r.data.tags.get("mlflow.parentRunId") == run.info.run_id]
+        fail_pending_models(experiment_id, [run.info.run_id, *(c.info.run_id for c in children)])
         for child in children:
             client.set_terminated(child.info.run_id, RunStatus.to_string(RunStatus.KILLED))
         client.set_terminated(run.info.run_id, RunStatus.to_string(RunStatus.KILLED))
@@ -389,6 +402,7 @@ def register_checkpoint(checkpoint_dir: str | Path, model_name: str, *, task: st
         )
     finally:
         flavor_log.setLevel(level)
+    link_identical_files(_local_artifact_dir(info.model_id), checkpoint_dir)
     version = mlflow.register_model(info.model_uri, model_name, tags=tags)
     try:
         _await_ready(model_name, version.version)
@@ -398,14 +412,72 @@ def register_checkpoint(checkpoint_dir: str | Path, model_name: str, *, task: st
     return {"name": model_name, "version": str(version.version), "uri": f"models:/{model_name}/{version.version}"}
 
 
+def _local_artifact_dir(model_id: str | None) -> Path | None:
+    """The directory of a logged model's artifacts when the artifact store is this machine's disk."""
+    if not model_id:
+        return None
+    location = mlflow.get_logged_model(model_id).artifact_location or ""
+    if not location.startswith("file:"):
+        return None
+    from urllib.parse import unquote, urlparse
+
+    return Path(unquote(urlparse(location).path))
+
+
+def link_identical_files(artifact_dir: Path | None, checkpoint_dir: Path) -> int:
+    """Replace each file under `artifact_dir` whose bytes equal a file of `checkpoint_dir` by a hard link
+    to it; returns the bytes saved.
+
+    With a local artifact store (a SQLite tracking URI puts it in mlruns/ beside the database), a
+    registered version would otherwise be a second full copy of the checkpoint's weights on the same
+    disk. The checkpoint's files are never written in place (checkpoints are replaced by renames), so
+    sharing them is safe, and a pruned checkpoint leaves the linked artifact intact. Files on another
+    filesystem, or that differ, are left as they are.
+    """
+    import hashlib
+
+    if artifact_dir is None or not artifact_dir.is_dir():
+        return 0
+
+    def digest(path: Path) -> str:
+        h = hashlib.sha256()
+        with path.open("rb") as fh:
+            for block in iter(lambda: fh.read(1 << 22), b""):
+                h.update(block)
+        return h.hexdigest()
+
+    by_size: dict[int, list[Path]] = {}
+    for source in Path(checkpoint_dir).glob("*.safetensors"):
+        by_size.setdefault(source.stat().st_size, []).append(source)
+    saved = 0
+    for artifact in artifact_dir.rglob("*.safetensors"):
+        candidates = by_size.get(artifact.stat().st_size, [])
+        if not candidates:
+            continue
+        wanted = digest(artifact)
+        for source in candidates:
+            if os.path.samefile(source, artifact) or digest(source) != wanted:
+                continue
+            tmp = artifact.with_name(f".{artifact.name}.link")
+            try:
+                os.link(source, tmp)
+                os.replace(tmp, artifact)
+                saved += artifact.stat().st_size
+            except OSError:  # another filesystem, or links not allowed: keep the copy
+                tmp.unlink(missing_ok=True)
+            break
+    return saved
+
+
 def register_once(checkpoint_dir: str | Path, model_name: str, *, task: str, tags: dict[str, str], run_id: str,
-                  identity: tuple[str, ...] = ("stage", "stage_key", "step")) -> str:
+                  identity: tuple[str, ...] = ("stage", "stage_key", "step"), keep_last: int | None = None) -> str:
     """URI of the version whose `identity` tags match `tags`, registering the checkpoint only if none does.
 
     This is what makes re-runs and resumed runs register no duplicate versions, also when two processes
     register the same checkpoint at once: the look-up and the registration hold `store_lock(uri,
     "register")` (the limits are that lock's). Returns "" on the processes of a data-parallel stage
-    other than rank 0.
+    other than rank 0. keep_last (registry.keep_last_versions): after a new version is registered,
+    `prune_versions(model_name, keep_last)`.
     """
     if not writes():
         return ""
@@ -423,9 +495,52 @@ def register_once(checkpoint_dir: str | Path, model_name: str, *, task: str, tag
         existing = find_version(model_name, identity_tags)  # registered by another process while we waited
         if existing is not None:
             return f"models:/{model_name}/{existing.version}"
-        return register_checkpoint(checkpoint_dir, model_name, task=task, tags=tags, run_id=run_id)["uri"]
+        uri = register_checkpoint(checkpoint_dir, model_name, task=task, tags=tags, run_id=run_id)["uri"]
+        prune_versions(model_name, keep_last)
+        return uri
     finally:
         lock.release()
+
+
+def _logged_model_id(version) -> str | None:
+    """The logged model a version was registered from (its model_id, or its models:/m-... source)."""
+    if getattr(version, "model_id", None):
+        return version.model_id
+    source = version.source or ""
+    rest = source.removeprefix("models:/")
+    return rest if source.startswith("models:/m-") and "/" not in rest else None
+
+
+def prune_versions(model_name: str, keep_last: int | None) -> list[str]:
+    """Delete the versions of `model_name` older than its newest `keep_last`; return their numbers.
+
+    Kept whatever their age: every version an alias points at (candidate, champion, any other) and
+    every version tagged keep=true. The logged model behind a deleted version is marked deleted too
+    (MLflow soft-deletes it: its artifacts stay in the artifact store until `mlflow gc` removes them).
+    keep_last None keeps everything.
+    """
+    if keep_last is None:
+        return []
+    if keep_last < 1:
+        raise ValueError(f"keep_last must be at least 1, got {keep_last}")
+    client = MlflowClient()
+    aliased = {str(v) for v in client.get_registered_model(model_name).aliases.values()}
+    versions = sorted(client.search_model_versions(f"name = '{model_name}'"), key=lambda v: int(v.version), reverse=True)
+    deleted = []
+    for version in versions[keep_last:]:
+        if str(version.version) in aliased or str(version.tags.get("keep", "")).lower() == "true":
+            continue
+        client.delete_model_version(model_name, version.version)
+        model_id = _logged_model_id(version)
+        if model_id:
+            try:
+                client.delete_logged_model(model_id)
+            except mlflow.exceptions.MlflowException:
+                logging.getLogger(__name__).warning("could not mark logged model %s of %s/%s deleted", model_id, model_name,
+                               version.version, exc_info=True)
+        logging.getLogger(__name__).info("deleted model version %s/%s (registry.keep_last_versions=%d)", model_name, version.version, keep_last)
+        deleted.append(str(version.version))
+    return deleted
 
 
 def _await_ready(model_name: str, version: str, timeout_s: float = 300.0) -> None:

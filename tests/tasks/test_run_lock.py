@@ -72,6 +72,9 @@ def test_a_held_run_directory_stops_a_second_run_and_a_killed_holder_is_taken_ov
     worker.wait(timeout=30)
     client = MlflowClient(mlflow_uri, registry_uri=mlflow_uri)
     assert client.get_run(parent_id).info.status == "RUNNING"  # nobody could end it
+    # as if it had been killed inside log_model: a logged model left PENDING in its stage run
+    half = client.create_logged_model(client.get_run(stage_id).info.experiment_id, name="half", source_run_id=stage_id)
+    assert str(client.get_logged_model(half.model_id).status) in ("PENDING", "LoggedModelStatus.PENDING")
 
     with run_lock(out) as mine:  # the OS released the dead holder's lock; the holder file is rewritten
         assert mine["pid"] == os.getpid() and read_holder(out)["pid"] == os.getpid()
@@ -79,6 +82,7 @@ def test_a_held_run_directory_stops_a_second_run_and_a_killed_holder_is_taken_ov
             # the next start marked the abandoned runs of this run directory KILLED
             assert client.get_run(parent_id).info.status == "KILLED"
             assert client.get_run(stage_id).info.status == "KILLED"
+            assert str(client.get_logged_model(half.model_id).status).endswith("FAILED")
             tags = client.get_run(run_id).data.tags
             assert tags["rlhf.pid"] == str(os.getpid()) and tags["rlhf.output_dir"] == str(out.resolve())
     assert not (out / HOLDER_FILE).exists()

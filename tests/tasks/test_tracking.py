@@ -118,3 +118,19 @@ def test_registry_sources_follow_the_alias_and_a_missing_version_is_named(cfg, s
     assert moved != first and "-v2-" in moved
     with pytest.raises(ModelSourceError, match=r"grpo.rewards\[0\].model: the registry at .* has no model version models:/unit-policy/9"):
         resolve_model_source("models:/unit-policy/9", field="grpo.rewards[0].model", cfg=cfg, world=None)
+
+
+def test_a_local_artifact_store_shares_the_checkpoint_weights_instead_of_copying_them(cfg, smoke_world):
+    import os
+
+    with tracking.pipeline_run(cfg) as parent, tracking.stage_run(parent, "sft") as run_id:
+        tags = tracking.lineage_tags(stage="sft", step=1, config_hash=cfg.config_hash(), data_fingerprint="abc")
+        uri = tracking.register_checkpoint(smoke_world.base_model, "unit-policy", task="text-generation", tags=tags,
+                                           run_id=run_id)["uri"]
+    weights = smoke_world.base_model / "model.safetensors"
+    source = MlflowClient().get_model_version("unit-policy", "1").source  # models:/m-...
+    logged = tracking._local_artifact_dir(source.removeprefix("models:/"))
+    [artifact] = list(logged.rglob("model.safetensors"))
+    assert os.path.samefile(artifact, weights)  # one copy on disk, two names
+    generator = mlflow.transformers.load_model(uri)  # and the version still loads
+    assert generator("the food was", max_new_tokens=2, do_sample=False)[0]["generated_text"].startswith("the food was")
