@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import math
 import random
 from pathlib import Path
@@ -260,3 +261,48 @@ def prune_checkpoints(directory: str | Path, keep_last: int | None, best_keys: t
         logger.info("removed checkpoint %s (run.keep_last_checkpoints=%d)", path, keep_last)
         deleted.append(path)
     return deleted
+
+
+def link_identical_files(artifact_dir: Path | None, checkpoint_dir: Path) -> int:
+    """Replace each file under `artifact_dir` whose bytes equal a file of `checkpoint_dir` by a hard link
+    to it; returns the bytes saved.
+
+    With a local artifact store (a SQLite tracking URI puts it in mlruns/ beside the database), a
+    registered version would otherwise be a second full copy of the checkpoint's weights on the same
+    disk. The checkpoint's files are never written in place (checkpoints are replaced by renames), so
+    sharing them is safe, and a pruned checkpoint leaves the linked artifact intact. Files on another
+    filesystem, or that differ, are left as they are.
+    """
+    import hashlib
+
+    if artifact_dir is None or not artifact_dir.is_dir():
+        return 0
+
+    def digest(path: Path) -> str:
+        h = hashlib.sha256()
+        with path.open("rb") as fh:
+            for block in iter(lambda: fh.read(1 << 22), b""):
+                h.update(block)
+        return h.hexdigest()
+
+    by_size: dict[int, list[Path]] = {}
+    for source in Path(checkpoint_dir).glob("*.safetensors"):
+        by_size.setdefault(source.stat().st_size, []).append(source)
+    saved = 0
+    for artifact in artifact_dir.rglob("*.safetensors"):
+        candidates = by_size.get(artifact.stat().st_size, [])
+        if not candidates:
+            continue
+        wanted = digest(artifact)
+        for source in candidates:
+            if os.path.samefile(source, artifact) or digest(source) != wanted:
+                continue
+            tmp = artifact.with_name(f".{artifact.name}.link")
+            try:
+                os.link(source, tmp)
+                os.replace(tmp, artifact)
+                saved += artifact.stat().st_size
+            except OSError:  # another filesystem, or links not allowed: keep the copy
+                tmp.unlink(missing_ok=True)
+            break
+    return saved

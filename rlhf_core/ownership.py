@@ -194,10 +194,13 @@ def _alive_here(marker: dict) -> bool:
     """True when the marker's writer may still be running: same host and its pid exists."""
     if marker.get("host") != host_id() or not isinstance(marker.get("pid"), int):
         return False
-    if marker["pid"] == os.getpid():
-        return True
+    return marker["pid"] == os.getpid() or pid_alive(marker["pid"])
+
+
+def pid_alive(pid: int) -> bool:
+    """True when a process with this pid exists on this machine (whoever owns it)."""
     try:
-        os.kill(marker["pid"], 0)
+        os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except OSError:  # exists, owned by someone else

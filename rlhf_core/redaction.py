@@ -15,6 +15,7 @@ RFC 3986 allows no whitespace, quotes or angle brackets in a URI, so a credentia
 
 from __future__ import annotations
 
+import logging
 import re
 from urllib.parse import unquote
 
@@ -87,3 +88,32 @@ def refuse_secret_overrides(overrides: list[str] | None) -> None:
                 f"override '{redact_override(text)}' carries a credential, which Prefect would store as a flow-run "
                 "parameter; set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN, or "
                 "MLFLOW_TRACKING_URI) in the environment that runs the flow and pass the URI without it")
+
+
+def _redacting_record_factory(base):
+    """A log record factory that hides credentials in every record's message and traceback."""
+
+    def factory(*args, **kwargs):
+        record = base(*args, **kwargs)
+        try:
+            message = record.getMessage()
+        except Exception:  # a malformed record is logging's to report, not ours
+            return record
+        if has_secret(message):
+            record.msg, record.args = redact(message), ()
+        exc = record.exc_info[1] if record.exc_info else None
+        if exc is not None and has_secret(f"{exc} {exc.__cause__ or ''} {exc.__context__ or ''}"):
+            import traceback
+
+            record.exc_text = redact("".join(traceback.format_exception(exc)).rstrip("\n"))
+        return record
+
+    factory.redacting = True
+    return factory
+
+
+def install_log_redaction() -> None:
+    """Hide credentials in every log record of the process: ours, Prefect's (console and API) and MLflow's."""
+    base = logging.getLogRecordFactory()
+    if not getattr(base, "redacting", False):
+        logging.setLogRecordFactory(_redacting_record_factory(base))

@@ -32,7 +32,9 @@ from mlflow.entities import Metric, Param, RunStatus
 from mlflow.tracking import MlflowClient
 
 from rlhf_core.config import PipelineConfig, flatten_config, redact_uri
-from rlhf_core.redaction import has_secret, redact, split_credentials
+from rlhf_core.checkpoint import link_identical_files
+from rlhf_core.ownership import pid_alive
+from rlhf_core.redaction import has_secret, install_log_redaction, split_credentials
 
 # Packages a logged model needs to load again. Listed explicitly because MLflow's inference of
 # default requirements looks for torchvision, which has no CPU build in our registries.
@@ -134,36 +136,7 @@ def configure(tracking_uri: str) -> None:
         _suppressed_by_us = False
 
 
-def _redacting_record_factory(base):
-    """A log record factory that hides credentials in every record's message and traceback."""
-
-    def factory(*args, **kwargs):
-        record = base(*args, **kwargs)
-        try:
-            message = record.getMessage()
-        except Exception:  # a malformed record is logging's to report, not ours
-            return record
-        if has_secret(message):
-            record.msg, record.args = redact(message), ()
-        exc = record.exc_info[1] if record.exc_info else None
-        if exc is not None and has_secret(f"{exc} {exc.__cause__ or ''} {exc.__context__ or ''}"):
-            import traceback
-
-            record.exc_text = redact("".join(traceback.format_exception(exc)).rstrip("\n"))
-        return record
-
-    factory.redacting = True
-    return factory
-
-
-def install_log_redaction() -> None:
-    """Hide credentials in every log record of the process: ours, Prefect's (console and API) and MLflow's."""
-    base = logging.getLogRecordFactory()
-    if not getattr(base, "redacting", False):
-        logging.setLogRecordFactory(_redacting_record_factory(base))
-
-
-install_log_redaction()
+install_log_redaction()  # every log record of the process: ours, Prefect's and MLflow's
 
 
 def artifact_root_for(tracking_uri: str) -> str | None:
@@ -211,16 +184,6 @@ def _end_status(err: BaseException) -> str:
     return RunStatus.to_string(RunStatus.KILLED if interrupted(err) else RunStatus.FAILED)
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # exists, owned by someone else
-        return True
-    return True
-
-
 def fail_pending_models(experiment_id: str, run_ids: list[str]) -> list[str]:
     """Mark FAILED the logged models of `run_ids` still PENDING (a process killed inside `log_model`);
     return their ids. A FAILED logged model is never registered, and MLflow shows why it is incomplete."""
@@ -247,7 +210,7 @@ def end_abandoned_runs(experiment_id: str, output_dir: str) -> list[str]:
         tags = run.data.tags
         pid = tags.get("rlhf.pid", "")
         if (tags.get("rlhf.output_dir") != output_dir or tags.get("rlhf.host") != host or not pid.isdigit()
-                or int(pid) == os.getpid() or _pid_alive(int(pid))):
+                or int(pid) == os.getpid() or pid_alive(int(pid))):
             continue
         children = [r for r in running if r.data.tags.get("mlflow.parentRunId") == run.info.run_id]
         fail_pending_models(experiment_id, [run.info.run_id, *(c.info.run_id for c in children)])
@@ -422,51 +385,6 @@ def _local_artifact_dir(model_id: str | None) -> Path | None:
     from urllib.parse import unquote, urlparse
 
     return Path(unquote(urlparse(location).path))
-
-
-def link_identical_files(artifact_dir: Path | None, checkpoint_dir: Path) -> int:
-    """Replace each file under `artifact_dir` whose bytes equal a file of `checkpoint_dir` by a hard link
-    to it; returns the bytes saved.
-
-    With a local artifact store (a SQLite tracking URI puts it in mlruns/ beside the database), a
-    registered version would otherwise be a second full copy of the checkpoint's weights on the same
-    disk. The checkpoint's files are never written in place (checkpoints are replaced by renames), so
-    sharing them is safe, and a pruned checkpoint leaves the linked artifact intact. Files on another
-    filesystem, or that differ, are left as they are.
-    """
-    import hashlib
-
-    if artifact_dir is None or not artifact_dir.is_dir():
-        return 0
-
-    def digest(path: Path) -> str:
-        h = hashlib.sha256()
-        with path.open("rb") as fh:
-            for block in iter(lambda: fh.read(1 << 22), b""):
-                h.update(block)
-        return h.hexdigest()
-
-    by_size: dict[int, list[Path]] = {}
-    for source in Path(checkpoint_dir).glob("*.safetensors"):
-        by_size.setdefault(source.stat().st_size, []).append(source)
-    saved = 0
-    for artifact in artifact_dir.rglob("*.safetensors"):
-        candidates = by_size.get(artifact.stat().st_size, [])
-        if not candidates:
-            continue
-        wanted = digest(artifact)
-        for source in candidates:
-            if os.path.samefile(source, artifact) or digest(source) != wanted:
-                continue
-            tmp = artifact.with_name(f".{artifact.name}.link")
-            try:
-                os.link(source, tmp)
-                os.replace(tmp, artifact)
-                saved += artifact.stat().st_size
-            except OSError:  # another filesystem, or links not allowed: keep the copy
-                tmp.unlink(missing_ok=True)
-            break
-    return saved
 
 
 def register_once(checkpoint_dir: str | Path, model_name: str, *, task: str, tags: dict[str, str], run_id: str,

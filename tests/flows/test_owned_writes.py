@@ -1,6 +1,5 @@
 """The pipeline refuses, before any work, to write into directories it must not replace or delete."""
 
-import hashlib
 import re
 from pathlib import Path
 
@@ -8,22 +7,10 @@ import pytest
 
 from flows.rlhf_pipeline import rlhf_pipeline
 from rlhf_core.ownership import MARKER, OwnershipError, read_marker
+from tests.fixtures.user_files import filled, tree_hash
 
 SMOKE = str(Path(__file__).resolve().parents[2] / "configs" / "smoke.yaml")
 pytestmark = [pytest.mark.filterwarnings("ignore")]
-
-
-def tree_hash(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
-
-
-def filled(path: Path) -> Path:
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "precious.txt").write_text("do not delete")
-    (path / "sub").mkdir(exist_ok=True)
-    (path / "sub" / "notes.md").write_text("mine")
-    return path
 
 
 def refused(overrides: list[str], field: str, what: str) -> str:

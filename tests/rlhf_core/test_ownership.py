@@ -1,4 +1,3 @@
-import hashlib
 import json
 import os
 import re
@@ -16,22 +15,9 @@ from rlhf_core.ownership import (
     remove_orphan_temps,
 )
 from rlhf_core.training import atomic_dir
+from tests.fixtures.user_files import filled, tree_hash
 
 SMOKE = Path(__file__).resolve().parents[2] / "configs" / "smoke.yaml"
-
-
-def tree_hash(root: Path) -> dict[str, str]:
-    """{relative path: sha256} of every file under root (the tree as it is on disk)."""
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
-
-
-def filled(path: Path) -> Path:
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "precious.txt").write_text("do not delete")
-    (path / "sub").mkdir(exist_ok=True)
-    (path / "sub" / "notes.md").write_text("mine")
-    return path
 
 
 def one_sentence(message: str) -> bool:
