@@ -36,7 +36,7 @@ def prepare(root: Path) -> None:
 
 
 def vader_reward(prompts, completions, **kwargs):
-    from rlhf_core.rewards import vader_compound
+    from rlhf_core.reward_functions import vader_compound
 
     return vader_compound(completions=completions)
 
@@ -107,7 +107,7 @@ def learning(root: Path) -> dict:
     from rlhf_core.evaluation import evaluate_generations, summarize_rows
     from rlhf_core.grpo import function_reward, train_grpo
     from rlhf_core.models import load_causal_lm, load_tokenizer
-    from rlhf_core.rewards import vader_compound
+    from rlhf_core.reward_functions import vader_compound
 
     cfg = load_config(HERE.parent / "configs" / "demo.yaml")
     tok = load_tokenizer(str(root / "sft"))

@@ -28,7 +28,7 @@ def bare(cfg, root: Path) -> float:
     from rlhf_core.demo_world import build_demo_world
     from rlhf_core.models import load_causal_lm, load_tokenizer
     from rlhf_core.ppo import train_ppo
-    from rlhf_core.reward import load_reward_model, train_reward_model
+    from rlhf_core.reward_model import load_reward_model, train_reward_model
     from rlhf_core.sft import train_sft
 
     world = build_demo_world(root / "demo_world", cfg.run.seed, cfg.data.demo, cfg.model.demo)  # cached: built before

@@ -25,7 +25,7 @@ def prepare(root: Path) -> None:
     from rlhf_core.data import read_column, read_rows
     from rlhf_core.demo_world import build_demo_world
     from rlhf_core.models import load_causal_lm, load_tokenizer
-    from rlhf_core.reward import load_reward_model, train_reward_model
+    from rlhf_core.reward_model import load_reward_model, train_reward_model
     from rlhf_core.sft import train_sft
 
     world = build_demo_world(root / "world", SEED, DemoWorldConfig(), DemoModelConfig())
@@ -109,7 +109,7 @@ def learning(root: Path) -> dict:
     from rlhf_core.data import read_column
     from rlhf_core.evaluation import evaluate_generations, summarize_rows
     from rlhf_core.ppo import train_ppo
-    from rlhf_core.rewards import vader_compound
+    from rlhf_core.reward_functions import vader_compound
 
     cfg = load_config(HERE.parent / "configs" / "demo.yaml")
     tok, policy, ref, value, reward = load_models(root)

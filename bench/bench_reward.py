@@ -21,7 +21,7 @@ from rlhf_core.config import DemoModelConfig, DemoWorldConfig, RewardConfig, Run
 from rlhf_core.data import read_column, read_rows
 from rlhf_core.demo_world import build_demo_world
 from rlhf_core.models import load_causal_lm, load_tokenizer
-from rlhf_core.reward import evaluate_reward_model, load_reward_model, train_reward_model
+from rlhf_core.reward_model import evaluate_reward_model, load_reward_model, train_reward_model
 from rlhf_core.sft import train_sft
 
 STEPS, BATCH, MAX_LEN, LR, SEED = 200, 32, 48, 1e-3, 42

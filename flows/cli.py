@@ -129,7 +129,7 @@ def user_error_types() -> tuple[type[BaseException], ...]:
     """Exceptions a user causes (a config, a file, a model source, a reward function): one sentence, exit 2."""
     from rlhf_core.data import DataValidationError
     from rlhf_core.models import ModelSourceError
-    from rlhf_core.rewards import RewardFunctionError
+    from rlhf_core.reward_functions import RewardFunctionError
     from rlhf_core.ownership import OwnershipError
     from tasks.preflight import PreflightError
 

@@ -286,7 +286,7 @@ class EvalConfig(Section):
     batch_size: int = Field(64, ge=1, description="Prompts per generation batch.")
     greedy: bool = Field(False, description="Plain greedy decoding instead of near-greedy sampling (temperature 0.01+1e-7).")
     metrics: list[str] = Field(
-        default_factory=lambda: ["rlhf_core.rewards:vader_compound"],
+        default_factory=lambda: ["rlhf_core.reward_functions:vader_compound"],
         description="Extra metric functions 'module:function' scored on each completion.",
     )
 

@@ -2,7 +2,7 @@
 
 Everything is built from the VADER lexicon that the `vaderSentiment` package ships, deterministically
 from a seed, in a few seconds, with no download. VADER's compound score labels the preference pairs
-and is the demo's gold metric (see :mod:`rlhf_core.rewards`).
+and is the demo's gold metric (see :mod:`rlhf_core.reward_functions`).
 
 Layout of a built world (all paths relative to its directory)::
 
@@ -27,7 +27,7 @@ from importlib import resources
 from pathlib import Path
 
 from rlhf_core.config import DemoModelConfig, DemoWorldConfig
-from rlhf_core.rewards import vader_analyzer
+from rlhf_core.reward_functions import vader_analyzer
 from rlhf_core.training import apply_umask
 
 WORLD_VERSION = 1  # bump when the generator changes, so cached worlds are rebuilt

@@ -11,13 +11,13 @@ from typing import Sequence
 
 import torch
 
-from rlhf_core.ppo_math import kl_per_token
-from rlhf_core.rewards import call_scoring_function
+from rlhf_core.rl_math import kl_per_token
+from rlhf_core.reward_functions import call_scoring_function
 from rlhf_core.rollout import (
     NEAR_GREEDY_TEMPERATURE, SamplingSettings, decode_responses, generate, left_pad, reference_context, response_logprobs, sequence_scores,
     tokenize_prompts,
 )
-from rlhf_core.ppo_math import response_mask
+from rlhf_core.rl_math import response_mask
 from rlhf_core.training import is_peft
 
 

@@ -18,8 +18,8 @@ from typing import Callable, Literal
 import torch
 
 from rlhf_core.config import GRPOConfig, RLConfig, RunConfig
-from rlhf_core.ppo_math import masked_mean
-from rlhf_core.rewards import check_finite, call_scoring_function
+from rlhf_core.rl_math import masked_mean
+from rlhf_core.reward_functions import check_finite, call_scoring_function
 from rlhf_core.rl_loop import Evaluate, OnEval, RLLoop, RLResult
 from rlhf_core.rollout import (
     Rollout, collect_rollout, completion_metrics, decode_responses, response_logprobs, sequence_scores,

@@ -13,7 +13,7 @@ from typing import Sequence
 
 import torch
 
-from rlhf_core.ppo_math import INVALID_LOGPROB, entropy_from_logits, response_mask, selective_log_softmax
+from rlhf_core.rl_math import INVALID_LOGPROB, entropy_from_logits, response_mask, selective_log_softmax
 
 NEAR_GREEDY_TEMPERATURE = 0.01 + 1e-7  # the reference's evaluation setting
 

@@ -26,7 +26,7 @@ from rlhf_core.data import (
     DataValidationError, Kind, _glob_files, _local_files, is_glob, looks_local, required_columns,
 )
 from rlhf_core.models import ModelSourceError, check_source, looks_like_path
-from rlhf_core.rewards import RewardFunctionError, load_function
+from rlhf_core.reward_functions import RewardFunctionError, load_function
 
 TRACKING_TIMEOUT_S = 10.0
 FIRST_ROWS = 5

@@ -18,7 +18,7 @@ from rlhf_core.config import PipelineConfig
 from rlhf_core.data import read_rows
 from rlhf_core.demo_world import DemoWorld
 from rlhf_core.models import load_tokenizer, prepare_for_training
-from rlhf_core.reward import load_reward_model, train_reward_model
+from rlhf_core.reward_model import load_reward_model, train_reward_model
 from tasks import distributed, tracking
 from tasks.data import PreparedData, resolve_model_source
 from tasks.plots import close, curve_figure

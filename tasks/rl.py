@@ -24,8 +24,8 @@ from rlhf_core.models import (
 )
 from rlhf_core.grpo import train_grpo
 from rlhf_core.ppo import train_ppo
-from rlhf_core.reward import load_reward_model
-from rlhf_core.rewards import load_function
+from rlhf_core.reward_model import load_reward_model
+from rlhf_core.reward_functions import load_function
 from tasks import distributed, tracking
 from tasks.data import PreparedData, resolve_model_source
 from tasks.plots import close, curve_figure

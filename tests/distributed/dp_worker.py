@@ -18,8 +18,8 @@ from rlhf_core.demo_world import build_demo_world
 from rlhf_core.grpo import function_reward, train_grpo
 from rlhf_core.models import load_causal_lm, load_tokenizer
 from rlhf_core.ppo import train_ppo
-from rlhf_core.reward import load_reward_model, train_reward_model
-from rlhf_core.rewards import vader_compound
+from rlhf_core.reward_model import load_reward_model, train_reward_model
+from rlhf_core.reward_functions import vader_compound
 
 
 def fingerprint(*models) -> str:

@@ -174,7 +174,7 @@ def high_id_reward(tokenizer):
 def run_ppo(world_root: str | Path, out: str | Path, batch_size: int, tag: str, *, rl: dict | None = None,
             ppo: dict | None = None, deterministic: bool = True, show_progress: bool = False) -> Recorder:
     from rlhf_core.models import load_causal_lm, load_tokenizer
-    from rlhf_core.reward import load_reward_model
+    from rlhf_core.reward_model import load_reward_model
 
     world_root, out = Path(world_root), Path(out)
     tok = load_tokenizer(str(world_root / "tokenizer"))

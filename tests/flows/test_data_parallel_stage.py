@@ -34,7 +34,7 @@ def test_two_process_stages_register_exactly_one_set_of_versions(prefect_harness
 
 def test_two_process_grpo_stage_registers_each_checkpoint_once_and_logs_once_per_step(prefect_harness, tmp_path, mlflow_uri):
     overrides = [f"run.output_dir={tmp_path / 'out'}", f"tracking.uri={mlflow_uri}", "run.num_processes=2",
-                 "rl.algorithm=grpo", "grpo.rewards=[{name: vader, function: 'rlhf_core.rewards:vader_compound'}]"]
+                 "rl.algorithm=grpo", "grpo.rewards=[{name: vader, function: 'rlhf_core.reward_functions:vader_compound'}]"]
     state = rlhf_pipeline(config_path=SMOKE, overrides=overrides, return_state=True)
     assert state.is_completed(), state.message
     summary = state.result()

@@ -9,11 +9,11 @@ from mlflow.tracking import MlflowClient
 from transformers import AutoModelForCausalLM
 
 from flows.rlhf_pipeline import rlhf_pipeline
-from rlhf_core.rewards import RewardFunctionError
+from rlhf_core.reward_functions import RewardFunctionError
 
 SMOKE = str(Path(__file__).resolve().parents[2] / "configs" / "smoke.yaml")
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore")]
-VADER_ONLY = "grpo.rewards=[{name: vader, function: 'rlhf_core.rewards:vader_compound'}]"
+VADER_ONLY = "grpo.rewards=[{name: vader, function: 'rlhf_core.reward_functions:vader_compound'}]"
 
 
 def test_grpo_with_only_callable_rewards_runs_without_a_reward_model(prefect_harness, tmp_path, mlflow_uri):

@@ -79,7 +79,7 @@ def test_a_valid_config_passes(tmp_path, capsys):
      "grpo.rewards[0].function: 'preflight_funcs:no_kwargs' cannot be called as fn(prompts=..., completions=..., "
      "**kwargs) (it takes no **kwargs"),
     (["rl.algorithm=grpo", "grpo.rewards=[{name: r, function: 'preflight_funcs:positional'}]"], "cannot be called"),
-    (["eval.metrics=['rlhf_core.rewards:no_such_metric']"], "eval.metrics: module 'rlhf_core.rewards' has no function 'no_such_metric'"),
+    (["eval.metrics=['rlhf_core.reward_functions:no_such_metric']"], "eval.metrics: module 'rlhf_core.reward_functions' has no function 'no_such_metric'"),
     (["eval.metrics=['preflight_funcs:positional']"],
      "eval.metrics: 'preflight_funcs:positional' cannot be called as fn(prompts=..., completions=...)"),
 ])
@@ -248,7 +248,7 @@ def test_a_user_error_inside_the_flow_exits_2_and_a_bug_keeps_its_traceback(tmp_
 
 def test_check_raises_what_the_stage_would_have_raised(tmp_path):
     from rlhf_core.models import ModelSourceError
-    from rlhf_core.rewards import RewardFunctionError
+    from rlhf_core.reward_functions import RewardFunctionError
     from tasks.preflight import PreflightError, check
 
     cases = [(["eval.metrics=['no_such_module:f']"], RewardFunctionError),
@@ -262,7 +262,7 @@ def test_check_raises_what_the_stage_would_have_raised(tmp_path):
 
 
 def test_only_our_own_value_errors_count_as_user_errors():
-    from rlhf_core.rewards import vader_compound
+    from rlhf_core.reward_functions import vader_compound
 
     with pytest.raises(ValueError) as ours:
         vader_compound(prompts=["p"])

@@ -29,7 +29,7 @@ from rlhf_core.config import GRPOConfig as OurGRPOConfig, RLConfig, RunConfig
 from rlhf_core.grpo import (
     function_reward, grpo_advantages, grpo_token_loss, high_entropy_mask, nanstd, reduce_loss, stat_mean, train_grpo,
 )
-from rlhf_core.ppo_math import masked_mean, response_mask
+from rlhf_core.rl_math import masked_mean, response_mask
 from rlhf_core.rollout import response_logprobs
 
 NAN = float("nan")

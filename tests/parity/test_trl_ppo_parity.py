@@ -36,10 +36,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlhf_core.ppo_math import (
-    compute_gae, kl_penalized_rewards, kl_per_token, masked_whiten, response_mask,
-)
-from rlhf_core.ppo import score_rollout
+from rlhf_core.ppo import compute_gae, kl_penalized_rewards, score_rollout
+from rlhf_core.rl_math import kl_per_token, masked_whiten, response_mask
 from rlhf_core.rollout import Rollout, response_logprobs, sequence_scores, token_values
 
 REPO = Path(__file__).resolve().parents[2]

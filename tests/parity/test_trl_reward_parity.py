@@ -1,4 +1,4 @@
-"""Parity of `rlhf_core.reward` with TRL 1.16's `RewardTrainer`, driven through TRL's own code.
+"""Parity of `rlhf_core.reward_model` with TRL 1.16's `RewardTrainer`, driven through TRL's own code.
 
 A real `trl.RewardTrainer` is built offline around a tiny seeded `LlamaForSequenceClassification`
 (one output, pad_token_id set) and a word-level tokenizer made in memory. Compared, on the same
@@ -18,7 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlhf_core.reward import bradley_terry_loss, collate_pairs, preference_stats, score_pairs, tokenize_pairs
+from rlhf_core.reward_model import bradley_terry_loss, collate_pairs, preference_stats, score_pairs, tokenize_pairs
 
 VOCAB = 64
 PAD, EOS = 0, 1

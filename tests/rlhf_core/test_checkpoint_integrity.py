@@ -11,7 +11,7 @@ from rlhf_core.checkpoint import checkpoint_problem, latest_checkpoint, safetens
 from rlhf_core.config import RewardConfig, RunConfig
 from rlhf_core.models import load_tokenizer
 from rlhf_core.ownership import ATOMIC_CREATOR, MARKER, host_id
-from rlhf_core.reward import load_reward_model, train_reward_model
+from rlhf_core.reward_model import load_reward_model, train_reward_model
 from rlhf_core.training import atomic_dir
 
 CARD = {"title": "test reward model", "metadata": {"base_model": "tiny"}, "body": "trained in a test"}

@@ -10,7 +10,7 @@ from rlhf_core.checkpoint import checkpoints_to_delete, latest_checkpoint, prune
 from rlhf_core.config import RewardConfig, RunConfig
 from rlhf_core.models import load_tokenizer
 from rlhf_core.ownership import MARKER, remove_orphan_temps
-from rlhf_core.reward import load_reward_model, train_reward_model
+from rlhf_core.reward_model import load_reward_model, train_reward_model
 from rlhf_core.training import atomic_dir
 
 P = Path("out")

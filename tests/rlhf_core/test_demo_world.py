@@ -5,7 +5,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlhf_core.config import DemoModelConfig, DemoWorldConfig
 from rlhf_core.demo_world import NEUTRAL_WORDS, build_demo_world, load_vader_lexicon
-from rlhf_core.rewards import vader_compound
+from rlhf_core.reward_functions import vader_compound
 
 SMALL = DemoWorldConfig(num_sentences=120, num_preference_pairs=40, num_eval_preference_pairs=10,
                         num_train_prompts=30, num_eval_prompts=10)

@@ -32,7 +32,7 @@ import torch
 from safetensors.torch import load_file
 
 from rlhf_core.models import load_causal_lm, load_tokenizer, stop_token_ids
-from rlhf_core.ppo_math import INVALID_LOGPROB, response_mask
+from rlhf_core.rl_math import INVALID_LOGPROB, response_mask
 from rlhf_core.rollout import left_pad, response_logprobs, tokenize_prompts
 
 REPO = Path(__file__).resolve().parents[2]

@@ -9,7 +9,7 @@ from rlhf_core.grpo import (
     mix_into_reference, reduce_loss, train_grpo,
 )
 from rlhf_core.models import load_causal_lm, load_tokenizer
-from rlhf_core.rewards import RewardFunctionError
+from rlhf_core.reward_functions import RewardFunctionError
 
 
 def test_group_advantages_by_hand():

@@ -96,7 +96,7 @@ def test_stage_launch_command_cpu_torchrun_cuda_accelerate_with_the_config_file(
 def test_ppo_wrapper_exposes_the_decoder_layer_class_for_fsdp_auto_wrap(smoke_world):
     from rlhf_core.models import load_causal_lm, load_tokenizer
     from rlhf_core.ppo import PolicyAndValue
-    from rlhf_core.reward import load_reward_model
+    from rlhf_core.reward_model import load_reward_model
 
     tok = load_tokenizer(str(smoke_world.tokenizer))
     both = PolicyAndValue(load_causal_lm(str(smoke_world.base_model)), load_reward_model(str(smoke_world.base_model), tok))

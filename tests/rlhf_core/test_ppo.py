@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 from rlhf_core.config import PPOConfig, RLConfig, RunConfig
 from rlhf_core.models import load_causal_lm, load_tokenizer
 from rlhf_core.ppo import train_ppo
-from rlhf_core.reward import load_reward_model
+from rlhf_core.reward_model import load_reward_model
 
 
 class HighIdBackbone(torch.nn.Module):
@@ -162,7 +162,7 @@ def test_a_non_finite_loss_skips_the_step_and_never_corrupts_a_checkpoint(tmp_pa
 
 
 def test_a_non_finite_reward_model_score_stops_the_step_naming_the_sample(tmp_path, smoke_world):
-    from rlhf_core.rewards import RewardFunctionError
+    from rlhf_core.reward_functions import RewardFunctionError
 
     tok, policy, ref, value, reward = setup(smoke_world)
     with torch.no_grad():

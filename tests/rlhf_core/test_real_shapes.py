@@ -13,7 +13,7 @@ from transformers import AutoTokenizer, GenerationConfig
 
 from rlhf_core.config import GRPOConfig, PPOConfig, RLConfig, RunConfig, SFTConfig
 from rlhf_core.models import ModelSourceError, load_causal_lm, load_tokenizer, stop_token_ids
-from rlhf_core.ppo_math import INVALID_LOGPROB, response_mask
+from rlhf_core.rl_math import INVALID_LOGPROB, response_mask
 from rlhf_core.rollout import (
     SamplingSettings, collect_rollout, completion_metrics, decode_responses, left_pad, tokenize_prompts,
 )
@@ -344,7 +344,7 @@ def _rollout_stats(policy, tok, prompts, stops, response_length, seed=0):
 def test_sft_warm_start_then_ppo_and_grpo_responses_stop(family_root, tmp_path, name):
     from rlhf_core.grpo import function_reward, train_grpo
     from rlhf_core.ppo import train_ppo
-    from rlhf_core.reward import load_reward_model
+    from rlhf_core.reward_model import load_reward_model
     from rlhf_core.sft import train_sft
 
     spec = family(name)

@@ -8,7 +8,7 @@ from transformers import AutoModelForSequenceClassification
 from rlhf_core.config import LoraSettings, RewardConfig, RunConfig
 from rlhf_core.model_card import read_front_matter
 from rlhf_core.models import load_tokenizer
-from rlhf_core.reward import (
+from rlhf_core.reward_model import (
     EVAL_METRICS, bradley_terry_loss, encode_pairs, evaluate_reward_model, load_reward_model, preference_metrics,
     score_pairs, train_reward_model,
 )

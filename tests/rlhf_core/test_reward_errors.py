@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rlhf_core.rewards import RewardFunctionError, call_scoring_function
+from rlhf_core.reward_functions import RewardFunctionError, call_scoring_function
 
 
 def fails_on_the_third(prompts=None, completions=None, **kwargs):

@@ -2,7 +2,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from rlhf_core.models import ModelSourceError, ensure_pad_token, load_causal_lm, load_tokenizer
-from rlhf_core.rewards import vader_compound
+from rlhf_core.reward_functions import vader_compound
 
 
 def test_vader_compound_scores_completions():

@@ -1,4 +1,4 @@
-"""The tensor math of RLHF policy optimization: masked statistics, KL estimators, GAE, PPO losses.
+"""The tensor math PPO, GRPO and evaluation share: masked statistics, response masks, log-probabilities, KL estimators.
 
 Everything here is pure (no models, no optimizers) and pinned by tests against hand-computed values
 and plain loops. Shapes: B sequences, T response tokens; `mask` is 1 on real response tokens.
@@ -103,82 +103,3 @@ def kl_per_token(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: Literal[
     if estimator == "k1":
         return log_ratio
     return torch.expm1(-log_ratio) + log_ratio
-
-
-def kl_penalized_rewards(scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, last_index: torch.Tensor,
-                         kl_coef: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token rewards: -kl_coef * kl on every real token, plus the sequence score on its last token.
-
-    Returns (rewards, non_score_reward), each (B, T), zero on padding.
-    """
-    non_score = -kl_coef * kl * mask
-    rewards = non_score.clone()
-    rewards[torch.arange(rewards.shape[0], device=rewards.device), last_index] += scores
-    return rewards, non_score
-
-
-def compute_gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float,
-                lam: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Generalized advantage estimation over response tokens, vectorized. -> (advantages, returns), (B, T)
-
-    delta_t = r_t + gamma * V_{t+1} - V_t (V past the end is 0), A_t = sum_l (gamma*lam)^l delta_{t+l},
-    returns = A + V. Padding positions have zero reward and value, so they add nothing.
-    """
-    values = values * mask
-    rewards = rewards * mask
-    next_values = torch.cat([values[:, 1:], torch.zeros_like(values[:, :1])], dim=1)
-    deltas = rewards + gamma * next_values - values  # (B, T)
-    t = torch.arange(rewards.shape[1], device=rewards.device, dtype=rewards.dtype)
-    lag = t.view(1, -1) - t.view(-1, 1)  # (T, T): s - t
-    discount = torch.where(lag >= 0, (gamma * lam) ** lag.clamp(min=0), torch.zeros_like(lag))
-    advantages = (deltas @ discount.T) * mask  # A_t = sum_s discount[t, s] * delta_s
-    return advantages, advantages + values
-
-
-def policy_loss(new_logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-                cliprange: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """PPO's clipped surrogate: mean over real tokens of max(-A r, -A clip(r, 1-eps, 1+eps))."""
-    log_ratio = new_logp - old_logp
-    ratio = torch.exp(log_ratio)
-    unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
-    loss = masked_mean(torch.max(unclipped, clipped), mask)
-    stats = {
-        "clipfrac": masked_mean((clipped > unclipped).float(), mask),
-        "approxkl": 0.5 * masked_mean(log_ratio**2, mask),
-        "ratio": masked_mean(ratio, mask),
-    }
-    return loss, stats
-
-
-def value_loss(vpred: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
-               cliprange_value: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Clipped value loss: 0.5 * mean over real tokens of max((v - R)^2, (clip(v, old +- eps) - R)^2)."""
-    vclipped = old_values + torch.clamp(vpred - old_values, -cliprange_value, cliprange_value)
-    unclipped, clipped = (vpred - returns) ** 2, (vclipped - returns) ** 2
-    loss = 0.5 * masked_mean(torch.max(unclipped, clipped), mask)
-    return loss, {"clipfrac": masked_mean((clipped > unclipped).float(), mask)}
-
-
-class FixedKLController:
-    """A constant KL coefficient."""
-
-    def __init__(self, kl_coef: float):
-        self.value = kl_coef
-
-    def update(self, current_kl: float, n_steps: int) -> None:
-        pass
-
-
-class AdaptiveKLController:
-    """Ziegler et al. (2019): move the coefficient so the observed KL approaches `target`.
-
-    error = clip(kl / target - 1, -0.2, 0.2); value *= 1 + error * n_steps / horizon.
-    """
-
-    def __init__(self, kl_coef: float, target: float, horizon: int):
-        self.value, self.target, self.horizon = kl_coef, target, horizon
-
-    def update(self, current_kl: float, n_steps: int) -> None:
-        error = min(max(current_kl / self.target - 1.0, -0.2), 0.2)
-        self.value *= 1.0 + error * n_steps / self.horizon

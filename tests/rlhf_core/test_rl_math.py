@@ -3,9 +3,11 @@ import math
 import pytest
 import torch
 
-from rlhf_core.ppo_math import (
-    AdaptiveKLController, FixedKLController, compute_gae, entropy_from_logits, first_true_indices, kl_penalized_rewards,
-    kl_per_token, masked_mean, masked_whiten, policy_loss, response_mask, selective_log_softmax, value_loss,
+from rlhf_core.ppo import (
+    AdaptiveKLController, FixedKLController, compute_gae, kl_penalized_rewards, policy_loss, value_loss,
+)
+from rlhf_core.rl_math import (
+    entropy_from_logits, first_true_indices, kl_per_token, masked_mean, masked_whiten, response_mask, selective_log_softmax,
 )
 
 
