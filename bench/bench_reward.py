@@ -35,7 +35,7 @@ def run_ours(sft_dir: Path, train, test, out: Path) -> tuple[float, dict]:
     start = time.perf_counter()
     result = train_reward_model(model, tok, train, test, cfg, RunConfig(device="cpu", seed=SEED), max_length=MAX_LEN,
                                 output_dir=out, card=CARD, show_progress=False)
-    return time.perf_counter() - start, result.eval_metrics
+    return time.perf_counter() - start, result.metrics
 
 
 def run_trl(sft_dir: Path, train, test, out: Path) -> tuple[float, dict]:

@@ -71,11 +71,9 @@ def deploy(pool: str) -> int:
 
 
 def fields_markdown() -> str:
-    from rlhf_core.config import describe_fields
+    from rlhf_core.config.reference import render_reference
 
-    lines = ["| field | default | meaning |", "|---|---|---|"]
-    lines += [f"| `{path}` | `{default}` | {text} |" for path, default, text in describe_fields()]
-    return "\n".join(lines)
+    return render_reference()
 
 
 def print_summary(summary: dict) -> None:

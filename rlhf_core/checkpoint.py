@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from rlhf_core.ownership import remove_orphan_temps  # noqa: F401  (resume cleans up with it)
-from rlhf_core.training import atomic_dir
+from rlhf_core.saving import atomic_dir
 
 logger = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from rlhf_core.config import DemoModelConfig, DemoWorldConfig
 from rlhf_core.reward_functions import vader_analyzer
-from rlhf_core.training import apply_umask
+from rlhf_core.saving import apply_umask
 
 WORLD_VERSION = 1  # bump when the generator changes, so cached worlds are rebuilt
 

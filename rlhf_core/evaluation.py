@@ -18,7 +18,7 @@ from rlhf_core.rollout import (
     tokenize_prompts,
 )
 from rlhf_core.rl_math import response_mask
-from rlhf_core.training import is_peft
+from rlhf_core.saving import is_peft
 
 
 @torch.no_grad()

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from rlhf_core.model_card import write_model_card
-from rlhf_core.training import atomic_dir
+from rlhf_core.saving import atomic_dir
 
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 

@@ -2,7 +2,7 @@
 
 Pure helpers first (advantages with TRL 1.16's handling of unscorable completions and both
 multi-objective aggregations, the per-token loss of every loss type, the normalizations, the
-high-entropy token mask, the reference sync), then the training loop on the shared `RLLoop`. Loss
+high-entropy token mask, the reference sync), then the step on the shared `TrainingLoop`. Loss
 types follow their papers as TRL 1.16 implements them: grpo and sapo (mean over each sequence's
 tokens, then over sequences), bnpo (mean over the micro-batch's tokens), dr_grpo (sum over tokens /
 (sequences x max completion length)), dapo and cispo (sum over tokens / tokens of the whole
@@ -20,11 +20,12 @@ import torch
 from rlhf_core.config import GRPOConfig, RLConfig, RunConfig
 from rlhf_core.rl_math import masked_mean
 from rlhf_core.reward_functions import check_finite, call_scoring_function
-from rlhf_core.rl_loop import Evaluate, OnEval, RLLoop, RLResult
 from rlhf_core.rollout import (
-    Rollout, collect_rollout, completion_metrics, decode_responses, response_logprobs, sequence_scores,
+    PromptBatches, Rollout, collect_rollout, completion_metrics, decode_responses, response_logprobs, rl_loop_settings,
+    rl_sampling, sequence_scores,
 )
-from rlhf_core.training import OnCheckpoint, OnLog, OnStep
+from rlhf_core.loop import LoopResult, OnCheckpoint, OnLog, OnStep, TrainingLoop
+from rlhf_core.models import stop_token_ids
 
 LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"]
 STD_EPS = 1e-4  # TRL's: advantages are divided by std + 1e-4
@@ -223,32 +224,40 @@ def function_reward(name: str, weight: float, fn) -> RewardSourceFn:
 
 def train_grpo(policy, ref_model, rewards: list[RewardSourceFn], tokenizer, prompt_rows: list[dict], rl: RLConfig,
                grpo: GRPOConfig, run: RunConfig, *, max_prompt_length: int, output_dir: str | Path,
-               on_log: OnLog | None = None, on_checkpoint: OnCheckpoint | None = None, on_eval: OnEval | None = None,
-               on_step: OnStep | None = None,
-               evaluate: Evaluate | None = None, eval_every: int | None = None,
-               on_completions: Callable[[list[dict], int], None] | None = None, show_progress: bool = True) -> RLResult:
+               on_log: OnLog | None = None, on_checkpoint: OnCheckpoint | None = None,
+               on_eval: Callable[[list[dict], int], None] | None = None, on_step: OnStep | None = None,
+               evaluate: Callable[[torch.nn.Module, int], list[dict]] | None = None, eval_every: int | None = None,
+               on_completions: Callable[[list[dict], int], None] | None = None, show_progress: bool = True) -> LoopResult:
     """Train `policy` with GRPO for rl.total_steps generation batches; resume from output_dir.
 
     ref_model None with beta > 0 means a PEFT policy whose disabled adapters are the reference; with
-    beta 0 no reference is used at all. Each generation batch feeds grpo.num_iterations x
-    (steps_per_generation / gradient_accumulation_steps) optimizer steps of rl.batch_size completions.
+    beta 0 no reference is used at all. Each generation batch of rl.batch_size completions feeds
+    grpo.num_iterations x (steps_per_generation / gradient_accumulation_steps) optimizer steps.
     `on_completions(rows, step)` receives every grpo.log_completions_steps the prompts, completions,
     each reward and the advantages.
     """
     G = grpo.num_generations
     ga = rl.gradient_accumulation_steps
-    steps_per_gen = max(1, (grpo.steps_per_generation or ga) // ga)  # optimizer steps per generation batch
-    micro = max(1, rl.batch_size // ga)
+    # rl.batch_size completions per generation batch, split into steps_per_generation micro-batches (TRL's
+    # name), ga of them per optimizer step
+    micro_per_generation = grpo.steps_per_generation or ga
+    steps_per_gen = max(1, micro_per_generation // ga)  # optimizer steps per generation batch
+    step_batch = rl.batch_size // steps_per_gen  # completions per optimizer step
+    micro = max(1, rl.batch_size // micro_per_generation)
     models = {"policy": policy}
     if grpo.sync_ref_model and ref_model is not None:
         models["ref"] = ref_model  # it changes during training: saved and restored with the policy
-    loop = RLLoop(policy, models, tokenizer, [r["prompt"] for r in prompt_rows], rl, run,
-                  output_dir=output_dir, max_prompt_length=max_prompt_length,
-                  prompts_per_step=rl.batch_size * steps_per_gen // G, name="grpo",
-                  micro_batches=-(-rl.batch_size // micro), micro_batch_size=micro)
+    settings = rl_loop_settings(rl, run, name="grpo", micro_batches=-(-step_batch // micro), micro_batch_size=micro,
+                                eval_every=eval_every if on_eval is not None else None)
+    loop = TrainingLoop(policy, models, tokenizer, settings, run, output_dir=output_dir)
+    batches = PromptBatches(tokenizer, [r["prompt"] for r in prompt_rows], max_prompt_length=max_prompt_length,
+                            per_step=rl.batch_size // G, seed=run.seed, loop=loop, repeat=G)
     if ref_model is not None:
         ref_model.to(loop.device).eval().requires_grad_(False)
-    pad_id, stop_ids, settings = loop.pad_id, loop.stop_ids, loop.sampling
+    pad_id = tokenizer.pad_token_id
+    stop_ids = stop_token_ids(tokenizer, getattr(policy, "generation_config", None), stop_token=rl.stop_token,
+                              stop_tokens=rl.stop_tokens)
+    sampling = rl_sampling(rl)
     weights = torch.tensor([s.weight for s in rewards], dtype=torch.float32)
     world, rank = loop.world, loop.rank
     per_iteration = grpo.num_iterations * steps_per_gen
@@ -260,11 +269,12 @@ def train_grpo(policy, ref_model, rewards: list[RewardSourceFn], tokenizer, prom
         pooled = loop.accelerator.gather(padded)
         return pooled[pooled != -1e9]
 
-    def iteration(query_ids: torch.Tensor, query_mask: torch.Tensor, indices: list[int]) -> dict[str, float]:
+    def step(batch: tuple[torch.Tensor, torch.Tensor, list[int]]) -> dict[str, torch.Tensor]:
+        query_ids, query_mask, indices = batch
         # 1. sample G completions per prompt
         model = loop.unwrapped()
         with loop.full_parameters():
-            rollout = collect_rollout(model, ref_model, query_ids, query_mask, settings, pad_token_id=pad_id,
+            rollout = collect_rollout(model, ref_model, query_ids, query_mask, sampling, pad_token_id=pad_id,
                                       stop_token_ids=stop_ids, need_reference=grpo.beta > 0,
                                       need_logprobs=per_iteration > 1, prompt_repeats=G)
         rows = [prompt_rows[i] for i in indices]
@@ -298,10 +308,10 @@ def train_grpo(policy, ref_model, rewards: list[RewardSourceFn], tokenizer, prom
         stats: dict[str, list[torch.Tensor]] = {k: [] for k in ("loss", "low", "high", "region", "cispo", "kl", "entropy")}
         policy.train()
         for j in range(per_iteration):
-            base = (j % steps_per_gen) * rl.batch_size
+            base = (j % steps_per_gen) * step_batch
             step_loss = torch.zeros((), device=loop.device)
-            for start in range(base, base + rl.batch_size, micro):
-                idx = slice(start, min(start + micro, base + rl.batch_size))
+            for start in range(base, base + step_batch, micro):
+                idx = slice(start, min(start + micro, base + step_batch))
                 m = mask[idx]
                 with loop.micro_batch():
                     logp, entropy = response_logprobs(loop.trainable, rollout.query_ids[idx], rollout.query_mask[idx],
@@ -317,7 +327,7 @@ def train_grpo(policy, ref_model, rewards: list[RewardSourceFn], tokenizer, prom
                     loss = reduce_loss(per_token, m, grpo.loss_type, max_completion_length=rl.response_length,
                                        total_tokens=total_tokens)
                     if grpo.loss_type not in ("dapo", "cispo"):
-                        loss = loss * (m.shape[0] / rl.batch_size)  # mean over micro-batches
+                        loss = loss * (m.shape[0] / step_batch)  # mean over micro-batches
                     loop.backward(loss)
                 step_loss = step_loss + loss.detach()
                 if "cispo_clipped" in tstats:
@@ -373,5 +383,5 @@ def train_grpo(policy, ref_model, rewards: list[RewardSourceFn], tokenizer, prom
             metrics[f"rewards/{source.name}/std"] = nanstd(column)
         return metrics
 
-    return loop.run(iteration, on_log=on_log, on_checkpoint=on_checkpoint, on_eval=on_eval, evaluate=evaluate,
-                    on_step=on_step, eval_every=eval_every, repeat=G, show_progress=show_progress)
+    return loop.run(step, batches, on_log=on_log, evaluate=(lambda at: evaluate(policy, at)) if evaluate else None,
+                    on_eval=on_eval, on_checkpoint=on_checkpoint, on_step=on_step, show_progress=show_progress)

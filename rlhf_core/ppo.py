@@ -1,15 +1,16 @@
 """PPO with a learned reward model and a value model, resumable from any checkpoint.
 
-Each iteration, in the numbered steps of the CleanRL/TRL recipe: 1. generate, 2. score,
-3. KL-penalized per-token rewards, 4. GAE, 5. PPO epochs over mini-batches. The loop takes
-callbacks (`on_log`, `on_checkpoint`, `on_eval`) and imports no tracking code. A checkpoint holds the
-policy alone (`policy/`, Hugging Face format), the value model (`value/`) and the training state
+PPO's math first (KL-penalized rewards, GAE, the clipped losses, KL controllers), then its step on
+the shared `TrainingLoop`, in the numbered steps of the CleanRL/TRL recipe: 1. generate, 2. score,
+3. KL-penalized per-token rewards, 4. GAE, 5. PPO epochs over mini-batches. A checkpoint holds the
+policy (`policy/`, Hugging Face format), the value model (`value/`) and the training state
 (`training_state/`, no pickle).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -17,11 +18,12 @@ from rlhf_core.config import PPOConfig, RLConfig, RunConfig
 from rlhf_core.parallel import reduce_metrics
 from rlhf_core.rl_math import kl_per_token, masked_mean, masked_whiten
 from rlhf_core.reward_functions import check_finite
-from rlhf_core.rl_loop import Evaluate, OnEval, RLLoop, RLResult
 from rlhf_core.rollout import (
-    Rollout, collect_rollout, completion_metrics, response_logprobs, sequence_scores, token_values,
+    PromptBatches, Rollout, collect_rollout, completion_metrics, response_logprobs, rl_loop_settings, rl_sampling,
+    sequence_scores, token_values,
 )
-from rlhf_core.training import OnCheckpoint, OnLog, OnStep
+from rlhf_core.loop import LoopResult, OnCheckpoint, OnLog, OnStep, TrainingLoop
+from rlhf_core.models import stop_token_ids
 
 
 # -- PPO's math: KL-penalized rewards, GAE, the clipped losses, KL controllers --------------------------
@@ -145,9 +147,10 @@ def score_rollout(rollout: Rollout, value_model, reward_model, *, missing_eos_pe
 
 def train_ppo(policy, value_model, ref_model, reward_model, tokenizer, prompts: list[str], rl: RLConfig, ppo: PPOConfig,
               run: RunConfig, *, max_prompt_length: int, output_dir: str | Path,
-              on_log: OnLog | None = None, on_checkpoint: OnCheckpoint | None = None, on_eval: OnEval | None = None,
-              on_step: OnStep | None = None,
-              evaluate: Evaluate | None = None, eval_every: int | None = None, show_progress: bool = True) -> RLResult:
+              on_log: OnLog | None = None, on_checkpoint: OnCheckpoint | None = None,
+              on_eval: Callable[[list[dict], int], None] | None = None, on_step: OnStep | None = None,
+              evaluate: Callable[[torch.nn.Module, int], list[dict]] | None = None, eval_every: int | None = None,
+              show_progress: bool = True) -> LoopResult:
     """Train `policy` and `value_model` with PPO for rl.total_steps iterations; resume from output_dir.
 
     ref_model None means the policy is a PEFT model whose disabled adapters are the reference.
@@ -156,23 +159,29 @@ def train_ppo(policy, value_model, ref_model, reward_model, tokenizer, prompts: 
     kl_ctl = make_kl_controller(ppo)
     mini_size = rl.batch_size // ppo.num_mini_batches
     micro_size = max(1, mini_size // rl.gradient_accumulation_steps)
-    loop = RLLoop(PolicyAndValue(policy, value_model), {"policy": policy, "value": value_model}, tokenizer, prompts, rl,
-                  run, output_dir=output_dir, max_prompt_length=max_prompt_length, prompts_per_step=rl.batch_size,
-                  name="ppo", micro_batches=mini_size // micro_size, micro_batch_size=micro_size,
-                  state={"kl_coef": ppo.kl_coef})
+    settings = rl_loop_settings(rl, run, name="ppo", micro_batches=mini_size // micro_size, micro_batch_size=micro_size,
+                                eval_every=eval_every if on_eval is not None else None)
+    loop = TrainingLoop(PolicyAndValue(policy, value_model), {"policy": policy, "value": value_model}, tokenizer, settings,
+                        run, output_dir=output_dir, state={"kl_coef": ppo.kl_coef})
     kl_ctl.value = loop.state["kl_coef"]
+    batches = PromptBatches(tokenizer, prompts, max_prompt_length=max_prompt_length, per_step=rl.batch_size, seed=run.seed,
+                            loop=loop)
     for frozen in (ref_model, reward_model):
         if frozen is not None:
             frozen.to(loop.device).eval().requires_grad_(False)
-    pad_id, stop_ids, settings = loop.pad_id, loop.stop_ids, loop.sampling
+    pad_id = tokenizer.pad_token_id
+    stop_ids = stop_token_ids(tokenizer, getattr(policy, "generation_config", None), stop_token=rl.stop_token,
+                              stop_tokens=rl.stop_tokens)
+    sampling = rl_sampling(rl)
     world = loop.world
     all_reduce = loop.global_sum if world > 1 else None  # whitening over every process's rows
 
-    def iteration(query_ids: torch.Tensor, query_mask: torch.Tensor, indices: list[int]) -> dict[str, float]:
+    def step(batch: tuple[torch.Tensor, torch.Tensor, list[int]]) -> dict[str, torch.Tensor | float]:
+        query_ids, query_mask, _ = batch
         # 1. generate  2. score
         models = loop.unwrapped()
         with loop.full_parameters():
-            rollout = collect_rollout(models.policy, ref_model, query_ids, query_mask, settings, pad_token_id=pad_id,
+            rollout = collect_rollout(models.policy, ref_model, query_ids, query_mask, sampling, pad_token_id=pad_id,
                                       stop_token_ids=stop_ids)
             scores, values = score_rollout(rollout, models.value_model, reward_model,
                                            missing_eos_penalty=rl.missing_eos_penalty)
@@ -244,5 +253,5 @@ def train_ppo(policy, value_model, ref_model, reward_model, tokenizer, prompts: 
             "_tokens": mask.sum(),
         }
 
-    return loop.run(iteration, on_log=on_log, on_checkpoint=on_checkpoint, on_eval=on_eval, evaluate=evaluate,
-                    on_step=on_step, eval_every=eval_every, show_progress=show_progress)
+    return loop.run(step, batches, on_log=on_log, evaluate=(lambda at: evaluate(policy, at)) if evaluate else None,
+                    on_eval=on_eval, on_checkpoint=on_checkpoint, on_step=on_step, show_progress=show_progress)

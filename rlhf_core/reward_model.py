@@ -1,33 +1,23 @@
 """Reward-model training: a one-output sequence classifier fit with the Bradley-Terry loss.
 
-Pure helpers first (loss, metrics, pair encoding), then the training loop. The loop takes callbacks
-(`on_log`, `on_eval`, `on_checkpoint`) and imports no tracking code. Checkpoints are Hugging Face
-directories `checkpoint-N/` with a model card, `metrics.json` and the training state without pickle,
-so re-running after a crash resumes from the last one and reaches the same weights.
+Pure helpers first (loss, metrics, pair encoding, scoring at the last token, evaluation), then the
+step on the shared `TrainingLoop`. Checkpoints are Hugging Face directories `checkpoint-N/` with a
+model card, `metrics.json` and the training state without pickle, so re-running after a crash
+resumes from the last one and reaches the same weights.
 """
 
 from __future__ import annotations
 
-import json
-import math
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-from rlhf_core.checkpoint import (
-    latest_checkpoint, load_training_state, prune_checkpoints, remove_orphan_temps, save_training_state,
-)
 from rlhf_core.config import LoraSettings, RewardConfig, RunConfig
 from rlhf_core.model_card import write_model_card
+from rlhf_core.loop import Grouped, LoopResult, LoopSettings, OnCheckpoint, OnLog, OnStep, ShardedBatches, TrainingLoop
 from rlhf_core.rollout import head_per_token
-from rlhf_core.parallel import full_parameters, gathered_state_dicts, reduce_metrics, shards_optimizer
-from rlhf_core.training import (
-    OnCheckpoint, OnLog, OnStep, ShardedBatches, assert_finite, atomic_dir, build_optimizer, disable_dropout,
-    make_accelerator, restore_weights, save_hf_dir, seed_everything,
-)
 
 EVAL_METRICS = ("eval_loss", "eval_accuracy", "eval_margin", "eval_min_reward", "eval_mean_reward", "eval_max_reward")
 
@@ -94,11 +84,6 @@ def collate_pairs(items: list[dict], pad_token_id: int) -> dict[str, torch.Tenso
     if any(it["margin"] is not None for it in items):
         batch["margin"] = torch.tensor([float(it["margin"] or 0.0) for it in items])
     return batch
-
-
-def encode_pairs(tokenizer, rows: list[dict], max_length: int) -> dict[str, torch.Tensor]:
-    """Rows straight to a model batch (see `tokenize_pairs` and `collate_pairs`)."""
-    return collate_pairs(tokenize_pairs(tokenizer, rows, max_length), tokenizer.pad_token_id)
 
 
 class LastTokenScore(torch.nn.Module):
@@ -187,141 +172,53 @@ def load_reward_model(source: str, tokenizer, *, lora: LoraSettings | None = Non
     return model
 
 
-def save_reward_checkpoint(model, tokenizer, path: Path, *, card: dict, metrics: dict[str, float],
-                           optimizer=None, scheduler=None, progress: dict | None = None, state_dict: dict | None = None) -> Path:
-    """A loadable HF directory (merged weights when LoRA, adapter in `adapter/`), card, metrics, training state.
-
-    With a scheduler the training state is saved (its optimizer part only when `optimizer` is given);
-    `state_dict`: weights gathered from sharded processes, saved instead of the model's own.
-    """
-    assert_finite(model, "the reward model", state_dict)
-    with atomic_dir(path) as tmp:
-        save_hf_dir(model, tokenizer, tmp, state_dict)
-        write_model_card(tmp, title=card["title"], metadata={**card["metadata"], "eval_metrics": metrics}, body=card["body"])
-        (tmp / "metrics.json").write_text(json.dumps(metrics, indent=2))
-        if scheduler is not None:
-            save_training_state(tmp, optimizer=optimizer, scheduler=scheduler, progress=progress or {})
-    return path
-
-
-@dataclass
-class RewardResult:
-    checkpoint: Path
-    step: int
-    eval_metrics: dict[str, float]
-    resumed_from: int
-
-
 def train_reward_model(model, tokenizer, train_rows: list[dict], eval_rows: list[dict], cfg: RewardConfig,
                        run: RunConfig, *, max_length: int, output_dir: str | Path, card: dict,
                        on_log: OnLog | None = None, on_eval: Callable[[dict[str, float], int], None] | None = None,
                        on_checkpoint: OnCheckpoint | None = None, on_step: OnStep | None = None,
-                       show_progress: bool = True) -> RewardResult:
+                       show_progress: bool = True) -> LoopResult:
     """Train for cfg.max_steps optimizer steps, resuming from the newest complete checkpoint in output_dir.
 
-    card: {"title", "metadata", "body"} for the model card of each checkpoint.
+    Each checkpoint is a loadable Hugging Face directory (merged weights with LoRA, the adapter in
+    `adapter/`) with a model card from `card` ({"title", "metadata", "body"}) and the eval metrics of
+    its step; the result's metrics are the last evaluation's.
     """
-    from tqdm.auto import tqdm
-
-    output_dir = Path(output_dir)
-    seed_everything(run.seed)
-    accelerator = make_accelerator(run, cfg.gradient_accumulation_steps, micro_batch_size=cfg.batch_size,
-                                   max_grad_norm=cfg.max_grad_norm)
-    optimizer, scheduler = build_optimizer(model, cfg, cfg.max_steps)
-    step, epoch, position, metrics = 0, 0, 0, {}
-    if accelerator.is_main_process:
-        remove_orphan_temps(output_dir)  # a killed run's half-written saves
-    resume = latest_checkpoint(output_dir)
-    if resume is not None:
-        restore_weights(model, resume)
-        progress = load_training_state(resume, optimizer=optimizer, scheduler=scheduler)
-        step, epoch, position = progress["step"], progress["epoch"], progress["position"]
-        metrics = json.loads((resume / "metrics.json").read_text())
-    resumed_from = step
-    if cfg.disable_dropout:  # the same pair scores the same in every forward (TRL's default)
-        disable_dropout(model)
-    # the schedule stays outside Accelerate: it counts optimizer steps of the global batch, while an
-    # Accelerate-prepared scheduler advances num_processes times per step
-    reward_model = model
-    model, optimizer = accelerator.prepare(LastTokenScore(reward_model), optimizer)
-    device = accelerator.device
-    model.train()
-
-    def checkpoint(at_step: int) -> Path:
-        path = output_dir / f"checkpoint-{at_step}"
-        unwrapped = reward_model
-        gathered = gathered_state_dicts(accelerator, model, {"reward": unwrapped})  # collective; None unsharded
-        if accelerator.is_main_process:
-            save_reward_checkpoint(unwrapped, tokenizer, path, card=card, metrics=metrics,
-                                   optimizer=None if shards_optimizer(accelerator) else optimizer, scheduler=scheduler,
-                                   progress={"step": at_step, "epoch": epoch, "position": position},
-                                   state_dict=gathered["reward"] if gathered else None)
-            if on_checkpoint is not None:
-                on_checkpoint(path, at_step)
-            # after registering: the newest N and the one with the highest eval_accuracy stay
-            prune_checkpoints(output_dir, run.keep_last_checkpoints, "eval_accuracy")
-        accelerator.wait_for_everyone()
-        return path
-
+    settings = LoopSettings(
+        name="reward", section="reward", total_steps=cfg.max_steps, optim=cfg, micro_batches=cfg.gradient_accumulation_steps,
+        micro_batch_size=cfg.batch_size, log_every=cfg.log_steps, eval_every=cfg.eval_steps, save_every=cfg.save_steps,
+        disable_dropout=cfg.disable_dropout,  # the same pair scores the same in every forward (TRL's default)
+        keep_last=run.keep_last_checkpoints, best_metric=("eval_accuracy",), log_window="mean", checkpoint_metrics="eval",
+        lr_key="reward/learning_rate", grad_norm_key="reward/grad_norm", epoch_key="reward/epoch",
+        shown=("reward/loss", "reward/accuracy"))
+    # the scorer reads each row's last attended token; trained as one module so that DDP and DeepSpeed see the forward
+    loop = TrainingLoop(LastTokenScore(model), {"": model}, tokenizer, settings, run, output_dir=output_dir)
+    loop.trainable.train()
     train_items = tokenize_pairs(tokenizer, train_rows, max_length)
     eval_items = tokenize_pairs(tokenizer, eval_rows, max_length)
+    pad_id = tokenizer.pad_token_id
+    # data parallel: every process its own batch of cfg.batch_size pairs per micro-batch
+    order = ShardedBatches(len(train_rows), cfg.batch_size, run.seed, rank=loop.rank, world=loop.world,
+                           epoch=loop.epoch, position=loop.position)
 
-    main = accelerator.is_main_process
+    def step(micro_batches: list[list[int]]) -> dict[str, torch.Tensor]:
+        stats = []
+        for indices in micro_batches:
+            batch = {k: v.to(loop.device) for k, v in collate_pairs([train_items[i] for i in indices], pad_id).items()}
+            with loop.micro_batch():
+                rc, rr = score_pairs(loop.trainable, batch)
+                loss = bradley_terry_loss(rc, rr, batch.get("margin"), cfg.center_rewards_coefficient)
+                loop.backward(loss / len(micro_batches))
+            # statistics stay on the device until the log step: no host round trip per step
+            stats.append({"loss": loss.detach(), **preference_stats(rc.detach().float(), rr.detach().float())})
+        loop.optimizer_step()
+        return {f"reward/{k}": torch.stack([s[k] for s in stats]).mean() for k in stats[0]}
 
     def evaluate(at_step: int) -> dict[str, float]:
-        with full_parameters(accelerator, model):  # every process gathers (ZeRO-3, FSDP); the main one evaluates
-            if not main:  # evaluation and logging belong to the main process; the others only train
-                return {}
-            result = evaluate_encoded(reward_model, eval_items, tokenizer.pad_token_id,
-                                      batch_size=cfg.batch_size, center_rewards_coefficient=cfg.center_rewards_coefficient,
-                                      device=device)
-        if on_eval is not None:
-            on_eval(result, at_step)
-        return result
+        return evaluate_encoded(model, eval_items, pad_id, batch_size=cfg.batch_size,
+                                center_rewards_coefficient=cfg.center_rewards_coefficient, device=loop.device)
 
-    # data parallel: every process its own batch of cfg.batch_size pairs per micro-step
-    order = ShardedBatches(len(train_rows), cfg.batch_size, run.seed, rank=accelerator.process_index,
-                           world=accelerator.num_processes, epoch=epoch, position=position)
-    window: list[dict[str, float]] = []
-    bar = tqdm(total=cfg.max_steps, initial=step, desc="reward", disable=not show_progress or not main)
-    while step < cfg.max_steps:
-        for _ in range(cfg.gradient_accumulation_steps):
-            items = [train_items[i] for i in order.next()]
-            epoch, position = order.epoch, order.position
-            batch = {k: v.to(device) for k, v in collate_pairs(items, tokenizer.pad_token_id).items()}
-            with accelerator.accumulate(model):
-                rc, rr = score_pairs(model, batch)
-                loss = bradley_terry_loss(rc, rr, batch.get("margin"), cfg.center_rewards_coefficient)
-                accelerator.backward(loss)
-                grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm) if accelerator.sync_gradients else None
-                optimizer.step()
-                if accelerator.sync_gradients:
-                    scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
-            # statistics stay on the device until the log step: no host round trip per step
-            window.append({"loss": loss.detach(), **preference_stats(rc.detach().float(), rr.detach().float())})
-        step += 1
-        bar.update(1)
-        if on_step is not None:
-            on_step(step)
-        if step % cfg.log_steps == 0 or step == cfg.max_steps:
-            # all processes: the window's means over the global batch, one all-reduce
-            logged = reduce_metrics(accelerator, {f"reward/{k}": torch.stack([w[k] for w in window]).mean() for k in window[0]})
-            logged.update({"reward/learning_rate": scheduler.get_last_lr()[0], "reward/epoch": order.fraction})
-            if grad_norm is not None:  # DeepSpeed clips inside its engine and may not report the norm
-                logged["reward/grad_norm"] = float(grad_norm)
-            bar.set_postfix(loss=f"{logged['reward/loss']:.3f}", acc=f"{logged['reward/accuracy']:.2f}")
-            if not all(math.isfinite(v) for v in logged.values()):
-                raise FloatingPointError(f"reward training diverged at step {step}: {logged}")
-            if main and on_log is not None:
-                on_log(logged, step)
-            window = []
-        if step % cfg.eval_steps == 0 or step == cfg.max_steps:
-            metrics = evaluate(step)
-        if step % cfg.save_steps == 0 or step == cfg.max_steps:
-            checkpoint(step)
-    bar.close()
-    final = output_dir / f"checkpoint-{cfg.max_steps}"
-    if resume is not None and resumed_from >= cfg.max_steps:
-        final = resume
-    return RewardResult(checkpoint=final, step=step, eval_metrics=metrics, resumed_from=resumed_from)
+    def card_file(directory: Path, metrics: dict[str, float]) -> None:
+        write_model_card(directory, title=card["title"], metadata={**card["metadata"], "eval_metrics": metrics}, body=card["body"])
+
+    return loop.run(step, Grouped(order, cfg.gradient_accumulation_steps), on_log=on_log, evaluate=evaluate, on_eval=on_eval,
+                    on_checkpoint=on_checkpoint, on_step=on_step, extra_files=card_file, show_progress=show_progress)

@@ -1,4 +1,5 @@
-"""Rollouts: batched generation, log-probabilities, values and reward-model scores of responses.
+"""Rollouts, what PPO and GRPO share: batched generation, log-probabilities, values and reward-model
+scores of responses, each step's prompts, and the loop settings of the RL stage.
 
 Prompts are left-padded so every response starts at the same column (`context_length`); responses
 are right-padded after their stop token. Position ids are derived from the attention mask in every
@@ -13,6 +14,8 @@ from typing import Sequence
 
 import torch
 
+from rlhf_core.config import RLConfig, RunConfig
+from rlhf_core.loop import LoopSettings, ShardedBatches
 from rlhf_core.rl_math import INVALID_LOGPROB, entropy_from_logits, response_mask, selective_log_softmax
 
 NEAR_GREEDY_TEMPERATURE = 0.01 + 1e-7  # the reference's evaluation setting
@@ -252,3 +255,51 @@ def completion_metrics(rollout: Rollout) -> dict[str, torch.Tensor]:
         "completions/clipped_ratio": 1.0 - stopped.mean(),
         "completions/mean_terminated_length": (lengths * stopped).sum() / stopped.sum().clamp(min=1.0),
     }
+
+
+# -- around the loop: each step's prompts, the sampling and loop settings of the RL stage ------------------
+
+
+class PromptBatches:
+    """Each RL step's prompts: this process's share of an epoch's shuffle (see `ShardedBatches`), each
+    prompt repeated `repeat` times (GRPO's groups), left-padded on `device`: (query_ids, query_mask, indices)."""
+
+    def __init__(self, tokenizer, prompts: list[str], *, max_prompt_length: int, per_step: int, seed: int, loop,
+                 repeat: int = 1):
+        if not prompts:
+            raise ValueError(f"the prompt set is empty; {loop.settings.name.upper()} needs at least one prompt")
+        self.prompt_ids = tokenize_prompts(tokenizer, prompts, max_prompt_length)
+        self.pad_id, self.repeat, self.device = tokenizer.pad_token_id, repeat, loop.device
+        # data parallel: every process rolls out its own per_step prompts per step
+        self.order = ShardedBatches(len(self.prompt_ids), per_step, seed, rank=loop.rank, world=loop.world,
+                                    epoch=loop.epoch, position=loop.position)
+
+    @property
+    def epoch(self) -> int:
+        return self.order.epoch
+
+    @property
+    def position(self) -> int:
+        return self.order.position
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        indices = [i for i in self.order.next() for _ in range(self.repeat)]
+        query_ids, query_mask = left_pad([self.prompt_ids[i] for i in indices], self.pad_id)
+        return query_ids.to(self.device), query_mask.to(self.device), indices
+
+
+def rl_sampling(rl: RLConfig) -> SamplingSettings:
+    return SamplingSettings(response_length=rl.response_length, temperature=rl.temperature, top_k=rl.top_k,
+                            top_p=rl.top_p, min_tokens=rl.min_response_length)
+
+
+def rl_loop_settings(rl: RLConfig, run: RunConfig, *, name: str, micro_batches: int, micro_batch_size: int,
+                     eval_every: int | None) -> LoopSettings:
+    """PPO's and GRPO's loop: rl.total_steps rollout batches, checkpoints of `policy/` (and the models beside it)."""
+    return LoopSettings(
+        name=name, section="rl", total_steps=rl.total_steps, optim=rl, micro_batches=micro_batches,
+        micro_batch_size=micro_batch_size, log_every=rl.log_steps, eval_every=eval_every, save_every=rl.save_steps,
+        disable_dropout=rl.disable_dropout, keep_last=run.keep_last_checkpoints,
+        # the newest N checkpoints and the best by the step's training score (PPO objective/scores, GRPO reward)
+        best_metric=("objective/scores", "reward"), registered="policy", timing=True,
+        shown=("objective/scores", "reward", "objective/kl", "kl"))

@@ -1,21 +1,23 @@
 """Supervised fine-tuning warm start: next-token cross-entropy on a text corpus.
 
 In the demo it teaches the randomly initialized tiny Llama to write template-like review sentences,
-so the policy that RL starts from already writes the language the reward model judges.
+so the policy that RL starts from already writes the language the reward model judges. The step is
+one cross-entropy update; the shared `TrainingLoop` does the rest.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from rlhf_core.config import RunConfig, SFTConfig
-from rlhf_core.training import OnCheckpoint, OnLog, build_optimizer, make_accelerator, save_pretrained_atomic, seed_everything
+from rlhf_core.loop import Grouped, LoaderCycle, LoopSettings, OnCheckpoint, OnLog, TrainingLoop
+from rlhf_core.saving import save_pretrained_atomic
 
 
-def tokenize_corpus(tokenizer, texts: list[str], max_length: int):
+def tokenize_corpus(tokenizer, texts: list[str], max_length: int) -> torch.utils.data.TensorDataset:
     """Token ids with eos appended, right-padded: (input_ids, attention_mask, labels), each (N, T)."""
-    import torch
-
     eos = tokenizer.eos_token or ""
     # eos right after the text, as TRL does: a space before it would be a token of its own in a
     # byte-level BPE, and the model would learn to stop after a stray space
@@ -30,53 +32,40 @@ def train_sft(model, tokenizer, texts: list[str], cfg: SFTConfig, run: RunConfig
               show_progress: bool = True) -> dict[str, float]:
     """Train `model` on `texts` for cfg.max_steps optimizer steps and save it to `output_dir`.
 
-    Returns the final metrics ({"sft/loss": ..., "sft/first_loss": ...}). Callbacks receive metric
-    dicts with steps and the saved directory; the function itself imports no tracking code.
+    Returns the final metrics ({"sft/loss": the last micro-batch's loss, "sft/first_loss": the first's,
+    "sft/steps"}). Callbacks receive metric dicts with steps and the saved directory.
     """
-    import torch
-    from tqdm.auto import tqdm
-
-    seed_everything(run.seed)
-    accelerator = make_accelerator(run, cfg.gradient_accumulation_steps)
+    settings = LoopSettings(name="sft", section="sft", total_steps=cfg.max_steps, optim=cfg,
+                            micro_batches=cfg.gradient_accumulation_steps, log_every=cfg.log_steps, log_window="mean",
+                            lr_key="sft/learning_rate", grad_norm_key="sft/grad_norm", shown=("sft/loss",))
+    loop = TrainingLoop(model, {}, tokenizer, settings, run)
     data = tokenize_corpus(tokenizer, texts, max_length)
     generator = torch.Generator().manual_seed(run.seed)
-    loader = torch.utils.data.DataLoader(data, batch_size=cfg.batch_size, shuffle=True, generator=generator, drop_last=len(data) > cfg.batch_size)
-    optimizer, scheduler = build_optimizer(model, cfg, cfg.max_steps)
-    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
-    model.train()
+    loader = torch.utils.data.DataLoader(data, batch_size=cfg.batch_size, shuffle=True, generator=generator,
+                                         drop_last=len(data) > cfg.batch_size)
+    # data parallel: accelerate shards the loader; each step takes gradient_accumulation_steps micro-batches
+    batches = Grouped(LoaderCycle(loop.accelerator.prepare(loader)), cfg.gradient_accumulation_steps)
+    loop.trainable.train()
+    seen: dict[str, torch.Tensor] = {}  # the first and the latest micro-batch loss, for the summary
 
-    step, first_loss, window = 0, None, []
-    bar = tqdm(total=cfg.max_steps, desc="sft", disable=not show_progress or not accelerator.is_main_process)
-    while step < cfg.max_steps:
-        for input_ids, attention_mask, labels in loader:
-            with accelerator.accumulate(model):
-                loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
-                accelerator.backward(loss)
-                grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm) if accelerator.sync_gradients else None
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
-            window.append(loss.item())
-            if not accelerator.sync_gradients:
-                continue
-            step += 1
-            first_loss = window[0] if first_loss is None else first_loss
-            bar.update(1)
-            bar.set_postfix(loss=f"{window[-1]:.3f}")
-            if on_log is not None and (step % cfg.log_steps == 0 or step == cfg.max_steps):
-                on_log({"sft/loss": sum(window) / len(window), "sft/learning_rate": scheduler.get_last_lr()[0],
-                        "sft/grad_norm": float(grad_norm)}, step)
-                window = window[-1:]
-            if step >= cfg.max_steps:
-                break
-    bar.close()
+    def step(micro_batches: list) -> dict[str, torch.Tensor]:
+        total = torch.zeros((), device=loop.device)
+        for input_ids, attention_mask, labels in micro_batches:
+            with loop.micro_batch():
+                loss = loop.trainable(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
+                loop.backward(loss / len(micro_batches))
+            seen.setdefault("first", loss.detach())
+            seen["last"] = loss.detach()
+            total = total + loss.detach()
+        loop.optimizer_step()
+        return {"sft/loss": total / len(micro_batches)}
 
-    final_loss = window[-1]
-    unwrapped = accelerator.unwrap_model(model)
+    loop.run(step, batches, on_log=on_log, show_progress=show_progress)
+    unwrapped = loop.unwrapped()
     unwrapped.eval()
-    if accelerator.is_main_process:
+    if loop.is_main:
         path = save_pretrained_atomic(unwrapped, tokenizer, output_dir)
         if on_checkpoint is not None:
-            on_checkpoint(path, step)
-    accelerator.wait_for_everyone()
-    return {"sft/loss": final_loss, "sft/first_loss": first_loss, "sft/steps": float(step)}
+            on_checkpoint(path, loop.step)
+    loop.accelerator.wait_for_everyone()
+    return {"sft/loss": seen["last"].item(), "sft/first_loss": seen["first"].item(), "sft/steps": float(loop.step)}

@@ -35,7 +35,7 @@ import rlhf_core.grpo as grpo_mod
 import rlhf_core.ppo as ppo_mod
 import rlhf_core.rollout as rollout_mod
 from rlhf_core.config import GRPOConfig, PPOConfig, RLConfig, RunConfig
-from rlhf_core.rl_loop import RLLoop
+from rlhf_core.loop import TrainingLoop
 
 FIRST_FREE_ID = 4  # ids 0..3 are the demo tokenizer's pad, unk, bos and eos
 
@@ -114,7 +114,7 @@ def instrumented(*, deterministic: bool, vocab_size: int = 0):
     """Patch the rollouts of both algorithms (deterministic, or only recorded) and record every optimizer
     step's gradients; everything is restored on exit. Yields the Recorder."""
     recorder = Recorder()
-    real_collect, real_step = rollout_mod.collect_rollout, RLLoop.optimizer_step
+    real_collect, real_step = rollout_mod.collect_rollout, TrainingLoop.optimizer_step
 
     def optimizer_step(self):
         recorder.grads.append({name: p.grad.detach().cpu().clone() for name, p in self.unwrapped().named_parameters()
@@ -125,12 +125,12 @@ def instrumented(*, deterministic: bool, vocab_size: int = 0):
                else recording_collect_rollout(real_collect, recorder))
     saved = (ppo_mod.collect_rollout, grpo_mod.collect_rollout)
     ppo_mod.collect_rollout = grpo_mod.collect_rollout = collect
-    RLLoop.optimizer_step = optimizer_step
+    TrainingLoop.optimizer_step = optimizer_step
     try:
         yield recorder
     finally:
         ppo_mod.collect_rollout, grpo_mod.collect_rollout = saved
-        RLLoop.optimizer_step = real_step
+        TrainingLoop.optimizer_step = real_step
 
 
 def snapshot(path: Path, recorder: Recorder, *models: tuple[str, torch.nn.Module]) -> None:

@@ -26,7 +26,7 @@ CASES = {
     "ppo": ["rl.algorithm=ppo"],
     # a reward model and a function, two optimizer steps per generation batch, a reference model
     "grpo": ["rl.algorithm=grpo", f"grpo.rewards=[{{name: rm, model: reward_stage}}, {VADER}]",
-             "grpo.beta=0.04", "rl.gradient_accumulation_steps=2", "grpo.steps_per_generation=4"],
+             "grpo.beta=0.04", "rl.batch_size=16", "rl.gradient_accumulation_steps=2", "grpo.steps_per_generation=4"],
 }
 
 

@@ -93,3 +93,19 @@ def test_trl_names_are_translated(override, field):
     key = override.split("=")[0].rsplit(".", 1)[-1]
     message = error_of(override)
     assert f"(TRL's `{key}` is {field}" in message
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("rl.skip_nonfinite_steps=false",
+     "(`rl.skip_nonfinite_steps` was replaced by `rl.max_nonfinite_steps_in_a_row`: 0 stops at the first non-finite step"),
+    ("reward.skip_nonfinite_steps=true", "replaced by `reward.max_nonfinite_steps_in_a_row`"),
+])
+def test_removed_fields_name_their_replacement(override, expected):
+    message = error_of(override)
+    assert expected in message
+    assert "the fields allowed in" in message
+
+
+def test_trl_generation_batch_names_point_at_rl_batch_size():
+    assert "(TRL's `generation_batch_size` is `rl.batch_size` here, per process" in error_of("rl.generation_batch_size=64")
+    assert "completions per RL step" in error_of("rl.per_device_train_batch_size=8")

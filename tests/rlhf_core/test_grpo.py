@@ -254,13 +254,13 @@ def test_reference_sync_mixes_alpha_of_the_policy():
 
 def test_steps_per_generation_feeds_several_optimizer_steps_from_one_generation(tmp_path, smoke_world, monkeypatch):
     import rlhf_core.grpo as grpo_module
-    from rlhf_core.rl_loop import RLLoop
+    from rlhf_core.loop import TrainingLoop
 
     rollouts, steps = [], []
-    real_collect, real_step = grpo_module.collect_rollout, RLLoop.optimizer_step
+    real_collect, real_step = grpo_module.collect_rollout, TrainingLoop.optimizer_step
     monkeypatch.setattr(grpo_module, "collect_rollout", lambda *a, **k: rollouts.append(real_collect(*a, **k)) or rollouts[-1])
-    monkeypatch.setattr(RLLoop, "optimizer_step", lambda self: steps.append(self.step) or real_step(self))
-    run(smoke_world, tmp_path / "spg", steps=2, batch_size=8, gradient_accumulation_steps=2,
+    monkeypatch.setattr(TrainingLoop, "optimizer_step", lambda self: steps.append(self.step) or real_step(self))
+    run(smoke_world, tmp_path / "spg", steps=2, batch_size=16, gradient_accumulation_steps=2,
         grpo=GRPOConfig(num_generations=4, steps_per_generation=4, num_iterations=2))
     # 16 completions per generation (2 optimizer batches of 8), each batch used twice: 4 optimizer steps per generation
     assert [r.responses.shape[0] for r in rollouts] == [16, 16] and steps == [0, 0, 0, 0, 1, 1, 1, 1]

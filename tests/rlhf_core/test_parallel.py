@@ -59,21 +59,26 @@ def test_accelerate_config_errors_name_the_field_and_file(tmp_path):
 @pytest.mark.parametrize("name", ["deepspeed_zero3", "fsdp"])
 def test_lora_with_parameter_sharding_is_refused(name):
     path = str(ACCELERATE / f"{name}.yaml")
-    rl = {"skip_nonfinite_steps": False}
+    rl = {"max_nonfinite_steps_in_a_row": 0}
+    reward = {"max_nonfinite_steps_in_a_row": 0}
     with pytest.raises(ValueError, match="shards parameters"):
-        PipelineConfig.model_validate({"run": {"accelerate_config": path}, "model": {"lora": {"enabled": True}}, "rl": rl})
+        PipelineConfig.model_validate({"run": {"accelerate_config": path}, "model": {"lora": {"enabled": True}}, "rl": rl,
+                                       "reward": reward})
     with pytest.raises(ValueError, match="shards parameters"):
-        PipelineConfig.model_validate({"run": {"accelerate_config": path}, "reward": {"lora": True}, "rl": rl})
+        PipelineConfig.model_validate({"run": {"accelerate_config": path}, "reward": {"lora": True, **reward}, "rl": rl})
     PipelineConfig.model_validate({"run": {"accelerate_config": str(ACCELERATE / "deepspeed_zero2.yaml")},
-                                   "model": {"lora": {"enabled": True}}, "rl": {"skip_nonfinite_steps": False}})
+                                   "model": {"lora": {"enabled": True}}, "rl": rl, "reward": reward})
 
 
 @pytest.mark.parametrize("name", ["deepspeed_zero2", "deepspeed_zero3"])
 def test_deepspeed_cannot_skip_a_non_finite_step_so_the_config_says_so(name):
     path = str(ACCELERATE / f"{name}.yaml")
-    with pytest.raises(ValueError, match="rl.skip_nonfinite_steps: false"):
+    with pytest.raises(ValueError, match="rl.max_nonfinite_steps_in_a_row: 0"):
         PipelineConfig.model_validate({"run": {"accelerate_config": path}})
-    PipelineConfig.model_validate({"run": {"accelerate_config": path}, "rl": {"skip_nonfinite_steps": False}})
+    with pytest.raises(ValueError, match="reward.max_nonfinite_steps_in_a_row: 0"):
+        PipelineConfig.model_validate({"run": {"accelerate_config": path}, "rl": {"max_nonfinite_steps_in_a_row": 0}})
+    PipelineConfig.model_validate({"run": {"accelerate_config": path}, "rl": {"max_nonfinite_steps_in_a_row": 0},
+                                   "reward": {"max_nonfinite_steps_in_a_row": 0}})
     PipelineConfig.model_validate({"run": {"accelerate_config": str(ACCELERATE / "ddp.yaml")}})
 
 

@@ -153,9 +153,10 @@ def test_a_non_finite_loss_skips_the_step_and_never_corrupts_a_checkpoint(tmp_pa
     assert result.skipped_steps == 2 and result.metrics["perf/skipped_steps"] == 2.0
     weights = load_file(str(result.checkpoint / "policy" / "model.safetensors"))
     assert all(t.isfinite().all() for t in weights.values())
-    # skip_nonfinite_steps false (what DeepSpeed needs): the run stops at the first such step, saving nothing
-    with pytest.raises(FloatingPointError, match="gradient norm is (inf|nan) at step 1"):
-        train_ppo(policy, value, ref, reward, tok, prompts_of(smoke_world), RLConfig(total_steps=2, skip_nonfinite_steps=False, **RL),
+    # max_nonfinite_steps_in_a_row 0 (what DeepSpeed needs): the run stops at the first such step, saving nothing
+    with pytest.raises(FloatingPointError, match=r"gradient norm was (inf|nan) in 1 optimizer step\(s\) in a row \(step 1\)"):
+        train_ppo(policy, value, ref, reward, tok, prompts_of(smoke_world),
+                  RLConfig(total_steps=2, max_nonfinite_steps_in_a_row=0, **RL),
                   PPOConfig(num_ppo_epochs=1), RunConfig(device="cpu", seed=5), max_prompt_length=12,
                   output_dir=tmp_path / "stop", show_progress=False)
     assert not list((tmp_path / "stop").glob("checkpoint-*"))

@@ -9,12 +9,17 @@ from rlhf_core.config import LoraSettings, RewardConfig, RunConfig
 from rlhf_core.model_card import read_front_matter
 from rlhf_core.models import load_tokenizer
 from rlhf_core.reward_model import (
-    EVAL_METRICS, bradley_terry_loss, encode_pairs, evaluate_reward_model, load_reward_model, preference_metrics,
-    score_pairs, train_reward_model,
+    EVAL_METRICS, bradley_terry_loss, collate_pairs, evaluate_reward_model, load_reward_model, preference_metrics,
+    score_pairs, tokenize_pairs, train_reward_model,
 )
 
 CARD = {"title": "test reward model", "metadata": {"base_model": "tiny", "datasets": ["demo"], "tags": ["rlhf"]},
         "body": "trained in a test"}
+
+
+def encode_pairs(tokenizer, rows, max_length):
+    """Rows straight to a model batch, as the training loop builds them."""
+    return collate_pairs(tokenize_pairs(tokenizer, rows, max_length), tokenizer.pad_token_id)
 
 
 def sigmoid(x):
@@ -103,7 +108,7 @@ def test_short_run_trains_every_parameter_evaluates_and_checkpoints(tmp_path, sm
         model.eval()
         torch.testing.assert_close(score_pairs(loaded, batch), score_pairs(model, batch))
     card = read_front_matter(result.checkpoint / "README.md")
-    assert card["base_model"] == "tiny" and card["eval_metrics"]["eval_accuracy"] == result.eval_metrics["eval_accuracy"]
+    assert card["base_model"] == "tiny" and card["eval_metrics"]["eval_accuracy"] == result.metrics["eval_accuracy"]
     assert not list(result.checkpoint.rglob("*.bin")) and not list(result.checkpoint.rglob("*.pt"))
 
 
@@ -144,12 +149,12 @@ def test_resume_after_a_crash_reaches_the_same_weights(tmp_path, smoke_world):
     assert events["log"] == [5, 6] and events["ckpt"] == [6]
     for (name, a), (_, b) in zip(straight.named_parameters(), resumed.named_parameters()):
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=f"{name} differs after resume")
-    assert result.eval_metrics == full.eval_metrics
+    assert result.metrics == full.metrics
 
     # and a third start finds nothing left to do
     _, _, again, events = short_run(smoke_world, tmp_path / "crashed")
     assert again.resumed_from == 6 and events == {"log": [], "eval": [], "ckpt": []}
-    assert again.eval_metrics == full.eval_metrics
+    assert again.metrics == full.metrics
 
 
 def test_evaluate_reward_model_counts_all_rows(smoke_world):

@@ -1,7 +1,7 @@
 """One-sentence messages for configs that do not validate: which field, what it accepts, and for an
 unknown key the field this config calls it (TRL's names) or the closest spelling.
 
-Kept apart from the schema in `rlhf_core/config.py`; every function takes the root section.
+Kept apart from the schema (the section modules of `rlhf_core.config`); every function takes the root section.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ TRL_NAMES: dict[tuple[str | None, str], str] = {
     (None, "logging_steps"): "rl.log_steps",
     ("sft", "logging_steps"): "sft.log_steps",
     ("reward", "logging_steps"): "reward.log_steps",
-    (None, "per_device_train_batch_size"): "rl.batch_size",
+    (None, "per_device_train_batch_size"): "rl.batch_size (completions per RL step, for GRPO TRL's per_device_train_batch_size x steps_per_generation)",
+    (None, "generation_batch_size"): "rl.batch_size (per process, TRL's is over all processes)",
     ("sft", "per_device_train_batch_size"): "sft.batch_size",
     ("reward", "per_device_train_batch_size"): "reward.batch_size",
     (None, "per_device_eval_batch_size"): "eval.batch_size",
@@ -64,6 +65,14 @@ TRL_NAMES: dict[tuple[str | None, str], str] = {
 }
 
 
+# Fields this config had and replaced: (section or None for any, key) -> the sentence that says what to write now.
+# "{section}" stands for the section the key was written in.
+REPLACED_FIELDS: dict[tuple[str | None, str], str] = {
+    (None, "skip_nonfinite_steps"): "`{section}.skip_nonfinite_steps` was replaced by `{section}.max_nonfinite_steps_in_a_row`: "
+                                    "0 stops at the first non-finite step, as false did",
+}
+
+
 def nested_section(annotation) -> type[BaseModel] | None:
     """The section (a pydantic model) a field's annotation holds: itself, or inside `X | None` / `list[X]`."""
     found = [c for c in (annotation, *getattr(annotation, "__args__", ())) if isinstance(c, type) and issubclass(c, BaseModel)]
@@ -91,6 +100,9 @@ def unknown_key_hint(loc: tuple, root: type[BaseModel]) -> str | None:
     parent_loc = loc[:-1]
     section = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in parent_loc).lstrip(".")
     last_section = next((str(p) for p in reversed(parent_loc) if not isinstance(p, int)), None)
+    replaced = REPLACED_FIELDS.get((last_section, key)) or REPLACED_FIELDS.get((None, key))
+    if replaced:
+        return replaced.replace("{section}", section or "rl")
     trl = TRL_NAMES.get((last_section, key)) or TRL_NAMES.get((None, key))
     if trl:
         target = trl.replace("{section}", section or "rl")

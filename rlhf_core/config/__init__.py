@@ -1,0 +1,54 @@
+"""The pipeline configuration: strict pydantic models, one section per stage.
+
+Every field carries a one-line description; defaults follow TRL where TRL has one. A config is read
+from YAML, patched with ``--set a.b=value`` overrides, and validated before any work starts; a bad
+one raises :class:`ConfigError` with one sentence that names the field and what it accepts.
+
+Split by concern, everything importable from here:
+
+- ``base``: ``Section`` (the strict base model), ``ConfigError``, ``DEMO``;
+- ``run_model_data``: the run, model and data sections; ``training``: the optimizer settings, SFT,
+  reward, init, RL, PPO and GRPO sections; ``pipeline``: eval, export, promote, tracking, registry and
+  ``PipelineConfig`` with its cross-field checks and derived values;
+- ``loading``: YAML, ``--set`` overrides, validation; ``errors``: one-sentence messages and hints;
+- ``secret_keys``: secret keys and the flattened config for MLflow params;
+- ``reference``: the README's configuration reference, rendered from the field descriptions.
+"""
+
+from rlhf_core.config.base import DEMO, ConfigError, Section
+from rlhf_core.config.errors import (
+    REPLACED_FIELDS, TRL_NAMES, describe_error, field_paths, nested_section, section_at, unknown_key_hint,
+)
+from rlhf_core.config.loading import apply_overrides, load_config, parse_override, validate_config
+from rlhf_core.config.pipeline import (
+    EvalConfig, ExportConfig, PipelineConfig, PromoteConfig, RegistryConfig, TrackingConfig, accelerate_strategy_of,
+)
+from rlhf_core.config.run_model_data import (
+    ColumnMap, DataConfig, DatasetSpec, DemoModelConfig, DemoWorldConfig, LoraSettings, ModelConfig, RunConfig,
+)
+from rlhf_core.config.secret_keys import SECRET_SUFFIXES, flatten_config, is_secret_key, redact_uri
+from rlhf_core.config.training import (
+    GRPOConfig, InitConfig, OptimSettings, PPOConfig, RewardConfig, RewardSource, RLConfig, SFTConfig,
+)
+
+__all__ = [
+    "DEMO", "ConfigError", "Section",
+    "REPLACED_FIELDS", "TRL_NAMES", "describe_error", "field_paths", "nested_section", "section_at", "unknown_key_hint",
+    "apply_overrides", "load_config", "parse_override", "validate_config",
+    "EvalConfig", "ExportConfig", "PipelineConfig", "PromoteConfig", "RegistryConfig", "TrackingConfig",
+    "accelerate_strategy_of",
+    "describe_fields", "render_reference",
+    "ColumnMap", "DataConfig", "DatasetSpec", "DemoModelConfig", "DemoWorldConfig", "LoraSettings", "ModelConfig",
+    "RunConfig",
+    "SECRET_SUFFIXES", "flatten_config", "is_secret_key", "redact_uri",
+    "GRPOConfig", "InitConfig", "OptimSettings", "PPOConfig", "RewardConfig", "RewardSource", "RLConfig", "SFTConfig",
+]
+
+
+def __getattr__(name: str):
+    # the reference module is loaded on first use, so `python -m rlhf_core.config.reference` runs it fresh
+    if name in ("describe_fields", "render_reference"):
+        import importlib
+
+        return getattr(importlib.import_module("rlhf_core.config.reference"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

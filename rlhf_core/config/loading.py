@@ -1,0 +1,70 @@
+"""Reading a config: YAML file, `--set a.b=value` overrides, validation into a `PipelineConfig`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from rlhf_core.config.base import ConfigError
+from rlhf_core.config.errors import describe_error
+from rlhf_core.config.pipeline import PipelineConfig
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`ppo.kl_coef=0.1` -> (['ppo', 'kl_coef'], 0.1); the value is parsed as YAML."""
+    key, sep, raw = text.partition("=")
+    key = key.strip()
+    if not sep or not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override '{text}' must look like section.field=value, e.g. ppo.kl_coef=0.1")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as err:
+        raise ConfigError(f"override '{text}' has a value that is not valid YAML ({err.__class__.__name__})") from None
+    return key.split("."), value
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Return a copy of `raw` with each `a.b=value` override set (unknown keys are caught by validation)."""
+    patched = json.loads(json.dumps(raw, default=str))
+    for text in overrides:
+        path, value = parse_override(text)
+        node = patched
+        for i, part in enumerate(path[:-1]):
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"override '{text}': `{'.'.join(path[: i + 1])}` is a value, not a section")
+            node = child
+        node[path[-1]] = value
+    return patched
+
+
+def validate_config(raw: dict[str, Any]) -> PipelineConfig:
+    """Validate a raw mapping into a PipelineConfig, or raise ConfigError naming the first bad field."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config must be a mapping of sections, got {type(raw).__name__}")
+    try:
+        return PipelineConfig.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(describe_error(exc.errors()[0], PipelineConfig)) from None
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> PipelineConfig:
+    """Read a YAML config (or the defaults with no path), apply overrides, validate."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as err:
+            mark = getattr(err, "problem_mark", None)
+            where = f" at line {mark.line + 1}" if mark else ""
+            raise ConfigError(f"config file {path} is not valid YAML{where}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"config file {path} must hold a mapping of sections, not a {type(raw).__name__}")
+    return validate_config(apply_overrides(raw, list(overrides or [])))

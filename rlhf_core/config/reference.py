@@ -1,0 +1,104 @@
+"""The configuration reference: every leaf field, its default and its description, rendered as the
+Markdown table of README.md's "Configuration reference" (and of `rlhf fields`).
+
+    python -m rlhf_core.config.reference                    # print the table
+    python -m rlhf_core.config.reference --write README.md  # rewrite the README's block between the markers
+    python -m rlhf_core.config.reference --check README.md  # exit 1 when that block is stale
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from pydantic import BaseModel
+
+from rlhf_core.config.errors import nested_section
+from rlhf_core.config.pipeline import PipelineConfig
+
+START = "<!-- config-reference:start -->"
+END = "<!-- config-reference:end -->"
+WRITE_COMMAND = ".venv/bin/python -m rlhf_core.config.reference --write README.md"
+
+
+def describe_fields(model: type[BaseModel] = PipelineConfig, prefix: str = "") -> list[tuple[str, str, str]]:
+    """(dotted field, default, description) for every leaf field: the README's config reference."""
+    rows = []
+    for name, field in model.model_fields.items():
+        path = f"{prefix}{name}"
+        if field.annotation is nested_section(field.annotation):
+            rows.extend(describe_fields(field.annotation, path + "."))
+            continue
+        default = field.get_default(call_default_factory=True)
+        if isinstance(default, list):
+            default = [d.model_dump(exclude_none=True) if isinstance(d, BaseModel) else d for d in default]
+        rows.append((path, json.dumps(default, default=str), field.description or ""))
+    return rows
+
+
+def _cell(text: str) -> str:
+    """A table cell's text: a `|` would end the cell, even inside backticks, so it is escaped."""
+    return text.replace("|", "\\|")
+
+
+def render_reference(model: type[BaseModel] = PipelineConfig) -> str:
+    """The Markdown table of every leaf field: `| field | default | meaning |`, one row each."""
+    lines = ["| field | default | meaning |", "|---|---|---|"]
+    lines += [f"| `{path}` | `{_cell(default)}` | {_cell(text)} |" for path, default, text in describe_fields(model)]
+    return "\n".join(lines)
+
+
+def _block_span(text: str) -> tuple[int, int]:
+    """Where the generated block lies in `text`: after the start marker's line, up to the end marker."""
+    start, end = text.find(START), text.find(END)
+    if start < 0 or end < start:
+        raise ValueError(f"no `{START}` ... `{END}` block found")
+    return text.index("\n", start) + 1, end
+
+
+def current_block(text: str) -> str:
+    """The table between the markers of `text`, as written there (without surrounding blank lines)."""
+    begin, end = _block_span(text)
+    return text[begin:end].strip("\n")
+
+
+def with_block(text: str, table: str) -> str:
+    """`text` with the block between the markers replaced by `table`."""
+    begin, end = _block_span(text)
+    return f"{text[:begin]}{table}\n{text[end:]}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m rlhf_core.config.reference",
+                                     description="Render the configuration reference (Markdown) from the schema.")
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--write", metavar="FILE", type=Path, help=f"rewrite the block between {START} and {END}")
+    group.add_argument("--check", metavar="FILE", type=Path, help="exit 1 when that block differs from the schema")
+    args = parser.parse_args(argv)
+    table = render_reference()
+    target = args.write or args.check
+    if target is None:
+        print(table)
+        return 0
+    text = target.read_text()
+    try:
+        stale = current_block(text) != table
+    except ValueError as err:
+        print(f"error: {target}: {err}", file=sys.stderr)
+        return 2
+    if args.check:
+        if stale:
+            print(f"{target}: the configuration reference is stale; run {WRITE_COMMAND}", file=sys.stderr)
+        return int(stale)
+    if stale:
+        target.write_text(with_block(text, table))
+        print(f"{target}: configuration reference rewritten")
+    else:
+        print(f"{target}: configuration reference already up to date")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
