@@ -23,7 +23,7 @@ from rlhf_core.data import read_column
 from rlhf_core.evaluation import evaluate_generations, summarize_rows
 from rlhf_core.promotion import Decision, Gates, decide
 from rlhf_core.training import seed_everything
-from tasks import tracking
+from tasks import registry, tracking
 from tasks.data import PreparedData, prepare_data, resolve_model_source
 from tasks.export import CANDIDATE
 from tasks.progress import print_rows, publish_markdown
@@ -75,6 +75,55 @@ def _report(name: str, candidate, champion, decision: Decision, summaries: dict[
     return "\n".join(lines)
 
 
+def _evaluate_both(cfg: PipelineConfig, data: PreparedData, run_id: str, name: str, candidate, champion,
+                   reference: str | None, reward_model: str | None) -> dict[str, dict[str, float]]:
+    """Evaluate the candidate and (when there is one) the champion; label -> summary, logged to the run."""
+    summaries: dict[str, dict[str, float]] = {}
+    candidate_summary, rows = evaluate_version(cfg, data, f"models:/{name}/{candidate.version}", reference, reward_model)
+    summaries[f"candidate v{candidate.version}"] = candidate_summary
+    print_rows(rows[:5], f"Candidate v{candidate.version}: held-out completions (first 5)")
+    tracking.log_metrics(run_id, {f"candidate/{k.removeprefix('eval/')}": v for k, v in candidate_summary.items()}, 0)
+    if champion is not None:
+        champion_summary, champion_rows = evaluate_version(cfg, data, f"models:/{name}/{champion.version}", reference, reward_model)
+        summaries[f"champion v{champion.version}"] = champion_summary
+        tracking.log_metrics(run_id, {f"champion/{k.removeprefix('eval/')}": v for k, v in champion_summary.items()}, 0)
+        tracking.log_table(run_id, champion_rows, "promotion/champion_completions.json")
+    tracking.log_table(run_id, rows, "promotion/candidate_completions.json")
+    return summaries
+
+
+def _record(run_id: str, name: str, candidate, champion, decision: Decision, against: str, metric: str) -> dict[str, str]:
+    """Move `champion` when the candidate won; the decision as tags of the candidate version and the run."""
+    if decision.promote:  # the alias first: if tagging fails after it, a rerun finds it champion
+        registry.set_alias(name, CHAMPION, str(candidate.version))
+        if champion is not None:
+            registry.set_version_tags(name, champion.version, {TAG + "replaced_by": str(candidate.version)})
+    tags = {
+        "decision": "promoted" if decision.promote else "refused", "reason": decision.reason,
+        "evaluated_against": against, "metric": metric, "candidate_value": f"{decision.candidate_value:.6f}",
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "mlflow_run_id": run_id,
+    }
+    if decision.champion_value is not None:
+        tags["champion_value"] = f"{decision.champion_value:.6f}"
+    if decision.candidate_kl is not None:
+        tags["kl"] = f"{decision.candidate_kl:.6f}"
+    registry.set_version_tags(name, candidate.version, {TAG + k: v for k, v in tags.items()})
+    tracking.set_run_tags(run_id, {TAG + k: v for k, v in tags.items()})
+    return tags
+
+
+def _already_judged(name: str, candidate, champion, against: str, logger) -> dict | None:
+    """The flow's result when there is nothing to judge (the candidate is champion, or was judged against it)."""
+    base = {"model": name, "candidate": str(candidate.version), "champion": against, "changed": False}
+    if champion is not None and str(champion.version) == str(candidate.version):
+        logger.info("version %s is already the champion; nothing to do", candidate.version)
+        return {**base, "decision": "unchanged", "reason": f"version {candidate.version} is already the champion"}
+    if candidate.tags.get(TAG + "evaluated_against") == against:
+        logger.info("version %s was already judged against %s: %s", candidate.version, against, candidate.tags.get(TAG + "decision"))
+        return {**base, "decision": candidate.tags.get(TAG + "decision", "unchanged"), "reason": candidate.tags.get(TAG + "reason", "")}
+    return None
+
+
 @flow(name="rlhf-promote", log_prints=True)
 def rlhf_promote(config_path: str | None = "configs/demo.yaml", overrides: list[str] | None = None) -> dict:
     """Promote `models:/<policy>@candidate` to `@champion` when it passes the promote.* gates."""
@@ -83,19 +132,15 @@ def rlhf_promote(config_path: str | None = "configs/demo.yaml", overrides: list[
     logger = get_run_logger()
     name = cfg.registry.policy_model_name
     tracking.configure(cfg.tracking_uri())
-    candidate = tracking.version_by_alias(name, CANDIDATE)
+    candidate = registry.version_by_alias(name, CANDIDATE)
     if candidate is None:
         raise ValueError(f"registry.policy_model_name {name!r} has no version with the alias '{CANDIDATE}'; "
                          "run the pipeline first (its export sets it)")
-    champion = tracking.version_by_alias(name, CHAMPION)
+    champion = registry.version_by_alias(name, CHAMPION)
     against = str(champion.version) if champion is not None else "none"
-    base = {"model": name, "candidate": str(candidate.version), "champion": against, "changed": False}
-    if champion is not None and str(champion.version) == str(candidate.version):
-        logger.info("version %s is already the champion; nothing to do", candidate.version)
-        return {**base, "decision": "unchanged", "reason": f"version {candidate.version} is already the champion"}
-    if candidate.tags.get(TAG + "evaluated_against") == against:
-        logger.info("version %s was already judged against %s: %s", candidate.version, against, candidate.tags.get(TAG + "decision"))
-        return {**base, "decision": candidate.tags.get(TAG + "decision", "unchanged"), "reason": candidate.tags.get(TAG + "reason", "")}
+    judged = _already_judged(name, candidate, champion, against, logger)
+    if judged is not None:
+        return judged
 
     metric = cfg.promotion_metric()
     reference = candidate.tags.get("base_model")
@@ -103,38 +148,16 @@ def rlhf_promote(config_path: str | None = "configs/demo.yaml", overrides: list[
     reward_model = reward_model if reward_model and reward_model != "none" else None
     with tracking.pipeline_run(cfg, tags={"rlhf.flow": "promote"}) as run_id:
         data = prepare_data(cfg, run_id)
-        summaries: dict[str, dict[str, float]] = {}
-        candidate_summary, rows = evaluate_version(cfg, data, f"models:/{name}/{candidate.version}", reference, reward_model)
-        summaries[f"candidate v{candidate.version}"] = candidate_summary
-        print_rows(rows[:5], f"Candidate v{candidate.version}: held-out completions (first 5)")
-        tracking.log_metrics(run_id, {f"candidate/{k.removeprefix('eval/')}": v for k, v in candidate_summary.items()}, 0)
-        champion_summary = None
-        if champion is not None:
-            champion_summary, champion_rows = evaluate_version(cfg, data, f"models:/{name}/{champion.version}", reference, reward_model)
-            summaries[f"champion v{champion.version}"] = champion_summary
-            tracking.log_metrics(run_id, {f"champion/{k.removeprefix('eval/')}": v for k, v in champion_summary.items()}, 0)
-            tracking.log_table(run_id, champion_rows, "promotion/champion_completions.json")
-        tracking.log_table(run_id, rows, "promotion/candidate_completions.json")
+        summaries = _evaluate_both(cfg, data, run_id, name, candidate, champion, reference, reward_model)
+        candidate_summary = summaries[f"candidate v{candidate.version}"]
+        champion_summary = summaries.get(f"champion v{champion.version}") if champion is not None else None
         decision = decide(candidate_summary, champion_summary,
                           Gates(metric=metric, min_improvement=cfg.promote.min_improvement, max_kl=cfg.promote.max_kl,
                                 min_value=cfg.promote.min_value))
-        if decision.promote:  # the alias first: if tagging fails after it, a rerun finds it champion
-            tracking.set_alias(name, CHAMPION, str(candidate.version))
-            if champion is not None:
-                tracking.set_version_tags(name, champion.version, {TAG + "replaced_by": str(candidate.version)})
-        tags = {
-            "decision": "promoted" if decision.promote else "refused", "reason": decision.reason,
-            "evaluated_against": against, "metric": metric, "candidate_value": f"{decision.candidate_value:.6f}",
-            "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "mlflow_run_id": run_id,
-        }
-        if decision.champion_value is not None:
-            tags["champion_value"] = f"{decision.champion_value:.6f}"
-        if decision.candidate_kl is not None:
-            tags["kl"] = f"{decision.candidate_kl:.6f}"
-        tracking.set_version_tags(name, candidate.version, {TAG + k: v for k, v in tags.items()})
-        tracking.set_run_tags(run_id, {TAG + k: v for k, v in tags.items()})
+        tags = _record(run_id, name, candidate, champion, decision, against, metric)
         report = _report(name, candidate, champion, decision, summaries, metric)
         publish_markdown(re.sub(r"[^a-z0-9-]+", "-", f"promotion-{name.lower()}"), report, f"Promotion of {name}")
     logger.info("version %s %s: %s", candidate.version, tags["decision"], decision.reason)
-    return {**base, "decision": tags["decision"], "reason": decision.reason, "changed": True,
+    return {"model": name, "candidate": str(candidate.version), "champion": against, "changed": True,
+            "decision": tags["decision"], "reason": decision.reason,
             "candidate_summary": candidate_summary, "champion_summary": champion_summary}

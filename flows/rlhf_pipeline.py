@@ -17,14 +17,15 @@ from prefect.states import Failed
 from rlhf_core.config import load_config
 from rlhf_core.redaction import redact, refuse_secret_overrides
 from rlhf_core.ownership import check_pipeline_outputs
-from tasks import tracking
-from tasks.data import prepare_data
+from tasks import registry, tracking
+from tasks.data import PreparedData, prepare_data
 from tasks.export import CANDIDATE, export_final_policy
 from tasks.preflight import check as preflight
-from tasks.reward import train_reward
+from tasks.reward_model import train_reward
 from tasks.run_lock import run_lock, terminate_on_sigterm
 from tasks.rl import initialize_models, train_policy, uses_reward_stage
 from tasks.sft import sft_warm_start
+from tasks.stage_io import Checkpoint
 
 
 class StageMarker:
@@ -37,6 +38,44 @@ class StageMarker:
     def __call__(self, name: str) -> Iterator[None]:
         self.current = name
         yield
+
+
+def _no_new_data(cfg, data: PreparedData, run_id: str, logger) -> dict | None:
+    """The flow's result when the current `candidate` was trained on data with this fingerprint, else None."""
+    latest = registry.version_by_alias(cfg.registry.policy_model_name, CANDIDATE)
+    if latest is None or latest.tags.get("data_fingerprint") != data.fingerprint:
+        return None
+    logger.info("no new data: version %s was trained on data fingerprint %s; nothing to retrain",
+                latest.version, data.fingerprint)
+    tracking.set_run_tags(run_id, {"rlhf.skipped": "no new data"})
+    return {"mlflow_run_id": run_id, "skipped": "no new data", "data_fingerprint": data.fingerprint,
+            "candidate_uri": f"models:/{cfg.registry.policy_model_name}/{latest.version}"}
+
+
+def _summary(cfg, run_id: str, data: PreparedData, policy: Checkpoint | None, reward: Checkpoint | None,
+             trained: Checkpoint, exported: Checkpoint) -> dict:
+    return {
+        "mlflow_run_id": run_id,
+        "skipped": None,
+        "tracking_uri": cfg.tracking_uri(),
+        "output_dir": str(cfg.run.output_dir.resolve()),
+        "demo_world": data.demo_world,
+        "data_fingerprint": data.fingerprint,
+        "checkpoints": [c.path for c in (policy, reward, trained) if c is not None],
+        "algorithm": cfg.rl.algorithm,
+        "policy_path": trained.path,
+        "policy_model_uri": trained.model_uri,
+        "export_dir": exported.path,
+        "candidate_uri": exported.model_uri,
+        "candidate_alias": f"models:/{cfg.registry.policy_model_name}@candidate" if exported.model_uri else None,
+        "gold_metric": trained.extra.get("gold"),
+        "eval_history": trained.extra.get("eval_history", {}),
+        "final_eval_rows": trained.extra.get("final_rows", []),
+        "reward_model_path": reward.path if reward else None,
+        "reward_model_uri": reward.model_uri if reward else None,
+        "metrics": {**(policy.metrics if policy else {}), **({f"reward/{k}": v for k, v in reward.metrics.items()} if reward else {}),
+                    **{k: v for k, v in trained.metrics.items() if k.startswith(("objective/", "reward", "kl"))}},
+    }
 
 
 @flow(name="rlhf-pipeline", log_prints=True)
@@ -61,14 +100,9 @@ def rlhf_pipeline(config_path: str | None = "configs/demo.yaml", overrides: list
         with run_lock(cfg.run.output_dir), terminate_on_sigterm(), tracking.pipeline_run(cfg) as run_id:
             with stage("data"):
                 data = prepare_data(cfg, run_id)
-            if only_if_new_data:
-                latest = tracking.version_by_alias(cfg.registry.policy_model_name, CANDIDATE)
-                if latest is not None and latest.tags.get("data_fingerprint") == data.fingerprint:
-                    logger.info("no new data: version %s was trained on data fingerprint %s; nothing to retrain",
-                                latest.version, data.fingerprint)
-                    tracking.set_run_tags(run_id, {"rlhf.skipped": "no new data"})
-                    return {"mlflow_run_id": run_id, "skipped": "no new data", "data_fingerprint": data.fingerprint,
-                            "candidate_uri": f"models:/{cfg.registry.policy_model_name}/{latest.version}"}
+            skipped = _no_new_data(cfg, data, run_id, logger) if only_if_new_data else None
+            if skipped is not None:
+                return skipped
             with stage("sft"):
                 policy = sft_warm_start(cfg, data, run_id) if cfg.sft.enabled else None
             with stage("reward"):
@@ -82,26 +116,4 @@ def rlhf_pipeline(config_path: str | None = "configs/demo.yaml", overrides: list
     except Exception as err:  # the MLflow run is FAILED by now; say which stage failed and why
         logger.error("stage %s failed: %s", stage.current, redact(str(err)))
         return Failed(message=redact(f"stage '{stage.current}' failed: {type(err).__name__}: {err}"), data=err)
-
-    return {
-        "mlflow_run_id": run_id,
-        "skipped": None,
-        "tracking_uri": cfg.tracking_uri(),
-        "output_dir": str(cfg.run.output_dir.resolve()),
-        "demo_world": data.demo_world,
-        "data_fingerprint": data.fingerprint,
-        "checkpoints": [c.path for c in (policy, reward, trained) if c is not None],
-        "algorithm": cfg.rl.algorithm,
-        "policy_path": trained.path,
-        "policy_model_uri": trained.model_uri,
-        "export_dir": exported.path,
-        "candidate_uri": exported.model_uri,
-        "candidate_alias": f"models:/{cfg.registry.policy_model_name}@candidate" if exported.model_uri else None,
-        "gold_metric": trained.extra.get("gold"),
-        "eval_history": trained.extra.get("eval_history", {}),
-        "final_eval_rows": trained.extra.get("final_rows", []),
-        "reward_model_path": reward.path if reward else None,
-        "reward_model_uri": reward.model_uri if reward else None,
-        "metrics": {**(policy.metrics if policy else {}), **({f"reward/{k}": v for k, v in reward.metrics.items()} if reward else {}),
-                    **{k: v for k, v in trained.metrics.items() if k.startswith(("objective/", "reward", "kl"))}},
-    }
+    return _summary(cfg, run_id, data, policy, reward, trained, exported)

@@ -180,7 +180,7 @@ class LoopSettings:
     section: str
     total_steps: int
     optim: OptimSettings  # learning rate, schedule, clipping, the non-finite patience
-    micro_batches: int = 1  # backward passes per optimizer step
+    micro_batches: int = 1  # backward passes per optimizer step (what counts, not optim.gradient_accumulation_steps)
     micro_batch_size: int | None = None  # DeepSpeed's "auto" micro-batch size
     log_every: int = 1
     eval_every: int | None = None  # None: no evaluation
@@ -190,6 +190,7 @@ class LoopSettings:
     best_metric: tuple[str, ...] = ()
     # "last": every step's metrics are averaged over processes and the latest is logged (RL, whose
     # checkpoints record the step's metrics); "mean": the steps since the last log are averaged at log time
+    # (every step returns the same keys; the timing covers the last step only)
     log_window: Literal["last", "mean"] = "last"
     checkpoint_metrics: Literal["train", "eval"] = "train"  # what a checkpoint's metrics.json records
     registered: str = ""  # which saved model `on_checkpoint` receives ("" : the checkpoint directory)
@@ -276,7 +277,8 @@ class TrainingLoop:
     def optimizer_step(self) -> None:
         """Clip and step; skip (and count) a step whose gradient norm is not finite, and stop after
         `max_nonfinite_steps_in_a_row` of them. A NaN or inf loss on any process poisons the averaged
-        gradients on all of them, so all of them skip. The only host-device synchronization of a step.
+        gradients on all of them, so all of them skip. A skipped step still counts as a step of the
+        schedule and of total_steps (its data is not replayed). The only host-device synchronization of a step.
         """
         optim = self.settings.optim
         norm = self.accelerator.clip_grad_norm_(self.trainable.parameters(), optim.max_grad_norm)

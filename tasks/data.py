@@ -18,8 +18,8 @@ from rlhf_core.config import DEMO, DatasetSpec, PipelineConfig
 from rlhf_core.data import Kind, apply_length_policy, fingerprint_rows, load_table, save_table
 from rlhf_core.demo_world import DemoWorld, build_demo_world
 from rlhf_core.models import ModelSourceError, check_source, generation_config_of, load_tokenizer, stop_token_ids
-from tasks import tracking
-from tasks.progress import StageProgress, publish_table
+from tasks import registry, tracking
+from tasks.reporting import StageReporter
 from tasks.retry import IO_RETRIES
 
 
@@ -59,8 +59,8 @@ def resolve_model_source(source: str, *, field: str, cfg: PipelineConfig, world:
         return str(world.base_model)
     if source.startswith("models:/"):
         try:
-            return str(tracking.materialize_version(source, cfg.run.output_dir / "sources"))
-        except tracking.MissingVersion as err:
+            return str(registry.materialize_version(source, cfg.run.output_dir / "sources"))
+        except registry.MissingVersion as err:
             raise ModelSourceError(f"{field}: {err}") from None
     check_source(source, field)
     return source
@@ -84,13 +84,12 @@ def prepare_data(cfg: PipelineConfig, parent_run_id: str) -> PreparedData:
     """Build or reuse the demo world, validate every table, write them under <output_dir>/data."""
     logger = get_run_logger()
     with tracking.stage_run(parent_run_id, "data") as run_id:
+        reporter = StageReporter(cfg, "data", run_id)
         world = None
         if cfg.uses_demo_world():
-            progress = StageProgress("demo-world-progress", "Building the offline demo world")
-            world = build_demo_world(
-                cfg.run.output_dir / "demo_world", cfg.run.seed, cfg.data.demo, cfg.model.demo,
-                progress=lambda done, total, what: progress.update(done, total),
-            )
+            reporter.start(0, "Building the offline demo world", key="demo-world-progress")
+            world = build_demo_world(cfg.run.output_dir / "demo_world", cfg.run.seed, cfg.data.demo, cfg.model.demo,
+                                     progress=reporter.advance)
             logger.info("demo world ready at %s", world.root)
 
         base_model = resolve_model_source(cfg.model.base, field="model.base", cfg=cfg, world=world)
@@ -119,10 +118,10 @@ def prepare_data(cfg: PipelineConfig, parent_run_id: str) -> PreparedData:
             fingerprints[name] = fingerprint_rows(ds)
             reports.append({"table": name, "source": source, "rows": report.rows, "overlong": report.overlong,
                             "action": report.action, "kept": report.kept, "fingerprint": fingerprints[name]})
-            tracking.log_metrics(run_id, {f"data/{name}/rows": report.kept, f"data/{name}/overlong": report.overlong}, 0)
+            reporter.log({f"data/{name}/rows": report.kept, f"data/{name}/overlong": report.overlong}, 0)
 
-        publish_table("data-report", reports, "Validated tables: rows, over-long rows and what was done with them")
+        reporter.publish_table("data-report", reports, "Validated tables: rows, over-long rows and what was done with them")
         prepared = PreparedData(tables=tables, fingerprints=fingerprints, base_model=base_model,
                                 tokenizer=tokenizer_source, demo_world=str(world.root.resolve()) if world else None, reports=reports)
-        tracking.set_run_tags(run_id, {"data_fingerprint": prepared.fingerprint})
+        reporter.tag({"data_fingerprint": prepared.fingerprint})
         return prepared

@@ -6,14 +6,13 @@ from pathlib import Path
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
-from prefect.logging import get_run_logger
 
 from rlhf_core.config import PipelineConfig
 from rlhf_core.export import ExportInfo, export_policy, generation_settings
 from rlhf_core.models import generation_config_of, load_tokenizer, stop_token_ids
 from tasks import tracking
 from tasks.data import PreparedData
-from tasks.progress import publish_markdown
+from tasks.reporting import StageReporter
 from tasks.retry import IO_RETRIES
 from tasks.rl import InitPlan
 from tasks.stage_io import Checkpoint
@@ -40,9 +39,12 @@ def export_info(cfg: PipelineConfig, data: PreparedData, plan: InitPlan, trained
 def export_final_policy(cfg: PipelineConfig, data: PreparedData, plan: InitPlan, trained: Checkpoint,
                         parent_run_id: str) -> Checkpoint:
     """Write <export dir> from the last RL checkpoint, register it as a version, point `candidate` at it."""
-    logger = get_run_logger()
     out = cfg.export_dir
     with tracking.stage_run(parent_run_id, "export") as run_id:
+        reporter = StageReporter(cfg, "export", run_id, data_fingerprint=data.fingerprint, model_name=cfg.registry.policy_model_name,
+                                 lineage={"stage_key": trained.key, "algorithm": cfg.rl.algorithm,
+                                          "reward_model_version": plan.reward_identity, "base_model": plan.policy_identity,
+                                          "source_checkpoint": trained.model_uri or trained.path})
         tokenizer = load_tokenizer(trained.path)
         stops = stop_token_ids(tokenizer, generation_config_of(trained.path), stop_token=cfg.rl.stop_token,
                                stop_tokens=cfg.rl.stop_tokens)
@@ -50,27 +52,19 @@ def export_final_policy(cfg: PipelineConfig, data: PreparedData, plan: InitPlan,
                                          temperature=cfg.rl.temperature, top_k=cfg.rl.top_k, top_p=cfg.rl.top_p,
                                          stop_token_ids=stops)
         export_policy(trained.path, out, export_info(cfg, data, plan, trained), generation=generation, merge=cfg.export.merge)
-        tracking.log_artifact(run_id, out / "README.md", "model_card")
-        logger.info("exported the %s policy (step %d) to %s", cfg.rl.algorithm, trained.step, out.resolve())
-        uri = None
-        if cfg.tracking.register_models:
+        reporter.artifact(out / "README.md", "model_card")
+        reporter.logger.info("exported the %s policy (step %d) to %s", cfg.rl.algorithm, trained.step, out.resolve())
+        # an adapter-only export has no full weights to log; the checkpoint it came from has them merged
+        full = out if (out / "config.json").is_file() else Path(trained.path)
+        uri = reporter.register(full, trained.step,
+                                **{k.replace("/", "_"): f"{v:.4f}" for k, v in trained.extra.get("final_eval", {}).items()})
+        if uri is not None:
+            reporter.alias(CANDIDATE, uri)
+            reporter.logger.info("%s is %s, alias %s", out, uri, CANDIDATE)
             name = cfg.registry.policy_model_name
-            tags = tracking.lineage_tags(
-                stage="export", step=trained.step, config_hash=cfg.config_hash(), data_fingerprint=data.fingerprint,
-                stage_key=trained.key, algorithm=cfg.rl.algorithm, reward_model_version=plan.reward_identity,
-                base_model=plan.policy_identity, source_checkpoint=trained.model_uri or trained.path,
-                **{k.replace("/", "_"): f"{v:.4f}" for k, v in trained.extra.get("final_eval", {}).items()},
-            )
-            # an adapter-only export has no full weights to log; the checkpoint it came from has them merged
-            full = out if (out / "config.json").is_file() else Path(trained.path)
-            uri = tracking.register_once(full, name, task="text-generation", tags=tags, run_id=run_id,
-                                         keep_last=cfg.registry.keep_last_versions)
-            version = uri.rsplit("/", 1)[1]
-            tracking.set_alias(name, CANDIDATE, version)
-            logger.info("%s is %s, alias %s", out, uri, CANDIDATE)
-            publish_markdown("policy-export", f"# Exported policy\n\n- directory: `{out.resolve()}`\n"
-                             f"- model version: `{uri}` (alias `{CANDIDATE}`: `models:/{name}@{CANDIDATE}`)\n"
-                             f"- load: `AutoModelForCausalLM.from_pretrained(\"{out.resolve()}\")`\n",
-                             "The exported final policy")
+            reporter.publish_markdown("policy-export", f"# Exported policy\n\n- directory: `{out.resolve()}`\n"
+                                      f"- model version: `{uri}` (alias `{CANDIDATE}`: `models:/{name}@{CANDIDATE}`)\n"
+                                      f"- load: `AutoModelForCausalLM.from_pretrained(\"{out.resolve()}\")`\n",
+                                      "The exported final policy")
         return Checkpoint(path=str(out.resolve()), model_uri=uri, step=trained.step, metrics=trained.metrics,
                           key=trained.key, extra={"source": trained.path})

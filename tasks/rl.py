@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
@@ -26,12 +28,13 @@ from rlhf_core.grpo import train_grpo
 from rlhf_core.ppo import train_ppo
 from rlhf_core.reward_model import load_reward_model
 from rlhf_core.reward_functions import load_function
-from tasks import distributed, tracking
+from tasks import launcher, registry, tracking
 from tasks.data import PreparedData, resolve_model_source
 from tasks.plots import close, curve_figure
-from tasks.progress import StageProgress, print_rows, publish_markdown, publish_table
+from tasks.progress import print_rows, publish_markdown
+from tasks.reporting import StageReporter
 from tasks.retry import IO_RETRIES
-from tasks.stage_io import Checkpoint, register_saved_checkpoints, stage_key
+from tasks.stage_io import Checkpoint, stage_key
 
 
 @dataclass(frozen=True)
@@ -60,34 +63,37 @@ def uses_reward_stage(cfg: PipelineConfig) -> bool:
     return cfg.rl.algorithm == "ppo" or any(r.model == "reward_stage" for r in cfg.grpo.rewards)
 
 
-@task(name="initialize-models", cache_policy=NO_CACHE, **IO_RETRIES)
-def initialize_models(cfg: PipelineConfig, data: PreparedData, sft: Checkpoint | None, reward: Checkpoint | None) -> InitPlan:
-    """Pick the policy, value, reference and reward sources, and check they fit together."""
-    logger = distributed.stage_logger()
-    champion = tracking.version_by_alias(cfg.registry.policy_model_name, "champion") if cfg.init.policy == "champion" else None
+def _policy_source(cfg: PipelineConfig, data: PreparedData, sft: Checkpoint | None, logger) -> tuple[str, str]:
+    """(path, identity) of the policy's start: the champion, the SFT warm start or the base model."""
+    champion = registry.version_by_alias(cfg.registry.policy_model_name, "champion") if cfg.init.policy == "champion" else None
     if champion is not None:  # retraining from what serves today
         policy_identity = f"models:/{cfg.registry.policy_model_name}/{champion.version}"
-        policy_path = resolve_model_source(policy_identity, field="init.policy", cfg=cfg, world=None)
-    elif cfg.init.policy in ("sft", "champion") and sft is not None:
+        return resolve_model_source(policy_identity, field="init.policy", cfg=cfg, world=None), policy_identity
+    if cfg.init.policy in ("sft", "champion") and sft is not None:
         if cfg.init.policy == "champion":
             logger.info("no version of %s is champion yet: starting from the SFT warm start", cfg.registry.policy_model_name)
-        policy_path, policy_identity = sft.path, sft.model_uri or f"sft:{sft.key}"
-    else:
-        policy_path, policy_identity = data.base_model, cfg.model.base
-    ppo = cfg.rl.algorithm == "ppo"
-    value_path = (reward.path if cfg.init.value_from == "reward" else policy_path) if ppo else None
-    reference = cfg.init.reference
-    if not ppo and cfg.grpo.beta == 0:
-        reference = "none"
-    elif reference == "auto":
-        reference = "adapter_disabled" if cfg.model.lora.enabled else "copy"
+        return sft.path, sft.model_uri or f"sft:{sft.key}"
+    return data.base_model, cfg.model.base
 
-    prompts = read_column(data.tables["prompts"], "prompt")
-    if not prompts:
+
+def _reference(cfg: PipelineConfig) -> str:
+    if cfg.rl.algorithm != "ppo" and cfg.grpo.beta == 0:
+        return "none"
+    if cfg.init.reference == "auto":
+        return "adapter_disabled" if cfg.model.lora.enabled else "copy"
+    return cfg.init.reference
+
+
+def _check_sources(cfg: PipelineConfig, data: PreparedData, policy_path: str, reward: Checkpoint | None) -> None:
+    """Refuse, before any RL work, an empty prompt set, reward sources whose tokenizer is not the policy's,
+    stop tokens the policy's tokenizer lacks, and prompt plus response beyond the policy's context."""
+    from transformers import AutoConfig
+
+    if not read_column(data.tables["prompts"], "prompt"):
         raise ValueError(f"data.prompts: the prompt set {data.source('prompts')} is empty")
     policy_tok = load_tokenizer(policy_path, revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code)
     reward_dirs = [reward.path] if reward is not None else []
-    if not ppo:
+    if cfg.rl.algorithm != "ppo":
         reward_dirs += [resolve_model_source(r.model, field=f"grpo.rewards[{i}].model", cfg=cfg, world=None)
                         for i, r in enumerate(cfg.grpo.rewards) if r.model not in (None, "reward_stage")]
         for i, r in enumerate(cfg.grpo.rewards):
@@ -100,11 +106,8 @@ def initialize_models(cfg: PipelineConfig, data: PreparedData, sft: Checkpoint |
                 f"the reward model's tokenizer ({directory}) does not match the policy's ({policy_path}): {mismatch}; "
                 "train the reward model from the policy's tokenizer"
             )
-    # the stop tokens are checked against the policy's tokenizer now, not after the reward stage
     stop_token_ids(policy_tok, generation_config_of(policy_path, trust_remote_code=cfg.model.trust_remote_code),
                    stop_token=cfg.rl.stop_token, stop_tokens=cfg.rl.stop_tokens)
-    from transformers import AutoConfig
-
     context = getattr(AutoConfig.from_pretrained(policy_path, trust_remote_code=cfg.model.trust_remote_code),
                       "max_position_embeddings", None)
     needed = cfg.data.max_prompt_length + cfg.rl.response_length
@@ -113,11 +116,22 @@ def initialize_models(cfg: PipelineConfig, data: PreparedData, sft: Checkpoint |
             f"data.max_prompt_length {cfg.data.max_prompt_length} + rl.response_length {cfg.rl.response_length} = "
             f"{needed} tokens exceeds the policy's context of {context}"
         )
+
+
+@task(name="initialize-models", cache_policy=NO_CACHE, **IO_RETRIES)
+def initialize_models(cfg: PipelineConfig, data: PreparedData, sft: Checkpoint | None, reward: Checkpoint | None) -> InitPlan:
+    """Pick the policy, value, reference and reward sources, and check they fit together."""
+    logger = launcher.stage_logger()
+    policy_path, policy_identity = _policy_source(cfg, data, sft, logger)
+    value_path = None
+    if cfg.rl.algorithm == "ppo":
+        value_path = reward.path if cfg.init.value_from == "reward" else policy_path
+    _check_sources(cfg, data, policy_path, reward)
     plan = InitPlan(policy_path=policy_path, policy_identity=policy_identity, value_path=value_path,
                     reward_path=reward.path if reward is not None else None,
                     reward_identity=(reward.model_uri or f"reward:{reward.key}") if reward is not None else "none",
-                    reference=reference)
-    logger.info("policy from %s, value from %s, reference: %s", policy_identity, value_path, reference)
+                    reference=_reference(cfg))
+    logger.info("policy from %s, value from %s, reference: %s", policy_identity, value_path, plan.reference)
     return plan
 
 
@@ -167,118 +181,132 @@ def rl_key(cfg: PipelineConfig, data: PreparedData, plan: InitPlan) -> str:
     })
 
 
+@dataclass(frozen=True)
+class RLModels:
+    """The loaded models of the RL stage (value model and GRPO's other reward sources are loaded by `_train`)."""
+
+    tokenizer: Any
+    policy: Any
+    ref_model: Any  # None when the reference is the policy with its adapters disabled, or there is none
+    reward_model: Any  # this run's reward model, or None
+    stop_ids: list[int]
+
+
+def load_models(cfg: PipelineConfig, plan: InitPlan) -> RLModels:
+    from transformers import AutoModelForSequenceClassification
+
+    tokenizer = load_tokenizer(plan.policy_path, revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code)
+    load = dict(revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code, torch_dtype=cfg.model.torch_dtype)
+    policy = load_causal_lm(plan.policy_path, **load)
+    prepare_for_training(policy, gradient_checkpointing=cfg.model.gradient_checkpointing)
+    ref_model = load_causal_lm(plan.policy_path, **load) if plan.reference == "copy" else None
+    if cfg.model.lora.enabled:
+        from peft import get_peft_model
+
+        policy = get_peft_model(policy, _lora(cfg))
+    reward_model = AutoModelForSequenceClassification.from_pretrained(plan.reward_path) if plan.reward_path else None
+    stop_ids = stop_token_ids(tokenizer, policy.generation_config, stop_token=cfg.rl.stop_token, stop_tokens=cfg.rl.stop_tokens)
+    return RLModels(tokenizer=tokenizer, policy=policy, ref_model=ref_model, reward_model=reward_model, stop_ids=stop_ids)
+
+
+def evaluate_policy(model, step: int, *, cfg: PipelineConfig, models: RLModels, prompts: list[str], metrics: dict) -> list[dict]:
+    """Near-greedy completions of the held-out prompts by `model`, scored (the loops' `evaluate`)."""
+    return evaluate_generations(model, models.ref_model, models.reward_model, models.tokenizer, prompts,
+                                response_length=cfg.rl.response_length, max_prompt_length=cfg.data.max_prompt_length,
+                                metrics=metrics, batch_size=cfg.eval.batch_size, greedy=cfg.eval.greedy,
+                                stop_token_ids=models.stop_ids, device=next(model.parameters()).device)
+
+
+class PolicyReporter(StageReporter):
+    """The RL stage's reporting: checkpoints tagged with their KL, held-out evaluations, GRPO's completions."""
+
+    def __init__(self, cfg: PipelineConfig, run_id: str, data: PreparedData, plan: InitPlan, key: str, out_dir: Path,
+                 gold: str | None):
+        algorithm = cfg.rl.algorithm
+        reward = "objective/scores" if algorithm == "ppo" else "reward"
+        super().__init__(cfg, algorithm, run_id, data_fingerprint=data.fingerprint, model_name=cfg.registry.policy_model_name,
+                         lineage={"stage_key": key, "algorithm": algorithm, "reward_model_version": plan.reward_identity,
+                                  "base_model": plan.policy_identity},
+                         curves={reward: (reward,), "kl": ("objective/kl", "kl"),
+                                 "eval/gold": (f"eval/{gold}_mean",) if gold else ()})
+        self.key, self.out_dir, self.gold = key, out_dir, gold
+
+    def checkpoint_tags(self, path: Path, step: int) -> dict[str, str]:
+        saved = json.loads((path.parent / "metrics.json").read_text())
+        kl = saved.get("objective/kl", saved.get("kl"))
+        return {"kl": f"{kl:.4f}"} if kl is not None else {}
+
+    def on_eval(self, rows: list[dict], step: int) -> None:
+        summary = summarize_rows(rows)
+        tracking.log_metrics(self.run_id, summary, step)
+        # one MLflow table and one Parquet file per evaluation step: nothing is overwritten
+        tracking.log_table(self.run_id, [{"step": step, **r} for r in rows], f"eval/completions_step_{step:06d}.json")
+        self.artifact(save_eval_rows(self.out_dir, rows, step), "eval")
+        self.record(summary, step)
+        self.publish_table(f"{self.stage}-eval-step-{step}", rows[:20], f"Held-out completions at step {step}")
+        print_rows(rows[:5], f"{self.stage.upper()} held-out completions at step {step} (first 5 of {len(rows)})")
+        self.logger.info("eval at step %d: %s", step, ", ".join(f"{k}={v:.3f}" for k, v in summary.items()))
+
+    def on_completions(self, rows: list[dict], step: int) -> None:
+        """GRPO's sampled completions of one step as <out_dir>/completions/completions_step_NNNNNN.parquet."""
+        import pandas as pd
+
+        path = self.out_dir / "completions" / f"completions_step_{step:06d}.parquet"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        pd.DataFrame(rows).to_parquet(path)
+        self.artifact(path, "completions")
+
+    def finish(self, result) -> Checkpoint:
+        """The progress completed, curves and the evaluation report published; the stage's Checkpoint."""
+        self.done()
+        if result.skipped_steps:
+            self.logger.warning("%d optimizer steps were skipped because a loss was not finite", result.skipped_steps)
+        if next(iter(self.history.values())):
+            self.plot(f"{self.stage}_curves.png", self.stage.upper(), {k: v for k, v in self.history.items() if v})
+        evals = load_eval_history(self.out_dir)  # every evaluation of this stage key, resumed attempts included
+        if launcher.is_main():
+            report_evaluations(self.run_id, self.stage, evals, self.gold)
+        final_step = max(evals) if evals else None
+        return Checkpoint(path=str((result.checkpoint / "policy").resolve()), model_uri=self.registered.get(result.step),
+                          step=result.step, metrics=result.metrics, key=self.key,
+                          extra={"resumed_from": result.resumed_from, "skipped_steps": result.skipped_steps,
+                                 "gold": self.gold, "eval_history": {s: summarize_rows(r) for s, r in evals.items()},
+                                 "final_eval": summarize_rows(evals[final_step]) if evals else {},
+                                 "final_rows": evals[final_step][:5] if evals else []})
+
+
+def _train(cfg: PipelineConfig, data: PreparedData, plan: InitPlan, models: RLModels, reporter: PolicyReporter, evaluate):
+    """PPO or GRPO with the reporter's callbacks; the loop's result."""
+    prompt_rows = read_rows(data.tables["prompts"])
+    common = dict(max_prompt_length=cfg.data.max_prompt_length, output_dir=reporter.out_dir, on_log=reporter.log,
+                  on_checkpoint=reporter.on_checkpoint, on_eval=reporter.on_eval, evaluate=evaluate,
+                  eval_every=cfg.eval.every_steps)
+    if cfg.rl.algorithm == "ppo":
+        value_model = load_reward_model(plan.value_path, models.tokenizer, seed=cfg.run.seed, torch_dtype=cfg.model.torch_dtype)
+        return train_ppo(models.policy, value_model, models.ref_model, models.reward_model, models.tokenizer,
+                         [r["prompt"] for r in prompt_rows], cfg.rl, cfg.ppo, cfg.run, **common)
+    return train_grpo(models.policy, models.ref_model, reward_sources(cfg, plan, models.reward_model), models.tokenizer,
+                      prompt_rows, cfg.rl, cfg.grpo, cfg.run, on_completions=reporter.on_completions, **common)
+
+
 @task(name="train-policy", cache_policy=NO_CACHE, **IO_RETRIES)
 def train_policy(cfg: PipelineConfig, data: PreparedData, plan: InitPlan, parent_run_id: str) -> Checkpoint:
     """PPO or GRPO on the prompt set; resume, evaluate, register every checkpoint as a policy version."""
-    from transformers import AutoModelForSequenceClassification
-
-    if cfg.run.num_processes > 1 and not distributed.launched():
-        return distributed.launch("rl", cfg, data=data, plan=plan, parent_run_id=parent_run_id)
-    logger = distributed.stage_logger()
-    algorithm = cfg.rl.algorithm
+    if cfg.run.num_processes > 1 and not launcher.launched():
+        return launcher.launch("rl", cfg, data=data, plan=plan, parent_run_id=parent_run_id)
     key = rl_key(cfg, data, plan)
-    out_dir = cfg.run.output_dir / algorithm / key
-    name = cfg.registry.policy_model_name
-    with tracking.stage_run(parent_run_id, algorithm) as run_id:
-        tokenizer = load_tokenizer(plan.policy_path, revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code)
-        load = dict(revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code, torch_dtype=cfg.model.torch_dtype)
-        policy = load_causal_lm(plan.policy_path, **load)
-        prepare_for_training(policy, gradient_checkpointing=cfg.model.gradient_checkpointing)
-        ref_model = load_causal_lm(plan.policy_path, **load) if plan.reference == "copy" else None
-        if cfg.model.lora.enabled:
-            from peft import get_peft_model
-
-            policy = get_peft_model(policy, _lora(cfg))
-        reward_model = AutoModelForSequenceClassification.from_pretrained(plan.reward_path) if plan.reward_path else None
-        prompt_rows = read_rows(data.tables["prompts"])
-        eval_prompts = read_column(data.tables["eval_prompts"], "prompt")[: cfg.eval.num_prompts]
-        metrics_fns = metric_functions(cfg.eval.metrics)
-        stop_ids = stop_token_ids(tokenizer, policy.generation_config, stop_token=cfg.rl.stop_token,
-                                  stop_tokens=cfg.rl.stop_tokens)
-
-        def evaluate(model, step: int) -> list[dict]:
-            return evaluate_generations(model, ref_model, reward_model, tokenizer, eval_prompts,
-                                        response_length=cfg.rl.response_length, max_prompt_length=cfg.data.max_prompt_length,
-                                        metrics=metrics_fns, batch_size=cfg.eval.batch_size, greedy=cfg.eval.greedy,
-                                        stop_token_ids=stop_ids, device=next(model.parameters()).device)
-
-        registered: dict[int, str] = {}
-
-        def register(policy_dir: Path, step: int) -> None:
-            if not cfg.tracking.register_models:
-                return
-            saved = json.loads((policy_dir.parent / "metrics.json").read_text())
-            kl = saved.get("objective/kl", saved.get("kl"))
-            tags = tracking.lineage_tags(
-                stage=algorithm, step=step, config_hash=cfg.config_hash(), data_fingerprint=data.fingerprint,
-                stage_key=key, algorithm=algorithm, reward_model_version=plan.reward_identity,
-                base_model=plan.policy_identity, **({"kl": f"{kl:.4f}"} if kl is not None else {}),
-            )
-            registered[step] = tracking.register_once(policy_dir, name, task="text-generation", tags=tags, run_id=run_id,
-                                                    keep_last=cfg.registry.keep_last_versions)
-            logger.info("%s checkpoint %d is %s", algorithm, step, registered[step])
-
-        register_saved_checkpoints(out_dir, "policy", register)
-        progress = StageProgress(f"{algorithm}-progress", f"{algorithm.upper()}: {cfg.rl.total_steps} steps")
-        reward_key_name = "objective/scores" if algorithm == "ppo" else "reward"
-        history: dict[str, list[tuple[int, float]]] = {reward_key_name: [], "kl": [], "eval/gold": []}
-        gold = next(iter(metrics_fns), None)
-
-        def on_log(metrics: dict[str, float], step: int) -> None:
-            tracking.log_metrics(run_id, metrics, step)
-            history[reward_key_name].append((step, metrics[reward_key_name]))
-            if "objective/kl" in metrics or "kl" in metrics:
-                history["kl"].append((step, metrics.get("objective/kl", metrics.get("kl"))))
-            progress.update(step, cfg.rl.total_steps)
-
-        def on_eval(rows: list[dict], step: int) -> None:
-            summary = summarize_rows(rows)
-            tracking.log_metrics(run_id, summary, step)
-            # one MLflow table and one Parquet file per evaluation step: nothing is overwritten
-            tracking.log_table(run_id, [{"step": step, **r} for r in rows], f"eval/completions_step_{step:06d}.json")
-            tracking.log_artifact(run_id, save_eval_rows(out_dir, rows, step), "eval")
-            if gold:
-                history["eval/gold"].append((step, summary[f"eval/{gold}_mean"]))
-            publish_table(f"{algorithm}-eval-step-{step}", rows[:20], f"Held-out completions at step {step}")
-            print_rows(rows[:5], f"{algorithm.upper()} held-out completions at step {step} (first 5 of {len(rows)})")
-            logger.info("eval at step %d: %s", step, ", ".join(f"{k}={v:.3f}" for k, v in summary.items()))
-
-        def on_completions(rows: list[dict], step: int) -> None:
-            import pandas as pd
-
-            path = out_dir / "completions" / f"completions_step_{step:06d}.parquet"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            pd.DataFrame(rows).to_parquet(path)
-            tracking.log_artifact(run_id, path, "completions")
-
-        if distributed.is_main() and not (out_dir.exists() and any(out_dir.glob("checkpoint-*"))):
-            on_eval(evaluate(policy, 0), 0)  # the starting point, for the before/after comparison
-        common = dict(max_prompt_length=cfg.data.max_prompt_length, output_dir=out_dir, on_log=on_log,
-                      on_checkpoint=register, on_eval=on_eval, evaluate=evaluate, eval_every=cfg.eval.every_steps)
-        if algorithm == "ppo":
-            value_model = load_reward_model(plan.value_path, tokenizer, seed=cfg.run.seed, torch_dtype=cfg.model.torch_dtype)
-            result = train_ppo(policy, value_model, ref_model, reward_model, tokenizer, [r["prompt"] for r in prompt_rows],
-                               cfg.rl, cfg.ppo, cfg.run, **common)
-        else:
-            result = train_grpo(policy, ref_model, reward_sources(cfg, plan, reward_model), tokenizer, prompt_rows, cfg.rl, cfg.grpo,
-                                cfg.run, on_completions=on_completions, **common)
-        progress.update(cfg.rl.total_steps, cfg.rl.total_steps)
-        if result.skipped_steps:
-            logger.warning("%d optimizer steps were skipped because a loss was not finite", result.skipped_steps)
-        if history[reward_key_name]:
-            fig = curve_figure({k: v for k, v in history.items() if v}, algorithm.upper())
-            tracking.log_figure(run_id, fig, f"{algorithm}_curves.png")
-            close(fig)
-        evals = load_eval_history(out_dir)  # every evaluation of this stage key, resumed attempts included
-        if distributed.is_main():
-            report_evaluations(run_id, algorithm, evals, gold)
-        final_step = max(evals) if evals else None
-        return Checkpoint(path=str((result.checkpoint / "policy").resolve()), model_uri=registered.get(result.step),
-                          step=result.step, metrics=result.metrics, key=key,
-                          extra={"resumed_from": result.resumed_from, "skipped_steps": result.skipped_steps,
-                                 "gold": gold, "eval_history": {s: summarize_rows(r) for s, r in evals.items()},
-                                 "final_eval": summarize_rows(evals[final_step]) if evals else {},
-                                 "final_rows": evals[final_step][:5] if evals else []})
+    out_dir = cfg.run.output_dir / cfg.rl.algorithm / key
+    with tracking.stage_run(parent_run_id, cfg.rl.algorithm) as run_id:
+        models = load_models(cfg, plan)
+        metrics = metric_functions(cfg.eval.metrics)
+        evaluate = partial(evaluate_policy, cfg=cfg, models=models, metrics=metrics,
+                           prompts=read_column(data.tables["eval_prompts"], "prompt")[: cfg.eval.num_prompts])
+        reporter = PolicyReporter(cfg, run_id, data, plan, key, out_dir, gold=next(iter(metrics), None))
+        reporter.register_saved(out_dir, "policy")
+        reporter.start(cfg.rl.total_steps, f"{cfg.rl.algorithm.upper()}: {cfg.rl.total_steps} steps")
+        if launcher.is_main() and not (out_dir.exists() and any(out_dir.glob("checkpoint-*"))):
+            reporter.on_eval(evaluate(models.policy, 0), 0)  # the starting point, for the before/after comparison
+        return reporter.finish(_train(cfg, data, plan, models, reporter, evaluate))
 
 
 def save_eval_rows(out_dir: Path, rows: list[dict], step: int) -> Path:

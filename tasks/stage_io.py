@@ -32,7 +32,7 @@ def register_saved_checkpoints(out_dir: Path, subdir: str, register: Callable[[P
     """Call register(checkpoint-N/<subdir>, N) for every complete checkpoint already on disk, oldest first.
 
     A crashed attempt may have saved checkpoints it did not get to register; `register` is expected to
-    be idempotent (see tracking.register_once), so registered ones are found, not registered again.
+    be idempotent (see registry.register_once), so registered ones are found, not registered again.
     """
     found = [(checkpoint_step(p), p) for p in Path(out_dir).glob("checkpoint-*") if p.is_dir()]
     for step, path in sorted((s, p) for s, p in found if s is not None and has_training_state(p)):

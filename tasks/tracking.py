@@ -1,11 +1,9 @@
-"""The only MLflow code of the project: runs, metrics, checkpoints as registered model versions.
+"""MLflow runs, metrics and artifacts (the model registry is tasks/registry.py: together, all MLflow code).
 
 A pipeline run is one MLflow run with the flattened config as params; each stage is a nested run
 under it, so every stage has its own step axis. Whatever raises inside a run ends it FAILED, or
 KILLED when it is an interruption (Ctrl-C, SIGTERM), never RUNNING; a run left RUNNING by a process
-killed outright is marked KILLED by the next start on the same run directory. A checkpoint
-directory becomes a new version of a registered model, with lineage tags set in the same call that
-creates the version, so there is never a version without its tags.
+killed outright is marked KILLED by the next start on the same run directory.
 Registrations and the creation of a fresh SQLite store hold file locks (`store_lock`), so concurrent
 processes neither register one checkpoint twice nor collide creating the store's tables.
 """
@@ -15,7 +13,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import re
 import socket
 import subprocess
 import tempfile
@@ -27,18 +24,13 @@ from pathlib import Path
 from typing import Iterator
 
 import mlflow
-from filelock import FileLock, Timeout
+from filelock import FileLock
 from mlflow.entities import Metric, Param, RunStatus
 from mlflow.tracking import MlflowClient
 
 from rlhf_core.config import PipelineConfig, flatten_config, redact_uri
-from rlhf_core.checkpoint import link_identical_files
 from rlhf_core.ownership import pid_alive
 from rlhf_core.redaction import has_secret, install_log_redaction, split_credentials
-
-# Packages a logged model needs to load again. Listed explicitly because MLflow's inference of
-# default requirements looks for torchvision, which has no CPU build in our registries.
-MODEL_REQUIREMENTS = ("torch", "transformers", "tokenizers", "safetensors", "accelerate")
 
 
 @lru_cache(maxsize=1)
@@ -56,7 +48,7 @@ def code_version() -> str:
 
 
 def writes() -> bool:
-    """Only rank 0 of a data-parallel stage talks to MLflow (see tasks/distributed.py); the others skip writes."""
+    """Only rank 0 of a data-parallel stage talks to MLflow (see tasks/launcher.py); the others skip writes."""
     return int(os.environ.get("RANK", "0")) == 0
 
 
@@ -309,235 +301,6 @@ def set_run_tags(run_id: str, tags: dict[str, str]) -> None:
         client.set_tag(run_id, key, str(value))
 
 
-def lineage_tags(*, stage: str, step: int, config_hash: str, data_fingerprint: str, **extra: str) -> dict[str, str]:
-    """The tags every registered checkpoint carries."""
-    tags = {
-        "stage": stage,
-        "step": str(step),
-        "config_hash": config_hash,
-        "data_fingerprint": data_fingerprint,
-        "code_version": code_version(),
-    }
-    tags.update({k: str(v) for k, v in extra.items()})
-    return tags
-
-
-def find_version(model_name: str, tags: dict[str, str]):
-    """The newest version of `model_name` carrying all `tags`, or None."""
-    client = MlflowClient()
-    try:
-        versions = client.search_model_versions(f"name = '{model_name}'")
-    except mlflow.exceptions.MlflowException:
-        return None
-    matching = [v for v in versions if all(v.tags.get(k) == val for k, val in tags.items())]
-    return max(matching, key=lambda v: int(v.version)) if matching else None
-
-
-def register_checkpoint(checkpoint_dir: str | Path, model_name: str, *, task: str, tags: dict[str, str],
-                        run_id: str) -> dict[str, str]:
-    """Log a Hugging Face checkpoint directory as a new version of `model_name`.
-
-    `task` is the transformers pipeline task ("text-generation" for policies,
-    "text-classification" for reward models). The version is created with its tags in one call;
-    if anything fails after it exists, it is deleted again, so no half-registered version remains.
-    Returns {"name", "version", "uri"}.
-    """
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
-
-    checkpoint_dir = Path(checkpoint_dir)
-    loader = AutoModelForSequenceClassification if task == "text-classification" else AutoModelForCausalLM
-    model = loader.from_pretrained(checkpoint_dir)
-    tokenizer = AutoTokenizer.from_pretrained(checkpoint_dir)
-    requirements = [f"{pkg}=={metadata.version(pkg)}" for pkg in MODEL_REQUIREMENTS]
-
-    active = mlflow.active_run()
-    if active is None or active.info.run_id != run_id:
-        raise RuntimeError(f"register_checkpoint must run inside the stage run {run_id}")
-    flavor_log = logging.getLogger("mlflow.transformers")
-    level = flavor_log.level
-    flavor_log.setLevel(logging.ERROR)  # local checkpoints have no hub model card or license to find
-    try:
-        info = mlflow.transformers.log_model(
-            transformers_model={"model": model, "tokenizer": tokenizer},
-            name=f"{tags.get('stage', 'model')}-step-{tags.get('step', '0')}",
-            task=task,
-            pip_requirements=requirements,
-        )
-    finally:
-        flavor_log.setLevel(level)
-    link_identical_files(_local_artifact_dir(info.model_id), checkpoint_dir)
-    version = mlflow.register_model(info.model_uri, model_name, tags=tags)
-    try:
-        _await_ready(model_name, version.version)
-    except BaseException:
-        MlflowClient().delete_model_version(model_name, version.version)
-        raise
-    return {"name": model_name, "version": str(version.version), "uri": f"models:/{model_name}/{version.version}"}
-
-
-def _local_artifact_dir(model_id: str | None) -> Path | None:
-    """The directory of a logged model's artifacts when the artifact store is this machine's disk."""
-    if not model_id:
-        return None
-    location = mlflow.get_logged_model(model_id).artifact_location or ""
-    if not location.startswith("file:"):
-        return None
-    from urllib.parse import unquote, urlparse
-
-    return Path(unquote(urlparse(location).path))
-
-
-def register_once(checkpoint_dir: str | Path, model_name: str, *, task: str, tags: dict[str, str], run_id: str,
-                  identity: tuple[str, ...] = ("stage", "stage_key", "step"), keep_last: int | None = None) -> str:
-    """URI of the version whose `identity` tags match `tags`, registering the checkpoint only if none does.
-
-    This is what makes re-runs and resumed runs register no duplicate versions, also when two processes
-    register the same checkpoint at once: the look-up and the registration hold `store_lock(uri,
-    "register")` (the limits are that lock's). Returns "" on the processes of a data-parallel stage
-    other than rank 0. keep_last (registry.keep_last_versions): after a new version is registered,
-    `prune_versions(model_name, keep_last)`.
-    """
-    if not writes():
-        return ""
-    identity_tags = {k: tags[k] for k in identity}
-    existing = find_version(model_name, identity_tags)
-    if existing is not None:
-        return f"models:/{model_name}/{existing.version}"
-    lock = store_lock(mlflow.get_registry_uri(), "register")
-    try:
-        lock.acquire()
-    except Timeout:
-        raise RuntimeError(f"waited {lock.timeout:.0f} s for another process's registration to end "
-                           f"(lock {lock.lock_file}); is a registration hanging?") from None
-    try:
-        existing = find_version(model_name, identity_tags)  # registered by another process while we waited
-        if existing is not None:
-            return f"models:/{model_name}/{existing.version}"
-        uri = register_checkpoint(checkpoint_dir, model_name, task=task, tags=tags, run_id=run_id)["uri"]
-        prune_versions(model_name, keep_last)
-        return uri
-    finally:
-        lock.release()
-
-
-def _logged_model_id(version) -> str | None:
-    """The logged model a version was registered from (its model_id, or its models:/m-... source)."""
-    if getattr(version, "model_id", None):
-        return version.model_id
-    source = version.source or ""
-    rest = source.removeprefix("models:/")
-    return rest if source.startswith("models:/m-") and "/" not in rest else None
-
-
-def prune_versions(model_name: str, keep_last: int | None) -> list[str]:
-    """Delete the versions of `model_name` older than its newest `keep_last`; return their numbers.
-
-    Kept whatever their age: every version an alias points at (candidate, champion, any other) and
-    every version tagged keep=true. The logged model behind a deleted version is marked deleted too
-    (MLflow soft-deletes it: its artifacts stay in the artifact store until `mlflow gc` removes them).
-    keep_last None keeps everything.
-    """
-    if keep_last is None:
-        return []
-    if keep_last < 1:
-        raise ValueError(f"keep_last must be at least 1, got {keep_last}")
-    client = MlflowClient()
-    aliased = {str(v) for v in client.get_registered_model(model_name).aliases.values()}
-    versions = sorted(client.search_model_versions(f"name = '{model_name}'"), key=lambda v: int(v.version), reverse=True)
-    deleted = []
-    for version in versions[keep_last:]:
-        if str(version.version) in aliased or str(version.tags.get("keep", "")).lower() == "true":
-            continue
-        client.delete_model_version(model_name, version.version)
-        model_id = _logged_model_id(version)
-        if model_id:
-            try:
-                client.delete_logged_model(model_id)
-            except mlflow.exceptions.MlflowException:
-                logging.getLogger(__name__).warning("could not mark logged model %s of %s/%s deleted", model_id, model_name,
-                               version.version, exc_info=True)
-        logging.getLogger(__name__).info("deleted model version %s/%s (registry.keep_last_versions=%d)", model_name, version.version, keep_last)
-        deleted.append(str(version.version))
-    return deleted
-
-
-def _await_ready(model_name: str, version: str, timeout_s: float = 300.0) -> None:
-    client = MlflowClient()
-    deadline = time.monotonic() + timeout_s
-    while True:
-        status = client.get_model_version(model_name, version).status
-        if status == "READY":
-            return
-        if status == "FAILED_REGISTRATION" or time.monotonic() > deadline:
-            raise RuntimeError(f"model version {model_name}/{version} did not become READY (status {status})")
-        time.sleep(0.5)
-
-
-class MissingVersion(LookupError):
-    """A models:/ URI that names no version in the registry."""
-
-
-def version_cache_key(uri: str) -> str:
-    """A directory name unique to the model version a models:/ URI points at now.
-
-    Aliases move and version numbers restart when a registry is recreated, so the key holds the
-    resolved version and a hash of where its artifacts live, never the URI as written.
-    Raises MissingVersion when the registry has no such version.
-    """
-    ref = uri.removeprefix("models:/")
-    client = MlflowClient()
-    try:
-        if "@" in ref:
-            name, alias = ref.split("@", 1)
-            version = client.get_model_version_by_alias(name, alias)
-        else:
-            name, number = ref.rsplit("/", 1)
-            version = client.get_model_version(name, number)
-    except mlflow.exceptions.MlflowException as err:
-        raise MissingVersion(f"the registry at {redact_uri(mlflow.get_tracking_uri())} has no model version {uri} "
-                             f"({err.error_code})") from None
-    digest = hashlib.sha256(f"{version.source}|{version.run_id}|{version.creation_timestamp}".encode()).hexdigest()[:10]
-    return re.sub(r"[^A-Za-z0-9._-]+", "_", f"{name}-v{version.version}-{digest}")
-
-
-def materialize_version(uri: str, cache_root: str | Path) -> Path:
-    """The version a models:/ URI (number or alias) points at, as a local Hugging Face directory under cache_root."""
-    return materialize_model(uri, Path(cache_root) / version_cache_key(uri))
-
-
-def materialize_model(uri: str, destination: str | Path) -> Path:
-    """Resolve a models:/ URI to a local Hugging Face directory (model + tokenizer) and return it."""
-    destination = Path(destination)
-    if (destination / "config.json").is_file():
-        return destination
-    components = mlflow.transformers.load_model(uri, return_type="components")
-    from rlhf_core.training import save_pretrained_atomic
-
-    return save_pretrained_atomic(components["model"], components["tokenizer"], destination)
-
-
-def set_alias(model_name: str, alias: str, version: str) -> None:
-    if not writes():
-        return
-    MlflowClient().set_registered_model_alias(model_name, alias, str(version))
-
-
-def version_by_alias(model_name: str, alias: str):
-    """The model version `alias` points at, or None when the alias (or the model) does not exist."""
-    try:
-        return MlflowClient().get_model_version_by_alias(model_name, alias)
-    except mlflow.exceptions.MlflowException:
-        return None
-
-
-def set_version_tags(model_name: str, version: str, tags: dict[str, str]) -> None:
-    if not writes():
-        return
-    client = MlflowClient()
-    for key, value in tags.items():
-        client.set_model_version_tag(model_name, str(version), key, str(value))
-
-
 def artifact_link(run_id: str, artifact_path: str) -> str:
     """Where a person opens a run's artifact: the MLflow UI page on a server, else the artifact's URI."""
     run = MlflowClient().get_run(run_id)
@@ -545,7 +308,3 @@ def artifact_link(run_id: str, artifact_path: str) -> str:
     if uri.startswith(("http://", "https://")):
         return f"{redact_uri(uri).rstrip('/')}/#/experiments/{run.info.experiment_id}/runs/{run_id}/artifacts/{artifact_path}"
     return f"{run.info.artifact_uri.rstrip('/')}/{artifact_path}"
-
-
-def run_status(run_id: str) -> str:
-    return MlflowClient().get_run(run_id).info.status

@@ -12,7 +12,7 @@ from flows.promote import rlhf_promote
 from rlhf_core.data import read_column
 from rlhf_core.evaluation import evaluate_generations
 from rlhf_core.models import load_causal_lm, load_tokenizer
-from tasks import tracking
+from tasks import registry, tracking
 
 SMOKE = str(Path(__file__).resolve().parents[2] / "configs" / "smoke.yaml")
 NAME = "smoke-policy"
@@ -35,8 +35,8 @@ def register_candidate(model_dir: Path, reference: Path, uri: str) -> str:
     experiment = tracking.ensure_experiment("promote-test", uri)
     with mlflow.start_run(experiment_id=experiment) as run:
         tags = {"stage": "export", "step": "2", "base_model": str(reference), "reward_model_version": "none"}
-        version = tracking.register_checkpoint(model_dir, NAME, task="text-generation", tags=tags, run_id=run.info.run_id)["version"]
-    tracking.set_alias(NAME, "candidate", version)
+        version = registry.register_checkpoint(model_dir, NAME, task="text-generation", tags=tags, run_id=run.info.run_id)["version"]
+    registry.set_alias(NAME, "candidate", version)
     return version
 
 

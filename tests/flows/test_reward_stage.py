@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-import tasks.reward
+import tasks.registry
+import tasks.reward_model
 from flows.rlhf_pipeline import rlhf_pipeline
 from rlhf_core.models import ModelSourceError
 
@@ -22,7 +23,7 @@ def reward_versions(client):
 def test_a_crash_mid_training_resumes_without_duplicate_versions(prefect_harness, tmp_path, mlflow_uri, monkeypatch):
     # given a pipeline whose reward training crashes at step 3, after checkpoint-2 was registered
     overrides = [f"run.output_dir={tmp_path / 'out'}", f"tracking.uri={mlflow_uri}", "reward.log_steps=1"]
-    real = tasks.reward.train_reward_model
+    real = tasks.reward_model.train_reward_model
 
     def crashing(*args, on_log, **kwargs):
         def log(metrics, step):
@@ -31,14 +32,14 @@ def test_a_crash_mid_training_resumes_without_duplicate_versions(prefect_harness
                 raise RuntimeError("injected crash at step 3")
         return real(*args, on_log=log, **kwargs)
 
-    monkeypatch.setattr(tasks.reward, "train_reward_model", crashing)
+    monkeypatch.setattr(tasks.reward_model, "train_reward_model", crashing)
     state = rlhf_pipeline(config_path=SMOKE, overrides=overrides, return_state=True)
     assert state.is_failed()
     client = MlflowClient(mlflow_uri, registry_uri=mlflow_uri)
     assert reward_versions(client) == [(1, "2")]
 
     # when it runs again
-    monkeypatch.setattr(tasks.reward, "train_reward_model", real)
+    monkeypatch.setattr(tasks.reward_model, "train_reward_model", real)
     summary = rlhf_pipeline(config_path=SMOKE, overrides=overrides)
 
     # then training continued from step 2 and each checkpoint is registered exactly once
@@ -52,19 +53,19 @@ def test_a_crash_mid_training_resumes_without_duplicate_versions(prefect_harness
 
 def test_a_checkpoint_saved_but_not_registered_is_registered_on_the_next_run(prefect_harness, tmp_path, mlflow_uri, monkeypatch):
     overrides = [f"run.output_dir={tmp_path / 'out'}", f"tracking.uri={mlflow_uri}"]
-    real = tasks.tracking.register_once
+    real = tasks.registry.register_once
 
     def registry_down_at_step_4(path, name, *, tags, **kwargs):
         if tags.get("stage") == "reward" and tags["step"] == "4":
             raise ConnectionError("tracking server unreachable")
         return real(path, name, tags=tags, **kwargs)
 
-    monkeypatch.setattr(tasks.tracking, "register_once", registry_down_at_step_4)
+    monkeypatch.setattr(tasks.registry, "register_once", registry_down_at_step_4)
     assert rlhf_pipeline(config_path=SMOKE, overrides=overrides, return_state=True).is_failed()
     client = MlflowClient(mlflow_uri, registry_uri=mlflow_uri)
     assert reward_versions(client) == [(1, "2")]
 
-    monkeypatch.setattr(tasks.tracking, "register_once", real)
+    monkeypatch.setattr(tasks.registry, "register_once", real)
     rlhf_pipeline(config_path=SMOKE, overrides=overrides)
     assert reward_versions(client) == [(1, "2"), (2, "4")]
 
@@ -106,7 +107,7 @@ def test_a_worker_without_the_output_directory_reuses_the_registered_reward_mode
     def must_not_train(*args, **kwargs):
         raise AssertionError("the registered reward model should have been reused")
 
-    monkeypatch.setattr(tasks.reward, "train_reward_model", must_not_train)
+    monkeypatch.setattr(tasks.reward_model, "train_reward_model", must_not_train)
     again = rlhf_pipeline(config_path=SMOKE, overrides=overrides)
     assert again["reward_model_uri"] == first["reward_model_uri"]
     assert reward_versions(client) == before

@@ -1,4 +1,10 @@
+"""rlhf_core/demo_world.py: the offline demo world (data, tokenizer, tiny models) is deterministic and self-consistent."""
+
+from __future__ import annotations
+
 import json
+import os
+from pathlib import Path
 
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -9,6 +15,8 @@ from rlhf_core.reward_functions import vader_compound
 
 SMALL = DemoWorldConfig(num_sentences=120, num_preference_pairs=40, num_eval_preference_pairs=10,
                         num_train_prompts=30, num_eval_prompts=10)
+
+
 TINY = DemoModelConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
                        max_position_embeddings=64)
 
@@ -78,3 +86,11 @@ def test_neutral_words_are_not_in_the_lexicon():
     lexicon = load_vader_lexicon()
     assert len(lexicon) > 7000 and lexicon["great"] > 0 > lexicon["awful"]
     assert not set(NEUTRAL_WORDS) & set(lexicon)
+
+
+def test_the_demo_world_follows_the_umask_too(smoke_world):
+    mask = os.umask(0o022)
+    os.umask(mask)
+    root = Path(smoke_world.root)
+    assert {p.stat().st_mode & 0o777 for p in root.rglob("*") if p.is_file()} == {0o666 & ~mask}
+    assert {p.stat().st_mode & 0o777 for p in [root, *root.rglob("*")] if p.is_dir()} == {0o777 & ~mask}

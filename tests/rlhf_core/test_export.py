@@ -9,7 +9,7 @@ from safetensors import safe_open
 from rlhf_core.export import ExportInfo, export_policy, generation_settings
 from rlhf_core.model_card import read_front_matter
 from rlhf_core.models import load_causal_lm, load_tokenizer
-from rlhf_core.training import save_hf_dir
+from rlhf_core.saving import save_hf_dir
 
 INFO = ExportInfo(algorithm="ppo", steps=60, base_model="models:/demo-policy/1", reward_model="models:/demo-reward-model/2",
                   datasets=["prefs.jsonl", "prompts.jsonl"], eval_metrics={"eval/vader_compound_mean": 0.5, "eval/kl_mean": 5.7},

@@ -5,8 +5,15 @@ import torch
 
 from rlhf_core.config import GRPOConfig, RLConfig, RunConfig
 from rlhf_core.grpo import (
-    combine_rewards, function_reward, group_advantages, grpo_advantages, grpo_token_loss, high_entropy_mask,
-    mix_into_reference, reduce_loss, train_grpo,
+    combine_rewards,
+    function_reward,
+    group_advantages,
+    grpo_advantages,
+    grpo_token_loss,
+    high_entropy_mask,
+    mix_into_reference,
+    reduce_loss,
+    train_grpo,
 )
 from rlhf_core.models import load_causal_lm, load_tokenizer
 from rlhf_core.reward_functions import RewardFunctionError

@@ -1,3 +1,7 @@
+"""rlhf_core/ownership.py: which output directories a run may write, its marker, and the orphan temporaries of a killed run."""
+
+from __future__ import annotations
+
 import json
 import os
 import re
@@ -6,15 +10,19 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-from safetensors.torch import save_file
 
 from rlhf_core.config import load_config
 from rlhf_core.ownership import (
-    ATOMIC_CREATOR, MARKER, OwnershipError, check_output_dir, check_pipeline_outputs, host_id, is_owned, read_marker,
+    ATOMIC_CREATOR,
+    MARKER,
+    OwnershipError,
+    check_output_dir,
+    check_pipeline_outputs,
+    host_id,
+    read_marker,
     remove_orphan_temps,
 )
-from rlhf_core.training import atomic_dir
+from rlhf_core.saving import atomic_dir
 from tests.fixtures.user_files import filled, tree_hash
 
 SMOKE = Path(__file__).resolve().parents[2] / "configs" / "smoke.yaml"
@@ -24,7 +32,11 @@ def one_sentence(message: str) -> bool:
     return "\n" not in message and not re.search(r"[.;]\s+[A-Z]", message)
 
 
-# -- the pure check ----------------------------------------------------------------------------
+def dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
 
 def test_the_filesystem_root_is_refused():
     with pytest.raises(OwnershipError, match=r"^run.output_dir / is the filesystem root") as err:
@@ -95,57 +107,6 @@ def test_pipeline_check_names_inputs_from_the_config_and_marks_the_run_dir(tmp_p
     assert read_marker(tmp_path / "out") == marker
 
 
-# -- atomic_dir ------------------------------------------------------------------------------------
-
-def test_atomic_dir_refuses_to_replace_a_directory_it_did_not_create(tmp_path):
-    target = filled(tmp_path / "checkpoint-2")
-    before = tree_hash(tmp_path)
-    with pytest.raises(OwnershipError, match=r"^refusing to replace .*checkpoint-2: it is a non-empty directory"):
-        with atomic_dir(target) as tmp:
-            (tmp / "weights").write_text("new")
-    assert tree_hash(tmp_path) == before
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-2"]  # no temporary left behind
-
-
-def test_atomic_dir_marks_what_it_creates_and_replaces_only_that(tmp_path):
-    target = tmp_path / "export"
-    with atomic_dir(target) as tmp:
-        (tmp / "a.txt").write_text("1")
-    assert is_owned(target) and read_marker(target)["created_by"] == ATOMIC_CREATOR
-    with atomic_dir(target) as tmp:
-        (tmp / "b.txt").write_text("2")
-    assert sorted(p.name for p in target.iterdir()) == [MARKER, "b.txt"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]
-
-
-def test_saved_files_follow_the_umask(tmp_path):
-    # safetensors writes 0600 files and mkdtemp makes 0700 directories; the published modes follow the umask
-    old = os.umask(0o022)
-    try:
-        with atomic_dir(tmp_path / "ckpt") as tmp:
-            save_file({"w": torch.zeros(2)}, str(tmp / "model.safetensors"))
-            (tmp / "policy").mkdir(mode=0o700)
-            save_file({"w": torch.zeros(2)}, str(tmp / "policy" / "model.safetensors"))
-        os.umask(0o027)
-        with atomic_dir(tmp_path / "private") as tmp:
-            save_file({"w": torch.zeros(2)}, str(tmp / "model.safetensors"))
-    finally:
-        os.umask(old)
-    mode = lambda p: p.stat().st_mode & 0o777  # noqa: E731
-    ckpt = tmp_path / "ckpt"
-    assert (mode(ckpt), mode(ckpt / "policy")) == (0o755, 0o755)
-    assert {mode(p) for p in ckpt.rglob("*") if p.is_file()} == {0o644}
-    assert mode(tmp_path / "private" / "model.safetensors") == 0o640 and mode(tmp_path / "private") == 0o750
-
-
-# -- orphan temporaries ------------------------------------------------------------------------------
-
-def dead_pid() -> int:
-    proc = subprocess.Popen([sys.executable, "-c", "pass"])
-    proc.wait()
-    return proc.pid
-
-
 def test_orphan_temporaries_of_a_killed_run_are_removed_and_nothing_else(tmp_path):
     orphan = tmp_path / ".checkpoint-4-abc123"
     (orphan / "policy").mkdir(parents=True)
@@ -183,11 +144,3 @@ def test_a_save_killed_between_its_two_renames_gets_the_previous_directory_back(
 
     assert sorted(remove_orphan_temps(tmp_path)) == sorted([holder, new])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["export"] and tree_hash(previous) == kept
-
-
-def test_the_demo_world_follows_the_umask_too(smoke_world):
-    mask = os.umask(0o022)
-    os.umask(mask)
-    root = Path(smoke_world.root)
-    assert {p.stat().st_mode & 0o777 for p in root.rglob("*") if p.is_file()} == {0o666 & ~mask}
-    assert {p.stat().st_mode & 0o777 for p in [root, *root.rglob("*")] if p.is_dir()} == {0o777 & ~mask}

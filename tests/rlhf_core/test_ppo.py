@@ -206,7 +206,7 @@ def dropout_policy(world):
 
 
 def test_disable_dropout_turns_off_lora_and_attention_dropout(smoke_world):
-    from rlhf_core.training import disable_dropout
+    from rlhf_core.loop import disable_dropout
 
     policy = dropout_policy(smoke_world).train()
     ids = torch.randint(5, 50, (2, 8))

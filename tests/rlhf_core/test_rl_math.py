@@ -4,10 +4,21 @@ import pytest
 import torch
 
 from rlhf_core.ppo import (
-    AdaptiveKLController, FixedKLController, compute_gae, kl_penalized_rewards, policy_loss, value_loss,
+    AdaptiveKLController,
+    FixedKLController,
+    compute_gae,
+    kl_penalized_rewards,
+    policy_loss,
+    value_loss,
 )
 from rlhf_core.rl_math import (
-    entropy_from_logits, first_true_indices, kl_per_token, masked_mean, masked_whiten, response_mask, selective_log_softmax,
+    entropy_from_logits,
+    first_true_indices,
+    kl_per_token,
+    masked_mean,
+    masked_whiten,
+    response_mask,
+    selective_log_softmax,
 )
 
 

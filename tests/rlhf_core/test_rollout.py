@@ -6,7 +6,13 @@ import torch
 from rlhf_core.models import load_causal_lm, load_tokenizer
 from rlhf_core.rl_math import response_mask
 from rlhf_core.rollout import (
-    SamplingSettings, filter_logits, generate, left_pad, position_ids_from_mask, response_logprobs, sample_next,
+    SamplingSettings,
+    filter_logits,
+    generate,
+    left_pad,
+    position_ids_from_mask,
+    response_logprobs,
+    sample_next,
     tokenize_prompts,
 )
 

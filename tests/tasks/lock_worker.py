@@ -18,7 +18,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from rlhf_core.config import load_config  # noqa: E402
-from tasks import tracking  # noqa: E402
+from tasks import registry, tracking  # noqa: E402
 from tasks.run_lock import run_lock, terminate_on_sigterm  # noqa: E402
 
 
@@ -34,7 +34,7 @@ def register(uri: str, out: str, model_dir: str, go_file: str) -> None:
         time.sleep(0.01)
     with tracking.pipeline_run(cfg) as parent, tracking.stage_run(parent, "sft") as run_id:
         tags = {"stage": "sft", "stage_key": "k", "step": "1"}
-        print(tracking.register_once(model_dir, "race-policy", task="text-generation", tags=tags, run_id=run_id),
+        print(registry.register_once(model_dir, "race-policy", task="text-generation", tags=tags, run_id=run_id),
               flush=True)
 
 

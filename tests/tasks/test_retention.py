@@ -5,7 +5,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from rlhf_core.config import load_config
-from tasks import tracking
+from tasks import registry, tracking
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -21,19 +21,19 @@ def test_old_versions_go_and_aliased_and_kept_ones_stay(cfg, smoke_world):
 
     def register(step, run_id):
         tags = {"stage": "rl", "stage_key": "k", "step": str(step)}
-        return tracking.register_once(smoke_world.base_model, name, task="text-generation", tags=tags, run_id=run_id,
+        return registry.register_once(smoke_world.base_model, name, task="text-generation", tags=tags, run_id=run_id,
                                       keep_last=cfg.registry.keep_last_versions)
 
     with tracking.pipeline_run(cfg) as parent, tracking.stage_run(parent, "ppo") as run_id:
         client = MlflowClient()  # after pipeline_run pointed MLflow at the test's store
         assert [register(s, run_id) for s in (1, 2, 3)] == [f"models:/{name}/{v}" for v in (1, 2, 3)]
         assert sorted(int(v.version) for v in client.search_model_versions(f"name = '{name}'")) == [2, 3]
-        gone = tracking.find_version(name, {"step": "1"})
+        gone = registry.find_version(name, {"step": "1"})
         assert gone is None
-        tracking.set_alias(name, "champion", "2")
-        tracking.set_alias(name, "candidate", "3")
+        registry.set_alias(name, "champion", "2")
+        registry.set_alias(name, "candidate", "3")
         register(4, run_id)
-        tracking.set_version_tags(name, "4", {"keep": "true"})
+        registry.set_version_tags(name, "4", {"keep": "true"})
         register(5, run_id)
         register(6, run_id)
         # an existing version is found, not registered again, and prunes nothing
@@ -49,18 +49,18 @@ def test_old_versions_go_and_aliased_and_kept_ones_stay(cfg, smoke_world):
         v5 = client.get_model_version(name, "5")
         assert register(7, run_id) == f"models:/{name}/7"
     assert sorted(int(v.version) for v in client.search_model_versions(f"name = '{name}'")) == [2, 3, 4, 6, 7]
-    assert client.get_logged_model(tracking._logged_model_id(client.get_model_version(name, "6"))).model_id
+    assert client.get_logged_model(registry._logged_model_id(client.get_model_version(name, "6"))).model_id
     with pytest.raises(MlflowException, match="not found"):  # the store hides deleted logged models
-        client.get_logged_model(tracking._logged_model_id(v5))
+        client.get_logged_model(registry._logged_model_id(v5))
 
 
 def test_prune_versions_keeps_all_without_a_limit_and_refuses_zero(cfg, smoke_world):
     with tracking.pipeline_run(cfg) as parent, tracking.stage_run(parent, "sft") as run_id:
         for step in (1, 2):
-            tracking.register_once(smoke_world.base_model, "unit-sft", task="text-generation",
+            registry.register_once(smoke_world.base_model, "unit-sft", task="text-generation",
                                    tags={"stage": "sft", "stage_key": "k", "step": str(step)}, run_id=run_id)
-    assert tracking.prune_versions("unit-sft", None) == []
+    assert registry.prune_versions("unit-sft", None) == []
     with pytest.raises(ValueError):
-        tracking.prune_versions("unit-sft", 0)
-    assert tracking.prune_versions("unit-sft", 1) == ["1"]
+        registry.prune_versions("unit-sft", 0)
+    assert registry.prune_versions("unit-sft", 1) == ["1"]
     assert [str(v.version) for v in MlflowClient().search_model_versions("name = 'unit-sft'")] == ["2"]

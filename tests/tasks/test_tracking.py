@@ -3,7 +3,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from rlhf_core.config import load_config
-from tasks import tracking
+from tasks import registry, tracking
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -60,9 +60,9 @@ def test_secrets_never_reach_params(tmp_path):
 
 def test_register_checkpoint_creates_a_tagged_version_that_loads(cfg, smoke_world):
     with tracking.pipeline_run(cfg) as parent, tracking.stage_run(parent, "sft") as run_id:
-        tags = tracking.lineage_tags(stage="sft", step=8, config_hash=cfg.config_hash(), data_fingerprint="abc123")
-        first = tracking.register_checkpoint(smoke_world.base_model, "unit-policy", task="text-generation", tags=tags, run_id=run_id)
-        second = tracking.register_checkpoint(smoke_world.base_model, "unit-policy", task="text-generation",
+        tags = registry.lineage_tags(stage="sft", step=8, config_hash=cfg.config_hash(), data_fingerprint="abc123")
+        first = registry.register_checkpoint(smoke_world.base_model, "unit-policy", task="text-generation", tags=tags, run_id=run_id)
+        second = registry.register_checkpoint(smoke_world.base_model, "unit-policy", task="text-generation",
                                               tags=dict(tags, step="9"), run_id=run_id)
     assert (first["version"], second["version"]) == ("1", "2")
     version = MlflowClient().get_model_version("unit-policy", "1")
@@ -70,10 +70,10 @@ def test_register_checkpoint_creates_a_tagged_version_that_loads(cfg, smoke_worl
     assert version.tags["data_fingerprint"] == "abc123" and version.tags["config_hash"] == cfg.config_hash()
     assert version.tags["code_version"].startswith("0.1.0")
     assert version.run_id == run_id
-    found = tracking.find_version("unit-policy", {"stage": "sft", "step": "9"})
+    found = registry.find_version("unit-policy", {"stage": "sft", "step": "9"})
     assert found is not None and str(found.version) == "2"
-    assert tracking.find_version("unit-policy", {"stage": "reward"}) is None
-    assert tracking.find_version("no-such-model", {}) is None
+    assert registry.find_version("unit-policy", {"stage": "reward"}) is None
+    assert registry.find_version("no-such-model", {}) is None
 
     generator = mlflow.transformers.load_model(first["uri"])
     out = generator("the food was", max_new_tokens=3, do_sample=False)
@@ -84,19 +84,19 @@ def test_a_failed_registration_leaves_no_version(cfg, smoke_world, monkeypatch):
     def not_ready(name, version, timeout_s=300.0):
         raise RuntimeError("registry went away")
 
-    monkeypatch.setattr(tracking, "_await_ready", not_ready)
+    monkeypatch.setattr(registry, "_await_ready", not_ready)
     with pytest.raises(RuntimeError, match="registry went away"):
         with tracking.pipeline_run(cfg) as parent, tracking.stage_run(parent, "sft") as run_id:
-            tracking.register_checkpoint(smoke_world.base_model, "unit-policy", task="text-generation",
+            registry.register_checkpoint(smoke_world.base_model, "unit-policy", task="text-generation",
                                          tags={"stage": "sft", "step": "1"}, run_id=run_id)
     assert MlflowClient().search_model_versions("name = 'unit-policy'") == []
 
 
 def test_materialize_model_round_trips_a_version(cfg, smoke_world, tmp_path):
     with tracking.pipeline_run(cfg) as parent, tracking.stage_run(parent, "sft") as run_id:
-        uri = tracking.register_checkpoint(smoke_world.base_model, "unit-policy", task="text-generation",
+        uri = registry.register_checkpoint(smoke_world.base_model, "unit-policy", task="text-generation",
                                            tags={"stage": "sft", "step": "1"}, run_id=run_id)["uri"]
-    local = tracking.materialize_model(uri, tmp_path / "local")
+    local = registry.materialize_model(uri, tmp_path / "local")
     assert (local / "config.json").is_file() and (local / "model.safetensors").is_file()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -108,12 +108,12 @@ def test_registry_sources_follow_the_alias_and_a_missing_version_is_named(cfg, s
     from tasks.data import resolve_model_source
 
     with tracking.pipeline_run(cfg) as parent, tracking.stage_run(parent, "export") as run_id:
-        versions = [tracking.register_checkpoint(smoke_world.base_model, "unit-policy", task="text-generation",
+        versions = [registry.register_checkpoint(smoke_world.base_model, "unit-policy", task="text-generation",
                                                  tags={"stage": "export", "step": str(i)}, run_id=run_id)["version"] for i in (1, 2)]
-    tracking.set_alias("unit-policy", "candidate", versions[0])
+    registry.set_alias("unit-policy", "candidate", versions[0])
     first = resolve_model_source("models:/unit-policy@candidate", field="grpo.rewards[0].model", cfg=cfg, world=None)
     assert resolve_model_source("models:/unit-policy/1", field="f", cfg=cfg, world=None) == first  # same version, one copy
-    tracking.set_alias("unit-policy", "candidate", versions[1])
+    registry.set_alias("unit-policy", "candidate", versions[1])
     moved = resolve_model_source("models:/unit-policy@candidate", field="grpo.rewards[0].model", cfg=cfg, world=None)
     assert moved != first and "-v2-" in moved
     with pytest.raises(ModelSourceError, match=r"grpo.rewards\[0\].model: the registry at .* has no model version models:/unit-policy/9"):
@@ -124,12 +124,12 @@ def test_a_local_artifact_store_shares_the_checkpoint_weights_instead_of_copying
     import os
 
     with tracking.pipeline_run(cfg) as parent, tracking.stage_run(parent, "sft") as run_id:
-        tags = tracking.lineage_tags(stage="sft", step=1, config_hash=cfg.config_hash(), data_fingerprint="abc")
-        uri = tracking.register_checkpoint(smoke_world.base_model, "unit-policy", task="text-generation", tags=tags,
+        tags = registry.lineage_tags(stage="sft", step=1, config_hash=cfg.config_hash(), data_fingerprint="abc")
+        uri = registry.register_checkpoint(smoke_world.base_model, "unit-policy", task="text-generation", tags=tags,
                                            run_id=run_id)["uri"]
     weights = smoke_world.base_model / "model.safetensors"
     source = MlflowClient().get_model_version("unit-policy", "1").source  # models:/m-...
-    logged = tracking._local_artifact_dir(source.removeprefix("models:/"))
+    logged = registry._local_artifact_dir(source.removeprefix("models:/"))
     [artifact] = list(logged.rglob("model.safetensors"))
     assert os.path.samefile(artifact, weights)  # one copy on disk, two names
     generator = mlflow.transformers.load_model(uri)  # and the version still loads

@@ -15,11 +15,24 @@ from rlhf_core.config import GRPOConfig, PPOConfig, RLConfig, RunConfig, SFTConf
 from rlhf_core.models import ModelSourceError, load_causal_lm, load_tokenizer, stop_token_ids
 from rlhf_core.rl_math import INVALID_LOGPROB, response_mask
 from rlhf_core.rollout import (
-    SamplingSettings, collect_rollout, completion_metrics, decode_responses, left_pad, tokenize_prompts,
+    SamplingSettings,
+    collect_rollout,
+    completion_metrics,
+    decode_responses,
+    left_pad,
+    tokenize_prompts,
 )
 from tests.fixtures.real_shapes import (
-    FAMILIES, ScriptedPolicy, TokenCountReward, build_family, build_without_special_tokens, family, is_chat,
-    prompts_and_answers, render_prompt, sft_texts,
+    FAMILIES,
+    ScriptedPolicy,
+    TokenCountReward,
+    build_family,
+    build_without_special_tokens,
+    family,
+    is_chat,
+    prompts_and_answers,
+    render_prompt,
+    sft_texts,
 )
 
 INSTRUCT = [f for f in FAMILIES if is_chat(family(f))]
@@ -55,17 +68,54 @@ def one_sentence(message: str) -> bool:
     return "\n" not in message and message.strip() == message and message.replace("e.g. ", "").count(". ") == 0
 
 
-# ------------------------------------------------------------------------------------------------
-# 1. the stop ids of each family
-# ------------------------------------------------------------------------------------------------
-
-
 RAW = {  # as the hub checkouts ship them: (tokenizer class, eos, pad, bos), before load_tokenizer borrows a pad
     "qwen2.5": ("Qwen2Tokenizer", "<|endoftext|>", "<|endoftext|>", None),
     "qwen2.5-instruct": ("Qwen2Tokenizer", "<|im_end|>", "<|endoftext|>", None),
     "llama-3-instruct": ("TokenizersBackend", "<|eot_id|>", None, "<|begin_of_text|>"),  # PreTrainedTokenizerFast in v5
     "gpt2": ("GPT2Tokenizer", "<|endoftext|>", None, "<|endoftext|>"),
 }
+
+
+EXPECTED = {  # (stop tokens in order, pad token after load_tokenizer, generation_config eos is a list)
+    "qwen2.5": (["<|endoftext|>"], "<|endoftext|>", False),
+    "qwen2.5-instruct": (["<|im_end|>", "<|endoftext|>"], "<|endoftext|>", True),
+    "llama-3-instruct": (["<|end_of_text|>", "<|eot_id|>"], "<|eot_id|>", True),
+    "gpt2": (["<|endoftext|>"], "<|endoftext|>", False),
+}
+
+
+R = 7  # response length of the scripted rollouts
+
+
+def scripted_batch(tok, model, stops, min_tokens=1):
+    """Five prompts of different lengths (left padding) and a script per row:
+    0: first stop id at 2 | 1: last stop id at 4 | 2: no stop | 3: first stop id on the last step |
+    4: last stop id at 1, then the first one at 3 (the first stop counts)."""
+    prompts = [q for q, _ in prompts_and_answers()[:5]]
+    prompts[1] = "Hi."
+    ids, mask = left_pad(tokenize_prompts(tok, prompts, 32), tok.pad_token_id)
+    word = tok.convert_tokens_to_ids("Ġcat")
+    assert word not in stops and word != tok.pad_token_id
+    script = torch.full((5, R), word)
+    a, b = stops[0], stops[-1]
+    script[0, 2], script[1, 4], script[3, R - 1], script[4, 1], script[4, 3] = a, b, a, b, a
+    return ids, mask, ScriptedPolicy(model, ids.shape[1], script)
+
+
+FOREIGN = {"qwen2.5": "<|eot_id|>", "qwen2.5-instruct": "<|eot_id|>", "llama-3-instruct": "<|im_end|>", "gpt2": "<|im_end|>"}
+
+
+def _rollout_stats(policy, tok, prompts, stops, response_length, seed=0):
+    ids, mask = left_pad(tokenize_prompts(tok, prompts, 48), tok.pad_token_id)
+    torch.manual_seed(seed)
+    rollout = collect_rollout(policy, None, ids, mask, SamplingSettings(response_length=response_length, temperature=1.0),
+                              pad_token_id=tok.pad_token_id, stop_token_ids=stops, need_reference=False, need_logprobs=False)
+    ended_on = [rollout.responses[i, rollout.last_index[i]].item() for i in range(len(prompts)) if rollout.has_stop[i]]
+    return completion_metrics(rollout)["completions/clipped_ratio"].item(), ended_on
+
+
+CONVERSATION = [{"role": "user", "content": "Tell me about the cat."},
+                {"role": "assistant", "content": "the cat sleeps all day."}]
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -83,14 +133,6 @@ def test_fixtures_have_the_families_special_token_layout(family_root, name):
         assert raw("hi")["input_ids"][0] == raw.bos_token_id  # the tokenizer prepends <|begin_of_text|>
     else:
         assert raw.bos_token_id not in raw("hi")["input_ids"] or raw.bos_token_id is None
-
-
-EXPECTED = {  # (stop tokens in order, pad token after load_tokenizer, generation_config eos is a list)
-    "qwen2.5": (["<|endoftext|>"], "<|endoftext|>", False),
-    "qwen2.5-instruct": (["<|im_end|>", "<|endoftext|>"], "<|endoftext|>", True),
-    "llama-3-instruct": (["<|end_of_text|>", "<|eot_id|>"], "<|eot_id|>", True),
-    "gpt2": (["<|endoftext|>"], "<|endoftext|>", False),
-}
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -117,29 +159,6 @@ def test_qwen_base_can_stop_on_im_end_too(family_root):
     tok, model = load(family_root, "qwen2.5")
     assert stop_token_ids(tok, model.generation_config, stop_tokens=["<|im_end|>"]) == tuple(
         ids_of(tok, ["<|endoftext|>", "<|im_end|>"]))
-
-
-# ------------------------------------------------------------------------------------------------
-# 2. rollouts that stop at either stop id
-# ------------------------------------------------------------------------------------------------
-
-
-R = 7  # response length of the scripted rollouts
-
-
-def scripted_batch(tok, model, stops, min_tokens=1):
-    """Five prompts of different lengths (left padding) and a script per row:
-    0: first stop id at 2 | 1: last stop id at 4 | 2: no stop | 3: first stop id on the last step |
-    4: last stop id at 1, then the first one at 3 (the first stop counts)."""
-    prompts = [q for q, _ in prompts_and_answers()[:5]]
-    prompts[1] = "Hi."
-    ids, mask = left_pad(tokenize_prompts(tok, prompts, 32), tok.pad_token_id)
-    word = tok.convert_tokens_to_ids("Ġcat")
-    assert word not in stops and word != tok.pad_token_id
-    script = torch.full((5, R), word)
-    a, b = stops[0], stops[-1]
-    script[0, 2], script[1, 4], script[3, R - 1], script[4, 1], script[4, 3] = a, b, a, b, a
-    return ids, mask, ScriptedPolicy(model, ids.shape[1], script)
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -205,14 +224,6 @@ def test_no_stop_before_min_tokens_even_when_the_model_wants_one(family_root, na
                               pad_token_id=tok.pad_token_id, stop_token_ids=stops, need_reference=False)
     assert rollout.has_stop.all() and rollout.last_index.tolist() == [3] * ids.shape[0]
     assert not torch.isin(rollout.responses[:, :3], torch.tensor(stops)).any()
-
-
-# ------------------------------------------------------------------------------------------------
-# 3. bad input: one sentence before any training
-# ------------------------------------------------------------------------------------------------
-
-
-FOREIGN = {"qwen2.5": "<|eot_id|>", "qwen2.5-instruct": "<|eot_id|>", "llama-3-instruct": "<|im_end|>", "gpt2": "<|im_end|>"}
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -296,11 +307,6 @@ def test_a_stop_token_written_as_its_text_is_found_in_a_byte_level_vocabulary(fa
     assert stop_token_ids(tok, model.generation_config, stop_tokens=["\n"]) == (tok.eos_token_id, newline[0])
 
 
-# ------------------------------------------------------------------------------------------------
-# 4. SFT warm start, then PPO and GRPO: the responses stop
-# ------------------------------------------------------------------------------------------------
-
-
 @pytest.mark.parametrize("name", FAMILIES)
 def test_sft_corpus_ends_every_answer_with_the_stop_token(family_root, name):
     from rlhf_core.sft import tokenize_corpus
@@ -328,15 +334,6 @@ def test_sft_corpus_puts_the_stop_right_after_the_answer(family_root, name):
     for row, text in enumerate(texts):
         real = ids[row, mask[row].bool()].tolist()
         assert real[:-1] == tok(text)["input_ids"], f"{tok.convert_ids_to_tokens(real[-3:])} closes {text!r}"
-
-
-def _rollout_stats(policy, tok, prompts, stops, response_length, seed=0):
-    ids, mask = left_pad(tokenize_prompts(tok, prompts, 48), tok.pad_token_id)
-    torch.manual_seed(seed)
-    rollout = collect_rollout(policy, None, ids, mask, SamplingSettings(response_length=response_length, temperature=1.0),
-                              pad_token_id=tok.pad_token_id, stop_token_ids=stops, need_reference=False, need_logprobs=False)
-    ended_on = [rollout.responses[i, rollout.last_index[i]].item() for i in range(len(prompts)) if rollout.has_stop[i]]
-    return completion_metrics(rollout)["completions/clipped_ratio"].item(), ended_on
 
 
 @pytest.mark.slow
@@ -397,15 +394,6 @@ def test_sft_warm_start_then_ppo_and_grpo_responses_stop(family_root, tmp_path, 
         assert 0 < logged["completions/mean_terminated_length"] <= length
 
 
-# ------------------------------------------------------------------------------------------------
-# 5. chat templates
-# ------------------------------------------------------------------------------------------------
-
-
-CONVERSATION = [{"role": "user", "content": "Tell me about the cat."},
-                {"role": "assistant", "content": "the cat sleeps all day."}]
-
-
 def test_qwen_instruct_chat_template_renders_chatml_ending_with_im_end(family_root):
     tok, _ = load(family_root, "qwen2.5-instruct")
     text = tok.apply_chat_template(CONVERSATION, tokenize=False)
@@ -431,11 +419,6 @@ def test_llama_3_instruct_chat_template_ends_turns_with_eot_id(family_root):
     prompt = render_prompt(tok, family("llama-3-instruct"), "Tell me about the cat.")
     ids = tok(prompt)["input_ids"]
     assert ids.count(tok.bos_token_id) == 1 and ids[0] == tok.bos_token_id
-
-
-# ------------------------------------------------------------------------------------------------
-# the export's generation_config
-# ------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("name", INSTRUCT)

@@ -1,13 +1,25 @@
-"""README.md's configuration reference is generated from the schema, and every field explains itself."""
+"""rlhf_core/config/reference.py: README.md's configuration reference is generated from the schema, and every field
+explains itself."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from rlhf_core.config import PipelineConfig
-from rlhf_core.config.reference import END, START, WRITE_COMMAND, current_block, describe_fields, main, render_reference, with_block
+from rlhf_core.config import (
+    PipelineConfig,
+)
+from rlhf_core.config.reference import (
+    END,
+    START,
+    WRITE_COMMAND,
+    current_block,
+    describe_fields,
+    main,
+    render_reference,
+    with_block,
+)
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def test_readme_reference_block_is_current():
@@ -52,3 +64,10 @@ def test_write_rewrites_only_the_block(tmp_path, capsys):
     assert current_block(text) == render_reference()
     assert main(["--check", str(doc)]) == 0
     assert with_block(text, render_reference()) == text  # writing again changes nothing
+
+
+def test_readme_starts_with_the_two_commands():
+    # the configuration reference itself: the tests above
+    readme = (REPO / "README.md").read_text()
+    commands = readme.split("## ", 2)[1]
+    assert "make demo" in commands and "make test" in commands

@@ -1,14 +1,22 @@
-"""A reward or metric function that raises is named, with the sample it fails on and the exception."""
+"""rlhf_core/reward_functions.py: callable rewards; a reward or metric function that raises is named, with the sample it
+fails on and the exception."""
 
 from __future__ import annotations
 
 import pytest
 
-from rlhf_core.reward_functions import RewardFunctionError, call_scoring_function
+from rlhf_core.reward_functions import RewardFunctionError, call_scoring_function, vader_compound
 
 
 def fails_on_the_third(prompts=None, completions=None, **kwargs):
     return [1.0 / (len(c) - 5) for c in completions]  # 'hello' has 5 characters
+
+
+def test_vader_compound_scores_completions():
+    scores = vader_compound(prompts=["a", "b", "c"], completions=["great and lovely", "awful", "the table"])
+    assert scores[0] > 0.5 and scores[1] < -0.3 and scores[2] == 0.0
+    with pytest.raises(ValueError):
+        vader_compound(prompts=["a"])
 
 
 def test_a_raising_function_names_itself_the_sample_and_the_exception():

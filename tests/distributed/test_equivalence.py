@@ -17,11 +17,15 @@ shows in the gradients, hardly in the weights) must agree to GRAD_RTOL of their 
 tensor. Weights must agree to WEIGHT_ATOL = a tenth of one step's update at lr 1e-3: Adam divides by
 sqrt(v) + 1e-8, so a gradient element of about 1e-8 turns float-rounding noise into a visible
 fraction of lr (1.5e-5 observed in one element out of ~10^5).
+
+Also: two CPU processes (gloo, torchrun, tests/distributed/dp_worker.py) training reward, PPO and GRPO keep
+identical weights after every step, with one writer of checkpoints and logs.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -36,13 +40,24 @@ from rlhf_core.rl_math import INVALID_LOGPROB, response_mask
 from rlhf_core.rollout import left_pad, response_logprobs, tokenize_prompts
 
 REPO = Path(__file__).resolve().parents[2]
+
+
 WORKER_PATH = REPO / "tests" / "distributed" / "equivalence_worker.py"
 
+
 GRAD_RTOL = 2e-4  # every tensor: ||g_a - g_b|| <= GRAD_RTOL x the norm of the whole optimizer step's gradient
+
+
 WEIGHT_ATOL = 1e-4  # elementwise, lr 1e-3 (see the module docstring)
+
+
 LOGPROB_ATOL = 1e-5
+
+
 # entropy = logsumexp(z) - sum(p z) (as TRL) cancels: float32 error about 1e-6 x max|z| (z = logits / T)
 ENTROPY_ATOL = 2e-5
+
+
 EOS = 3  # the demo tokenizer's eos, the rollouts' stop token
 
 
@@ -56,7 +71,80 @@ def _load_worker():
 worker = _load_worker()
 
 
-# -- 1. log-probabilities at a temperature ---------------------------------------------------------
+def load_steps(out: Path, stage: str, tag: str, steps: int) -> list[dict[str, torch.Tensor]]:
+    return [load_file(str(out / f"{stage}-{tag}-step{step}.safetensors")) for step in range(1, steps + 1)]
+
+
+def deviations(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Largest weight difference (elementwise) and largest gradient difference (per tensor, relative to the
+    optimizer step's global gradient norm) between two recorded steps."""
+    assert set(a) == set(b), set(a) ^ set(b)
+    weight = max((a[k] - b[k]).abs().max().item() for k in a if k.startswith("w."))
+    grad = 0.0
+    for j in sorted({k.split(".", 1)[0] for k in a if k.startswith("g")}):
+        keys = [k for k in a if k.startswith(j + ".")]
+        norm = torch.stack([b[k].norm() for k in keys]).norm().item()
+        assert norm > 0, f"{j}: no gradient at all"
+        grad = max(grad, max((a[k] - b[k]).norm().item() for k in keys) / norm)
+    return {"weight": weight, "grad": grad}
+
+
+def assert_equivalent(runs_a: list[dict], runs_b: list[dict], what: str, initial: dict[str, torch.Tensor]) -> None:
+    """Step by step: the same responses, gradients within GRAD_RTOL, weights within WEIGHT_ATOL; and the
+    policy moved well beyond the tolerance (else the comparison would say nothing)."""
+    for step, (a, b) in enumerate(zip(runs_a, runs_b, strict=True), start=1):
+        assert torch.equal(a["responses"], b["responses"]), f"{what} step {step}: the runs saw different responses"
+        found = deviations(a, b)
+        print(f"{what} step {step}: max |dw| {found['weight']:.2e}, max |dg|/|g| {found['grad']:.2e}")
+        assert found["grad"] <= GRAD_RTOL, f"{what} step {step}: gradients differ by {found['grad']:.3e} of their norm"
+        assert found["weight"] <= WEIGHT_ATOL, f"{what} step {step}: weights differ by up to {found['weight']:.3e}"
+    moved = max((runs_b[-1][f"w.policy.{k}"] - v).abs().max().item() for k, v in initial.items())
+    assert moved > 10 * WEIGHT_ATOL, f"{what}: the policy hardly moved ({moved:.2e}); the comparison says nothing"
+
+
+@pytest.fixture(scope="module")
+def initial(smoke_world) -> dict[str, torch.Tensor]:
+    """The policy's weights before training."""
+    return {k: v.detach().clone() for k, v in load_causal_lm(str(smoke_world.base_model)).state_dict().items()}
+
+
+def assert_lengths_vary(out: Path, stage: str, tag: str) -> None:
+    for step in load_steps(out, stage, tag, 2):
+        lengths = response_mask(step["responses"], (EOS,))[0].sum(1)
+        assert len(set(lengths.tolist())) > 1, lengths
+
+
+PPO_BATCH, GRPO_BATCH = 4, 8  # per process; the single process takes twice as many
+
+
+@pytest.fixture(scope="module")
+def data_parallel_runs(tmp_path_factory, smoke_world):
+    """torchrun with 2 CPU processes (gloo) x B, then this process alone x 2B, each recorded step by step."""
+    out = tmp_path_factory.mktemp("equivalence")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc_per_node", "2",
+                           str(WORKER_PATH), str(smoke_world.root), str(out), str(PPO_BATCH), str(GRPO_BATCH)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    worker.run_ppo(smoke_world.root, out, 2 * PPO_BATCH, "single")
+    worker.run_grpo(smoke_world.root, out, 2 * GRPO_BATCH, "single")
+    return out
+
+
+def check_data_parallel(out: Path, stage: str, initial: dict[str, torch.Tensor]) -> None:
+    ranks = [load_steps(out, stage, f"rank{r}", 2) for r in (0, 1)]
+    single = load_steps(out, stage, "single", 2)
+    for step, (r0, r1) in enumerate(zip(*ranks), start=1):
+        # DDP: both processes hold the very same weights and averaged gradients
+        for key in r0.keys() - {"responses"}:
+            assert torch.equal(r0[key], r1[key]), f"{stage} step {step}: the processes disagree on {key}"
+    # the processes hold different numbers of response tokens: the token normalizations matter
+    tokens = [[int(response_mask(r["responses"], (EOS,))[0].sum()) for r in rank] for rank in ranks]
+    assert tokens[0] != tokens[1], tokens
+    # the processes' responses, in rank order, are the single process's batch; then the same gradients and weights
+    joined = [{**a, "responses": torch.cat([a["responses"], b["responses"]])} for a, b in zip(*ranks)]
+    assert_equivalent(joined, single, f"{stage} 2 processes x B vs 1 x 2B", initial)
+
 
 def test_response_logprobs_at_a_temperature_match_a_plain_full_forward(smoke_world):
     tok = load_tokenizer(str(smoke_world.tokenizer))
@@ -116,56 +204,6 @@ def test_response_logprobs_at_a_temperature_match_a_plain_full_forward(smoke_wor
     assert entropy[real].min() < 0.5 * torch.log(torch.tensor(float(len(tok))))
 
 
-# -- shared checks ---------------------------------------------------------------------------------
-
-def load_steps(out: Path, stage: str, tag: str, steps: int) -> list[dict[str, torch.Tensor]]:
-    return [load_file(str(out / f"{stage}-{tag}-step{step}.safetensors")) for step in range(1, steps + 1)]
-
-
-def deviations(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict[str, float]:
-    """Largest weight difference (elementwise) and largest gradient difference (per tensor, relative to the
-    optimizer step's global gradient norm) between two recorded steps."""
-    assert set(a) == set(b), set(a) ^ set(b)
-    weight = max((a[k] - b[k]).abs().max().item() for k in a if k.startswith("w."))
-    grad = 0.0
-    for j in sorted({k.split(".", 1)[0] for k in a if k.startswith("g")}):
-        keys = [k for k in a if k.startswith(j + ".")]
-        norm = torch.stack([b[k].norm() for k in keys]).norm().item()
-        assert norm > 0, f"{j}: no gradient at all"
-        grad = max(grad, max((a[k] - b[k]).norm().item() for k in keys) / norm)
-    return {"weight": weight, "grad": grad}
-
-
-def assert_equivalent(runs_a: list[dict], runs_b: list[dict], what: str, initial: dict[str, torch.Tensor]) -> None:
-    """Step by step: the same responses, gradients within GRAD_RTOL, weights within WEIGHT_ATOL; and the
-    policy moved well beyond the tolerance (else the comparison would say nothing)."""
-    for step, (a, b) in enumerate(zip(runs_a, runs_b, strict=True), start=1):
-        assert torch.equal(a["responses"], b["responses"]), f"{what} step {step}: the runs saw different responses"
-        found = deviations(a, b)
-        print(f"{what} step {step}: max |dw| {found['weight']:.2e}, max |dg|/|g| {found['grad']:.2e}")
-        assert found["grad"] <= GRAD_RTOL, f"{what} step {step}: gradients differ by {found['grad']:.3e} of their norm"
-        assert found["weight"] <= WEIGHT_ATOL, f"{what} step {step}: weights differ by up to {found['weight']:.3e}"
-    moved = max((runs_b[-1][f"w.policy.{k}"] - v).abs().max().item() for k, v in initial.items())
-    assert moved > 10 * WEIGHT_ATOL, f"{what}: the policy hardly moved ({moved:.2e}); the comparison says nothing"
-
-
-@pytest.fixture(scope="module")
-def initial(smoke_world) -> dict[str, torch.Tensor]:
-    """The policy's weights before training."""
-    return {k: v.detach().clone() for k, v in load_causal_lm(str(smoke_world.base_model)).state_dict().items()}
-
-
-# -- 2. gradient accumulation ----------------------------------------------------------------------
-# "real": the real sampler, the same seed and prompts, so the same draws (checked). The random demo model
-# never samples its stop token, so every row then has full length and a per-micro-batch token
-# normalization would go unnoticed; "forced": the prompt-fixed rollouts of varying lengths.
-
-def assert_lengths_vary(out: Path, stage: str, tag: str) -> None:
-    for step in load_steps(out, stage, tag, 2):
-        lengths = response_mask(step["responses"], (EOS,))[0].sum(1)
-        assert len(set(lengths.tolist())) > 1, lengths
-
-
 @pytest.mark.parametrize("sampler", ["real", "forced"])
 def test_ppo_accumulating_four_micro_batches_is_one_big_batch(tmp_path, smoke_world, initial, sampler):
     deterministic = sampler == "forced"
@@ -194,40 +232,6 @@ def test_grpo_accumulating_four_micro_batches_is_one_big_batch(tmp_path, smoke_w
                       f"grpo {loss_type} ga ({sampler})", initial)
 
 
-# -- 3. data parallel ------------------------------------------------------------------------------
-
-PPO_BATCH, GRPO_BATCH = 4, 8  # per process; the single process takes twice as many
-
-
-@pytest.fixture(scope="module")
-def data_parallel_runs(tmp_path_factory, smoke_world):
-    """torchrun with 2 CPU processes (gloo) x B, then this process alone x 2B, each recorded step by step."""
-    out = tmp_path_factory.mktemp("equivalence")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc_per_node", "2",
-                           str(WORKER_PATH), str(smoke_world.root), str(out), str(PPO_BATCH), str(GRPO_BATCH)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
-    worker.run_ppo(smoke_world.root, out, 2 * PPO_BATCH, "single")
-    worker.run_grpo(smoke_world.root, out, 2 * GRPO_BATCH, "single")
-    return out
-
-
-def check_data_parallel(out: Path, stage: str, initial: dict[str, torch.Tensor]) -> None:
-    ranks = [load_steps(out, stage, f"rank{r}", 2) for r in (0, 1)]
-    single = load_steps(out, stage, "single", 2)
-    for step, (r0, r1) in enumerate(zip(*ranks), start=1):
-        # DDP: both processes hold the very same weights and averaged gradients
-        for key in r0.keys() - {"responses"}:
-            assert torch.equal(r0[key], r1[key]), f"{stage} step {step}: the processes disagree on {key}"
-    # the processes hold different numbers of response tokens: the token normalizations matter
-    tokens = [[int(response_mask(r["responses"], (EOS,))[0].sum()) for r in rank] for rank in ranks]
-    assert tokens[0] != tokens[1], tokens
-    # the processes' responses, in rank order, are the single process's batch; then the same gradients and weights
-    joined = [{**a, "responses": torch.cat([a["responses"], b["responses"]])} for a, b in zip(*ranks)]
-    assert_equivalent(joined, single, f"{stage} 2 processes x B vs 1 x 2B", initial)
-
-
 @pytest.mark.slow
 def test_ppo_two_processes_are_one_process_with_twice_the_batch(data_parallel_runs, initial):
     check_data_parallel(data_parallel_runs, "ppo", initial)
@@ -236,3 +240,32 @@ def test_ppo_two_processes_are_one_process_with_twice_the_batch(data_parallel_ru
 @pytest.mark.slow
 def test_grpo_two_processes_are_one_process_with_twice_the_batch(data_parallel_runs, initial):
     check_data_parallel(data_parallel_runs, "grpo", initial)
+
+
+@pytest.mark.slow
+def test_two_processes_train_reward_ppo_and_grpo_with_identical_weights(tmp_path, smoke_world):
+    out = tmp_path / "dp"
+    out.mkdir()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc_per_node", "2",
+                           str(REPO / "tests" / "distributed" / "dp_worker.py"), str(smoke_world.root), str(out)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    traces = [[json.loads(line) for line in (out / f"rank{r}.jsonl").read_text().splitlines()] for r in (0, 1)]
+    for stage, steps in (("reward", 3), ("ppo", 2), ("grpo", 2)):
+        weights = [[e["weights"] for e in t if e["stage"] == stage and "step" in e] for t in traces]
+        assert len(weights[0]) == steps and weights[0] == weights[1], f"{stage}: the processes disagree: {weights}"
+        assert len(set(weights[0])) == steps, f"{stage}: the weights did not change every step"
+        # metrics are logged by the main process only
+        assert [e["log"] for e in traces[0] if e["stage"] == stage and "log" in e] == list(range(1, steps + 1))
+        assert not [e for e in traces[1] if e["stage"] == stage and "log" in e]
+    assert [e["metrics"] for e in traces[0] if e["stage"] == "reduce"] == [
+        {"loss": 0.5, "tokens": 7.0}, {"low": 2.0, "high": 10.0, "mean": 0.5, "n": 2.0}]
+    # identical weights, but each process samples with its own seed (run.seed + rank)
+    assert [{e["sampling_seed"] for e in t if e["stage"] == "grpo" and "step" in e} for t in traces] == [{3}, {4}]
+    # PPO's episode counts the prompts of both processes
+    assert [e["episode"] for e in traces[0] if e["stage"] == "ppo" and "log" in e] == [8.0, 16.0]
+    # one writer: each checkpoint exists once and no temporary directory is left behind
+    assert sorted(p.name for p in (out / "reward").iterdir()) == ["checkpoint-3"]
+    assert sorted(p.name for p in (out / "ppo").iterdir()) == ["checkpoint-2"]
+    assert sorted(p.name for p in (out / "grpo").iterdir()) == ["checkpoint-2"]

@@ -19,12 +19,11 @@ from rlhf_core.data import read_rows
 from rlhf_core.demo_world import DemoWorld
 from rlhf_core.models import load_tokenizer, prepare_for_training
 from rlhf_core.reward_model import load_reward_model, train_reward_model
-from tasks import distributed, tracking
+from tasks import launcher, registry, tracking
 from tasks.data import PreparedData, resolve_model_source
-from tasks.plots import close, curve_figure
-from tasks.progress import StageProgress, publish_table
+from tasks.reporting import StageReporter
 from tasks.retry import IO_RETRIES
-from tasks.stage_io import Checkpoint, register_saved_checkpoints, stage_key
+from tasks.stage_io import Checkpoint, stage_key
 
 CARD_BODY = """\
 A reward model trained by the rlhf-pipeline with the Bradley-Terry loss
@@ -73,31 +72,78 @@ def reuse_registered(cfg: PipelineConfig, key: str, out_dir: Path) -> Checkpoint
     if not cfg.tracking.register_models or any(Path(out_dir).glob("checkpoint-*")):
         return None
     name = cfg.registry.reward_model_name
-    version = tracking.find_version(name, {"stage": "reward", "stage_key": key, "step": str(cfg.reward.max_steps)})
+    version = registry.find_version(name, {"stage": "reward", "stage_key": key, "step": str(cfg.reward.max_steps)})
     if version is None:
         return None
     uri = f"models:/{name}/{version.version}"
-    local = tracking.materialize_version(uri, Path(out_dir) / "registry")
+    local = registry.materialize_version(uri, Path(out_dir) / "registry")
     metrics = {k: float(version.tags[k]) for k in ("eval_accuracy", "eval_loss") if k in version.tags}
     return Checkpoint(path=str(local.resolve()), model_uri=uri, step=cfg.reward.max_steps, metrics=metrics, key=key,
                       extra={"resumed_from": None, "from_registry": True})
 
 
+class RewardReporter(StageReporter):
+    """The reward stage's reporting: checkpoints tagged with their eval metrics, evaluations as a table."""
+
+    def __init__(self, cfg: PipelineConfig, run_id: str, data: PreparedData, key: str, base_identity: str):
+        super().__init__(cfg, "reward", run_id, data_fingerprint=data.fingerprint, model_name=cfg.registry.reward_model_name,
+                         task="text-classification", lineage={"stage_key": key, "base_model": base_identity},
+                         curves={"reward/loss": ("reward/loss",), "reward/accuracy": ("reward/accuracy",),
+                                 "eval_accuracy": ("eval_accuracy",)})
+        self.eval_table: list[dict] = []
+
+    def checkpoint_tags(self, path: Path, step: int) -> dict[str, str]:
+        metrics = json.loads((path / "metrics.json").read_text())
+        return {k: f"{v:.4f}" for k, v in metrics.items() if k in ("eval_accuracy", "eval_loss")}
+
+    def on_eval(self, metrics: dict[str, float], step: int) -> None:
+        tracking.log_metrics(self.run_id, metrics, step)
+        self.record(metrics, step)
+        self.eval_table.append({"step": step, **{k: round(v, 4) for k, v in metrics.items()}})
+        self.logger.info("reward eval at step %d: %s", step, ", ".join(f"{k}={v:.3f}" for k, v in metrics.items()))
+
+    def finish(self, result) -> Checkpoint:
+        """The progress completed, the eval table and curves published, the final metrics logged; the stage's Checkpoint."""
+        self.done()
+        if result.resumed_from:
+            self.logger.info("reward training resumed from step %d", result.resumed_from)
+        if self.eval_table:
+            self.publish_table("reward-eval", self.eval_table, "Reward model on held-out preference pairs, per evaluation step")
+        if self.history["reward/loss"]:
+            self.plot("reward_curves.png", "Reward model")
+        tracking.log_metrics(self.run_id, {f"final/{k}": v for k, v in result.metrics.items()}, result.step)
+        return Checkpoint(path=str(result.checkpoint.resolve()), model_uri=self.registered.get(result.step), step=result.step,
+                          metrics=result.metrics, key=self.lineage["stage_key"],
+                          extra={"resumed_from": result.resumed_from})
+
+
+def model_card(cfg: PipelineConfig, data: PreparedData, base_identity: str) -> dict:
+    return {
+        "title": f"Reward model {cfg.registry.reward_model_name}",
+        "metadata": {
+            "base_model": base_identity, "datasets": [data.source("preference")],
+            "tags": ["rlhf", "reward-model", "bradley-terry", "rlhf-pipeline"],
+            "library_name": "transformers", "pipeline_tag": "text-classification",
+        },
+        "body": CARD_BODY,
+    }
+
+
 @task(name="train-reward-model", cache_policy=NO_CACHE, **IO_RETRIES)
 def train_reward(cfg: PipelineConfig, data: PreparedData, policy: Checkpoint | None, parent_run_id: str) -> Checkpoint:
     """Train (or resume, or reuse) the reward model and register each checkpoint as a model version."""
-    if cfg.run.num_processes > 1 and not distributed.launched():
-        return distributed.launch("reward", cfg, data=data, policy=policy, parent_run_id=parent_run_id)
-    logger = distributed.stage_logger()
+    if cfg.run.num_processes > 1 and not launcher.launched():
+        return launcher.launch("reward", cfg, data=data, policy=policy, parent_run_id=parent_run_id)
     base, base_identity = reward_base(cfg, data, policy)
     key = reward_key(cfg, data, base_identity)
     out_dir = cfg.run.output_dir / "reward" / key
-    name = cfg.registry.reward_model_name
     with tracking.stage_run(parent_run_id, "reward") as run_id:
+        reporter = RewardReporter(cfg, run_id, data, key, base_identity)
         reused = reuse_registered(cfg, key, out_dir)
         if reused is not None:
-            logger.info("reward model for stage key %s is already registered as %s: reused, not retrained", key, reused.model_uri)
-            tracking.set_run_tags(run_id, {"rlhf.reused": reused.model_uri})
+            reporter.logger.info("reward model for stage key %s is already registered as %s: reused, not retrained",
+                                 key, reused.model_uri)
+            reporter.tag({"rlhf.reused": reused.model_uri})
             return reused
         tokenizer = load_tokenizer(base, revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code)
         model = load_reward_model(base, tokenizer, lora=cfg.model.lora if cfg.reward.lora else None,
@@ -105,60 +151,9 @@ def train_reward(cfg: PipelineConfig, data: PreparedData, policy: Checkpoint | N
                                   revision=cfg.model.revision, seed=cfg.run.seed)
         prepare_for_training(model, gradient_checkpointing=cfg.model.gradient_checkpointing)
         train_rows, eval_rows = read_rows(data.tables["preference"]), read_rows(data.tables["preference_eval"])
-        registered: dict[int, str] = {}
-
-        def register(path: Path, step: int) -> None:
-            if not cfg.tracking.register_models:
-                return
-            metrics = json.loads((path / "metrics.json").read_text())
-            tags = tracking.lineage_tags(
-                stage="reward", step=step, config_hash=cfg.config_hash(), data_fingerprint=data.fingerprint,
-                stage_key=key, base_model=base_identity,
-                **{k: f"{v:.4f}" for k, v in metrics.items() if k in ("eval_accuracy", "eval_loss")},
-            )
-            registered[step] = tracking.register_once(path, name, task="text-classification", tags=tags, run_id=run_id,
-                                                    keep_last=cfg.registry.keep_last_versions)
-            logger.info("reward checkpoint %d is %s", step, registered[step])
-
-        register_saved_checkpoints(out_dir, "", register)
-
-        progress = StageProgress("reward-progress", f"Reward model: {cfg.reward.max_steps} steps")
-        history: dict[str, list[tuple[int, float]]] = {"reward/loss": [], "reward/accuracy": [], "eval_accuracy": []}
-        eval_table: list[dict] = []
-
-        def on_log(metrics: dict[str, float], step: int) -> None:
-            tracking.log_metrics(run_id, metrics, step)
-            history["reward/loss"].append((step, metrics["reward/loss"]))
-            history["reward/accuracy"].append((step, metrics["reward/accuracy"]))
-            progress.update(step, cfg.reward.max_steps)
-
-        def on_eval(metrics: dict[str, float], step: int) -> None:
-            tracking.log_metrics(run_id, metrics, step)
-            history["eval_accuracy"].append((step, metrics["eval_accuracy"]))
-            eval_table.append({"step": step, **{k: round(v, 4) for k, v in metrics.items()}})
-            logger.info("reward eval at step %d: %s", step, ", ".join(f"{k}={v:.3f}" for k, v in metrics.items()))
-
-        card = {
-            "title": f"Reward model {name}",
-            "metadata": {
-                "base_model": base_identity, "datasets": [data.source("preference")],
-                "tags": ["rlhf", "reward-model", "bradley-terry", "rlhf-pipeline"],
-                "library_name": "transformers", "pipeline_tag": "text-classification",
-            },
-            "body": CARD_BODY,
-        }
+        reporter.register_saved(out_dir)
+        reporter.start(cfg.reward.max_steps, f"Reward model: {cfg.reward.max_steps} steps")
         result = train_reward_model(model, tokenizer, train_rows, eval_rows, cfg.reward, cfg.run,
-                                    max_length=cfg.data.max_length, output_dir=out_dir, card=card,
-                                    on_log=on_log, on_eval=on_eval, on_checkpoint=register)
-        progress.update(cfg.reward.max_steps, cfg.reward.max_steps)
-        if result.resumed_from:
-            logger.info("reward training resumed from step %d", result.resumed_from)
-        if eval_table:
-            publish_table("reward-eval", eval_table, "Reward model on held-out preference pairs, per evaluation step")
-        if history["reward/loss"]:
-            fig = curve_figure(history, "Reward model")
-            tracking.log_figure(run_id, fig, "reward_curves.png")
-            close(fig)
-        tracking.log_metrics(run_id, {f"final/{k}": v for k, v in result.eval_metrics.items()}, result.step)
-        return Checkpoint(path=str(result.checkpoint.resolve()), model_uri=registered.get(result.step), step=result.step,
-                          metrics=result.eval_metrics, key=key, extra={"resumed_from": result.resumed_from})
+                                    max_length=cfg.data.max_length, output_dir=out_dir, card=model_card(cfg, data, base_identity),
+                                    on_log=reporter.log, on_eval=reporter.on_eval, on_checkpoint=reporter.on_checkpoint)
+        return reporter.finish(result)

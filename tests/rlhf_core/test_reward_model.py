@@ -1,3 +1,7 @@
+"""rlhf_core/reward_model.py: Bradley-Terry reward-model training, evaluation, LoRA and resume."""
+
+from __future__ import annotations
+
 import json
 import math
 
@@ -9,8 +13,15 @@ from rlhf_core.config import LoraSettings, RewardConfig, RunConfig
 from rlhf_core.model_card import read_front_matter
 from rlhf_core.models import load_tokenizer
 from rlhf_core.reward_model import (
-    EVAL_METRICS, bradley_terry_loss, collate_pairs, evaluate_reward_model, load_reward_model, preference_metrics,
-    score_pairs, tokenize_pairs, train_reward_model,
+    EVAL_METRICS,
+    bradley_terry_loss,
+    collate_pairs,
+    evaluate_reward_model,
+    load_reward_model,
+    preference_metrics,
+    score_pairs,
+    tokenize_pairs,
+    train_reward_model,
 )
 
 CARD = {"title": "test reward model", "metadata": {"base_model": "tiny", "datasets": ["demo"], "tags": ["rlhf"]},
@@ -24,6 +35,30 @@ def encode_pairs(tokenizer, rows, max_length):
 
 def sigmoid(x):
     return 1 / (1 + math.exp(-x))
+
+
+def read_rows(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def short_run(smoke_world, out, *, lora=None, max_steps=6, on_log=None, **cfg):
+    tokenizer = load_tokenizer(str(smoke_world.tokenizer))
+    model = load_reward_model(str(smoke_world.base_model), tokenizer, lora=lora, seed=1)
+    settings = RewardConfig(max_steps=max_steps, batch_size=8, learning_rate=5e-3, eval_steps=3, save_steps=2, log_steps=1, **cfg)
+    events = {"log": [], "eval": [], "ckpt": []}
+
+    def log(metrics, step):
+        events["log"].append(step)
+        if on_log is not None:
+            on_log(metrics, step)
+
+    result = train_reward_model(
+        model, tokenizer, read_rows(smoke_world.preferences("train")), read_rows(smoke_world.preferences("test")),
+        settings, RunConfig(device="cpu", seed=3), max_length=40, output_dir=out, card=CARD, on_log=log,
+        on_eval=lambda m, s: events["eval"].append((s, m)), on_checkpoint=lambda p, s: events["ckpt"].append(s),
+        show_progress=False,
+    )
+    return model, tokenizer, result, events
 
 
 def test_bradley_terry_loss_by_hand():
@@ -65,30 +100,6 @@ def test_chosen_and_rejected_share_one_forward(smoke_world):
     torch.testing.assert_close(rc[0], alone, atol=1e-5, rtol=1e-5)
     long = encode_pairs(tokenizer, [{"prompt": "a " * 50, "chosen": "b", "rejected": "c"}], max_length=8)
     assert long["input_ids"].shape[1] == 8 and long["input_ids"][0, -1] == tokenizer.eos_token_id
-
-
-def read_rows(path):
-    return [json.loads(line) for line in path.read_text().splitlines()]
-
-
-def short_run(smoke_world, out, *, lora=None, max_steps=6, on_log=None, **cfg):
-    tokenizer = load_tokenizer(str(smoke_world.tokenizer))
-    model = load_reward_model(str(smoke_world.base_model), tokenizer, lora=lora, seed=1)
-    settings = RewardConfig(max_steps=max_steps, batch_size=8, learning_rate=5e-3, eval_steps=3, save_steps=2, log_steps=1, **cfg)
-    events = {"log": [], "eval": [], "ckpt": []}
-
-    def log(metrics, step):
-        events["log"].append(step)
-        if on_log is not None:
-            on_log(metrics, step)
-
-    result = train_reward_model(
-        model, tokenizer, read_rows(smoke_world.preferences("train")), read_rows(smoke_world.preferences("test")),
-        settings, RunConfig(device="cpu", seed=3), max_length=40, output_dir=out, card=CARD, on_log=log,
-        on_eval=lambda m, s: events["eval"].append((s, m)), on_checkpoint=lambda p, s: events["ckpt"].append(s),
-        show_progress=False,
-    )
-    return model, tokenizer, result, events
 
 
 def test_short_run_trains_every_parameter_evaluates_and_checkpoints(tmp_path, smoke_world):
@@ -178,9 +189,8 @@ def test_reward_training_turns_dropout_off_unless_asked(tmp_path, smoke_world, d
 def test_pairs_are_scored_on_their_closing_eos_when_pad_is_eos(tmp_path, name):
     """With pad == eos the classifier's own forward pools at the last non-pad token, the one before
     the eos; ours reads the eos itself, where RL's sequence_scores reads a response's stop token."""
-    from tests.fixtures.real_shapes import build_family
-
     from rlhf_core.rollout import head_per_token, sequence_scores
+    from tests.fixtures.real_shapes import build_family
 
     path = build_family(name, tmp_path)
     tokenizer = load_tokenizer(str(path))
