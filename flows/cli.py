@@ -7,7 +7,8 @@ import os
 import sys
 from pathlib import Path
 
-from rlhf_core.config import ConfigError, load_config, redact_uri
+from rlhf_core.config import ConfigError, load_config
+from rlhf_core.redaction import redact
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -84,7 +85,7 @@ def print_summary(summary: dict) -> None:
     table = Table(title="Where everything is", show_header=False)
     table.add_column("what", no_wrap=True)
     table.add_column("where", overflow="fold")
-    table.add_row("MLflow store", redact_uri(uri))
+    table.add_row("MLflow store", redact(uri))
     if uri.startswith("sqlite:///"):
         table.add_row("MLflow artifacts", str(Path(uri.removeprefix("sqlite:///")).parent / "mlruns"))
     table.add_row("Output directory", summary["output_dir"])
@@ -120,7 +121,7 @@ def print_summary(summary: dict) -> None:
         console.print(f"Open the MLflow UI: .venv/bin/mlflow ui --backend-store-uri {uri} --port 5000"
                       " and browse http://127.0.0.1:5000")
     else:
-        console.print(f"MLflow UI: {redact_uri(uri)}")
+        console.print(f"MLflow UI: {redact(uri)}")
 
 
 def user_error_types() -> tuple[type[BaseException], ...]:

@@ -22,7 +22,7 @@ from rlhf_core.redaction import refuse_secret_overrides
 from rlhf_core.data import read_column
 from rlhf_core.evaluation import evaluate_generations, summarize_rows
 from rlhf_core.promotion import Decision, Gates, decide
-from rlhf_core.training import seed_everything
+from rlhf_core.loop import seed_everything
 from tasks import registry, tracking
 from tasks.data import PreparedData, prepare_data, resolve_model_source
 from tasks.export import CANDIDATE

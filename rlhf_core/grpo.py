@@ -42,13 +42,6 @@ def nanstd(x: torch.Tensor, dim: int | None = None, keepdim: bool = False) -> to
     return std if keepdim else std.squeeze(dims) if dim is not None else std.reshape(())
 
 
-def combine_rewards(per_source: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """Weighted sum over reward sources, (B, F) -> (B,); NaN ("not applicable") entries are left out,
-    and a row where every source returned None stays NaN (unscorable)."""
-    total = torch.nansum(per_source * weights.view(1, -1), dim=1)
-    return total.masked_fill(torch.isnan(per_source).all(dim=1), float("nan"))
-
-
 @dataclass
 class Advantages:
     advantages: torch.Tensor  # (B,) 0 for unscorable rows
@@ -97,12 +90,6 @@ def grpo_advantages(per_source: torch.Tensor, weights: torch.Tensor, num_generat
         # what is logged (and tabled) as the reward is the plain weighted sum, as TRL logs it
         rewards = torch.nansum(per_source * w, dim=1).masked_fill(unscorable, float("nan"))
     return Advantages(torch.nan_to_num(advantages, nan=0.0), rewards, std, unscorable)
-
-
-def group_advantages(rewards: torch.Tensor, num_generations: int, scale: Literal["group", "batch", "none"]) -> tuple[torch.Tensor, torch.Tensor]:
-    """One reward per row (B,): (advantages (B,), per-group std (B/G,)). See `grpo_advantages`."""
-    out = grpo_advantages(rewards.view(-1, 1), torch.ones(1), num_generations, scale_rewards=scale)
-    return out.advantages, nanstd(out.rewards.view(-1, num_generations), dim=1)
 
 
 def grpo_token_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,

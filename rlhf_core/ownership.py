@@ -29,7 +29,9 @@ from pathlib import Path
 from typing import Mapping
 
 MARKER = ".rlhf-owned"
-ATOMIC_CREATOR = "rlhf_core.training.atomic_dir"  # created_by of the directories atomic_dir fills
+# created_by of the directories atomic_dir (rlhf_core/saving.py) fills: an on-disk identifier that runs
+# before the module moved also wrote, so it keeps its old spelling
+ATOMIC_CREATOR = "rlhf_core.training.atomic_dir"
 GLOB_CHARS = "*?["
 
 logger = logging.getLogger(__name__)

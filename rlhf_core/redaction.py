@@ -15,9 +15,13 @@ RFC 3986 allows no whitespace, quotes or angle brackets in a URI, so a credentia
 
 from __future__ import annotations
 
+import json
 import logging
 import re
+from typing import Any
 from urllib.parse import unquote
+
+from rlhf_core.config import ConfigError, PipelineConfig
 
 MASK = "***"
 
@@ -66,8 +70,6 @@ def split_credentials(uri: str) -> tuple[str, str | None, str | None]:
 
 def redact_override(text: str) -> str:
     """A `section.field=value` override with a secret-named field's value, or a URI's credentials, hidden."""
-    from rlhf_core.config import is_secret_key
-
     key, sep, value = text.partition("=")
     if sep and is_secret_key(key.strip()):
         return f"{key}={MASK}"
@@ -80,8 +82,6 @@ def refuse_secret_overrides(overrides: list[str] | None) -> None:
     Prefect stores and shows a flow run's parameters, so a credential must come from the
     environment of the process that runs the flow instead.
     """
-    from rlhf_core.config import ConfigError
-
     for text in overrides or []:
         if redact_override(text) != text:
             raise ConfigError(
@@ -117,3 +117,27 @@ def install_log_redaction() -> None:
     base = logging.getLogRecordFactory()
     if not getattr(base, "redacting", False):
         logging.setLogRecordFactory(_redacting_record_factory(base))
+
+
+SECRET_SUFFIXES = ("token", "password", "passwd", "secret", "api_key", "apikey", "credentials")
+
+
+def is_secret_key(key: str) -> bool:
+    """True for keys such as `hub_token` or `tracking.password` (not `model.tokenizer`)."""
+    name = key.rsplit(".", 1)[-1].lower()
+    return any(name == s or name.endswith("_" + s) for s in SECRET_SUFFIXES)
+
+
+def flatten_config(cfg: PipelineConfig) -> dict[str, str]:
+    """Dotted key -> string value, for MLflow params; secret keys left out, URI credentials hidden."""
+    out: dict[str, str] = {}
+
+    def walk(prefix: str, value: Any) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(f"{prefix}.{k}" if prefix else k, v)
+        elif not is_secret_key(prefix):
+            out[prefix] = redact(json.dumps(value) if isinstance(value, list) else str(value))
+
+    walk("", cfg.model_dump(mode="json"))
+    return out

@@ -16,7 +16,7 @@ from pathlib import Path
 from rlhf_core.config import PipelineConfig
 from tasks import tracking
 from tasks.data import PreparedData
-from tasks.launcher import _command, is_main  # noqa: F401  (_command: the command that runs this module)
+from tasks.launcher import is_main
 from tasks.reward_model import train_reward
 from tasks.rl import InitPlan, train_policy
 from tasks.stage_io import Checkpoint

@@ -58,7 +58,7 @@ def stage_logger():
         return logger
 
 
-def _command(cfg, spec: Path) -> list[str]:
+def launch_command(cfg, spec: Path) -> list[str]:
     bin_dir = Path(sys.executable).parent
     n = str(cfg.run.num_processes)
     if cfg.run.device == "cpu" or (cfg.run.device == "auto" and not _cuda()):
@@ -87,7 +87,7 @@ def launch(stage: str, cfg, **inputs):
             "stage": stage, "config": cfg.model_dump(mode="json"), "result": str(result),
             "inputs": {k: (dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v) for k, v in inputs.items()},
         }))
-        command = _command(cfg, spec)
+        command = launch_command(cfg, spec)
         logger.info("%s stage on %d processes: %s", stage, cfg.run.num_processes, " ".join(command))
         tail: deque[str] = deque(maxlen=30)
         env = {**os.environ, WORKER_ENV: "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}

@@ -21,7 +21,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Callable
 
-from rlhf_core.config import DEMO, DatasetSpec, PipelineConfig, redact_uri
+from rlhf_core.config import DEMO, DatasetSpec, PipelineConfig
+from rlhf_core.redaction import redact
 from rlhf_core.data import (
     DataValidationError, Kind, _glob_files, _local_files, is_glob, looks_local, required_columns,
 )
@@ -300,7 +301,7 @@ def _check_tracking(cfg: PipelineConfig) -> list[str]:
             reason = f"HTTP {err.code}"
         except (urllib.error.URLError, OSError, ValueError) as err:
             reason = str(getattr(err, "reason", err)) or type(err).__name__
-        return [f"{field}: the tracking server {redact_uri(uri)} does not answer (GET /health, "
+        return [f"{field}: the tracking server {redact(uri)} does not answer (GET /health, "
                 f"{TRACKING_TIMEOUT_S:.0f} s timeout: {reason}); start it or fix the URI"]
     if uri.startswith("sqlite:///"):
         db = Path(uri.removeprefix("sqlite:///")).expanduser()

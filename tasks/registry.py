@@ -20,7 +20,7 @@ from filelock import Timeout
 from mlflow.tracking import MlflowClient
 
 from rlhf_core.checkpoint import link_identical_files
-from rlhf_core.config import redact_uri
+from rlhf_core.redaction import redact
 from tasks.tracking import code_version, store_lock, writes
 
 # Packages a logged model needs to load again. Listed explicitly because MLflow's inference of
@@ -213,7 +213,7 @@ def version_cache_key(uri: str) -> str:
             name, number = ref.rsplit("/", 1)
             version = client.get_model_version(name, number)
     except mlflow.exceptions.MlflowException as err:
-        raise MissingVersion(f"the registry at {redact_uri(mlflow.get_tracking_uri())} has no model version {uri} "
+        raise MissingVersion(f"the registry at {redact(mlflow.get_tracking_uri())} has no model version {uri} "
                              f"({err.error_code})") from None
     digest = hashlib.sha256(f"{version.source}|{version.run_id}|{version.creation_timestamp}".encode()).hexdigest()[:10]
     return re.sub(r"[^A-Za-z0-9._-]+", "_", f"{name}-v{version.version}-{digest}")
@@ -230,7 +230,7 @@ def materialize_model(uri: str, destination: str | Path) -> Path:
     if (destination / "config.json").is_file():
         return destination
     components = mlflow.transformers.load_model(uri, return_type="components")
-    from rlhf_core.training import save_pretrained_atomic
+    from rlhf_core.saving import save_pretrained_atomic
 
     return save_pretrained_atomic(components["model"], components["tokenizer"], destination)
 

@@ -28,9 +28,9 @@ from filelock import FileLock
 from mlflow.entities import Metric, Param, RunStatus
 from mlflow.tracking import MlflowClient
 
-from rlhf_core.config import PipelineConfig, flatten_config, redact_uri
+from rlhf_core.config import PipelineConfig
 from rlhf_core.ownership import pid_alive
-from rlhf_core.redaction import has_secret, install_log_redaction, split_credentials
+from rlhf_core.redaction import flatten_config, has_secret, install_log_redaction, redact, split_credentials
 
 
 @lru_cache(maxsize=1)
@@ -306,5 +306,5 @@ def artifact_link(run_id: str, artifact_path: str) -> str:
     run = MlflowClient().get_run(run_id)
     uri = mlflow.get_tracking_uri()
     if uri.startswith(("http://", "https://")):
-        return f"{redact_uri(uri).rstrip('/')}/#/experiments/{run.info.experiment_id}/runs/{run_id}/artifacts/{artifact_path}"
+        return f"{redact(uri).rstrip('/')}/#/experiments/{run.info.experiment_id}/runs/{run_id}/artifacts/{artifact_path}"
     return f"{run.info.artifact_uri.rstrip('/')}/{artifact_path}"

@@ -17,7 +17,6 @@ TESTS = REPO / "tests" / "rlhf_core"
 EXEMPT = {
     "__init__.py": "package markers, no code",
     "config/__init__.py": "re-exports the config package (its lazy `reference` attributes are used by test_reference.py)",
-    "training.py": "temporary re-export shim of loop.py and saving.py, to be deleted; tests import from those",
 }
 
 

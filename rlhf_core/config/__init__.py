@@ -11,7 +11,6 @@ Split by concern, everything importable from here:
   reward, init, RL, PPO and GRPO sections; ``pipeline``: eval, export, promote, tracking, registry and
   ``PipelineConfig`` with its cross-field checks and derived values;
 - ``loading``: YAML, ``--set`` overrides, validation; ``errors``: one-sentence messages and hints;
-- ``secret_keys``: secret keys and the flattened config for MLflow params;
 - ``reference``: the README's configuration reference, rendered from the field descriptions.
 """
 
@@ -26,7 +25,6 @@ from rlhf_core.config.pipeline import (
 from rlhf_core.config.run_model_data import (
     ColumnMap, DataConfig, DatasetSpec, DemoModelConfig, DemoWorldConfig, LoraSettings, ModelConfig, RunConfig,
 )
-from rlhf_core.config.secret_keys import SECRET_SUFFIXES, flatten_config, is_secret_key, redact_uri
 from rlhf_core.config.training import (
     GRPOConfig, InitConfig, OptimSettings, PPOConfig, RewardConfig, RewardSource, RLConfig, SFTConfig,
 )
@@ -40,7 +38,6 @@ __all__ = [
     "describe_fields", "render_reference",
     "ColumnMap", "DataConfig", "DatasetSpec", "DemoModelConfig", "DemoWorldConfig", "LoraSettings", "ModelConfig",
     "RunConfig",
-    "SECRET_SUFFIXES", "flatten_config", "is_secret_key", "redact_uri",
     "GRPOConfig", "InitConfig", "OptimSettings", "PPOConfig", "RewardConfig", "RewardSource", "RLConfig", "SFTConfig",
 ]
 

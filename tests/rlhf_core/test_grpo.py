@@ -5,9 +5,7 @@ import torch
 
 from rlhf_core.config import GRPOConfig, RLConfig, RunConfig
 from rlhf_core.grpo import (
-    combine_rewards,
     function_reward,
-    group_advantages,
     grpo_advantages,
     grpo_token_loss,
     high_entropy_mask,
@@ -19,20 +17,24 @@ from rlhf_core.models import load_causal_lm, load_tokenizer
 from rlhf_core.reward_functions import RewardFunctionError
 
 
+def group_advantages(rewards, scale):
+    return grpo_advantages(rewards.view(-1, 1), torch.ones(1), 2, scale_rewards=scale)
+
+
 def test_group_advantages_by_hand():
     rewards = torch.tensor([1.0, 3.0, 2.0, 2.0])  # two groups of two
-    adv, std = group_advantages(rewards, 2, "none")
-    assert adv.tolist() == [-1.0, 1.0, 0.0, 0.0]
-    assert std[0].item() == pytest.approx(math.sqrt(2)) and std[1].item() == 0.0
-    adv, _ = group_advantages(rewards, 2, "group")
+    out = group_advantages(rewards, "none")
+    assert out.advantages.tolist() == [-1.0, 1.0, 0.0, 0.0]
+    assert out.std[0].item() == pytest.approx(math.sqrt(2)) and out.std[2].item() == 0.0
+    adv = group_advantages(rewards, "group").advantages
     assert adv[0].item() == pytest.approx(-1 / (math.sqrt(2) + 1e-4)) and adv[2].item() == 0.0
-    adv, _ = group_advantages(rewards, 2, "batch")
+    adv = group_advantages(rewards, "batch").advantages
     assert adv[1].item() == pytest.approx(1 / (rewards.std().item() + 1e-4))
 
 
 def test_reward_weighting_leaves_out_none():
     per_source = torch.tensor([[1.0, float("nan")], [2.0, 4.0]])
-    assert combine_rewards(per_source, torch.tensor([0.5, 2.0])).tolist() == [0.5, 9.0]
+    assert grpo_advantages(per_source, torch.tensor([0.5, 2.0]), 2).rewards.tolist() == [0.5, 9.0]
 
 
 def test_token_loss_clips_asymmetrically():

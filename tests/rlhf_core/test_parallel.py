@@ -82,22 +82,6 @@ def test_deepspeed_cannot_skip_a_non_finite_step_so_the_config_says_so(name):
     PipelineConfig.model_validate({"run": {"accelerate_config": str(ACCELERATE / "ddp.yaml")}})
 
 
-def test_stage_launch_command_cpu_torchrun_cuda_accelerate_with_the_config_file(tmp_path, monkeypatch):
-    from tasks import distributed
-
-    cpu = PipelineConfig.model_validate({"run": {"device": "cpu", "num_processes": 2}})
-    command = distributed._command(cpu, tmp_path / "spec.json")
-    assert Path(command[0]).name == "torchrun" and command[1:4] == ["--standalone", "--nproc_per_node", "2"]
-    assert command[-3:] == ["-m", "tasks.distributed", str(tmp_path / "spec.json")]
-    monkeypatch.chdir(REPO)
-    example = load_config(REPO / "configs" / "examples" / "multi-gpu.yaml")
-    command = distributed._command(example, tmp_path / "spec.json")
-    assert Path(command[0]).name == "accelerate" and command[1:4] == ["launch", "--num_processes", "8"]
-    assert command[4:6] == ["--config_file", "configs/accelerate/deepspeed_zero2.yaml"]
-    plain = PipelineConfig.model_validate({"run": {"device": "cuda", "num_processes": 4, "mixed_precision": "bf16"}})
-    assert "--multi_gpu" in distributed._command(plain, tmp_path / "spec.json")
-
-
 def test_ppo_wrapper_exposes_the_decoder_layer_class_for_fsdp_auto_wrap(smoke_world):
     from rlhf_core.models import load_causal_lm, load_tokenizer
     from rlhf_core.ppo import PolicyAndValue

@@ -1,7 +1,9 @@
 import pytest
 
-from rlhf_core.config import ConfigError, flatten_config, load_config, redact_uri
-from rlhf_core.redaction import has_secret, redact, redact_override, refuse_secret_overrides, split_credentials
+from rlhf_core.config import ConfigError, load_config
+from rlhf_core.redaction import (
+    flatten_config, has_secret, is_secret_key, redact, redact_override, refuse_secret_overrides, split_credentials,
+)
 
 S = "S3cr3t"  # every case below hides it
 
@@ -51,7 +53,6 @@ UNCHANGED = [
 def test_redact_hides_every_credential_form(text, expected):
     assert redact(text) == expected
     assert S not in redact(text) and has_secret(text)
-    assert redact_uri(text) == expected  # config.redact_uri delegates
 
 
 @pytest.mark.parametrize("text", UNCHANGED)
@@ -90,3 +91,14 @@ def test_flatten_config_hides_uri_credentials():
     params = flatten_config(cfg)
     assert params["tracking.uri"] == "http://u:***@h:5000?token=***"
     assert not any(S in v for v in params.values())
+
+
+def test_flatten_hides_secrets():
+    cfg = load_config(None, ["tracking.uri=http://alice:s3cret@mlflow.example:5000", "model.tokenizer=./tok"])
+    flat = flatten_config(cfg)
+    assert flat["ppo.kl_coef"] == "0.05"
+    assert flat["model.tokenizer"] == "./tok"
+    assert "s3cret" not in " ".join(flat.values())
+    assert flat["tracking.uri"] == "http://alice:***@mlflow.example:5000"
+    assert is_secret_key("hub_token") and is_secret_key("tracking.password") and not is_secret_key("model.tokenizer")
+    assert redact("postgresql://u:p@h/db") == "postgresql://u:***@h/db"
