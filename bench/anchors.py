@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 ANCHORS = Path(__file__).resolve().parent / ".anchors"
 
@@ -17,13 +17,27 @@ ANCHORS = Path(__file__).resolve().parent / ".anchors"
 def use_anchor(package: str, version: str) -> Path:
     target = ANCHORS / f"{package}-{version}"
     if not (target / package).is_dir():
-        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(target),
-                        f"{package}=={version}"], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "install",
+                "--quiet",
+                "--no-deps",
+                "--target",
+                str(target),
+                f"{package}=={version}",
+            ],
+            check=True,
+        )
     sys.path.insert(0, str(target))
     return target
 
 
-def side_process_main(script: str, sides: dict, anchor: tuple[str, str], measure: Callable[[Callable[[str], dict]], dict]) -> None:
+def side_process_main(
+    script: str, sides: dict, anchor: tuple[str, str], measure: Callable[[Callable[[str], dict]], dict]
+) -> None:
     """The shared entry point of the per-process benchmarks (PPO, GRPO).
 
     With --side NAME this process runs one side (`sides[NAME](root)`) and writes its JSON with the

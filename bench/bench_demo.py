@@ -35,12 +35,21 @@ def measure(root: Path) -> dict:
     before, after = first[f"eval/{gold}_mean"], last[f"eval/{gold}_mean"]
     kl = last.get("eval/kl_mean", float("nan"))
     return {
-        "metric": f"mean gold score ({gold}) on the held-out prompts", "unit": "gold", "kind": "gain",
-        "ours": after, "anchor": before, "anchor_name": f"the starting policy, step {min(history)}",
-        "ratio": after - before, "gain": after - before, "kl": kl, "seconds": seconds,
-        "notes": (f"`make demo` end to end in {seconds:.0f} s: gold ({gold}) {before:.2f} -> {after:.2f} "
-                  f"({after - before:+.2f}) at KL {kl:.1f} after {max(history)} PPO steps; "
-                  f"{len(history)} evaluations of {load_config(DEMO).eval.num_prompts} prompts, CPU"),
+        "metric": f"mean gold score ({gold}) on the held-out prompts",
+        "unit": "gold",
+        "kind": "gain",
+        "ours": after,
+        "anchor": before,
+        "anchor_name": f"the starting policy, step {min(history)}",
+        "ratio": after - before,
+        "gain": after - before,
+        "kl": kl,
+        "seconds": seconds,
+        "notes": (
+            f"`make demo` end to end in {seconds:.0f} s: gold ({gold}) {before:.2f} -> {after:.2f} "
+            f"({after - before:+.2f}) at KL {kl:.1f} after {max(history)} PPO steps; "
+            f"{len(history)} evaluations of {load_config(DEMO).eval.num_prompts} prompts, CPU"
+        ),
     }
 
 

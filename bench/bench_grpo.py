@@ -31,8 +31,16 @@ def prepare(root: Path) -> None:
 
     world = build_demo_world(root / "world", SEED, DemoWorldConfig(), DemoModelConfig())
     model, tok = load_causal_lm(str(world.base_model)), load_tokenizer(str(world.tokenizer))
-    train_sft(model, tok, read_column(world.corpus, "text"), SFTConfig(max_steps=300), RunConfig(device="cpu", seed=SEED),
-              max_length=48, output_dir=root / "sft", show_progress=False)
+    train_sft(
+        model,
+        tok,
+        read_column(world.corpus, "text"),
+        SFTConfig(max_steps=300),
+        RunConfig(device="cpu", seed=SEED),
+        max_length=48,
+        output_dir=root / "sft",
+        show_progress=False,
+    )
 
 
 def vader_reward(prompts, completions, **kwargs):
@@ -50,8 +58,17 @@ def side_ours(root: Path) -> dict:
     tok = load_tokenizer(str(root / "sft"))
     policy, ref = load_causal_lm(str(root / "sft")), load_causal_lm(str(root / "sft"))
     rows = read_rows(root / "world" / "prompts" / "train.jsonl")
-    rl = RLConfig(algorithm="grpo", total_steps=STEPS, batch_size=PROMPTS * G, learning_rate=LR, response_length=TOKENS,
-                  temperature=1.0, save_steps=STEPS, log_steps=1, min_response_length=TOKENS)
+    rl = RLConfig(
+        algorithm="grpo",
+        total_steps=STEPS,
+        batch_size=PROMPTS * G,
+        learning_rate=LR,
+        response_length=TOKENS,
+        temperature=1.0,
+        save_steps=STEPS,
+        log_steps=1,
+        min_response_length=TOKENS,
+    )
     rewards, lengths = [], []
 
     def on_log(metrics, step):
@@ -59,9 +76,20 @@ def side_ours(root: Path) -> dict:
         lengths.append(metrics["completions/mean_length"])
 
     start = time.perf_counter()
-    train_grpo(policy, ref, [function_reward("vader", 1.0, vader_reward)], tok, rows, rl,
-               GRPOConfig(num_generations=G, beta=0.04, use_bias_correction_kl=True), RunConfig(device="cpu", seed=SEED), max_prompt_length=16,
-               output_dir=root / f"ours-{time.time_ns()}", on_log=on_log, show_progress=False)
+    train_grpo(
+        policy,
+        ref,
+        [function_reward("vader", 1.0, vader_reward)],
+        tok,
+        rows,
+        rl,
+        GRPOConfig(num_generations=G, beta=0.04, use_bias_correction_kl=True),
+        RunConfig(device="cpu", seed=SEED),
+        max_prompt_length=16,
+        output_dir=root / f"ours-{time.time_ns()}",
+        on_log=on_log,
+        show_progress=False,
+    )
     return {"seconds_per_step": (time.perf_counter() - start) / STEPS, "rewards": rewards, "lengths": lengths}
 
 
@@ -86,15 +114,35 @@ def side_trl(root: Path) -> dict:
                 lengths.append(logs["completions/mean_length"])
 
     args = TRLGRPOConfig(
-        output_dir=str(root / f"trl-{time.time_ns()}"), per_device_train_batch_size=PROMPTS * G, num_generations=G,
-        max_completion_length=TOKENS, max_steps=STEPS, learning_rate=LR, beta=0.04, temperature=1.0, use_cpu=True,
-        bf16=False, gradient_checkpointing=False, logging_steps=1, report_to=[], save_strategy="no", seed=SEED,
-        disable_tqdm=True, loss_type="dapo", scale_rewards="group", use_bias_correction_kl=True,  # TRL 1.16's default, ours too
+        output_dir=str(root / f"trl-{time.time_ns()}"),
+        per_device_train_batch_size=PROMPTS * G,
+        num_generations=G,
+        max_completion_length=TOKENS,
+        max_steps=STEPS,
+        learning_rate=LR,
+        beta=0.04,
+        temperature=1.0,
+        use_cpu=True,
+        bf16=False,
+        gradient_checkpointing=False,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        seed=SEED,
+        disable_tqdm=True,
+        loss_type="dapo",
+        scale_rewards="group",
+        use_bias_correction_kl=True,  # TRL 1.16's default, ours too
         generation_kwargs={"min_new_tokens": TOKENS},  # eos suppressed: every completion has TOKENS tokens, as ours
     )
-    trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(root / "sft"), reward_funcs=[vader_reward],
-                          args=args, train_dataset=datasets.Dataset.from_dict({"prompt": prompts}), processing_class=tok,
-                          callbacks=[Rewards()])
+    trainer = GRPOTrainer(
+        model=AutoModelForCausalLM.from_pretrained(root / "sft"),
+        reward_funcs=[vader_reward],
+        args=args,
+        train_dataset=datasets.Dataset.from_dict({"prompt": prompts}),
+        processing_class=tok,
+        callbacks=[Rewards()],
+    )
     start = time.perf_counter()
     trainer.train()
     return {"seconds_per_step": (time.perf_counter() - start) / STEPS, "rewards": rewards, "lengths": lengths}
@@ -116,23 +164,57 @@ def learning(root: Path) -> dict:
     eval_prompts = read_column(root / "world" / "prompts" / "test.jsonl", "prompt")[: cfg.eval.num_prompts]
 
     def evaluate(model):
-        out = evaluate_generations(model, ref, None, tok, eval_prompts, response_length=12, max_prompt_length=16,
-                                   metrics={"vader": vader_compound}, batch_size=64, stop_token_ids=(tok.eos_token_id,))
+        out = evaluate_generations(
+            model,
+            ref,
+            None,
+            tok,
+            eval_prompts,
+            response_length=12,
+            max_prompt_length=16,
+            metrics={"vader": vader_compound},
+            batch_size=64,
+            stop_token_ids=(tok.eos_token_id,),
+        )
         return summarize_rows(out)
 
-    rl = RLConfig(algorithm="grpo", total_steps=LEARNING_STEPS, batch_size=64, learning_rate=2e-3, response_length=12, temperature=1.0,
-                  save_steps=LEARNING_STEPS)
+    rl = RLConfig(
+        algorithm="grpo",
+        total_steps=LEARNING_STEPS,
+        batch_size=64,
+        learning_rate=2e-3,
+        response_length=12,
+        temperature=1.0,
+        save_steps=LEARNING_STEPS,
+    )
     before = evaluate(policy)
     start = time.perf_counter()
     # TRL's beta 0.04 with its bias-corrected KL (the default, ours too). With that correction the KL term
     # binds: beta 0.2 kept the policy at the reference for 60 steps (gold 0.00, KL 0.3). At 0.04 the gold
     # gain is reward hacking (a repeated "<neutral word> but friends" at a KL near 100): read it beside the KL
-    train_grpo(policy, ref, [function_reward("vader", 1.0, vader_reward)], tok, rows, rl, GRPOConfig(num_generations=8, beta=LEARNING_BETA),
-               cfg.run, max_prompt_length=16, output_dir=root / "learning", show_progress=False)
+    train_grpo(
+        policy,
+        ref,
+        [function_reward("vader", 1.0, vader_reward)],
+        tok,
+        rows,
+        rl,
+        GRPOConfig(num_generations=8, beta=LEARNING_BETA),
+        cfg.run,
+        max_prompt_length=16,
+        output_dir=root / "learning",
+        show_progress=False,
+    )
     seconds = time.perf_counter() - start
     after = evaluate(policy)
-    return {"gold_before": before["eval/vader_mean"], "gold_after": after["eval/vader_mean"], "kl_after": after["eval/kl_mean"],
-            "steps": rl.total_steps, "wall_s": seconds, "beta": LEARNING_BETA}
+    return {
+        "gold_before": before["eval/vader_mean"],
+        "gold_after": after["eval/vader_mean"],
+        "kl_after": after["eval/kl_mean"],
+        "steps": rl.total_steps,
+        "wall_s": seconds,
+        "beta": LEARNING_BETA,
+    }
 
 
 def measure(run_side) -> dict:
@@ -147,21 +229,35 @@ def measure(run_side) -> dict:
     ours_len = mean([mean(r["lengths"]) for r in ours])
     anchor_len = mean([mean(r["lengths"]) for r in anchor])
     result = {
-        "metric": "seconds per GRPO optimizer step", "unit": "s/step",
-        "ours": best_ours["seconds_per_step"], "anchor": best_anchor["seconds_per_step"],
-        "anchor_name": "trl 1.16.0 GRPOTrainer", "ratio": best_ours["seconds_per_step"] / best_anchor["seconds_per_step"],
-        "ours_mean_reward": ours_curve, "anchor_mean_reward": anchor_curve,
-        "ours_rewards": ours[0]["rewards"], "anchor_rewards": anchor[0]["rewards"], "learning": learned,
-        "ours_mean_length": ours_len, "anchor_mean_length": anchor_len,
-        "all_ours": [r["seconds_per_step"] for r in ours], "all_anchor": [r["seconds_per_step"] for r in anchor],
-        "notes": (f"mean reward over {STEPS} steps x {len(ours)} runs ours {ours_curve:.3f} vs TRL {anchor_curve:.3f}; "
-                  f"completion length ours {ours_len:.1f} vs TRL {anchor_len:.1f} tokens; "
-                  f"demo gold (VADER) {learned['gold_before']:.2f} -> {learned['gold_after']:.2f}, KL {learned['kl_after']:.2f}, "
-                  f"{learned['steps']} steps at beta {learned['beta']} in {learned['wall_s']:.0f} s; timing: {PROMPTS}x{G} completions x {TOKENS} tokens, beta 0.04, bias-corrected KL on both sides, CPU"),
+        "metric": "seconds per GRPO optimizer step",
+        "unit": "s/step",
+        "ours": best_ours["seconds_per_step"],
+        "anchor": best_anchor["seconds_per_step"],
+        "anchor_name": "trl 1.16.0 GRPOTrainer",
+        "ratio": best_ours["seconds_per_step"] / best_anchor["seconds_per_step"],
+        "ours_mean_reward": ours_curve,
+        "anchor_mean_reward": anchor_curve,
+        "ours_rewards": ours[0]["rewards"],
+        "anchor_rewards": anchor[0]["rewards"],
+        "learning": learned,
+        "ours_mean_length": ours_len,
+        "anchor_mean_length": anchor_len,
+        "all_ours": [r["seconds_per_step"] for r in ours],
+        "all_anchor": [r["seconds_per_step"] for r in anchor],
+        "notes": (
+            f"mean reward over {STEPS} steps x {len(ours)} runs ours {ours_curve:.3f} vs TRL {anchor_curve:.3f}; "
+            f"completion length ours {ours_len:.1f} vs TRL {anchor_len:.1f} tokens; "
+            f"demo gold (VADER) {learned['gold_before']:.2f} -> {learned['gold_after']:.2f}, KL {learned['kl_after']:.2f}, "
+            f"{learned['steps']} steps at beta {learned['beta']} in {learned['wall_s']:.0f} s; timing: {PROMPTS}x{G} completions x {TOKENS} tokens, beta 0.04, bias-corrected KL on both sides, CPU"
+        ),
     }
     return result
 
 
 if __name__ == "__main__":
-    side_process_main(__file__, {"prepare": prepare, "ours": side_ours, "trl": side_trl, "learning": learning},
-                      ("trl", "1.16.0"), measure)
+    side_process_main(
+        __file__,
+        {"prepare": prepare, "ours": side_ours, "trl": side_trl, "learning": learning},
+        ("trl", "1.16.0"),
+        measure,
+    )

@@ -18,8 +18,16 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 from anchors import pipeline_main  # noqa: E402  (after the repository root is on sys.path)
-OVERRIDES = ["sft.max_steps=100", "reward.max_steps=100", "reward.save_steps=50", "reward.eval_steps=50",
-             "rl.total_steps=20", "rl.save_steps=10", "eval.every_steps=10"]
+
+OVERRIDES = [
+    "sft.max_steps=100",
+    "reward.max_steps=100",
+    "reward.save_steps=50",
+    "reward.eval_steps=50",
+    "rl.total_steps=20",
+    "rl.save_steps=10",
+    "eval.every_steps=10",
+]
 
 
 def bare(cfg, root: Path) -> float:
@@ -35,18 +43,47 @@ def bare(cfg, root: Path) -> float:
     start = time.perf_counter()
     tok = load_tokenizer(str(world.tokenizer))
     model = load_causal_lm(str(world.base_model))
-    train_sft(model, tok, read_column(world.corpus, "text"), cfg.sft, cfg.run, max_length=cfg.data.max_length,
-              output_dir=root / "bare-sft", show_progress=False)
+    train_sft(
+        model,
+        tok,
+        read_column(world.corpus, "text"),
+        cfg.sft,
+        cfg.run,
+        max_length=cfg.data.max_length,
+        output_dir=root / "bare-sft",
+        show_progress=False,
+    )
     reward = load_reward_model(str(root / "bare-sft"), tok, seed=cfg.run.seed)
     card = {"title": "reward", "metadata": {}, "body": ""}
-    result = train_reward_model(reward, tok, read_rows(world.preferences("train")), read_rows(world.preferences("test")),
-                                cfg.reward, cfg.run, max_length=cfg.data.max_length, output_dir=root / "bare-reward",
-                                card=card, show_progress=False)
+    result = train_reward_model(
+        reward,
+        tok,
+        read_rows(world.preferences("train")),
+        read_rows(world.preferences("test")),
+        cfg.reward,
+        cfg.run,
+        max_length=cfg.data.max_length,
+        output_dir=root / "bare-reward",
+        card=card,
+        show_progress=False,
+    )
     policy, ref = load_causal_lm(str(root / "bare-sft")), load_causal_lm(str(root / "bare-sft"))
     value = load_reward_model(str(result.checkpoint), tok, seed=cfg.run.seed)
     reward_model = load_reward_model(str(result.checkpoint), tok, seed=cfg.run.seed).eval()
-    train_ppo(policy, value, ref, reward_model, tok, read_column(world.prompts("train"), "prompt"), cfg.rl, cfg.ppo, cfg.run,
-              max_prompt_length=cfg.data.max_prompt_length, output_dir=root / "bare-ppo", show_progress=False)
+    train_ppo(
+        policy,
+        value,
+        ref,
+        reward_model,
+        tok,
+        read_column(world.prompts("train"), "prompt"),
+        cfg.rl,
+        cfg.ppo,
+        cfg.run,
+        max_prompt_length=cfg.data.max_prompt_length,
+        output_dir=root / "bare-ppo",
+        show_progress=False,
+    )
     return time.perf_counter() - start
 
 
@@ -77,13 +114,20 @@ def measure(root: Path) -> dict:
     versions = sum(len(client.search_model_versions(f"name = '{n}'")) for n in ("demo-policy", "demo-reward-model"))
     evaluations = len(summary.get("eval_history", {}))
     return {
-        "metric": "wall seconds of the whole pipeline", "unit": "s", "ours": flow_s, "anchor": bare_s,
-        "anchor_name": "the bare training loops", "ratio": flow_s / bare_s,
-        "versions_registered": versions, "evaluations": evaluations,
-        "notes": (f"flow + tracking {flow_s:.0f} s vs bare SFT/reward/PPO loops {bare_s:.0f} s: +{flow_s - bare_s:.0f} s for "
-                  f"a new MLflow store, data validation, {versions} registered versions, {evaluations} generation "
-                  "evaluations and Prefect; "
-                  "sft 100, reward 100, ppo 20 steps of configs/demo.yaml, CPU"),
+        "metric": "wall seconds of the whole pipeline",
+        "unit": "s",
+        "ours": flow_s,
+        "anchor": bare_s,
+        "anchor_name": "the bare training loops",
+        "ratio": flow_s / bare_s,
+        "versions_registered": versions,
+        "evaluations": evaluations,
+        "notes": (
+            f"flow + tracking {flow_s:.0f} s vs bare SFT/reward/PPO loops {bare_s:.0f} s: +{flow_s - bare_s:.0f} s for "
+            f"a new MLflow store, data validation, {versions} registered versions, {evaluations} generation "
+            "evaluations and Prefect; "
+            "sft 100, reward 100, ppo 20 steps of configs/demo.yaml, CPU"
+        ),
     }
 
 

@@ -31,13 +31,29 @@ def prepare(root: Path) -> None:
     world = build_demo_world(root / "world", SEED, DemoWorldConfig(), DemoModelConfig())
     run = RunConfig(device="cpu", seed=SEED)
     model, tok = load_causal_lm(str(world.base_model)), load_tokenizer(str(world.tokenizer))
-    train_sft(model, tok, read_column(world.corpus, "text"), SFTConfig(max_steps=300), run, max_length=48,
-              output_dir=root / "sft", show_progress=False)
+    train_sft(
+        model,
+        tok,
+        read_column(world.corpus, "text"),
+        SFTConfig(max_steps=300),
+        run,
+        max_length=48,
+        output_dir=root / "sft",
+        show_progress=False,
+    )
     reward = load_reward_model(str(root / "sft"), tok, seed=SEED)
-    result = train_reward_model(reward, tok, read_rows(world.preferences("train")), read_rows(world.preferences("test")),
-                                RewardConfig(max_steps=200, save_steps=200, eval_steps=200), run, max_length=48,
-                                output_dir=root / "reward", card={"title": "bench", "metadata": {}, "body": ""},
-                                show_progress=False)
+    result = train_reward_model(
+        reward,
+        tok,
+        read_rows(world.preferences("train")),
+        read_rows(world.preferences("test")),
+        RewardConfig(max_steps=200, save_steps=200, eval_steps=200),
+        run,
+        max_length=48,
+        output_dir=root / "reward",
+        card={"title": "bench", "metadata": {}, "body": ""},
+        show_progress=False,
+    )
     (root / "reward_dir").write_text(str(result.checkpoint))
 
 
@@ -62,11 +78,30 @@ def side_ours(root: Path) -> dict:
 
     tok, policy, ref, value, reward = load_models(root)
     prompts = read_column(root / "world" / "prompts" / "train.jsonl", "prompt")
-    rl = RLConfig(total_steps=BATCHES, batch_size=BATCH, learning_rate=1e-4, response_length=RESPONSE, temperature=0.7,
-                  save_steps=BATCHES, log_steps=BATCHES)
+    rl = RLConfig(
+        total_steps=BATCHES,
+        batch_size=BATCH,
+        learning_rate=1e-4,
+        response_length=RESPONSE,
+        temperature=0.7,
+        save_steps=BATCHES,
+        log_steps=BATCHES,
+    )
     start = time.perf_counter()
-    train_ppo(policy, value, ref, reward, tok, prompts, rl, PPOConfig(), RunConfig(device="cpu", seed=SEED),
-              max_prompt_length=16, output_dir=root / f"ours-{time.time_ns()}", show_progress=False)
+    train_ppo(
+        policy,
+        value,
+        ref,
+        reward,
+        tok,
+        prompts,
+        rl,
+        PPOConfig(),
+        RunConfig(device="cpu", seed=SEED),
+        max_prompt_length=16,
+        output_dir=root / f"ours-{time.time_ns()}",
+        show_progress=False,
+    )
     return {"seconds_per_batch": (time.perf_counter() - start) / BATCHES}
 
 
@@ -86,17 +121,36 @@ def side_trl(root: Path) -> dict:
     ids = [seq[-16:] for seq in tok(prompts)["input_ids"]]
     train = datasets.Dataset.from_dict({"input_ids": ids})
     args = TRLPPOConfig(
-        output_dir=str(root / f"trl-{time.time_ns()}"), per_device_train_batch_size=BATCH, gradient_accumulation_steps=1,
-        num_mini_batches=1, num_ppo_epochs=4, total_episodes=BATCH * BATCHES, response_length=RESPONSE,
-        temperature=0.7, stop_token="eos", kl_coef=0.05, learning_rate=1e-4, use_cpu=True, bf16=False,
-        gradient_checkpointing=False, save_strategy="no", num_sample_generations=0, report_to=[],
-        logging_steps=BATCHES, local_rollout_forward_batch_size=BATCH, seed=SEED, disable_tqdm=True,
+        output_dir=str(root / f"trl-{time.time_ns()}"),
+        per_device_train_batch_size=BATCH,
+        gradient_accumulation_steps=1,
+        num_mini_batches=1,
+        num_ppo_epochs=4,
+        total_episodes=BATCH * BATCHES,
+        response_length=RESPONSE,
+        temperature=0.7,
+        stop_token="eos",
+        kl_coef=0.05,
+        learning_rate=1e-4,
+        use_cpu=True,
+        bf16=False,
+        gradient_checkpointing=False,
+        save_strategy="no",
+        num_sample_generations=0,
+        report_to=[],
+        logging_steps=BATCHES,
+        local_rollout_forward_batch_size=BATCH,
+        seed=SEED,
+        disable_tqdm=True,
     )
     trainer = PPOTrainer(
-        args=args, processing_class=tok, model=AutoModelForCausalLM.from_pretrained(root / "sft"),
+        args=args,
+        processing_class=tok,
+        model=AutoModelForCausalLM.from_pretrained(root / "sft"),
         ref_model=AutoModelForCausalLM.from_pretrained(root / "sft"),
         reward_model=AutoModelForSequenceClassification.from_pretrained(reward_dir),
-        value_model=AutoModelForSequenceClassification.from_pretrained(reward_dir), train_dataset=train,
+        value_model=AutoModelForSequenceClassification.from_pretrained(reward_dir),
+        train_dataset=train,
     )
     start = time.perf_counter()
     trainer.train()
@@ -117,20 +171,48 @@ def learning(root: Path) -> dict:
     eval_prompts = read_column(root / "world" / "prompts" / "test.jsonl", "prompt")[: cfg.eval.num_prompts]
 
     def evaluate(model):
-        rows = evaluate_generations(model, ref, reward, tok, eval_prompts, response_length=cfg.rl.response_length,
-                                    max_prompt_length=cfg.data.max_prompt_length, metrics={"vader": vader_compound},
-                                    batch_size=cfg.eval.batch_size, stop_token_ids=(tok.eos_token_id,))
+        rows = evaluate_generations(
+            model,
+            ref,
+            reward,
+            tok,
+            eval_prompts,
+            response_length=cfg.rl.response_length,
+            max_prompt_length=cfg.data.max_prompt_length,
+            metrics={"vader": vader_compound},
+            batch_size=cfg.eval.batch_size,
+            stop_token_ids=(tok.eos_token_id,),
+        )
         return summarize_rows(rows), rows[:5]
 
     before, _ = evaluate(policy)
     start = time.perf_counter()
-    train_ppo(policy, value, ref, reward, tok, prompts, cfg.rl, cfg.ppo, cfg.run, max_prompt_length=cfg.data.max_prompt_length,
-              output_dir=root / "learning", show_progress=False)
+    train_ppo(
+        policy,
+        value,
+        ref,
+        reward,
+        tok,
+        prompts,
+        cfg.rl,
+        cfg.ppo,
+        cfg.run,
+        max_prompt_length=cfg.data.max_prompt_length,
+        output_dir=root / "learning",
+        show_progress=False,
+    )
     seconds = time.perf_counter() - start
     after, samples = evaluate(policy)
-    return {"gold_before": before["eval/vader_mean"], "gold_after": after["eval/vader_mean"],
-            "kl_after": after["eval/kl_mean"], "score_before": before["eval/score_mean"], "score_after": after["eval/score_mean"],
-            "steps": cfg.rl.total_steps, "wall_s": seconds, "samples": samples}
+    return {
+        "gold_before": before["eval/vader_mean"],
+        "gold_after": after["eval/vader_mean"],
+        "kl_after": after["eval/kl_mean"],
+        "score_before": before["eval/score_mean"],
+        "score_after": after["eval/score_mean"],
+        "steps": cfg.rl.total_steps,
+        "wall_s": seconds,
+        "samples": samples,
+    }
 
 
 def measure(run_side) -> dict:
@@ -139,18 +221,28 @@ def measure(run_side) -> dict:
     best_ours = min(ours, key=lambda r: r["seconds_per_batch"])
     best_anchor = min(anchor, key=lambda r: r["seconds_per_batch"])
     result = {
-        "metric": "seconds per PPO batch", "unit": "s/batch",
-        "ours": best_ours["seconds_per_batch"], "anchor": best_anchor["seconds_per_batch"],
-        "anchor_name": "trl 1.12.0 experimental PPOTrainer", "ratio": best_ours["seconds_per_batch"] / best_anchor["seconds_per_batch"],
-        "ours_peak_rss_mb": max(r["peak_rss_mb"] for r in ours), "anchor_peak_rss_mb": max(r["peak_rss_mb"] for r in anchor),
+        "metric": "seconds per PPO batch",
+        "unit": "s/batch",
+        "ours": best_ours["seconds_per_batch"],
+        "anchor": best_anchor["seconds_per_batch"],
+        "anchor_name": "trl 1.12.0 experimental PPOTrainer",
+        "ratio": best_ours["seconds_per_batch"] / best_anchor["seconds_per_batch"],
+        "ours_peak_rss_mb": max(r["peak_rss_mb"] for r in ours),
+        "anchor_peak_rss_mb": max(r["peak_rss_mb"] for r in anchor),
         "learning": learned,
-        "notes": (f"peak RSS ours {max(r['peak_rss_mb'] for r in ours):.0f} MB vs TRL {max(r['peak_rss_mb'] for r in anchor):.0f} MB; "
-                  f"demo gold (VADER) {learned['gold_before']:.2f} -> {learned['gold_after']:.2f}, KL {learned['kl_after']:.2f}, "
-                  f"{learned['steps']} steps in {learned['wall_s']:.0f} s; {BATCH} prompts x {RESPONSE} tokens, 4 epochs, CPU"),
+        "notes": (
+            f"peak RSS ours {max(r['peak_rss_mb'] for r in ours):.0f} MB vs TRL {max(r['peak_rss_mb'] for r in anchor):.0f} MB; "
+            f"demo gold (VADER) {learned['gold_before']:.2f} -> {learned['gold_after']:.2f}, KL {learned['kl_after']:.2f}, "
+            f"{learned['steps']} steps in {learned['wall_s']:.0f} s; {BATCH} prompts x {RESPONSE} tokens, 4 epochs, CPU"
+        ),
     }
     return result
 
 
 if __name__ == "__main__":
-    side_process_main(__file__, {"prepare": prepare, "ours": side_ours, "trl": side_trl, "learning": learning},
-                      ("trl", "1.12.0"), measure)
+    side_process_main(
+        __file__,
+        {"prepare": prepare, "ours": side_ours, "trl": side_trl, "learning": learning},
+        ("trl", "1.12.0"),
+        measure,
+    )

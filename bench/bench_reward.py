@@ -31,10 +31,22 @@ CARD = {"title": "bench", "metadata": {}, "body": "bench"}
 def run_ours(sft_dir: Path, train, test, out: Path) -> tuple[float, dict]:
     tok = load_tokenizer(str(sft_dir))
     model = load_reward_model(str(sft_dir), tok, seed=SEED)
-    cfg = RewardConfig(max_steps=STEPS, batch_size=BATCH, learning_rate=LR, eval_steps=STEPS, save_steps=STEPS, log_steps=STEPS)
+    cfg = RewardConfig(
+        max_steps=STEPS, batch_size=BATCH, learning_rate=LR, eval_steps=STEPS, save_steps=STEPS, log_steps=STEPS
+    )
     start = time.perf_counter()
-    result = train_reward_model(model, tok, train, test, cfg, RunConfig(device="cpu", seed=SEED), max_length=MAX_LEN,
-                                output_dir=out, card=CARD, show_progress=False)
+    result = train_reward_model(
+        model,
+        tok,
+        train,
+        test,
+        cfg,
+        RunConfig(device="cpu", seed=SEED),
+        max_length=MAX_LEN,
+        output_dir=out,
+        card=CARD,
+        show_progress=False,
+    )
     return time.perf_counter() - start, result.metrics
 
 
@@ -48,13 +60,34 @@ def run_trl(sft_dir: Path, train, test, out: Path) -> tuple[float, dict]:
     model = AutoModelForSequenceClassification.from_pretrained(sft_dir, num_labels=1)
     model.config.pad_token_id = tok.pad_token_id
     args = TRLRewardConfig(
-        output_dir=str(out), max_steps=STEPS, per_device_train_batch_size=BATCH, per_device_eval_batch_size=BATCH,
-        learning_rate=LR, lr_scheduler_type="linear", max_grad_norm=1.0, max_length=MAX_LEN, use_cpu=True, bf16=False,
-        gradient_checkpointing=False, eval_strategy="steps", eval_steps=STEPS, save_strategy="steps", save_steps=STEPS,
-        logging_steps=STEPS, report_to=[], disable_tqdm=True, seed=SEED, dataloader_drop_last=True,
+        output_dir=str(out),
+        max_steps=STEPS,
+        per_device_train_batch_size=BATCH,
+        per_device_eval_batch_size=BATCH,
+        learning_rate=LR,
+        lr_scheduler_type="linear",
+        max_grad_norm=1.0,
+        max_length=MAX_LEN,
+        use_cpu=True,
+        bf16=False,
+        gradient_checkpointing=False,
+        eval_strategy="steps",
+        eval_steps=STEPS,
+        save_strategy="steps",
+        save_steps=STEPS,
+        logging_steps=STEPS,
+        report_to=[],
+        disable_tqdm=True,
+        seed=SEED,
+        dataloader_drop_last=True,
     )
-    trainer = RewardTrainer(model=model, args=args, processing_class=tok,
-                            train_dataset=datasets.Dataset.from_list(train), eval_dataset=datasets.Dataset.from_list(test))
+    trainer = RewardTrainer(
+        model=model,
+        args=args,
+        processing_class=tok,
+        train_dataset=datasets.Dataset.from_list(train),
+        eval_dataset=datasets.Dataset.from_list(test),
+    )
     start = time.perf_counter()
     trainer.train()
     seconds = time.perf_counter() - start
@@ -76,8 +109,16 @@ def main() -> None:
         tmp = Path(tmp)
         world = build_demo_world(tmp / "world", SEED, DemoWorldConfig(), DemoModelConfig())
         model, tok = load_causal_lm(str(world.base_model)), load_tokenizer(str(world.tokenizer))
-        train_sft(model, tok, read_column(world.corpus, "text"), SFTConfig(max_steps=300), RunConfig(device="cpu", seed=SEED),
-                  max_length=MAX_LEN, output_dir=tmp / "sft", show_progress=False)
+        train_sft(
+            model,
+            tok,
+            read_column(world.corpus, "text"),
+            SFTConfig(max_steps=300),
+            RunConfig(device="cpu", seed=SEED),
+            max_length=MAX_LEN,
+            output_dir=tmp / "sft",
+            show_progress=False,
+        )
         train, test = read_rows(world.preferences("train")), read_rows(world.preferences("test"))
         anchor, ours = [], []
         for i, side in enumerate("TOOTTO"):  # interleaved, so drifting machine load hits both sides alike
@@ -88,13 +129,20 @@ def main() -> None:
 
     best_ours, best_anchor = min(s for s, _ in ours), min(s for s, _ in anchor)
     result = {
-        "metric": "seconds per reward-model optimizer step", "unit": "s/step",
-        "ours": best_ours / STEPS, "anchor": best_anchor / STEPS, "anchor_name": f"trl {trl.__version__} RewardTrainer",
+        "metric": "seconds per reward-model optimizer step",
+        "unit": "s/step",
+        "ours": best_ours / STEPS,
+        "anchor": best_anchor / STEPS,
+        "anchor_name": f"trl {trl.__version__} RewardTrainer",
         "ratio": best_ours / best_anchor,
-        "ours_wall_s": best_ours, "anchor_wall_s": best_anchor,
-        "ours_eval": ours[0][1], "anchor_eval": anchor[0][1],
-        "notes": (f"held-out accuracy ours {ours[0][1]['eval_accuracy']:.3f} vs TRL {anchor[0][1]['eval_accuracy']:.3f}; "
-                  f"{STEPS} steps, batch {BATCH} pairs, length {MAX_LEN}, demo world, CPU, best of 3"),
+        "ours_wall_s": best_ours,
+        "anchor_wall_s": best_anchor,
+        "ours_eval": ours[0][1],
+        "anchor_eval": anchor[0][1],
+        "notes": (
+            f"held-out accuracy ours {ours[0][1]['eval_accuracy']:.3f} vs TRL {anchor[0][1]['eval_accuracy']:.3f}; "
+            f"{STEPS} steps, batch {BATCH} pairs, length {MAX_LEN}, demo world, CPU, best of 3"
+        ),
     }
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2))

@@ -26,7 +26,16 @@ def run_ours(world, texts, out: Path) -> float:
     model, tok = load_causal_lm(str(world.base_model)), load_tokenizer(str(world.tokenizer))
     cfg = SFTConfig(max_steps=STEPS, batch_size=BATCH, learning_rate=LR, log_steps=STEPS)
     start = time.perf_counter()
-    train_sft(model, tok, texts, cfg, RunConfig(device="cpu"), max_length=MAX_LEN, output_dir=out / "ours", show_progress=False)
+    train_sft(
+        model,
+        tok,
+        texts,
+        cfg,
+        RunConfig(device="cpu"),
+        max_length=MAX_LEN,
+        output_dir=out / "ours",
+        show_progress=False,
+    )
     return (time.perf_counter() - start) / STEPS
 
 
@@ -35,11 +44,22 @@ def run_trainer(world, texts, out: Path) -> float:
 
     model, tok = load_causal_lm(str(world.base_model)), load_tokenizer(str(world.tokenizer))
     ids, mask, labels = tokenize_corpus(tok, texts, MAX_LEN).tensors
-    rows = [{"input_ids": i, "attention_mask": m, "labels": l} for i, m, l in zip(ids, mask, labels)]
-    args = TrainingArguments(output_dir=str(out / "trainer"), max_steps=STEPS, per_device_train_batch_size=BATCH,
-                             learning_rate=LR, lr_scheduler_type="linear", max_grad_norm=1.0, save_strategy="no",
-                             logging_steps=STEPS, report_to=[], use_cpu=True, disable_tqdm=True, seed=42,
-                             dataloader_drop_last=True)
+    rows = [{"input_ids": i, "attention_mask": m, "labels": y} for i, m, y in zip(ids, mask, labels)]
+    args = TrainingArguments(
+        output_dir=str(out / "trainer"),
+        max_steps=STEPS,
+        per_device_train_batch_size=BATCH,
+        learning_rate=LR,
+        lr_scheduler_type="linear",
+        max_grad_norm=1.0,
+        save_strategy="no",
+        logging_steps=STEPS,
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+        seed=42,
+        dataloader_drop_last=True,
+    )
     trainer = Trainer(model=model, args=args, train_dataset=rows)
     start = time.perf_counter()
     trainer.train()
@@ -60,8 +80,11 @@ def main() -> None:
         ours.append(run_ours(world, texts, tmp / "o2"))
         anchor.append(run_trainer(world, texts, tmp / "a2"))
     result = {
-        "metric": "seconds per SFT optimizer step", "unit": "s/step",
-        "ours": min(ours), "anchor": min(anchor), "anchor_name": "transformers.Trainer",
+        "metric": "seconds per SFT optimizer step",
+        "unit": "s/step",
+        "ours": min(ours),
+        "anchor": min(anchor),
+        "anchor_name": "transformers.Trainer",
         "ratio": min(ours) / min(anchor),
         "notes": f"best of 2, {STEPS} steps, batch {BATCH}, length {MAX_LEN}, demo tiny Llama, CPU",
     }

@@ -36,20 +36,27 @@ def main(selected: list[str]) -> int:
             continue
         results[name] = json.loads(out.read_text())
     report = {
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}, {__import__('os').cpu_count()} cores",
         "python": platform.python_version(),
         "versions": {p: metadata.version(p) for p in PACKAGES},
         "results": results,
     }
     (HERE / "results.json").write_text(json.dumps(report, indent=2))
-    lines = [f"Measured {report['date']} on {report['machine']}; " + ", ".join(f"{k} {v}" for k, v in report["versions"].items()), "",
-             "| benchmark | ours | anchor | ratio (ours / anchor) | notes |", "|---|---|---|---|---|"]
+    lines = [
+        f"Measured {report['date']} on {report['machine']}; "
+        + ", ".join(f"{k} {v}" for k, v in report["versions"].items()),
+        "",
+        "| benchmark | ours | anchor | ratio (ours / anchor) | notes |",
+        "|---|---|---|---|---|",
+    ]
     for name, r in results.items():
         # a quality row (the demo's gold gain) shows the difference: a ratio of scores near zero means nothing
         compared = f"{r['gain']:+.3f} (gain)" if r.get("kind") == "gain" else f"{r['ratio']:.3f}"
-        lines.append(f"| {name} | {r['ours']:.4g} {r['unit']} | {r['anchor']:.4g} {r['unit']} ({r['anchor_name']}) | "
-                     f"{compared} | {r.get('notes', '')} |")
+        lines.append(
+            f"| {name} | {r['ours']:.4g} {r['unit']} | {r['anchor']:.4g} {r['unit']} ({r['anchor_name']}) | "
+            f"{compared} | {r.get('notes', '')} |"
+        )
     (HERE / "results.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     if failed:

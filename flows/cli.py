@@ -13,18 +13,30 @@ from rlhf_core.redaction import redact
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlhf", description="RLHF pipeline on Prefect and MLflow.")
-    parser.add_argument("--debug", action="store_true",
-                        help="show the traceback of an error too (as does RLHF_DEBUG=1)")
+    parser.add_argument(
+        "--debug", action="store_true", help="show the traceback of an error too (as does RLHF_DEBUG=1)"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, text in (("run", "run the pipeline flow"), ("validate", "check a config and print it resolved"),
-                       ("promote", "evaluate @candidate against @champion and promote it when it passes promote.*")):
+    for name, text in (
+        ("run", "run the pipeline flow"),
+        ("validate", "check a config and print it resolved"),
+        ("promote", "evaluate @candidate against @champion and promote it when it passes promote.*"),
+    ):
         cmd = sub.add_parser(name, help=text)
         cmd.add_argument("--config", "-c", default="configs/demo.yaml", help="YAML config file")
-        cmd.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
-                         type=credential_free_override,
-                         help="override a config field, e.g. --set ppo.kl_coef=0.1 (repeatable)")
+        cmd.add_argument(
+            "--set",
+            dest="overrides",
+            action="append",
+            default=[],
+            metavar="FIELD=VALUE",
+            type=credential_free_override,
+            help="override a config field, e.g. --set ppo.kl_coef=0.1 (repeatable)",
+        )
     sub.add_parser("fields", help="print every config field, its default and meaning as a Markdown table")
-    deploy = sub.add_parser("deploy", help="create the work pool (if missing) and every deployment in deployments/prefect.yaml")
+    deploy = sub.add_parser(
+        "deploy", help="create the work pool (if missing) and every deployment in deployments/prefect.yaml"
+    )
     deploy.add_argument("--pool", default="rlhf-process", help="process work pool the deployments use")
     return parser
 
@@ -65,7 +77,9 @@ def deploy(pool: str) -> int:
     exists = subprocess.run([prefect, "work-pool", "inspect", pool], cwd=REPO, capture_output=True).returncode == 0
     if not exists:
         subprocess.run([prefect, "work-pool", "create", pool, "--type", "process"], cwd=REPO, check=True)
-    done = subprocess.run([prefect, "--no-prompt", "deploy", "--prefect-file", "deployments/prefect.yaml", "--all"], cwd=REPO)
+    done = subprocess.run(
+        [prefect, "--no-prompt", "deploy", "--prefect-file", "deployments/prefect.yaml", "--all"], cwd=REPO
+    )
     if done.returncode == 0:
         print(f"start a worker: {prefect} worker start --pool {pool}")
     return done.returncode
@@ -115,11 +129,15 @@ def print_summary(summary: dict) -> None:
     points = [(int(step), m[key]) for step, m in history.items() if key in m]
     if len(points) > 1:
         (first_step, before), (last_step, after) = min(points), max(points)
-        console.print(f"Gold metric {gold}: {before:.3f} at step {first_step} -> {after:.3f} at step {last_step} "
-                      f"({after - before:+.3f})")
+        console.print(
+            f"Gold metric {gold}: {before:.3f} at step {first_step} -> {after:.3f} at step {last_step} "
+            f"({after - before:+.3f})"
+        )
     if uri.startswith("sqlite"):
-        console.print(f"Open the MLflow UI: .venv/bin/mlflow ui --backend-store-uri {uri} --port 5000"
-                      " and browse http://127.0.0.1:5000")
+        console.print(
+            f"Open the MLflow UI: .venv/bin/mlflow ui --backend-store-uri {uri} --port 5000"
+            " and browse http://127.0.0.1:5000"
+        )
     else:
         console.print(f"MLflow UI: {redact(uri)}")
 
@@ -128,8 +146,8 @@ def user_error_types() -> tuple[type[BaseException], ...]:
     """Exceptions a user causes (a config, a file, a model source, a reward function): one sentence, exit 2."""
     from rlhf_core.data import DataValidationError
     from rlhf_core.models import ModelSourceError
-    from rlhf_core.reward_functions import RewardFunctionError
     from rlhf_core.ownership import OwnershipError
+    from rlhf_core.reward_functions import RewardFunctionError
     from tasks.preflight import PreflightError
 
     return ConfigError, ModelSourceError, DataValidationError, RewardFunctionError, PreflightError, OwnershipError
@@ -151,7 +169,12 @@ def is_user_error(err: BaseException) -> bool:
 
 
 def debug_wanted(args: argparse.Namespace | None = None) -> bool:
-    return bool(getattr(args, "debug", False)) or os.environ.get("RLHF_DEBUG", "").strip().lower() not in ("", "0", "false", "no")
+    return bool(getattr(args, "debug", False)) or os.environ.get("RLHF_DEBUG", "").strip().lower() not in (
+        "",
+        "0",
+        "false",
+        "no",
+    )
 
 
 def one_sentence(err: BaseException) -> str:
@@ -183,8 +206,10 @@ def _run_command(args: argparse.Namespace) -> int:
         from flows.promote import rlhf_promote
 
         result = rlhf_promote(config_path=args.config, overrides=args.overrides)
-        print(f"{result['model']} version {result['candidate']} vs champion {result['champion']}: "
-              f"{result['decision']}{'' if result['changed'] else ' (nothing changed)'}; {result['reason']}")
+        print(
+            f"{result['model']} version {result['candidate']} vs champion {result['champion']}: "
+            f"{result['decision']}{'' if result['changed'] else ' (nothing changed)'}; {result['reason']}"
+        )
         return 0
 
     from flows.rlhf_pipeline import rlhf_pipeline

@@ -18,11 +18,11 @@ from prefect.cache_policies import NO_CACHE
 from prefect.logging import get_run_logger
 
 from rlhf_core.config import PipelineConfig, load_config
-from rlhf_core.redaction import refuse_secret_overrides
 from rlhf_core.data import read_column
 from rlhf_core.evaluation import evaluate_generations, summarize_rows
-from rlhf_core.promotion import Decision, Gates, decide
 from rlhf_core.loop import seed_everything
+from rlhf_core.promotion import Decision, Gates, decide
+from rlhf_core.redaction import refuse_secret_overrides
 from tasks import registry, tracking
 from tasks.data import PreparedData, prepare_data, resolve_model_source
 from tasks.export import CANDIDATE
@@ -41,8 +41,9 @@ def _model_dir(source: str, cfg: PipelineConfig, data: PreparedData, field: str)
 
 
 @task(name="evaluate-version", cache_policy=NO_CACHE, **IO_RETRIES)
-def evaluate_version(cfg: PipelineConfig, data: PreparedData, model_uri: str, reference: str | None,
-                     reward_model: str | None) -> tuple[dict[str, float], list[dict]]:
+def evaluate_version(
+    cfg: PipelineConfig, data: PreparedData, model_uri: str, reference: str | None, reward_model: str | None
+) -> tuple[dict[str, float], list[dict]]:
     """Near-greedy completions of the held-out prompts by `model_uri`, scored; (summary, rows)."""
     from transformers import AutoModelForSequenceClassification
 
@@ -52,39 +53,74 @@ def evaluate_version(cfg: PipelineConfig, data: PreparedData, model_uri: str, re
     tokenizer = load_tokenizer(policy_dir)
     policy = load_causal_lm(policy_dir).eval()
     ref = load_causal_lm(_model_dir(reference, cfg, data, "base_model tag")).eval() if reference else None
-    reward = (AutoModelForSequenceClassification.from_pretrained(_model_dir(reward_model, cfg, data, "reward_model_version tag")).eval()
-              if reward_model else None)
+    reward = (
+        AutoModelForSequenceClassification.from_pretrained(
+            _model_dir(reward_model, cfg, data, "reward_model_version tag")
+        ).eval()
+        if reward_model
+        else None
+    )
     prompts = read_column(data.tables["eval_prompts"], "prompt")[: cfg.promote.num_prompts or cfg.eval.num_prompts]
     seed_everything(cfg.run.seed)  # near-greedy sampling: the same draws for candidate and champion
-    rows = evaluate_generations(policy, ref, reward, tokenizer, prompts, response_length=cfg.rl.response_length,
-                                max_prompt_length=cfg.data.max_prompt_length, metrics=metric_functions(cfg.eval.metrics),
-                                batch_size=cfg.eval.batch_size, greedy=cfg.eval.greedy,
-                                stop_token_ids=stop_token_ids(tokenizer, policy.generation_config, stop_token=cfg.rl.stop_token,
-                                                              stop_tokens=cfg.rl.stop_tokens))
+    rows = evaluate_generations(
+        policy,
+        ref,
+        reward,
+        tokenizer,
+        prompts,
+        response_length=cfg.rl.response_length,
+        max_prompt_length=cfg.data.max_prompt_length,
+        metrics=metric_functions(cfg.eval.metrics),
+        batch_size=cfg.eval.batch_size,
+        greedy=cfg.eval.greedy,
+        stop_token_ids=stop_token_ids(
+            tokenizer, policy.generation_config, stop_token=cfg.rl.stop_token, stop_tokens=cfg.rl.stop_tokens
+        ),
+    )
     return summarize_rows(rows), rows
 
 
-def _report(name: str, candidate, champion, decision: Decision, summaries: dict[str, dict[str, float]], metric: str) -> str:
+def _report(
+    name: str, candidate, champion, decision: Decision, summaries: dict[str, dict[str, float]], metric: str
+) -> str:
     columns = sorted({k for s in summaries.values() for k in s})
-    lines = [f"# Promotion of `{name}` version {candidate.version}", "",
-             f"**{'Promoted' if decision.promote else 'Refused'}**: {decision.reason}.", "",
-             f"Compared on `{metric}`; champion: " + (f"version {champion.version}" if champion else "none"), "",
-             "| version | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
+    lines = [
+        f"# Promotion of `{name}` version {candidate.version}",
+        "",
+        f"**{'Promoted' if decision.promote else 'Refused'}**: {decision.reason}.",
+        "",
+        f"Compared on `{metric}`; champion: " + (f"version {champion.version}" if champion else "none"),
+        "",
+        "| version | " + " | ".join(columns) + " |",
+        "|---" * (len(columns) + 1) + "|",
+    ]
     for label, summary in summaries.items():
         lines.append(f"| {label} | " + " | ".join(f"{summary[c]:.4f}" if c in summary else "" for c in columns) + " |")
     return "\n".join(lines)
 
 
-def _evaluate_both(cfg: PipelineConfig, data: PreparedData, run_id: str, name: str, candidate, champion,
-                   reference: str | None, reward_model: str | None) -> dict[str, dict[str, float]]:
+def _evaluate_both(
+    cfg: PipelineConfig,
+    data: PreparedData,
+    run_id: str,
+    name: str,
+    candidate,
+    champion,
+    reference: str | None,
+    reward_model: str | None,
+) -> dict[str, dict[str, float]]:
     """Evaluate the candidate and (when there is one) the champion; label -> summary, logged to the run."""
     summaries: dict[str, dict[str, float]] = {}
-    candidate_summary, rows = evaluate_version(cfg, data, f"models:/{name}/{candidate.version}", reference, reward_model)
+    candidate_summary, rows = evaluate_version(
+        cfg, data, f"models:/{name}/{candidate.version}", reference, reward_model
+    )
     summaries[f"candidate v{candidate.version}"] = candidate_summary
     print_rows(rows[:5], f"Candidate v{candidate.version}: held-out completions (first 5)")
     tracking.log_metrics(run_id, {f"candidate/{k.removeprefix('eval/')}": v for k, v in candidate_summary.items()}, 0)
     if champion is not None:
-        champion_summary, champion_rows = evaluate_version(cfg, data, f"models:/{name}/{champion.version}", reference, reward_model)
+        champion_summary, champion_rows = evaluate_version(
+            cfg, data, f"models:/{name}/{champion.version}", reference, reward_model
+        )
         summaries[f"champion v{champion.version}"] = champion_summary
         tracking.log_metrics(run_id, {f"champion/{k.removeprefix('eval/')}": v for k, v in champion_summary.items()}, 0)
         tracking.log_table(run_id, champion_rows, "promotion/champion_completions.json")
@@ -92,16 +128,22 @@ def _evaluate_both(cfg: PipelineConfig, data: PreparedData, run_id: str, name: s
     return summaries
 
 
-def _record(run_id: str, name: str, candidate, champion, decision: Decision, against: str, metric: str) -> dict[str, str]:
+def _record(
+    run_id: str, name: str, candidate, champion, decision: Decision, against: str, metric: str
+) -> dict[str, str]:
     """Move `champion` when the candidate won; the decision as tags of the candidate version and the run."""
     if decision.promote:  # the alias first: if tagging fails after it, a rerun finds it champion
         registry.set_alias(name, CHAMPION, str(candidate.version))
         if champion is not None:
             registry.set_version_tags(name, champion.version, {TAG + "replaced_by": str(candidate.version)})
     tags = {
-        "decision": "promoted" if decision.promote else "refused", "reason": decision.reason,
-        "evaluated_against": against, "metric": metric, "candidate_value": f"{decision.candidate_value:.6f}",
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "mlflow_run_id": run_id,
+        "decision": "promoted" if decision.promote else "refused",
+        "reason": decision.reason,
+        "evaluated_against": against,
+        "metric": metric,
+        "candidate_value": f"{decision.candidate_value:.6f}",
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "mlflow_run_id": run_id,
     }
     if decision.champion_value is not None:
         tags["champion_value"] = f"{decision.champion_value:.6f}"
@@ -119,8 +161,17 @@ def _already_judged(name: str, candidate, champion, against: str, logger) -> dic
         logger.info("version %s is already the champion; nothing to do", candidate.version)
         return {**base, "decision": "unchanged", "reason": f"version {candidate.version} is already the champion"}
     if candidate.tags.get(TAG + "evaluated_against") == against:
-        logger.info("version %s was already judged against %s: %s", candidate.version, against, candidate.tags.get(TAG + "decision"))
-        return {**base, "decision": candidate.tags.get(TAG + "decision", "unchanged"), "reason": candidate.tags.get(TAG + "reason", "")}
+        logger.info(
+            "version %s was already judged against %s: %s",
+            candidate.version,
+            against,
+            candidate.tags.get(TAG + "decision"),
+        )
+        return {
+            **base,
+            "decision": candidate.tags.get(TAG + "decision", "unchanged"),
+            "reason": candidate.tags.get(TAG + "reason", ""),
+        }
     return None
 
 
@@ -134,8 +185,10 @@ def rlhf_promote(config_path: str | None = "configs/demo.yaml", overrides: list[
     tracking.configure(cfg.tracking_uri())
     candidate = registry.version_by_alias(name, CANDIDATE)
     if candidate is None:
-        raise ValueError(f"registry.policy_model_name {name!r} has no version with the alias '{CANDIDATE}'; "
-                         "run the pipeline first (its export sets it)")
+        raise ValueError(
+            f"registry.policy_model_name {name!r} has no version with the alias '{CANDIDATE}'; "
+            "run the pipeline first (its export sets it)"
+        )
     champion = registry.version_by_alias(name, CHAMPION)
     against = str(champion.version) if champion is not None else "none"
     judged = _already_judged(name, candidate, champion, against, logger)
@@ -151,13 +204,27 @@ def rlhf_promote(config_path: str | None = "configs/demo.yaml", overrides: list[
         summaries = _evaluate_both(cfg, data, run_id, name, candidate, champion, reference, reward_model)
         candidate_summary = summaries[f"candidate v{candidate.version}"]
         champion_summary = summaries.get(f"champion v{champion.version}") if champion is not None else None
-        decision = decide(candidate_summary, champion_summary,
-                          Gates(metric=metric, min_improvement=cfg.promote.min_improvement, max_kl=cfg.promote.max_kl,
-                                min_value=cfg.promote.min_value))
+        decision = decide(
+            candidate_summary,
+            champion_summary,
+            Gates(
+                metric=metric,
+                min_improvement=cfg.promote.min_improvement,
+                max_kl=cfg.promote.max_kl,
+                min_value=cfg.promote.min_value,
+            ),
+        )
         tags = _record(run_id, name, candidate, champion, decision, against, metric)
         report = _report(name, candidate, champion, decision, summaries, metric)
         publish_markdown(re.sub(r"[^a-z0-9-]+", "-", f"promotion-{name.lower()}"), report, f"Promotion of {name}")
     logger.info("version %s %s: %s", candidate.version, tags["decision"], decision.reason)
-    return {"model": name, "candidate": str(candidate.version), "champion": against, "changed": True,
-            "decision": tags["decision"], "reason": decision.reason,
-            "candidate_summary": candidate_summary, "champion_summary": champion_summary}
+    return {
+        "model": name,
+        "candidate": str(candidate.version),
+        "champion": against,
+        "changed": True,
+        "decision": tags["decision"],
+        "reason": decision.reason,
+        "candidate_summary": candidate_summary,
+        "champion_summary": champion_summary,
+    }

@@ -19,9 +19,13 @@ from flows.rlhf_pipeline import rlhf_pipeline
 
 
 @flow(name="rlhf-retrain", log_prints=True)
-def rlhf_retrain(config_path: str | None = "configs/demo.yaml", overrides: list[str] | None = None,
-                 preference_path: str | None = None, start_from: Literal["champion", "sft", "base"] = "champion",
-                 promote: bool = True) -> dict:
+def rlhf_retrain(
+    config_path: str | None = "configs/demo.yaml",
+    overrides: list[str] | None = None,
+    preference_path: str | None = None,
+    start_from: Literal["champion", "sft", "base"] = "champion",
+    promote: bool = True,
+) -> dict:
     """Retrain on new preference data (if any), then run promotion."""
     logger = get_run_logger()
     settings = list(overrides or []) + [f"init.policy={start_from}"]

@@ -7,23 +7,23 @@ validated before any task runs.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 from prefect import flow
 from prefect.logging import get_run_logger
 from prefect.states import Failed
 
 from rlhf_core.config import load_config
-from rlhf_core.redaction import redact, refuse_secret_overrides
 from rlhf_core.ownership import check_pipeline_outputs
+from rlhf_core.redaction import redact, refuse_secret_overrides
 from tasks import registry, tracking
 from tasks.data import PreparedData, prepare_data
 from tasks.export import CANDIDATE, export_final_policy
 from tasks.preflight import check as preflight
 from tasks.reward_model import train_reward
-from tasks.run_lock import run_lock, terminate_on_sigterm
 from tasks.rl import initialize_models, train_policy, uses_reward_stage
+from tasks.run_lock import run_lock, terminate_on_sigterm
 from tasks.sft import sft_warm_start
 from tasks.stage_io import Checkpoint
 
@@ -45,15 +45,29 @@ def _no_new_data(cfg, data: PreparedData, run_id: str, logger) -> dict | None:
     latest = registry.version_by_alias(cfg.registry.policy_model_name, CANDIDATE)
     if latest is None or latest.tags.get("data_fingerprint") != data.fingerprint:
         return None
-    logger.info("no new data: version %s was trained on data fingerprint %s; nothing to retrain",
-                latest.version, data.fingerprint)
+    logger.info(
+        "no new data: version %s was trained on data fingerprint %s; nothing to retrain",
+        latest.version,
+        data.fingerprint,
+    )
     tracking.set_run_tags(run_id, {"rlhf.skipped": "no new data"})
-    return {"mlflow_run_id": run_id, "skipped": "no new data", "data_fingerprint": data.fingerprint,
-            "candidate_uri": f"models:/{cfg.registry.policy_model_name}/{latest.version}"}
+    return {
+        "mlflow_run_id": run_id,
+        "skipped": "no new data",
+        "data_fingerprint": data.fingerprint,
+        "candidate_uri": f"models:/{cfg.registry.policy_model_name}/{latest.version}",
+    }
 
 
-def _summary(cfg, run_id: str, data: PreparedData, policy: Checkpoint | None, reward: Checkpoint | None,
-             trained: Checkpoint, exported: Checkpoint) -> dict:
+def _summary(
+    cfg,
+    run_id: str,
+    data: PreparedData,
+    policy: Checkpoint | None,
+    reward: Checkpoint | None,
+    trained: Checkpoint,
+    exported: Checkpoint,
+) -> dict:
     return {
         "mlflow_run_id": run_id,
         "skipped": None,
@@ -73,14 +87,18 @@ def _summary(cfg, run_id: str, data: PreparedData, policy: Checkpoint | None, re
         "final_eval_rows": trained.extra.get("final_rows", []),
         "reward_model_path": reward.path if reward else None,
         "reward_model_uri": reward.model_uri if reward else None,
-        "metrics": {**(policy.metrics if policy else {}), **({f"reward/{k}": v for k, v in reward.metrics.items()} if reward else {}),
-                    **{k: v for k, v in trained.metrics.items() if k.startswith(("objective/", "reward", "kl"))}},
+        "metrics": {
+            **(policy.metrics if policy else {}),
+            **({f"reward/{k}": v for k, v in reward.metrics.items()} if reward else {}),
+            **{k: v for k, v in trained.metrics.items() if k.startswith(("objective/", "reward", "kl"))},
+        },
     }
 
 
 @flow(name="rlhf-pipeline", log_prints=True)
-def rlhf_pipeline(config_path: str | None = "configs/demo.yaml", overrides: list[str] | None = None,
-                  only_if_new_data: bool = False) -> dict:
+def rlhf_pipeline(
+    config_path: str | None = "configs/demo.yaml", overrides: list[str] | None = None, only_if_new_data: bool = False
+) -> dict:
     """Run the pipeline on the config at `config_path` with `overrides` applied; return a summary.
 
     only_if_new_data: stop after the data stage when the current `candidate` policy was trained on

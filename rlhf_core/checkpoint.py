@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import math
+import os
 import random
 from pathlib import Path
 from typing import Any
@@ -197,13 +197,20 @@ def checkpoints_to_delete(dirs_with_metrics, keep_last: int | None, best_key: st
         return []
     if keep_last < 1:
         raise ValueError(f"keep_last must be at least 1, got {keep_last}")
-    steps = sorted(((checkpoint_step(Path(p)), Path(p), m) for p, m in dirs_with_metrics
-                    if checkpoint_step(Path(p)) is not None), key=lambda t: t[0])
+    steps = sorted(
+        ((checkpoint_step(Path(p)), Path(p), m) for p, m in dirs_with_metrics if checkpoint_step(Path(p)) is not None),
+        key=lambda t: t[0],
+    )
     keep = {path for _, path, _ in steps[-keep_last:]}
     if best_key is not None:
-        scored = [(float(m[best_key]), step, path) for step, path, m in steps
-                  if isinstance(m, dict) and isinstance(m.get(best_key), (int, float))
-                  and not isinstance(m.get(best_key), bool) and math.isfinite(m[best_key])]
+        scored = [
+            (float(m[best_key]), step, path)
+            for step, path, m in steps
+            if isinstance(m, dict)
+            and isinstance(m.get(best_key), (int, float))
+            and not isinstance(m.get(best_key), bool)
+            and math.isfinite(m[best_key])
+        ]
         if scored:
             keep.add(max(scored)[2])
     return [path for _, path, _ in steps if path not in keep]
@@ -217,7 +224,9 @@ def _read_metrics(path: Path) -> dict | None:
     return metrics if isinstance(metrics, dict) else None
 
 
-def prune_checkpoints(directory: str | Path, keep_last: int | None, best_keys: tuple[str, ...] | str | None) -> list[Path]:
+def prune_checkpoints(
+    directory: str | Path, keep_last: int | None, best_keys: tuple[str, ...] | str | None
+) -> list[Path]:
     """Delete the checkpoint-N directories of `directory` that `checkpoints_to_delete` selects; return them.
 
     Only real directories (no symlinks) carrying the marker `atomic_dir` writes are considered or

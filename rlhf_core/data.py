@@ -61,10 +61,15 @@ def _glob_files(pattern: str, field: str) -> tuple[str, list[str]]:
     """The data files a glob such as data/prefs/*.jsonl matches, sorted (the order is part of the fingerprint)."""
     import glob
 
-    files = sorted(Path(p) for p in glob.glob(str(Path(pattern).expanduser()), recursive=True)
-                   if Path(p).is_file() and Path(p).suffix.lower() in LOCAL_FORMATS)
+    files = sorted(
+        Path(p)
+        for p in glob.glob(str(Path(pattern).expanduser()), recursive=True)
+        if Path(p).is_file() and Path(p).suffix.lower() in LOCAL_FORMATS
+    )
     if not files:
-        raise DataValidationError(f"{field}.path: the glob {pattern} matches no {'/'.join(sorted(LOCAL_FORMATS))} files")
+        raise DataValidationError(
+            f"{field}.path: the glob {pattern} matches no {'/'.join(sorted(LOCAL_FORMATS))} files"
+        )
     return _same_format(f"the glob {pattern}", files)
 
 
@@ -72,7 +77,9 @@ def _local_files(path: Path) -> tuple[str, list[str]]:
     if path.is_file():
         fmt = LOCAL_FORMATS.get(path.suffix.lower())
         if fmt is None:
-            raise DataValidationError(f"{path}: unsupported file type '{path.suffix}', use one of {sorted(LOCAL_FORMATS)}")
+            raise DataValidationError(
+                f"{path}: unsupported file type '{path.suffix}', use one of {sorted(LOCAL_FORMATS)}"
+            )
         return fmt, [str(path)]
     files = sorted(p for p in path.iterdir() if p.suffix.lower() in LOCAL_FORMATS)
     if not files:
@@ -137,7 +144,9 @@ def load_table(spec: DatasetSpec, kind: Kind, *, field: str, resolved_path: str 
         try:
             ds = datasets.load_dataset(path, split=spec.split)
         except Exception as err:
-            raise DataValidationError(f"{field}.path: hub dataset '{path}' (split '{spec.split}') could not be loaded: {str(err).splitlines()[0]}") from None
+            raise DataValidationError(
+                f"{field}.path: hub dataset '{path}' (split '{spec.split}') could not be loaded: {str(err).splitlines()[0]}"
+            ) from None
         source = f"{path}[{spec.split}]"
 
     missing = [src for src in mapping.values() if src not in ds.column_names]
@@ -168,15 +177,21 @@ def validate_rows(ds, kind: Kind, *, source: str, source_columns: dict[str, str]
             if value is None:
                 raise DataValidationError(f"{source} row {i} column `{names[col]}` is missing a value")
             if not isinstance(value, str):
-                raise DataValidationError(f"{source} row {i} column `{names[col]}` holds a {type(value).__name__}, not a string")
+                raise DataValidationError(
+                    f"{source} row {i} column `{names[col]}` holds a {type(value).__name__}, not a string"
+                )
             if not value.strip() and not (col == "prompt" and kind == "preference"):
                 raise DataValidationError(f"{source} row {i} column `{names[col]}` is empty")
         if kind == "preference":
             if row["chosen"].strip() == row["rejected"].strip():
-                raise DataValidationError(f"{source} row {i}: `{names['chosen']}` is identical to `{names['rejected']}`")
+                raise DataValidationError(
+                    f"{source} row {i}: `{names['chosen']}` is identical to `{names['rejected']}`"
+                )
             margin = row.get("margin", 0.0)
             if isinstance(margin, bool) or not isinstance(margin, (int, float)):
-                raise DataValidationError(f"{source} row {i} column `{names['margin']}` holds {row['margin']!r}, not a number")
+                raise DataValidationError(
+                    f"{source} row {i} column `{names['margin']}` holds {row['margin']!r}, not a number"
+                )
 
 
 @dataclass
@@ -200,8 +215,9 @@ def _token_lengths(tokenizer, texts: list[str]) -> list[int]:
     return [len(ids) for ids in tokenizer(texts, add_special_tokens=True)["input_ids"]]
 
 
-def apply_length_policy(ds, kind: Kind, tokenizer, *, max_length: int, max_prompt_length: int,
-                        action: Literal["truncate", "drop"]):
+def apply_length_policy(
+    ds, kind: Kind, tokenizer, *, max_length: int, max_prompt_length: int, action: Literal["truncate", "drop"]
+):
     """Count rows over the limits; drop them or keep them for truncation at collation. -> (ds, report)
 
     Limits: preferences use prompt+chosen and prompt+rejected against `max_length`; prompts use

@@ -35,10 +35,46 @@ WORLD_VERSION = 1  # bump when the generator changes, so cached worlds are rebui
 PAD, UNK, BOS, EOS = "<pad>", "<unk>", "<bos>", "<eos>"
 
 NOUNS = [
-    "food", "service", "staff", "room", "movie", "plot", "book", "hotel", "price", "music",
-    "coffee", "pizza", "menu", "waiter", "view", "bed", "screen", "battery", "camera", "phone",
-    "show", "ending", "story", "soup", "beer", "wine", "dessert", "app", "game", "seller",
-    "delivery", "pool", "lobby", "acting", "soundtrack", "keyboard", "charger", "burger", "salad", "trip",
+    "food",
+    "service",
+    "staff",
+    "room",
+    "movie",
+    "plot",
+    "book",
+    "hotel",
+    "price",
+    "music",
+    "coffee",
+    "pizza",
+    "menu",
+    "waiter",
+    "view",
+    "bed",
+    "screen",
+    "battery",
+    "camera",
+    "phone",
+    "show",
+    "ending",
+    "story",
+    "soup",
+    "beer",
+    "wine",
+    "dessert",
+    "app",
+    "game",
+    "seller",
+    "delivery",
+    "pool",
+    "lobby",
+    "acting",
+    "soundtrack",
+    "keyboard",
+    "charger",
+    "burger",
+    "salad",
+    "trip",
 ]
 # `{a}` is the first description slot: the prompt ends right before it.
 TEMPLATES = [
@@ -200,7 +236,9 @@ def train_word_tokenizer(texts: list[str], max_length: int):
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.train_from_iterator(texts, trainer=trainers.WordLevelTrainer(special_tokens=[PAD, UNK, BOS, EOS]))
     bos_id = tok.token_to_id(BOS)
-    tok.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, bos_id)])
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, bos_id)]
+    )
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD, unk_token=UNK, model_max_length=max_length
     )
@@ -258,8 +296,9 @@ def load_cached_world(root: Path, key: dict) -> DemoWorld | None:
     return world
 
 
-def build_demo_world(root: str | Path, seed: int, world: DemoWorldConfig, model: DemoModelConfig,
-                     progress=None) -> DemoWorld:
+def build_demo_world(
+    root: str | Path, seed: int, world: DemoWorldConfig, model: DemoModelConfig, progress=None
+) -> DemoWorld:
     """Build the demo world into `root` (or reuse it when cached with the same key).
 
     The build writes to a temporary sibling directory and renames it into place, so an interrupted
@@ -294,8 +333,12 @@ def build_demo_world(root: str | Path, seed: int, world: DemoWorldConfig, model:
         _write_jsonl(out.prompts("test"), eval_prompts)
 
         report(2, len(steps), steps[2])
-        train_pairs = _preference_pairs(writer, _sample_prefixes(writer, False, world.num_preference_pairs), world.min_compound_gap)
-        eval_pairs = _preference_pairs(writer, _sample_prefixes(writer, True, world.num_eval_preference_pairs), world.min_compound_gap)
+        train_pairs = _preference_pairs(
+            writer, _sample_prefixes(writer, False, world.num_preference_pairs), world.min_compound_gap
+        )
+        eval_pairs = _preference_pairs(
+            writer, _sample_prefixes(writer, True, world.num_eval_preference_pairs), world.min_compound_gap
+        )
         _write_jsonl(out.preferences("train"), train_pairs)
         _write_jsonl(out.preferences("test"), eval_pairs)
 

@@ -7,27 +7,46 @@ no reference is loaded), and its length. The caller turns rows into MLflow table
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
-from rlhf_core.rl_math import kl_per_token
 from rlhf_core.reward_functions import call_scoring_function
+from rlhf_core.rl_math import kl_per_token, response_mask
 from rlhf_core.rollout import (
-    NEAR_GREEDY_TEMPERATURE, SamplingSettings, decode_responses, generate, left_pad, reference_context, response_logprobs, sequence_scores,
+    NEAR_GREEDY_TEMPERATURE,
+    SamplingSettings,
+    decode_responses,
+    generate,
+    left_pad,
+    reference_context,
+    response_logprobs,
+    sequence_scores,
     tokenize_prompts,
 )
-from rlhf_core.rl_math import response_mask
 from rlhf_core.saving import is_peft
 
 
 @torch.no_grad()
-def evaluate_generations(policy, ref_model, reward_model, tokenizer, prompts: list[str], *, response_length: int,
-                         max_prompt_length: int, metrics: dict[str, object], batch_size: int, greedy: bool = False,
-                         stop_token_ids: Sequence[int] = (), device=None) -> list[dict]:
+def evaluate_generations(
+    policy,
+    ref_model,
+    reward_model,
+    tokenizer,
+    prompts: list[str],
+    *,
+    response_length: int,
+    max_prompt_length: int,
+    metrics: dict[str, object],
+    batch_size: int,
+    greedy: bool = False,
+    stop_token_ids: Sequence[int] = (),
+    device=None,
+) -> list[dict]:
     """Rows of near-greedy (or greedy) completions of `prompts`, scored by the reward model and `metrics`."""
-    settings = SamplingSettings(response_length=response_length, temperature=NEAR_GREEDY_TEMPERATURE, top_k=0,
-                                top_p=1.0, greedy=greedy)
+    settings = SamplingSettings(
+        response_length=response_length, temperature=NEAR_GREEDY_TEMPERATURE, top_k=0, top_p=1.0, greedy=greedy
+    )
     was_training = policy.training
     policy.eval()
     for model in (ref_model, reward_model):
@@ -39,8 +58,9 @@ def evaluate_generations(policy, ref_model, reward_model, tokenizer, prompts: li
         query_ids, query_mask = left_pad(tokenize_prompts(tokenizer, chunk, max_prompt_length), tokenizer.pad_token_id)
         if device is not None:
             query_ids, query_mask = query_ids.to(device), query_mask.to(device)
-        responses = generate(policy, query_ids, query_mask, settings, pad_token_id=tokenizer.pad_token_id,
-                             stop_token_ids=stop_token_ids)
+        responses = generate(
+            policy, query_ids, query_mask, settings, pad_token_id=tokenizer.pad_token_id, stop_token_ids=stop_token_ids
+        )
         resp_mask, last_index, _ = response_mask(responses, stop_token_ids)
         kl = None
         if ref_model is not None or is_peft(policy):  # GRPO with beta 0 loads no reference at all
@@ -48,9 +68,16 @@ def evaluate_generations(policy, ref_model, reward_model, tokenizer, prompts: li
             with reference_context(policy, ref_model):
                 ref_logp, _ = response_logprobs(ref_model or policy, query_ids, query_mask, responses, resp_mask)
             kl = (kl_per_token(logp, ref_logp, "k1") * resp_mask).sum(1)
-        scores = sequence_scores(reward_model, query_ids, query_mask, responses, resp_mask, last_index) if reward_model is not None else None
+        scores = (
+            sequence_scores(reward_model, query_ids, query_mask, responses, resp_mask, last_index)
+            if reward_model is not None
+            else None
+        )
         completions = decode_responses(tokenizer, responses, resp_mask)
-        extra = {name: call_scoring_function(name, fn, prompts=chunk, completions=completions) for name, fn in metrics.items()}
+        extra = {
+            name: call_scoring_function(name, fn, prompts=chunk, completions=completions)
+            for name, fn in metrics.items()
+        }
         for i, (prompt, completion) in enumerate(zip(chunk, completions)):
             row = {"prompt": prompt, "completion": completion}
             if scores is not None:

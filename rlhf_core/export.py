@@ -14,9 +14,10 @@ written to a temporary sibling and renamed into place, so an export is complete 
 from __future__ import annotations
 
 import shutil
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from rlhf_core.model_card import write_model_card
 from rlhf_core.saving import atomic_dir
@@ -38,16 +39,22 @@ class ExportInfo:
     model_name: str = ""  # the registered model the export becomes a version of
 
 
-def generation_settings(*, tokenizer, max_new_tokens: int, temperature: float, top_k: int, top_p: float,
-                        stop_token_ids: Sequence[int] = ()) -> dict[str, Any]:
+def generation_settings(
+    *, tokenizer, max_new_tokens: int, temperature: float, top_k: int, top_p: float, stop_token_ids: Sequence[int] = ()
+) -> dict[str, Any]:
     """generation_config.json: the sampling the policy was trained with, and every id it learned to stop
     on as eos_token_id (a list when there are several, as instruct models ship; the tokenizer's eos when none)."""
     eos: Any = list(stop_token_ids) or tokenizer.eos_token_id
     if isinstance(eos, list) and len(eos) == 1:
         eos = eos[0]
     settings: dict[str, Any] = {
-        "do_sample": True, "temperature": temperature, "top_k": top_k, "top_p": top_p, "max_new_tokens": max_new_tokens,
-        "eos_token_id": eos, "pad_token_id": tokenizer.pad_token_id,
+        "do_sample": True,
+        "temperature": temperature,
+        "top_k": top_k,
+        "top_p": top_p,
+        "max_new_tokens": max_new_tokens,
+        "eos_token_id": eos,
+        "pad_token_id": tokenizer.pad_token_id,
     }
     if tokenizer.bos_token_id is not None:
         settings["bos_token_id"] = tokenizer.bos_token_id
@@ -61,14 +68,14 @@ def _card_body(info: ExportInfo, *, lora: bool, merged: bool, name: str) -> str:
         load = (
             "This directory holds a LoRA adapter; `adapter_config.json` names its base model.\n\n"
             "```python\nfrom peft import AutoPeftModelForCausalLM\nfrom transformers import AutoTokenizer\n\n"
-            f"model = AutoPeftModelForCausalLM.from_pretrained(\"{name}\")  # or AutoModelForCausalLM with peft installed\n"
-            f"tokenizer = AutoTokenizer.from_pretrained(\"{name}\")\n```"
+            f'model = AutoPeftModelForCausalLM.from_pretrained("{name}")  # or AutoModelForCausalLM with peft installed\n'
+            f'tokenizer = AutoTokenizer.from_pretrained("{name}")\n```'
         )
     else:
         load = (
             "```python\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n\n"
-            f"model = AutoModelForCausalLM.from_pretrained(\"{name}\")\ntokenizer = AutoTokenizer.from_pretrained(\"{name}\")\n"
-            "inputs = tokenizer(\"The movie was\", return_tensors=\"pt\")\n"
+            f'model = AutoModelForCausalLM.from_pretrained("{name}")\ntokenizer = AutoTokenizer.from_pretrained("{name}")\n'
+            'inputs = tokenizer("The movie was", return_tensors="pt")\n'
             "print(tokenizer.decode(model.generate(**inputs)[0], skip_special_tokens=True))\n```"
         )
         if lora:
@@ -94,8 +101,9 @@ starting from `{info.base_model}` and optimizing {reward}.
 """
 
 
-def export_policy(policy_dir: str | Path, output_dir: str | Path, info: ExportInfo, *, generation: dict[str, Any],
-                  merge: bool) -> Path:
+def export_policy(
+    policy_dir: str | Path, output_dir: str | Path, info: ExportInfo, *, generation: dict[str, Any], merge: bool
+) -> Path:
     """Write the export of the RL checkpoint's `policy/` directory to `output_dir` (see the module docstring).
 
     `policy_dir` is what `training.save_hf_dir` wrote: full weights, the tokenizer, and with LoRA the
@@ -132,6 +140,10 @@ def export_policy(policy_dir: str | Path, output_dir: str | Path, info: ExportIn
             "rlhf": {"algorithm": info.algorithm, "steps": info.steps, "registered_model": info.model_name or None},
             "eval_results": {k: round(float(v), 6) for k, v in info.eval_metrics.items()},
         }
-        write_model_card(tmp, title=f"{info.model_name or 'RLHF policy'} ({info.algorithm.upper()})", metadata=metadata,
-                         body=_card_body(info, lora=lora, merged=merge, name=str(output_dir)))
+        write_model_card(
+            tmp,
+            title=f"{info.model_name or 'RLHF policy'} ({info.algorithm.upper()})",
+            metadata=metadata,
+            body=_card_body(info, lora=lora, merged=merge, name=str(output_dir)),
+        )
     return output_dir

@@ -11,21 +11,29 @@ optimizer batch, every process's).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Literal
+from typing import Literal
 
 import torch
 
 from rlhf_core.config import GRPOConfig, RLConfig, RunConfig
-from rlhf_core.rl_math import masked_mean
-from rlhf_core.reward_functions import check_finite, call_scoring_function
-from rlhf_core.rollout import (
-    PromptBatches, Rollout, collect_rollout, completion_metrics, decode_responses, response_logprobs, rl_loop_settings,
-    rl_sampling, sequence_scores,
-)
 from rlhf_core.loop import LoopResult, OnCheckpoint, OnLog, OnStep, TrainingLoop
 from rlhf_core.models import stop_token_ids
+from rlhf_core.reward_functions import call_scoring_function, check_finite
+from rlhf_core.rl_math import masked_mean
+from rlhf_core.rollout import (
+    PromptBatches,
+    Rollout,
+    collect_rollout,
+    completion_metrics,
+    decode_responses,
+    response_logprobs,
+    rl_loop_settings,
+    rl_sampling,
+    sequence_scores,
+)
 
 LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"]
 STD_EPS = 1e-4  # TRL's: advantages are divided by std + 1e-4
@@ -50,10 +58,15 @@ class Advantages:
     unscorable: torch.Tensor  # (B,) bool: every source returned None
 
 
-def grpo_advantages(per_source: torch.Tensor, weights: torch.Tensor, num_generations: int, *,
-                    scale_rewards: Literal["group", "batch", "none"] = "group",
-                    aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = "sum_then_normalize",
-                    penalty: torch.Tensor | None = None) -> Advantages:
+def grpo_advantages(
+    per_source: torch.Tensor,
+    weights: torch.Tensor,
+    num_generations: int,
+    *,
+    scale_rewards: Literal["group", "batch", "none"] = "group",
+    aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = "sum_then_normalize",
+    penalty: torch.Tensor | None = None,
+) -> Advantages:
     """Group-relative advantages of a whole generation batch (every process's rows, group by group), as TRL 1.16.
 
     per_source (B, F): each source's reward, NaN where it returned None. A row with no reward at all
@@ -92,9 +105,16 @@ def grpo_advantages(per_source: torch.Tensor, weights: torch.Tensor, num_generat
     return Advantages(torch.nan_to_num(advantages, nan=0.0), rewards, std, unscorable)
 
 
-def grpo_token_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-                    grpo: GRPOConfig, *, ref_logp: torch.Tensor | None = None,
-                    entropy_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def grpo_token_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    grpo: GRPOConfig,
+    *,
+    ref_logp: torch.Tensor | None = None,
+    entropy_mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Per-token loss (B, T) (or (B, 1) at sequence level with nothing per-token added) and statistics.
 
     ratio r = exp(logp - old_logp) per token, or per sequence exp(mean over its tokens) with
@@ -125,8 +145,10 @@ def grpo_token_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torc
     if grpo.loss_type == "cispo":
         stats = {"cispo_clipped": ((ratio > eps_high) & (adv > 0)).float()}
     else:
-        stats = {"low_clipped": ((ratio < 1 - eps_low) & (adv < 0)).float(),
-                 "high_clipped": ((ratio > 1 + eps_high) & (adv > 0)).float()}
+        stats = {
+            "low_clipped": ((ratio < 1 - eps_low) & (adv < 0)).float(),
+            "high_clipped": ((ratio > 1 + eps_high) & (adv > 0)).float(),
+        }
     if entropy_mask is not None:
         per_token = per_token * entropy_mask
     if grpo.beta and ref_logp is not None:
@@ -138,8 +160,9 @@ def grpo_token_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torc
     return per_token, stats
 
 
-def reduce_loss(per_token: torch.Tensor, mask: torch.Tensor, loss_type: LossType, *, max_completion_length: int,
-                total_tokens: float) -> torch.Tensor:
+def reduce_loss(
+    per_token: torch.Tensor, mask: torch.Tensor, loss_type: LossType, *, max_completion_length: int, total_tokens: float
+) -> torch.Tensor:
     """Normalize a micro-batch's per-token loss the way `loss_type` says (see the module docstring).
 
     `total_tokens` is the number of completion tokens in the whole optimizer batch (dapo, cispo).
@@ -154,8 +177,12 @@ def reduce_loss(per_token: torch.Tensor, mask: torch.Tensor, loss_type: LossType
     return (per_token * mask).sum() / (total_tokens if total_tokens > 0 else 1.0)
 
 
-def high_entropy_mask(entropies: torch.Tensor, mask: torch.Tensor, top_quantile: float,
-                      gather: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+def high_entropy_mask(
+    entropies: torch.Tensor,
+    mask: torch.Tensor,
+    top_quantile: float,
+    gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
     """True on the real tokens whose entropy is at or above the (1 - top_quantile) quantile of all real
     tokens' entropies (every process's, through `gather`, which takes and returns a 1-D tensor). (B, T) bool"""
     local = entropies[mask.bool()].float()
@@ -190,11 +217,18 @@ class RewardSourceFn:
 
 def model_reward(name: str, weight: float, reward_model) -> RewardSourceFn:
     """A reward model read at the last real token of each prompt+completion."""
+
     def score(prompts, completions, rollout: Rollout, rows):
         reward_model.to(rollout.query_ids.device)  # a no-op once it is there
         with torch.no_grad():
-            values = sequence_scores(reward_model, rollout.query_ids, rollout.query_mask, rollout.responses,
-                                     rollout.resp_mask, rollout.last_index)
+            values = sequence_scores(
+                reward_model,
+                rollout.query_ids,
+                rollout.query_mask,
+                rollout.responses,
+                rollout.resp_mask,
+                rollout.last_index,
+            )
         return values.tolist()
 
     return RewardSourceFn(name, weight, score)
@@ -202,6 +236,7 @@ def model_reward(name: str, weight: float, reward_model) -> RewardSourceFn:
 
 def function_reward(name: str, weight: float, fn) -> RewardSourceFn:
     """A Python function called as fn(prompts=, completions=, **dataset_columns), checked for shape and type."""
+
     def score(prompts, completions, rollout, rows):
         columns = {k: [row[k] for row in rows] for k in (rows[0] if rows else {}) if k != "prompt"}
         return call_scoring_function(name, fn, prompts=prompts, completions=completions, **columns)
@@ -209,12 +244,27 @@ def function_reward(name: str, weight: float, fn) -> RewardSourceFn:
     return RewardSourceFn(name, weight, score)
 
 
-def train_grpo(policy, ref_model, rewards: list[RewardSourceFn], tokenizer, prompt_rows: list[dict], rl: RLConfig,
-               grpo: GRPOConfig, run: RunConfig, *, max_prompt_length: int, output_dir: str | Path,
-               on_log: OnLog | None = None, on_checkpoint: OnCheckpoint | None = None,
-               on_eval: Callable[[list[dict], int], None] | None = None, on_step: OnStep | None = None,
-               evaluate: Callable[[torch.nn.Module, int], list[dict]] | None = None, eval_every: int | None = None,
-               on_completions: Callable[[list[dict], int], None] | None = None, show_progress: bool = True) -> LoopResult:
+def train_grpo(
+    policy,
+    ref_model,
+    rewards: list[RewardSourceFn],
+    tokenizer,
+    prompt_rows: list[dict],
+    rl: RLConfig,
+    grpo: GRPOConfig,
+    run: RunConfig,
+    *,
+    max_prompt_length: int,
+    output_dir: str | Path,
+    on_log: OnLog | None = None,
+    on_checkpoint: OnCheckpoint | None = None,
+    on_eval: Callable[[list[dict], int], None] | None = None,
+    on_step: OnStep | None = None,
+    evaluate: Callable[[torch.nn.Module, int], list[dict]] | None = None,
+    eval_every: int | None = None,
+    on_completions: Callable[[list[dict], int], None] | None = None,
+    show_progress: bool = True,
+) -> LoopResult:
     """Train `policy` with GRPO for rl.total_steps generation batches; resume from output_dir.
 
     ref_model None with beta > 0 means a PEFT policy whose disabled adapters are the reference; with
@@ -234,16 +284,30 @@ def train_grpo(policy, ref_model, rewards: list[RewardSourceFn], tokenizer, prom
     models = {"policy": policy}
     if grpo.sync_ref_model and ref_model is not None:
         models["ref"] = ref_model  # it changes during training: saved and restored with the policy
-    settings = rl_loop_settings(rl, run, name="grpo", micro_batches=-(-step_batch // micro), micro_batch_size=micro,
-                                eval_every=eval_every if on_eval is not None else None)
+    settings = rl_loop_settings(
+        rl,
+        run,
+        name="grpo",
+        micro_batches=-(-step_batch // micro),
+        micro_batch_size=micro,
+        eval_every=eval_every if on_eval is not None else None,
+    )
     loop = TrainingLoop(policy, models, tokenizer, settings, run, output_dir=output_dir)
-    batches = PromptBatches(tokenizer, [r["prompt"] for r in prompt_rows], max_prompt_length=max_prompt_length,
-                            per_step=rl.batch_size // G, seed=run.seed, loop=loop, repeat=G)
+    batches = PromptBatches(
+        tokenizer,
+        [r["prompt"] for r in prompt_rows],
+        max_prompt_length=max_prompt_length,
+        per_step=rl.batch_size // G,
+        seed=run.seed,
+        loop=loop,
+        repeat=G,
+    )
     if ref_model is not None:
         ref_model.to(loop.device).eval().requires_grad_(False)
     pad_id = tokenizer.pad_token_id
-    stop_ids = stop_token_ids(tokenizer, getattr(policy, "generation_config", None), stop_token=rl.stop_token,
-                              stop_tokens=rl.stop_tokens)
+    stop_ids = stop_token_ids(
+        tokenizer, getattr(policy, "generation_config", None), stop_token=rl.stop_token, stop_tokens=rl.stop_tokens
+    )
     sampling = rl_sampling(rl)
     weights = torch.tensor([s.weight for s in rewards], dtype=torch.float32)
     world, rank = loop.world, loop.rank
@@ -261,9 +325,18 @@ def train_grpo(policy, ref_model, rewards: list[RewardSourceFn], tokenizer, prom
         # 1. sample G completions per prompt
         model = loop.unwrapped()
         with loop.full_parameters():
-            rollout = collect_rollout(model, ref_model, query_ids, query_mask, sampling, pad_token_id=pad_id,
-                                      stop_token_ids=stop_ids, need_reference=grpo.beta > 0,
-                                      need_logprobs=per_iteration > 1, prompt_repeats=G)
+            rollout = collect_rollout(
+                model,
+                ref_model,
+                query_ids,
+                query_mask,
+                sampling,
+                pad_token_id=pad_id,
+                stop_token_ids=stop_ids,
+                need_reference=grpo.beta > 0,
+                need_logprobs=per_iteration > 1,
+                prompt_repeats=G,
+            )
         rows = [prompt_rows[i] for i in indices]
         prompts = [r["prompt"] for r in rows]
         completions = decode_responses(tokenizer, rollout.responses, rollout.resp_mask)
@@ -279,9 +352,14 @@ def train_grpo(policy, ref_model, rewards: list[RewardSourceFn], tokenizer, prom
         if rl.missing_eos_penalty is not None:
             penalty = rl.missing_eos_penalty * (~rollout.has_stop).float()
         # 3. advantages over every process's groups (batch statistics are global), this process's slice kept
-        everyone = grpo_advantages(loop.gather(per_source), weights, G, scale_rewards=grpo.scale_rewards,
-                                   aggregation=grpo.multi_objective_aggregation,
-                                   penalty=loop.gather(penalty) if penalty is not None else None)
+        everyone = grpo_advantages(
+            loop.gather(per_source),
+            weights,
+            G,
+            scale_rewards=grpo.scale_rewards,
+            aggregation=grpo.multi_objective_aggregation,
+            penalty=loop.gather(penalty) if penalty is not None else None,
+        )
         n = per_source.shape[0]
         advantages = everyone.advantages[rank * n : (rank + 1) * n]
 
@@ -292,7 +370,9 @@ def train_grpo(policy, ref_model, rewards: list[RewardSourceFn], tokenizer, prom
         # dapo/cispo divide by the active tokens of the global optimizer batch (TRL: the generation batch's
         # tokens / steps per generation); the processes' gradients are averaged, hence / world
         total_tokens = float(loop.global_sum(mask.sum().float())) / world / steps_per_gen
-        stats: dict[str, list[torch.Tensor]] = {k: [] for k in ("loss", "low", "high", "region", "cispo", "kl", "entropy")}
+        stats: dict[str, list[torch.Tensor]] = {
+            k: [] for k in ("loss", "low", "high", "region", "cispo", "kl", "entropy")
+        }
         policy.train()
         for j in range(per_iteration):
             base = (j % steps_per_gen) * step_batch
@@ -301,18 +381,35 @@ def train_grpo(policy, ref_model, rewards: list[RewardSourceFn], tokenizer, prom
                 idx = slice(start, min(start + micro, base + step_batch))
                 m = mask[idx]
                 with loop.micro_batch():
-                    logp, entropy = response_logprobs(loop.trainable, rollout.query_ids[idx], rollout.query_mask[idx],
-                                                      rollout.responses[idx], rollout.resp_mask[idx], rl.temperature,
-                                                      with_entropy=True)
+                    logp, entropy = response_logprobs(
+                        loop.trainable,
+                        rollout.query_ids[idx],
+                        rollout.query_mask[idx],
+                        rollout.responses[idx],
+                        rollout.resp_mask[idx],
+                        rl.temperature,
+                        with_entropy=True,
+                    )
                     old_logp = rollout.logprobs[idx] if rollout.logprobs is not None else logp.detach()
                     entropy_mask = None
                     if grpo.top_entropy_quantile < 1.0:
                         entropy_mask = high_entropy_mask(entropy, m, grpo.top_entropy_quantile, gather_tokens)
                     per_token, tstats = grpo_token_loss(
-                        logp, old_logp, advantages[idx], m, grpo, entropy_mask=entropy_mask,
-                        ref_logp=rollout.ref_logprobs[idx] if rollout.ref_logprobs is not None else None)
-                    loss = reduce_loss(per_token, m, grpo.loss_type, max_completion_length=rl.response_length,
-                                       total_tokens=total_tokens)
+                        logp,
+                        old_logp,
+                        advantages[idx],
+                        m,
+                        grpo,
+                        entropy_mask=entropy_mask,
+                        ref_logp=rollout.ref_logprobs[idx] if rollout.ref_logprobs is not None else None,
+                    )
+                    loss = reduce_loss(
+                        per_token,
+                        m,
+                        grpo.loss_type,
+                        max_completion_length=rl.response_length,
+                        total_tokens=total_tokens,
+                    )
                     if grpo.loss_type not in ("dapo", "cispo"):
                         loss = loss * (m.shape[0] / step_batch)  # mean over micro-batches
                     loop.backward(loss)
@@ -333,13 +430,23 @@ def train_grpo(policy, ref_model, rewards: list[RewardSourceFn], tokenizer, prom
                 mix_into_reference(ref_model, loop.unwrapped(), grpo.ref_model_mixup_alpha)
 
         step = loop.step + 1
-        if on_completions is not None and loop.accelerator.is_main_process and (
-                step % grpo.log_completions_steps == 0 or step == rl.total_steps):
+        if (
+            on_completions is not None
+            and loop.accelerator.is_main_process
+            and (step % grpo.log_completions_steps == 0 or step == rl.total_steps)
+        ):
             mine = everyone.rewards[rank * n : (rank + 1) * n]
-            table = [{"step": step, "prompt": p, "completion": c, "advantage": float(a),
-                      "reward": None if torch.isnan(t) else float(t),
-                      **{s.name: (None if torch.isnan(v) else float(v)) for s, v in zip(rewards, per_source[i])}}
-                     for i, (p, c, a, t) in enumerate(zip(prompts, completions, advantages.tolist(), mine))]
+            table = [
+                {
+                    "step": step,
+                    "prompt": p,
+                    "completion": c,
+                    "advantage": float(a),
+                    "reward": None if torch.isnan(t) else float(t),
+                    **{s.name: (None if torch.isnan(v) else float(v)) for s, v in zip(rewards, per_source[i])},
+                }
+                for i, (p, c, a, t) in enumerate(zip(prompts, completions, advantages.tolist(), mine))
+            ]
             on_completions(table, step)
 
         def avg(key: str) -> torch.Tensor | float:
@@ -360,8 +467,13 @@ def train_grpo(policy, ref_model, rewards: list[RewardSourceFn], tokenizer, prom
         if grpo.loss_type == "cispo":
             metrics["cispo_clip_ratio"] = avg("cispo")
         else:
-            metrics.update({"clip_ratio/low_mean": avg("low"), "clip_ratio/high_mean": avg("high"),
-                            "clip_ratio/region_mean": avg("region")})
+            metrics.update(
+                {
+                    "clip_ratio/low_mean": avg("low"),
+                    "clip_ratio/high_mean": avg("high"),
+                    "clip_ratio/region_mean": avg("region"),
+                }
+            )
         if stats["kl"]:
             metrics["kl"] = avg("kl")
         for i, source in enumerate(rewards):
@@ -370,5 +482,13 @@ def train_grpo(policy, ref_model, rewards: list[RewardSourceFn], tokenizer, prom
             metrics[f"rewards/{source.name}/std"] = nanstd(column)
         return metrics
 
-    return loop.run(step, batches, on_log=on_log, evaluate=(lambda at: evaluate(policy, at)) if evaluate else None,
-                    on_eval=on_eval, on_checkpoint=on_checkpoint, on_step=on_step, show_progress=show_progress)
+    return loop.run(
+        step,
+        batches,
+        on_log=on_log,
+        evaluate=(lambda at: evaluate(policy, at)) if evaluate else None,
+        on_eval=on_eval,
+        on_checkpoint=on_checkpoint,
+        on_step=on_step,
+        show_progress=show_progress,
+    )

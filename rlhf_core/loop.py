@@ -19,9 +19,10 @@ import json
 import math
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Literal, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 
@@ -54,8 +55,13 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def make_accelerator(run: RunConfig, gradient_accumulation_steps: int = 1, *, micro_batch_size: int | None = None,
-                     max_grad_norm: float | None = None):
+def make_accelerator(
+    run: RunConfig,
+    gradient_accumulation_steps: int = 1,
+    *,
+    micro_batch_size: int | None = None,
+    max_grad_norm: float | None = None,
+):
     """An Accelerator honouring run.device and run.mixed_precision (launch-time settings win).
 
     Under DeepSpeed, `micro_batch_size` and `max_grad_norm` fill the engine's "auto" batch size and
@@ -123,13 +129,17 @@ class ShardedBatches:
     `epoch` and `position` are what a checkpoint saves to resume the exact order.
     """
 
-    def __init__(self, n_rows: int, batch_size: int, seed: int, *, rank: int, world: int, epoch: int = 0, position: int = 0):
+    def __init__(
+        self, n_rows: int, batch_size: int, seed: int, *, rank: int, world: int, epoch: int = 0, position: int = 0
+    ):
         self.n_rows, self.batch_size, self.seed, self.rank, self.world = n_rows, batch_size, seed, rank, world
         self.epoch, self.position = epoch, position
         self.batches = epoch_batches(n_rows, batch_size, seed, epoch)
         if len(self.batches) < world:
-            raise ValueError(f"{n_rows} rows make {len(self.batches)} batches of {batch_size}, fewer than the "
-                             f"{world} processes that each need one per step; lower the batch size or add data")
+            raise ValueError(
+                f"{n_rows} rows make {len(self.batches)} batches of {batch_size}, fewer than the "
+                f"{world} processes that each need one per step; lower the batch size or add data"
+            )
 
     def next(self) -> list[int]:
         """This process's batch for the next step."""
@@ -220,16 +230,29 @@ class TrainingLoop:
     SUMMED = ("_tokens", "val/num_eos_tokens")  # metrics that add up over processes (the others are averaged)
     MINIMA, MAXIMA = ("completions/min_length",), ("completions/max_length",)
 
-    def __init__(self, trainable: torch.nn.Module, models: dict[str, torch.nn.Module], tokenizer, settings: LoopSettings,
-                 run: RunConfig, *, output_dir: str | Path | None = None, state: dict[str, float] | None = None):
+    def __init__(
+        self,
+        trainable: torch.nn.Module,
+        models: dict[str, torch.nn.Module],
+        tokenizer,
+        settings: LoopSettings,
+        run: RunConfig,
+        *,
+        output_dir: str | Path | None = None,
+        state: dict[str, float] | None = None,
+    ):
         self.settings, self.run_cfg, self.tokenizer = settings, run, tokenizer
         self.models, self.state = models, dict(state or {})
         self.output_dir = Path(output_dir) if output_dir is not None else None
         seed_everything(run.seed)
         # accumulation through accelerate: no gradient all-reduce until the last micro-batch (DDP), and
         # DeepSpeed steps its engine at that boundary only
-        self.accelerator = make_accelerator(run, settings.micro_batches, micro_batch_size=settings.micro_batch_size,
-                                            max_grad_norm=settings.optim.max_grad_norm)
+        self.accelerator = make_accelerator(
+            run,
+            settings.micro_batches,
+            micro_batch_size=settings.micro_batch_size,
+            max_grad_norm=settings.optim.max_grad_norm,
+        )
         self.optimizer, self.scheduler = build_optimizer(trainable, settings.optim, settings.total_steps)
         self.step = self.epoch = self.position = self.skipped = self.nonfinite_in_a_row = 0
         self.metrics: dict[str, float] = {}
@@ -295,7 +318,8 @@ class TrainingLoop:
             raise FloatingPointError(
                 f"{self.settings.name}: the gradient norm was {float(norm)} in {self.nonfinite_in_a_row} optimizer step(s) "
                 f"in a row (step {self.step + 1}), more than {self.settings.section}.max_nonfinite_steps_in_a_row "
-                f"{optim.max_nonfinite_steps_in_a_row}; stopping before a corrupt update is saved")
+                f"{optim.max_nonfinite_steps_in_a_row}; stopping before a corrupt update is saved"
+            )
 
     def global_sum(self, value: torch.Tensor) -> torch.Tensor:
         """The sum of `value` over data-parallel processes (itself on one process); a collective."""
@@ -317,8 +341,13 @@ class TrainingLoop:
     def _reduce(self, metrics: dict[str, Any]) -> dict[str, float]:
         """Every process's numbers in one collective: averaged, or summed / min / max for the keys above."""
         keys = set(metrics)
-        return reduce_metrics(self.accelerator, metrics, sums=[k for k in self.SUMMED if k in keys],
-                              mins=[k for k in self.MINIMA if k in keys], maxes=[k for k in self.MAXIMA if k in keys])
+        return reduce_metrics(
+            self.accelerator,
+            metrics,
+            sums=[k for k in self.SUMMED if k in keys],
+            mins=[k for k in self.MINIMA if k in keys],
+            maxes=[k for k in self.MAXIMA if k in keys],
+        )
 
     def _loop_metrics(self, metrics: dict[str, float], elapsed: float) -> dict[str, float]:
         s = self.settings
@@ -346,9 +375,18 @@ class TrainingLoop:
                     extra_files(tmp, self.metrics)
                 (tmp / "metrics.json").write_text(json.dumps(self.metrics, indent=2))
                 optimizer = None if shards_optimizer(self.accelerator) else self.optimizer
-                save_training_state(tmp, optimizer=optimizer, scheduler=self.scheduler, progress={
-                    "step": self.step, "epoch": self.epoch, "position": self.position,
-                    "skipped_steps": self.skipped, "state": self.state})
+                save_training_state(
+                    tmp,
+                    optimizer=optimizer,
+                    scheduler=self.scheduler,
+                    progress={
+                        "step": self.step,
+                        "epoch": self.epoch,
+                        "position": self.position,
+                        "skipped_steps": self.skipped,
+                        "state": self.state,
+                    },
+                )
             if on_checkpoint is not None:
                 on_checkpoint(path / self.settings.registered if self.settings.registered else path, self.step)
             # after registering: the newest N and the best by `best_metric` stay; the newest, which resume reads, always does
@@ -358,10 +396,19 @@ class TrainingLoop:
     def _due(self, every: int | None) -> bool:
         return bool(every) and (self.step % every == 0 or self.step == self.settings.total_steps)
 
-    def run(self, step: Callable[[Any], dict[str, Any]], batches, *, on_log: OnLog | None = None,
-            evaluate: Callable[[int], Any] | None = None, on_eval: Callable[[Any, int], None] | None = None,
-            on_checkpoint: OnCheckpoint | None = None, on_step: OnStep | None = None,
-            extra_files: Callable[[Path, dict], None] | None = None, show_progress: bool = True) -> LoopResult:
+    def run(
+        self,
+        step: Callable[[Any], dict[str, Any]],
+        batches,
+        *,
+        on_log: OnLog | None = None,
+        evaluate: Callable[[int], Any] | None = None,
+        on_eval: Callable[[Any, int], None] | None = None,
+        on_checkpoint: OnCheckpoint | None = None,
+        on_step: OnStep | None = None,
+        extra_files: Callable[[Path, dict], None] | None = None,
+        show_progress: bool = True,
+    ) -> LoopResult:
         """Call `step(batches.next())` until settings.total_steps optimizer rounds are done.
 
         `batches` has `next()`; its `epoch` and `position` (when it has them) are saved in checkpoints.
@@ -415,8 +462,13 @@ class TrainingLoop:
                 self._save(on_checkpoint, extra_files)
         bar.close()
         final = self.output_dir / f"checkpoint-{self.step}" if s.save_every else None
-        return LoopResult(checkpoint=final, step=self.step, metrics=self.metrics, resumed_from=self.resumed_from,
-                          skipped_steps=self.skipped)
+        return LoopResult(
+            checkpoint=final,
+            step=self.step,
+            metrics=self.metrics,
+            resumed_from=self.resumed_from,
+            skipped_steps=self.skipped,
+        )
 
     def _show(self, bar, metrics: dict[str, float]) -> None:
         shown = {k.split("/")[-1]: f"{metrics[k]:.3f}" for k in self.settings.shown if k in metrics}

@@ -45,7 +45,9 @@ def ensure_pad_token(tokenizer, source: str) -> None:
     if tokenizer.pad_token_id is not None:
         return
     if tokenizer.eos_token is None:
-        raise ModelSourceError(f"tokenizer from {source} has no pad token and no eos token to borrow; add a pad token to it")
+        raise ModelSourceError(
+            f"tokenizer from {source} has no pad token and no eos token to borrow; add a pad token to it"
+        )
     tokenizer.pad_token = tokenizer.eos_token
 
 
@@ -56,7 +58,9 @@ def generation_config_of(source: str, *, trust_remote_code: bool = False):
     try:
         return GenerationConfig.from_pretrained(source)
     except (OSError, ValueError):
-        return GenerationConfig.from_model_config(AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code))
+        return GenerationConfig.from_model_config(
+            AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
+        )
 
 
 def _as_ids(value) -> list[int]:
@@ -65,8 +69,9 @@ def _as_ids(value) -> list[int]:
     return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
 
 
-def stop_token_ids(tokenizer, generation_config=None, *, stop_token: str = "eos", stop_tokens=(),
-                   field: str = "rl.stop_token") -> tuple[int, ...]:
+def stop_token_ids(
+    tokenizer, generation_config=None, *, stop_token: str = "eos", stop_tokens=(), field: str = "rl.stop_token"
+) -> tuple[int, ...]:
     """The token ids that end a response, in a stable order and without repeats.
 
     stop_token 'eos': every id of `generation_config.eos_token_id` (an int or a list: instruct models
@@ -79,8 +84,10 @@ def stop_token_ids(tokenizer, generation_config=None, *, stop_token: str = "eos"
     if stop_token == "eos":
         ids += _as_ids(getattr(generation_config, "eos_token_id", None)) + _as_ids(tokenizer.eos_token_id)
         if not ids:
-            raise ModelSourceError(f"{field} is 'eos' but neither the policy's generation_config nor its tokenizer has an "
-                                   "eos token; name the token that ends a response in rl.stop_tokens, or set rl.stop_token: none")
+            raise ModelSourceError(
+                f"{field} is 'eos' but neither the policy's generation_config nor its tokenizer has an "
+                "eos token; name the token that ends a response in rl.stop_tokens, or set rl.stop_token: none"
+            )
     vocab = tokenizer.get_vocab()
     named = [(field, stop_token)] if stop_token not in ("eos", "none") else []
     named += [(f"rl.stop_tokens[{i}]", token) for i, token in enumerate(stop_tokens)]
@@ -92,27 +99,42 @@ def stop_token_ids(tokenizer, generation_config=None, *, stop_token: str = "eos"
         encoded = tokenizer.encode(token, add_special_tokens=False)
         if len(encoded) != 1 or (encoded[0] == tokenizer.unk_token_id and token != tokenizer.unk_token):
             example = tokenizer.convert_ids_to_tokens(ids[0]) if ids else "<|im_end|>"
-            raise ModelSourceError(f"{where}: {token!r} is not a token of the policy's tokenizer ({len(vocab)} tokens, "
-                                   f"and it encodes to {len(encoded)}); give one token's exact text, e.g. {example!r}")
+            raise ModelSourceError(
+                f"{where}: {token!r} is not a token of the policy's tokenizer ({len(vocab)} tokens, "
+                f"and it encodes to {len(encoded)}); give one token's exact text, e.g. {example!r}"
+            )
         ids.append(int(encoded[0]))
     return tuple(dict.fromkeys(ids))
 
 
-def load_tokenizer(source: str, *, field: str = "model.tokenizer", revision: str | None = None,
-                   trust_remote_code: bool = False):
+def load_tokenizer(
+    source: str, *, field: str = "model.tokenizer", revision: str | None = None, trust_remote_code: bool = False
+):
     from transformers import AutoTokenizer
 
-    tokenizer = from_pretrained_checked(AutoTokenizer, source, field, revision=revision, trust_remote_code=trust_remote_code)
+    tokenizer = from_pretrained_checked(
+        AutoTokenizer, source, field, revision=revision, trust_remote_code=trust_remote_code
+    )
     ensure_pad_token(tokenizer, source)
     return tokenizer
 
 
-def load_causal_lm(source: str, *, field: str = "model.base", revision: str | None = None,
-                   trust_remote_code: bool = False, torch_dtype: str = "float32"):
+def load_causal_lm(
+    source: str,
+    *,
+    field: str = "model.base",
+    revision: str | None = None,
+    trust_remote_code: bool = False,
+    torch_dtype: str = "float32",
+):
     from transformers import AutoModelForCausalLM
 
     return from_pretrained_checked(
-        AutoModelForCausalLM, source, field, revision=revision, trust_remote_code=trust_remote_code,
+        AutoModelForCausalLM,
+        source,
+        field,
+        revision=revision,
+        trust_remote_code=trust_remote_code,
         dtype=DTYPES[torch_dtype],
     )
 

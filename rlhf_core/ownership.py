@@ -25,8 +25,8 @@ import os
 import shutil
 import socket
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 
 MARKER = ".rlhf-owned"
 # created_by of the directories atomic_dir (rlhf_core/saving.py) fills: an on-disk identifier that runs
@@ -48,8 +48,13 @@ def host_id() -> str:
 
 
 def marker_payload(created_by: str, **extra) -> dict:
-    return {"created_by": created_by, "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "host": host_id(), "pid": os.getpid(), **extra}
+    return {
+        "created_by": created_by,
+        "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "host": host_id(),
+        "pid": os.getpid(),
+        **extra,
+    }
 
 
 def write_marker(directory: str | Path, created_by: str, **extra) -> Path:
@@ -115,8 +120,14 @@ def local_input_path(source: str | Path) -> Path | None:
     return path if path.exists() else None
 
 
-def check_output_dir(path: str | Path, *, field: str, inputs: Mapping[str, str | Path] | None = None,
-                     home: str | Path | None = None, cwd: str | Path | None = None) -> Path:
+def check_output_dir(
+    path: str | Path,
+    *,
+    field: str,
+    inputs: Mapping[str, str | Path] | None = None,
+    home: str | Path | None = None,
+    cwd: str | Path | None = None,
+) -> Path:
     """Refuse (OwnershipError) an output directory the pipeline must not write into; return it resolved.
 
     field: the config field named in the error. inputs: {description: path} the output must be neither
@@ -133,20 +144,26 @@ def check_output_dir(path: str | Path, *, field: str, inputs: Mapping[str, str |
     if out == home:
         raise OwnershipError(f"{field} {path} is the home directory; choose a new directory for the pipeline's output")
     if out == cwd:
-        raise OwnershipError(f"{field} {path} is the current working directory; choose a new directory for the "
-                             "pipeline's output")
+        raise OwnershipError(
+            f"{field} {path} is the current working directory; choose a new directory for the pipeline's output"
+        )
     for what, source in (inputs or {}).items():
         target = _resolved(source)
         if _is_ancestor_or_same(out, target):
             relation = "is" if out == target else "contains"
-            raise OwnershipError(f"{field} {path} {relation} {what} {source}, which the pipeline must not overwrite; "
-                                 "choose a separate directory for the output")
+            raise OwnershipError(
+                f"{field} {path} {relation} {what} {source}, which the pipeline must not overwrite; "
+                "choose a separate directory for the output"
+            )
     if out.exists() and not out.is_dir():
-        raise OwnershipError(f"{field} {path} is an existing file, not a directory; choose a new directory for the "
-                             "pipeline's output")
+        raise OwnershipError(
+            f"{field} {path} is an existing file, not a directory; choose a new directory for the pipeline's output"
+        )
     if out.is_dir() and not is_owned(out) and any(out.iterdir()):
-        raise OwnershipError(f"{field} {path} is a non-empty directory the pipeline did not create (it has no {MARKER} "
-                             "marker); choose an empty or new directory so nothing in it is overwritten or deleted")
+        raise OwnershipError(
+            f"{field} {path} is a non-empty directory the pipeline did not create (it has no {MARKER} "
+            "marker); choose an empty or new directory so nothing in it is overwritten or deleted"
+        )
     return out
 
 
@@ -155,9 +172,13 @@ def pipeline_inputs(cfg, extra: Mapping[str, str | Path] | None = None) -> dict[
     from rlhf_core.config import DEMO
 
     sources: dict[str, str | Path | None] = {
-        "model.base": cfg.model.base, "model.tokenizer": cfg.model.tokenizer, "reward.base": cfg.reward.base,
-        "data.preference.path": cfg.data.preference.path, "data.preference_eval.path": cfg.data.preference_eval.path,
-        "data.prompts.path": cfg.data.prompts.path, "data.eval_prompts.path": cfg.data.eval_prompts.path,
+        "model.base": cfg.model.base,
+        "model.tokenizer": cfg.model.tokenizer,
+        "reward.base": cfg.reward.base,
+        "data.preference.path": cfg.data.preference.path,
+        "data.preference_eval.path": cfg.data.preference_eval.path,
+        "data.prompts.path": cfg.data.prompts.path,
+        "data.eval_prompts.path": cfg.data.eval_prompts.path,
         "run.accelerate_config": cfg.run.accelerate_config,
     }
     if cfg.sft.enabled:
@@ -184,8 +205,7 @@ def check_pipeline_outputs(cfg, *, config_path: str | Path | None = None, claim:
     extra = {"the config file": config_path} if config_path is not None else {}
     inputs = pipeline_inputs(cfg, extra)
     check_output_dir(cfg.run.output_dir, field="run.output_dir", inputs=inputs)
-    check_output_dir(cfg.export_dir, field="export.output_dir",
-                     inputs={**inputs, "run.output_dir": cfg.run.output_dir})
+    check_output_dir(cfg.export_dir, field="export.output_dir", inputs={**inputs, "run.output_dir": cfg.run.output_dir})
     if claim:
         claim_dir(cfg.run.output_dir, "rlhf pipeline run.output_dir")
         remove_orphan_temps(cfg.run.output_dir)

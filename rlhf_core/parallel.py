@@ -12,8 +12,8 @@ collective: every process must call them at the same point of the loop.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import Iterable, Iterator, Mapping
 
 import torch
 
@@ -41,8 +41,13 @@ def shards_optimizer(accelerator) -> bool:
     return accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP)
 
 
-def reduce_metrics(accelerator, metrics: Mapping[str, float | torch.Tensor], sums: Iterable[str] = (),
-                   mins: Iterable[str] = (), maxes: Iterable[str] = ()) -> dict[str, float]:
+def reduce_metrics(
+    accelerator,
+    metrics: Mapping[str, float | torch.Tensor],
+    sums: Iterable[str] = (),
+    mins: Iterable[str] = (),
+    maxes: Iterable[str] = (),
+) -> dict[str, float]:
     """The metrics of every process in one collective: the mean of each key, the total for keys in
     `sums`, the smallest for `mins`, the largest for `maxes`.
 
@@ -61,8 +66,18 @@ def reduce_metrics(accelerator, metrics: Mapping[str, float | torch.Tensor], sum
         if low or high:  # a gather (min and max are not sums); still one collective
             every = accelerator.gather(values.unsqueeze(0)).view(world, -1)
             totals, means = every.sum(0), every.mean(0)
-            values = torch.stack([every[:, i].min() if k in low else every[:, i].max() if k in high
-                                  else totals[i] if k in set(sums) else means[i] for i, k in enumerate(keys)])
+            values = torch.stack(
+                [
+                    every[:, i].min()
+                    if k in low
+                    else every[:, i].max()
+                    if k in high
+                    else totals[i]
+                    if k in set(sums)
+                    else means[i]
+                    for i, k in enumerate(keys)
+                ]
+            )
         else:
             values = accelerator.reduce(values, reduction="sum")
             totals = set(sums)
@@ -90,8 +105,10 @@ def full_parameters(accelerator, prepared: torch.nn.Module) -> Iterator[None]:
             yield
         return
     if not accelerator.is_fsdp2:
-        raise RuntimeError("FSDP version 1 is not supported; set fsdp_version: 2 in the accelerate config "
-                           "(configs/accelerate/fsdp.yaml does)")
+        raise RuntimeError(
+            "FSDP version 1 is not supported; set fsdp_version: 2 in the accelerate config "
+            "(configs/accelerate/fsdp.yaml does)"
+        )
     from torch.distributed.fsdp import FSDPModule
 
     sharded = [m for m in prepared.modules() if isinstance(m, FSDPModule)]
@@ -107,7 +124,9 @@ def full_parameters(accelerator, prepared: torch.nn.Module) -> Iterator[None]:
             module.set_reshard_after_forward(module is not sharded[0], recurse=False)
 
 
-def gathered_state_dicts(accelerator, prepared: torch.nn.Module, models: Mapping[str, torch.nn.Module]) -> dict[str, dict] | None:
+def gathered_state_dicts(
+    accelerator, prepared: torch.nn.Module, models: Mapping[str, torch.nn.Module]
+) -> dict[str, dict] | None:
     """Under parameter sharding: {name: full state dict} of each model in `models` (sub-modules of
     `prepared`), complete on the main process. Without sharding: None (save the modules as they are).
 
@@ -126,7 +145,7 @@ def gathered_state_dicts(accelerator, prepared: torch.nn.Module, models: Mapping
         prefixes[name] = f"{found[0]}." if found[0] else ""
     if not accelerator.is_main_process:
         return {name: {} for name in models}
-    return {name: {k[len(p):]: v for k, v in full.items() if k.startswith(p)} for name, p in prefixes.items()}
+    return {name: {k[len(p) :]: v for k, v in full.items() if k.startswith(p)} for name, p in prefixes.items()}
 
 
 def accelerate_strategy(path) -> str:

@@ -9,28 +9,35 @@ policy (`policy/`, Hugging Face format), the value model (`value/`) and the trai
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 
 from rlhf_core.config import PPOConfig, RLConfig, RunConfig
-from rlhf_core.parallel import reduce_metrics
-from rlhf_core.rl_math import kl_per_token, masked_mean, masked_whiten
-from rlhf_core.reward_functions import check_finite
-from rlhf_core.rollout import (
-    PromptBatches, Rollout, collect_rollout, completion_metrics, response_logprobs, rl_loop_settings, rl_sampling,
-    sequence_scores, token_values,
-)
 from rlhf_core.loop import LoopResult, OnCheckpoint, OnLog, OnStep, TrainingLoop
 from rlhf_core.models import stop_token_ids
-
+from rlhf_core.parallel import reduce_metrics
+from rlhf_core.reward_functions import check_finite
+from rlhf_core.rl_math import kl_per_token, masked_mean, masked_whiten
+from rlhf_core.rollout import (
+    PromptBatches,
+    Rollout,
+    collect_rollout,
+    completion_metrics,
+    response_logprobs,
+    rl_loop_settings,
+    rl_sampling,
+    sequence_scores,
+    token_values,
+)
 
 # -- PPO's math: KL-penalized rewards, GAE, the clipped losses, KL controllers --------------------------
 
 
-def kl_penalized_rewards(scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, last_index: torch.Tensor,
-                         kl_coef: float) -> tuple[torch.Tensor, torch.Tensor]:
+def kl_penalized_rewards(
+    scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, last_index: torch.Tensor, kl_coef: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token rewards: -kl_coef * kl on every real token, plus the sequence score on its last token.
 
     Returns (rewards, non_score_reward), each (B, T), zero on padding.
@@ -41,8 +48,9 @@ def kl_penalized_rewards(scores: torch.Tensor, kl: torch.Tensor, mask: torch.Ten
     return rewards, non_score
 
 
-def compute_gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float,
-                lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+def compute_gae(
+    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalized advantage estimation over response tokens, vectorized. -> (advantages, returns), (B, T)
 
     delta_t = r_t + gamma * V_{t+1} - V_t (V past the end is 0), A_t = sum_l (gamma*lam)^l delta_{t+l},
@@ -59,8 +67,9 @@ def compute_gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
     return advantages, advantages + values
 
 
-def policy_loss(new_logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-                cliprange: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def policy_loss(
+    new_logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, cliprange: float
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO's clipped surrogate: mean over real tokens of max(-A r, -A clip(r, 1-eps, 1+eps))."""
     log_ratio = new_logp - old_logp
     ratio = torch.exp(log_ratio)
@@ -75,8 +84,9 @@ def policy_loss(new_logp: torch.Tensor, old_logp: torch.Tensor, advantages: torc
     return loss, stats
 
 
-def value_loss(vpred: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
-               cliprange_value: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def value_loss(
+    vpred: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, cliprange_value: float
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped value loss: 0.5 * mean over real tokens of max((v - R)^2, (clip(v, old +- eps) - R)^2)."""
     vclipped = old_values + torch.clamp(vpred - old_values, -cliprange_value, cliprange_value)
     unclipped, clipped = (vpred - returns) ** 2, (vclipped - returns) ** 2
@@ -119,7 +129,13 @@ class PolicyAndValue(torch.nn.Module):
     @property
     def _no_split_modules(self) -> list[str]:
         """The decoder-layer classes of both models: FSDP's transformer auto-wrap shards by them."""
-        return sorted({name for model in (self.policy, self.value_model) for name in (getattr(model, "_no_split_modules", None) or [])})
+        return sorted(
+            {
+                name
+                for model in (self.policy, self.value_model)
+                for name in (getattr(model, "_no_split_modules", None) or [])
+            }
+        )
 
     def forward(self, query_ids, query_mask, responses, resp_mask, temperature: float):
         """(log-probabilities, entropies, values) of the response tokens, each (B, R)."""
@@ -135,7 +151,9 @@ def make_kl_controller(ppo: PPOConfig):
 
 
 @torch.no_grad()
-def score_rollout(rollout: Rollout, value_model, reward_model, *, missing_eos_penalty: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+def score_rollout(
+    rollout: Rollout, value_model, reward_model, *, missing_eos_penalty: float | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(scores (B,), values (B, R)) of a rollout; responses without the stop token lose the penalty."""
     args = (rollout.query_ids, rollout.query_mask, rollout.responses, rollout.resp_mask)
     scores = sequence_scores(reward_model, *args, rollout.last_index)
@@ -145,12 +163,27 @@ def score_rollout(rollout: Rollout, value_model, reward_model, *, missing_eos_pe
     return scores, token_values(value_model, *args)
 
 
-def train_ppo(policy, value_model, ref_model, reward_model, tokenizer, prompts: list[str], rl: RLConfig, ppo: PPOConfig,
-              run: RunConfig, *, max_prompt_length: int, output_dir: str | Path,
-              on_log: OnLog | None = None, on_checkpoint: OnCheckpoint | None = None,
-              on_eval: Callable[[list[dict], int], None] | None = None, on_step: OnStep | None = None,
-              evaluate: Callable[[torch.nn.Module, int], list[dict]] | None = None, eval_every: int | None = None,
-              show_progress: bool = True) -> LoopResult:
+def train_ppo(
+    policy,
+    value_model,
+    ref_model,
+    reward_model,
+    tokenizer,
+    prompts: list[str],
+    rl: RLConfig,
+    ppo: PPOConfig,
+    run: RunConfig,
+    *,
+    max_prompt_length: int,
+    output_dir: str | Path,
+    on_log: OnLog | None = None,
+    on_checkpoint: OnCheckpoint | None = None,
+    on_eval: Callable[[list[dict], int], None] | None = None,
+    on_step: OnStep | None = None,
+    evaluate: Callable[[torch.nn.Module, int], list[dict]] | None = None,
+    eval_every: int | None = None,
+    show_progress: bool = True,
+) -> LoopResult:
     """Train `policy` and `value_model` with PPO for rl.total_steps iterations; resume from output_dir.
 
     ref_model None means the policy is a PEFT model whose disabled adapters are the reference.
@@ -159,19 +192,34 @@ def train_ppo(policy, value_model, ref_model, reward_model, tokenizer, prompts: 
     kl_ctl = make_kl_controller(ppo)
     mini_size = rl.batch_size // ppo.num_mini_batches
     micro_size = max(1, mini_size // rl.gradient_accumulation_steps)
-    settings = rl_loop_settings(rl, run, name="ppo", micro_batches=mini_size // micro_size, micro_batch_size=micro_size,
-                                eval_every=eval_every if on_eval is not None else None)
-    loop = TrainingLoop(PolicyAndValue(policy, value_model), {"policy": policy, "value": value_model}, tokenizer, settings,
-                        run, output_dir=output_dir, state={"kl_coef": ppo.kl_coef})
+    settings = rl_loop_settings(
+        rl,
+        run,
+        name="ppo",
+        micro_batches=mini_size // micro_size,
+        micro_batch_size=micro_size,
+        eval_every=eval_every if on_eval is not None else None,
+    )
+    loop = TrainingLoop(
+        PolicyAndValue(policy, value_model),
+        {"policy": policy, "value": value_model},
+        tokenizer,
+        settings,
+        run,
+        output_dir=output_dir,
+        state={"kl_coef": ppo.kl_coef},
+    )
     kl_ctl.value = loop.state["kl_coef"]
-    batches = PromptBatches(tokenizer, prompts, max_prompt_length=max_prompt_length, per_step=rl.batch_size, seed=run.seed,
-                            loop=loop)
+    batches = PromptBatches(
+        tokenizer, prompts, max_prompt_length=max_prompt_length, per_step=rl.batch_size, seed=run.seed, loop=loop
+    )
     for frozen in (ref_model, reward_model):
         if frozen is not None:
             frozen.to(loop.device).eval().requires_grad_(False)
     pad_id = tokenizer.pad_token_id
-    stop_ids = stop_token_ids(tokenizer, getattr(policy, "generation_config", None), stop_token=rl.stop_token,
-                              stop_tokens=rl.stop_tokens)
+    stop_ids = stop_token_ids(
+        tokenizer, getattr(policy, "generation_config", None), stop_token=rl.stop_token, stop_tokens=rl.stop_tokens
+    )
     sampling = rl_sampling(rl)
     world = loop.world
     all_reduce = loop.global_sum if world > 1 else None  # whitening over every process's rows
@@ -181,10 +229,12 @@ def train_ppo(policy, value_model, ref_model, reward_model, tokenizer, prompts: 
         # 1. generate  2. score
         models = loop.unwrapped()
         with loop.full_parameters():
-            rollout = collect_rollout(models.policy, ref_model, query_ids, query_mask, sampling, pad_token_id=pad_id,
-                                      stop_token_ids=stop_ids)
-            scores, values = score_rollout(rollout, models.value_model, reward_model,
-                                           missing_eos_penalty=rl.missing_eos_penalty)
+            rollout = collect_rollout(
+                models.policy, ref_model, query_ids, query_mask, sampling, pad_token_id=pad_id, stop_token_ids=stop_ids
+            )
+            scores, values = score_rollout(
+                rollout, models.value_model, reward_model, missing_eos_penalty=rl.missing_eos_penalty
+            )
         mask = rollout.resp_mask
 
         # 3. KL-penalized per-token rewards
@@ -203,7 +253,9 @@ def train_ppo(policy, value_model, ref_model, reward_model, tokenizer, prompts: 
         # over the real tokens of the whole mini-batch, every process's: the update does not depend on how
         # the mini-batch is split into micro-batches or processes (the gradients are averaged, hence / world)
         loop.trainable.train()
-        stats: dict[str, list[torch.Tensor]] = {k: [] for k in ("pg_loss", "vf_loss", "pg_clipfrac", "vf_clipfrac", "approxkl", "ratio", "entropy")}
+        stats: dict[str, list[torch.Tensor]] = {
+            k: [] for k in ("pg_loss", "vf_loss", "pg_clipfrac", "vf_clipfrac", "approxkl", "ratio", "entropy")
+        }
         for _ in range(ppo.num_ppo_epochs):
             order = torch.randperm(rl.batch_size, device=loop.device)
             for mini_start in range(0, rl.batch_size, mini_size):
@@ -213,14 +265,21 @@ def train_ppo(policy, value_model, ref_model, reward_model, tokenizer, prompts: 
                     idx = mini[micro_start : micro_start + micro_size]
                     m = mask[idx]
                     with loop.micro_batch():
-                        new_logp, entropy, vpred = loop.trainable(rollout.query_ids[idx], rollout.query_mask[idx],
-                                                                  rollout.responses[idx], m, rl.temperature)
+                        new_logp, entropy, vpred = loop.trainable(
+                            rollout.query_ids[idx], rollout.query_mask[idx], rollout.responses[idx], m, rl.temperature
+                        )
                         pg, pg_stats = policy_loss(new_logp, rollout.logprobs[idx], advantages[idx], m, ppo.cliprange)
                         vf, vf_stats = value_loss(vpred, values[idx], returns[idx], m, ppo.cliprange_value)
                         loop.backward((pg + ppo.vf_coef * vf) * m.sum() / mini_tokens)
-                    for key, value in (("pg_loss", pg), ("vf_loss", vf), ("pg_clipfrac", pg_stats["clipfrac"]),
-                                       ("vf_clipfrac", vf_stats["clipfrac"]), ("approxkl", pg_stats["approxkl"]),
-                                       ("ratio", pg_stats["ratio"]), ("entropy", masked_mean(entropy, m))):
+                    for key, value in (
+                        ("pg_loss", pg),
+                        ("vf_loss", vf),
+                        ("pg_clipfrac", pg_stats["clipfrac"]),
+                        ("vf_clipfrac", vf_stats["clipfrac"]),
+                        ("approxkl", pg_stats["approxkl"]),
+                        ("ratio", pg_stats["ratio"]),
+                        ("entropy", masked_mean(entropy, m)),
+                    ):
                         stats[key].append(value.detach())
                 loop.optimizer_step()
 
@@ -253,5 +312,13 @@ def train_ppo(policy, value_model, ref_model, reward_model, tokenizer, prompts: 
             "_tokens": mask.sum(),
         }
 
-    return loop.run(step, batches, on_log=on_log, evaluate=(lambda at: evaluate(policy, at)) if evaluate else None,
-                    on_eval=on_eval, on_checkpoint=on_checkpoint, on_step=on_step, show_progress=show_progress)
+    return loop.run(
+        step,
+        batches,
+        on_log=on_log,
+        evaluate=(lambda at: evaluate(policy, at)) if evaluate else None,
+        on_eval=on_eval,
+        on_checkpoint=on_checkpoint,
+        on_step=on_step,
+        show_progress=show_progress,
+    )

@@ -36,8 +36,10 @@ def decide(candidate: dict[str, float], champion: dict[str, float] | None, gates
     reaches min_value) and its KL to the reference stays at or under max_kl."""
     value = _mean(candidate, gates.metric)
     if value is None:
-        raise ValueError(f"promote.metric {gates.metric!r}: the evaluation has no column {gates.metric!r} "
-                         f"(it has {', '.join(sorted(candidate)) or 'nothing'})")
+        raise ValueError(
+            f"promote.metric {gates.metric!r}: the evaluation has no column {gates.metric!r} "
+            f"(it has {', '.join(sorted(candidate)) or 'nothing'})"
+        )
     kl = _mean(candidate, "kl")
     champion_value = _mean(champion, gates.metric) if champion is not None else None
 
@@ -48,12 +50,17 @@ def decide(candidate: dict[str, float], champion: dict[str, float] | None, gates
         return verdict(False, f"KL to the reference {kl:.3f} exceeds promote.max_kl {gates.max_kl}")
     if champion is None:
         if gates.min_value is not None and value < gates.min_value:
-            return verdict(False, f"{gates.metric} {value:.4f} is below promote.min_value {gates.min_value} (no champion yet)")
+            return verdict(
+                False, f"{gates.metric} {value:.4f} is below promote.min_value {gates.min_value} (no champion yet)"
+            )
         return verdict(True, f"no champion yet; {gates.metric} {value:.4f} passes the absolute gates")
     if champion_value is None:
         raise ValueError(f"the champion's evaluation has no column {gates.metric!r}")
     gain = value - champion_value
     if gain < gates.min_improvement:
-        return verdict(False, f"{gates.metric} {value:.4f} vs champion {champion_value:.4f}: gain {gain:+.4f} is below "
-                              f"promote.min_improvement {gates.min_improvement}")
+        return verdict(
+            False,
+            f"{gates.metric} {value:.4f} vs champion {champion_value:.4f}: gain {gain:+.4f} is below "
+            f"promote.min_improvement {gates.min_improvement}",
+        )
     return verdict(True, f"{gates.metric} {value:.4f} vs champion {champion_value:.4f}: gain {gain:+.4f}")

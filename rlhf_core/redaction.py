@@ -36,8 +36,10 @@ _USER_PASSWORD = re.compile(
 )
 # token@  (no colon: the whole userinfo is the secret)
 _USER_ONLY = re.compile(_SCHEME + rf"(?P<secret>[^{_STOP}/:@?#]+)@")
-_SECRET_NAME = (r"(?:[A-Za-z0-9_.-]*[_.-])?(?:token|password|passwd|pwd|secret|api[_-]?key|apikey|signature|sig|"
-                r"credentials?|auth)|key")
+_SECRET_NAME = (
+    r"(?:[A-Za-z0-9_.-]*[_.-])?(?:token|password|passwd|pwd|secret|api[_-]?key|apikey|signature|sig|"
+    r"credentials?|auth)|key"
+)
 _QUERY_SECRET = re.compile(rf"(?P<lead>[?&;](?i:{_SECRET_NAME}))=(?P<secret>[^&#{_STOP}]*)")
 
 
@@ -64,7 +66,7 @@ def split_credentials(uri: str) -> tuple[str, str | None, str | None]:
     match = _USER_PASSWORD.match(uri.strip())
     if not match or not match["user"] or not match["secret"]:
         return uri, None, None
-    clean = match["scheme"] + uri.strip()[match.end():]
+    clean = match["scheme"] + uri.strip()[match.end() :]
     return clean, unquote(match["user"]), unquote(match["secret"])
 
 
@@ -87,7 +89,8 @@ def refuse_secret_overrides(overrides: list[str] | None) -> None:
             raise ConfigError(
                 f"override '{redact_override(text)}' carries a credential, which Prefect would store as a flow-run "
                 "parameter; set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN, or "
-                "MLFLOW_TRACKING_URI) in the environment that runs the flow and pass the URI without it")
+                "MLFLOW_TRACKING_URI) in the environment that runs the flow and pass the URI without it"
+            )
 
 
 def _redacting_record_factory(base):

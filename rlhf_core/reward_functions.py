@@ -39,14 +39,18 @@ def load_function(spec: str, *, field: str = "eval.metrics"):
     try:
         module = importlib.import_module(module_name)
     except Exception as err:  # ImportError, or whatever the module raises while importing
-        raise RewardFunctionError(f"{field}: could not import module '{module_name}' for '{spec}' ({type(err).__name__}: {err})") from None
+        raise RewardFunctionError(
+            f"{field}: could not import module '{module_name}' for '{spec}' ({type(err).__name__}: {err})"
+        ) from None
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise RewardFunctionError(f"{field}: module '{module_name}' has no function '{attr}'")
     return fn
 
 
-def call_scoring_function(name: str, fn, *, prompts: list[str], completions: list[str], **columns) -> list[float | None]:
+def call_scoring_function(
+    name: str, fn, *, prompts: list[str], completions: list[str], **columns
+) -> list[float | None]:
     """Call fn(prompts=, completions=, **columns) and check it returned one number (or None) per completion.
 
     When fn raises, the error is a RewardFunctionError naming the function, the first sample it fails
@@ -61,7 +65,9 @@ def call_scoring_function(name: str, fn, *, prompts: list[str], completions: lis
         raise RewardFunctionError(f"reward function {name} returned {got} for {len(completions)} completions")
     for i, value in enumerate(out):
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
-            raise RewardFunctionError(f"reward function {name} returned {value!r} (a {type(value).__name__}) for completion {i}, not a number or None")
+            raise RewardFunctionError(
+                f"reward function {name} returned {value!r} (a {type(value).__name__}) for completion {i}, not a number or None"
+            )
     values = [None if v is None else float(v) for v in out]
     check_finite(f"reward function {name}", values)
     return values
@@ -74,12 +80,17 @@ def _one_line(err: BaseException) -> str:
 
 def _raised_sentence(name: str, fn, err: Exception, prompts, completions, columns) -> str:
     """'reward function x raised ValueError: ... on completion 3' (the batch, when no single sample fails)."""
+
     def row(values, i):
-        return values[i:i + 1] if isinstance(values, (list, tuple)) and len(values) == len(completions) else values
+        return values[i : i + 1] if isinstance(values, (list, tuple)) and len(values) == len(completions) else values
 
     for i in range(len(completions)):
         try:
-            fn(prompts=row(prompts, i), completions=completions[i:i + 1], **{k: row(v, i) for k, v in columns.items()})
+            fn(
+                prompts=row(prompts, i),
+                completions=completions[i : i + 1],
+                **{k: row(v, i) for k, v in columns.items()},
+            )
         except Exception as single:
             return f"reward function {name} raised {_one_line(single)} on completion {i} (of {len(completions)})"
     return f"reward function {name} raised {_one_line(err)} on a batch of {len(completions)} completions, though each one alone scores"
@@ -96,5 +107,7 @@ def check_finite(what: str, values) -> None:
     listed = values.tolist() if hasattr(values, "tolist") else list(values)
     for i, value in enumerate(listed):
         if value is not None and not math.isfinite(value):
-            raise RewardFunctionError(f"{what} returned {value} for completion {i}; rewards must be finite numbers "
-                                      "(or None for not applicable)")
+            raise RewardFunctionError(
+                f"{what} returned {value} for completion {i}; rewards must be finite numbers "
+                "(or None for not applicable)"
+            )

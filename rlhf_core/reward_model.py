@@ -8,22 +8,26 @@ resumes from the last one and reaches the same weights.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 from rlhf_core.config import LoraSettings, RewardConfig, RunConfig
-from rlhf_core.model_card import write_model_card
 from rlhf_core.loop import Grouped, LoopResult, LoopSettings, OnCheckpoint, OnLog, OnStep, ShardedBatches, TrainingLoop
+from rlhf_core.model_card import write_model_card
 from rlhf_core.rollout import head_per_token
 
 EVAL_METRICS = ("eval_loss", "eval_accuracy", "eval_margin", "eval_min_reward", "eval_mean_reward", "eval_max_reward")
 
 
-def bradley_terry_loss(r_chosen: torch.Tensor, r_rejected: torch.Tensor, margin: torch.Tensor | None = None,
-                       center_rewards_coefficient: float | None = None) -> torch.Tensor:
+def bradley_terry_loss(
+    r_chosen: torch.Tensor,
+    r_rejected: torch.Tensor,
+    margin: torch.Tensor | None = None,
+    center_rewards_coefficient: float | None = None,
+) -> torch.Tensor:
     """Mean of -logsigmoid(r_chosen - r_rejected - margin), plus coef * mean((r_chosen + r_rejected)^2).
 
     r_chosen, r_rejected, margin: (B,). The centering term (Eisenstein et al., as in TRL) pulls the
@@ -120,16 +124,37 @@ def score_pairs(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, to
     return rewards[:half], rewards[half:]
 
 
-def evaluate_reward_model(model, tokenizer, rows: list[dict], *, max_length: int, batch_size: int,
-                          center_rewards_coefficient: float | None = None, device=None) -> dict[str, float]:
+def evaluate_reward_model(
+    model,
+    tokenizer,
+    rows: list[dict],
+    *,
+    max_length: int,
+    batch_size: int,
+    center_rewards_coefficient: float | None = None,
+    device=None,
+) -> dict[str, float]:
     """The reference's eval metrics over all `rows`: eval_loss, eval_accuracy, eval_margin, eval_*_reward."""
-    return evaluate_encoded(model, tokenize_pairs(tokenizer, rows, max_length), tokenizer.pad_token_id,
-                            batch_size=batch_size, center_rewards_coefficient=center_rewards_coefficient, device=device)
+    return evaluate_encoded(
+        model,
+        tokenize_pairs(tokenizer, rows, max_length),
+        tokenizer.pad_token_id,
+        batch_size=batch_size,
+        center_rewards_coefficient=center_rewards_coefficient,
+        device=device,
+    )
 
 
 @torch.no_grad()
-def evaluate_encoded(model, items: list[dict], pad_token_id: int, *, batch_size: int,
-                     center_rewards_coefficient: float | None = None, device=None) -> dict[str, float]:
+def evaluate_encoded(
+    model,
+    items: list[dict],
+    pad_token_id: int,
+    *,
+    batch_size: int,
+    center_rewards_coefficient: float | None = None,
+    device=None,
+) -> dict[str, float]:
     """`evaluate_reward_model` on pairs already tokenized by `tokenize_pairs`."""
     was_training = model.training
     model.eval()
@@ -148,8 +173,16 @@ def evaluate_encoded(model, items: list[dict], pad_token_id: int, *, batch_size:
     return metrics
 
 
-def load_reward_model(source: str, tokenizer, *, lora: LoraSettings | None = None, torch_dtype: str = "float32",
-                      trust_remote_code: bool = False, revision: str | None = None, seed: int = 0):
+def load_reward_model(
+    source: str,
+    tokenizer,
+    *,
+    lora: LoraSettings | None = None,
+    torch_dtype: str = "float32",
+    trust_remote_code: bool = False,
+    revision: str | None = None,
+    seed: int = 0,
+):
     """AutoModelForSequenceClassification with one output from `source`; with `lora`, PEFT SEQ_CLS adapters.
 
     A causal-LM source gets a freshly initialized score head (seeded, so runs repeat).
@@ -159,24 +192,50 @@ def load_reward_model(source: str, tokenizer, *, lora: LoraSettings | None = Non
     from rlhf_core.models import from_pretrained_checked
 
     torch.manual_seed(seed)
-    model = from_pretrained_checked(AutoModelForSequenceClassification, source, "reward.base", num_labels=1,
-                             dtype=torch_dtype, trust_remote_code=trust_remote_code, revision=revision)
+    model = from_pretrained_checked(
+        AutoModelForSequenceClassification,
+        source,
+        "reward.base",
+        num_labels=1,
+        dtype=torch_dtype,
+        trust_remote_code=trust_remote_code,
+        revision=revision,
+    )
     model.config.pad_token_id = tokenizer.pad_token_id
     if lora is not None:
         from peft import LoraConfig, TaskType, get_peft_model
 
-        model = get_peft_model(model, LoraConfig(
-            task_type=TaskType.SEQ_CLS, r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-            target_modules=list(lora.target_modules), modules_to_save=["score"],
-        ))
+        model = get_peft_model(
+            model,
+            LoraConfig(
+                task_type=TaskType.SEQ_CLS,
+                r=lora.r,
+                lora_alpha=lora.alpha,
+                lora_dropout=lora.dropout,
+                target_modules=list(lora.target_modules),
+                modules_to_save=["score"],
+            ),
+        )
     return model
 
 
-def train_reward_model(model, tokenizer, train_rows: list[dict], eval_rows: list[dict], cfg: RewardConfig,
-                       run: RunConfig, *, max_length: int, output_dir: str | Path, card: dict,
-                       on_log: OnLog | None = None, on_eval: Callable[[dict[str, float], int], None] | None = None,
-                       on_checkpoint: OnCheckpoint | None = None, on_step: OnStep | None = None,
-                       show_progress: bool = True) -> LoopResult:
+def train_reward_model(
+    model,
+    tokenizer,
+    train_rows: list[dict],
+    eval_rows: list[dict],
+    cfg: RewardConfig,
+    run: RunConfig,
+    *,
+    max_length: int,
+    output_dir: str | Path,
+    card: dict,
+    on_log: OnLog | None = None,
+    on_eval: Callable[[dict[str, float], int], None] | None = None,
+    on_checkpoint: OnCheckpoint | None = None,
+    on_step: OnStep | None = None,
+    show_progress: bool = True,
+) -> LoopResult:
     """Train for cfg.max_steps optimizer steps, resuming from the newest complete checkpoint in output_dir.
 
     Each checkpoint is a loadable Hugging Face directory (merged weights with LoRA, the adapter in
@@ -184,12 +243,25 @@ def train_reward_model(model, tokenizer, train_rows: list[dict], eval_rows: list
     its step; the result's metrics are the last evaluation's.
     """
     settings = LoopSettings(
-        name="reward", section="reward", total_steps=cfg.max_steps, optim=cfg, micro_batches=cfg.gradient_accumulation_steps,
-        micro_batch_size=cfg.batch_size, log_every=cfg.log_steps, eval_every=cfg.eval_steps, save_every=cfg.save_steps,
+        name="reward",
+        section="reward",
+        total_steps=cfg.max_steps,
+        optim=cfg,
+        micro_batches=cfg.gradient_accumulation_steps,
+        micro_batch_size=cfg.batch_size,
+        log_every=cfg.log_steps,
+        eval_every=cfg.eval_steps,
+        save_every=cfg.save_steps,
         disable_dropout=cfg.disable_dropout,  # the same pair scores the same in every forward (TRL's default)
-        keep_last=run.keep_last_checkpoints, best_metric=("eval_accuracy",), log_window="mean", checkpoint_metrics="eval",
-        lr_key="reward/learning_rate", grad_norm_key="reward/grad_norm", epoch_key="reward/epoch",
-        shown=("reward/loss", "reward/accuracy"))
+        keep_last=run.keep_last_checkpoints,
+        best_metric=("eval_accuracy",),
+        log_window="mean",
+        checkpoint_metrics="eval",
+        lr_key="reward/learning_rate",
+        grad_norm_key="reward/grad_norm",
+        epoch_key="reward/epoch",
+        shown=("reward/loss", "reward/accuracy"),
+    )
     # the scorer reads each row's last attended token; trained as one module so that DDP and DeepSpeed see the forward
     loop = TrainingLoop(LastTokenScore(model), {"": model}, tokenizer, settings, run, output_dir=output_dir)
     loop.trainable.train()
@@ -197,8 +269,15 @@ def train_reward_model(model, tokenizer, train_rows: list[dict], eval_rows: list
     eval_items = tokenize_pairs(tokenizer, eval_rows, max_length)
     pad_id = tokenizer.pad_token_id
     # data parallel: every process its own batch of cfg.batch_size pairs per micro-batch
-    order = ShardedBatches(len(train_rows), cfg.batch_size, run.seed, rank=loop.rank, world=loop.world,
-                           epoch=loop.epoch, position=loop.position)
+    order = ShardedBatches(
+        len(train_rows),
+        cfg.batch_size,
+        run.seed,
+        rank=loop.rank,
+        world=loop.world,
+        epoch=loop.epoch,
+        position=loop.position,
+    )
 
     def step(micro_batches: list[list[int]]) -> dict[str, torch.Tensor]:
         stats = []
@@ -214,11 +293,28 @@ def train_reward_model(model, tokenizer, train_rows: list[dict], eval_rows: list
         return {f"reward/{k}": torch.stack([s[k] for s in stats]).mean() for k in stats[0]}
 
     def evaluate(at_step: int) -> dict[str, float]:
-        return evaluate_encoded(model, eval_items, pad_id, batch_size=cfg.batch_size,
-                                center_rewards_coefficient=cfg.center_rewards_coefficient, device=loop.device)
+        return evaluate_encoded(
+            model,
+            eval_items,
+            pad_id,
+            batch_size=cfg.batch_size,
+            center_rewards_coefficient=cfg.center_rewards_coefficient,
+            device=loop.device,
+        )
 
     def card_file(directory: Path, metrics: dict[str, float]) -> None:
-        write_model_card(directory, title=card["title"], metadata={**card["metadata"], "eval_metrics": metrics}, body=card["body"])
+        write_model_card(
+            directory, title=card["title"], metadata={**card["metadata"], "eval_metrics": metrics}, body=card["body"]
+        )
 
-    return loop.run(step, Grouped(order, cfg.gradient_accumulation_steps), on_log=on_log, evaluate=evaluate, on_eval=on_eval,
-                    on_checkpoint=on_checkpoint, on_step=on_step, extra_files=card_file, show_progress=show_progress)
+    return loop.run(
+        step,
+        Grouped(order, cfg.gradient_accumulation_steps),
+        on_log=on_log,
+        evaluate=evaluate,
+        on_eval=on_eval,
+        on_checkpoint=on_checkpoint,
+        on_step=on_step,
+        extra_files=card_file,
+        show_progress=show_progress,
+    )

@@ -6,7 +6,8 @@ and plain loops. Shapes: B sequences, T response tokens; `mask` is 1 on real res
 
 from __future__ import annotations
 
-from typing import Callable, Literal
+from collections.abc import Callable
+from typing import Literal
 
 import torch
 
@@ -29,8 +30,12 @@ def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> to
     return var
 
 
-def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True,
-                  all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+def masked_whiten(
+    x: torch.Tensor,
+    mask: torch.Tensor,
+    shift_mean: bool = True,
+    all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
     """(x - mean) / std over the masked entries; with shift_mean=False the mean is added back.
 
     `all_reduce` (a sum over data-parallel processes) makes mean and std those of every process's
@@ -75,8 +80,9 @@ def response_mask(responses: torch.Tensor, stop_token_ids) -> tuple[torch.Tensor
     return (positions.view(1, -1) <= last.unsqueeze(-1)).long(), last, has_stop
 
 
-def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor,
-                          logsumexp: torch.Tensor | None = None) -> torch.Tensor:
+def selective_log_softmax(
+    logits: torch.Tensor, index: torch.Tensor, logsumexp: torch.Tensor | None = None
+) -> torch.Tensor:
     """log_softmax(logits)[..., index] without materializing the full log-softmax. (B, T, V) -> (B, T)"""
     picked = torch.gather(logits, -1, index.unsqueeze(-1)).squeeze(-1)
     return picked - (torch.logsumexp(logits, dim=-1) if logsumexp is None else logsumexp)

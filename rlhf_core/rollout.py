@@ -8,9 +8,9 @@ forward, so left padding never shifts a model's positions.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -48,8 +48,8 @@ def left_pad(sequences: list[list[int]], pad_token_id: int) -> tuple[torch.Tenso
     mask = torch.zeros((len(sequences), width), dtype=torch.long)
     for i, seq in enumerate(sequences):
         if seq:
-            ids[i, width - len(seq):] = torch.tensor(seq)
-            mask[i, width - len(seq):] = 1
+            ids[i, width - len(seq) :] = torch.tensor(seq)
+            mask[i, width - len(seq) :] = 1
     return ids, mask
 
 
@@ -87,8 +87,16 @@ def sample_next(logits: torch.Tensor, settings: SamplingSettings) -> torch.Tenso
 
 
 @torch.no_grad()
-def generate(policy, query_ids: torch.Tensor, query_mask: torch.Tensor, settings: SamplingSettings, *,
-             pad_token_id: int, stop_token_ids: Sequence[int] = (), prompt_repeats: int = 1) -> torch.Tensor:
+def generate(
+    policy,
+    query_ids: torch.Tensor,
+    query_mask: torch.Tensor,
+    settings: SamplingSettings,
+    *,
+    pad_token_id: int,
+    stop_token_ids: Sequence[int] = (),
+    prompt_repeats: int = 1,
+) -> torch.Tensor:
     """Sample responses with the KV cache: (B, response_length), padded with pad_token_id after the stop.
 
     A plain decode loop over the model's forward with `past_key_values`: one batched forward per
@@ -105,11 +113,22 @@ def generate(policy, query_ids: torch.Tensor, query_mask: torch.Tensor, settings
     done = torch.zeros(batch, dtype=torch.bool, device=device)
     mask = torch.zeros((batch, context + settings.response_length), dtype=torch.long, device=device)
     mask[:, :context] = query_mask
-    shared = prompt_repeats > 1 and batch % prompt_repeats == 0 and all(
-        bool((t.view(-1, prompt_repeats, context) == t[::prompt_repeats, None]).all()) for t in (query_ids, query_mask))
+    shared = (
+        prompt_repeats > 1
+        and batch % prompt_repeats == 0
+        and all(
+            bool((t.view(-1, prompt_repeats, context) == t[::prompt_repeats, None]).all())
+            for t in (query_ids, query_mask)
+        )
+    )
     rows = slice(None, None, prompt_repeats) if shared else slice(None)
-    out = policy(input_ids=query_ids[rows], attention_mask=query_mask[rows], position_ids=position_ids_from_mask(query_mask[rows]),
-                 use_cache=True, logits_to_keep=1)  # the prefill needs the last position's logits only
+    out = policy(
+        input_ids=query_ids[rows],
+        attention_mask=query_mask[rows],
+        position_ids=position_ids_from_mask(query_mask[rows]),
+        use_cache=True,
+        logits_to_keep=1,
+    )  # the prefill needs the last position's logits only
     logits = out.logits[:, -1, :]
     cache = out.past_key_values
     if shared:
@@ -128,8 +147,13 @@ def generate(policy, query_ids: torch.Tensor, query_mask: torch.Tensor, settings
         mask[:, context + t] = alive.long()  # the stop token itself is attended to; what follows it is not
         step_mask = mask[:, : context + t + 1]
         positions = (step_mask.sum(1, keepdim=True) - 1).clamp(min=0)
-        out = policy(input_ids=token.unsqueeze(1), attention_mask=step_mask, position_ids=positions,
-                     past_key_values=cache, use_cache=True)
+        out = policy(
+            input_ids=token.unsqueeze(1),
+            attention_mask=step_mask,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+        )
         logits, cache = out.logits[:, -1, :], out.past_key_values
     return responses
 
@@ -144,15 +168,26 @@ def _full_mask(query_mask: torch.Tensor, resp_mask: torch.Tensor) -> torch.Tenso
     return torch.cat([query_mask, resp_mask], dim=1)
 
 
-def response_logprobs(model, query_ids: torch.Tensor, query_mask: torch.Tensor, responses: torch.Tensor,
-                      resp_mask: torch.Tensor, temperature: float = 1.0,
-                      with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+def response_logprobs(
+    model,
+    query_ids: torch.Tensor,
+    query_mask: torch.Tensor,
+    responses: torch.Tensor,
+    resp_mask: torch.Tensor,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log pi(response token | prefix) for each response token, INVALID_LOGPROB on padding. (B, R)"""
     input_ids = torch.cat([query_ids, responses], dim=1)
     attention_mask = _full_mask(query_mask, resp_mask)
     # logits only where they predict a response token: the vocabulary projection is most of the cost
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask),
-                use_cache=False, logits_to_keep=responses.shape[1] + 1)
+    out = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask),
+        use_cache=False,
+        logits_to_keep=responses.shape[1] + 1,
+    )
     logits = out.logits[:, :-1].float()  # (B, R, V)
     if temperature != 1.0:
         logits = logits / temperature
@@ -176,8 +211,12 @@ def head_per_token(model, input_ids: torch.Tensor, attention_mask: torch.Tensor)
     if hasattr(model, "peft_config"):
         model = model.get_base_model()
     backbone = getattr(model, model.base_model_prefix)
-    hidden = backbone(input_ids=input_ids, attention_mask=attention_mask,
-                      position_ids=position_ids_from_mask(attention_mask), use_cache=False).last_hidden_state
+    hidden = backbone(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask),
+        use_cache=False,
+    ).last_hidden_state
     return model.score(hidden).squeeze(-1).float()
 
 
@@ -189,7 +228,9 @@ def token_values(value_model, query_ids, query_mask, responses, resp_mask) -> to
     return values[:, context - 1 : -1] * resp_mask
 
 
-def sequence_scores(reward_model, query_ids, query_mask, responses, resp_mask, last_index: torch.Tensor) -> torch.Tensor:
+def sequence_scores(
+    reward_model, query_ids, query_mask, responses, resp_mask, last_index: torch.Tensor
+) -> torch.Tensor:
     """The reward model's score at the last real token of each query+response. (B,)"""
     input_ids = torch.cat([query_ids, responses], dim=1)
     per_token = head_per_token(reward_model, input_ids, _full_mask(query_mask, resp_mask))
@@ -219,9 +260,19 @@ def reference_context(policy, ref_model):
 
 
 @torch.no_grad()
-def collect_rollout(policy, ref_model, query_ids, query_mask, settings: SamplingSettings, *, pad_token_id: int,
-                    stop_token_ids: Sequence[int] = (), need_reference: bool = True, need_logprobs: bool = True,
-                    prompt_repeats: int = 1) -> Rollout:
+def collect_rollout(
+    policy,
+    ref_model,
+    query_ids,
+    query_mask,
+    settings: SamplingSettings,
+    *,
+    pad_token_id: int,
+    stop_token_ids: Sequence[int] = (),
+    need_reference: bool = True,
+    need_logprobs: bool = True,
+    prompt_repeats: int = 1,
+) -> Rollout:
     """Generate responses and score them under the policy and, when asked, the reference.
 
     need_logprobs=False skips the policy's forward pass: with one update per batch the "old"
@@ -229,8 +280,15 @@ def collect_rollout(policy, ref_model, query_ids, query_mask, settings: Sampling
     prompt_repeats: see `generate`.
     """
     policy.eval()
-    responses = generate(policy, query_ids, query_mask, settings, pad_token_id=pad_token_id, stop_token_ids=stop_token_ids,
-                         prompt_repeats=prompt_repeats)
+    responses = generate(
+        policy,
+        query_ids,
+        query_mask,
+        settings,
+        pad_token_id=pad_token_id,
+        stop_token_ids=stop_token_ids,
+        prompt_repeats=prompt_repeats,
+    )
     resp_mask, last_index, has_stop = response_mask(responses, stop_token_ids)
     logprobs = None
     if need_logprobs:
@@ -238,8 +296,9 @@ def collect_rollout(policy, ref_model, query_ids, query_mask, settings: Sampling
     ref_logprobs = None
     if need_reference:
         with reference_context(policy, ref_model):
-            ref_logprobs, _ = response_logprobs(ref_model or policy, query_ids, query_mask, responses, resp_mask,
-                                                settings.temperature)
+            ref_logprobs, _ = response_logprobs(
+                ref_model or policy, query_ids, query_mask, responses, resp_mask, settings.temperature
+            )
     return Rollout(query_ids, query_mask, responses, resp_mask, last_index, logprobs, ref_logprobs, has_stop)
 
 
@@ -264,15 +323,23 @@ class PromptBatches:
     """Each RL step's prompts: this process's share of an epoch's shuffle (see `ShardedBatches`), each
     prompt repeated `repeat` times (GRPO's groups), left-padded on `device`: (query_ids, query_mask, indices)."""
 
-    def __init__(self, tokenizer, prompts: list[str], *, max_prompt_length: int, per_step: int, seed: int, loop,
-                 repeat: int = 1):
+    def __init__(
+        self, tokenizer, prompts: list[str], *, max_prompt_length: int, per_step: int, seed: int, loop, repeat: int = 1
+    ):
         if not prompts:
             raise ValueError(f"the prompt set is empty; {loop.settings.name.upper()} needs at least one prompt")
         self.prompt_ids = tokenize_prompts(tokenizer, prompts, max_prompt_length)
         self.pad_id, self.repeat, self.device = tokenizer.pad_token_id, repeat, loop.device
         # data parallel: every process rolls out its own per_step prompts per step
-        self.order = ShardedBatches(len(self.prompt_ids), per_step, seed, rank=loop.rank, world=loop.world,
-                                    epoch=loop.epoch, position=loop.position)
+        self.order = ShardedBatches(
+            len(self.prompt_ids),
+            per_step,
+            seed,
+            rank=loop.rank,
+            world=loop.world,
+            epoch=loop.epoch,
+            position=loop.position,
+        )
 
     @property
     def epoch(self) -> int:
@@ -289,17 +356,34 @@ class PromptBatches:
 
 
 def rl_sampling(rl: RLConfig) -> SamplingSettings:
-    return SamplingSettings(response_length=rl.response_length, temperature=rl.temperature, top_k=rl.top_k,
-                            top_p=rl.top_p, min_tokens=rl.min_response_length)
+    return SamplingSettings(
+        response_length=rl.response_length,
+        temperature=rl.temperature,
+        top_k=rl.top_k,
+        top_p=rl.top_p,
+        min_tokens=rl.min_response_length,
+    )
 
 
-def rl_loop_settings(rl: RLConfig, run: RunConfig, *, name: str, micro_batches: int, micro_batch_size: int,
-                     eval_every: int | None) -> LoopSettings:
+def rl_loop_settings(
+    rl: RLConfig, run: RunConfig, *, name: str, micro_batches: int, micro_batch_size: int, eval_every: int | None
+) -> LoopSettings:
     """PPO's and GRPO's loop: rl.total_steps rollout batches, checkpoints of `policy/` (and the models beside it)."""
     return LoopSettings(
-        name=name, section="rl", total_steps=rl.total_steps, optim=rl, micro_batches=micro_batches,
-        micro_batch_size=micro_batch_size, log_every=rl.log_steps, eval_every=eval_every, save_every=rl.save_steps,
-        disable_dropout=rl.disable_dropout, keep_last=run.keep_last_checkpoints,
+        name=name,
+        section="rl",
+        total_steps=rl.total_steps,
+        optim=rl,
+        micro_batches=micro_batches,
+        micro_batch_size=micro_batch_size,
+        log_every=rl.log_steps,
+        eval_every=eval_every,
+        save_every=rl.save_steps,
+        disable_dropout=rl.disable_dropout,
+        keep_last=run.keep_last_checkpoints,
         # the newest N checkpoints and the best by the step's training score (PPO objective/scores, GRPO reward)
-        best_metric=("objective/scores", "reward"), registered="policy", timing=True,
-        shown=("objective/scores", "reward", "objective/kl", "kl"))
+        best_metric=("objective/scores", "reward"),
+        registered="policy",
+        timing=True,
+        shown=("objective/scores", "reward", "objective/kl", "kl"),
+    )

@@ -6,9 +6,9 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator
 
 from rlhf_core.ownership import ATOMIC_CREATOR, MARKER, OwnershipError, is_owned, write_marker
 
@@ -49,11 +49,15 @@ def apply_umask(root: str | Path) -> None:
 
 def _refuse_unowned(output_dir: Path) -> None:
     if output_dir.is_symlink() or (output_dir.exists() and not output_dir.is_dir()):
-        raise OwnershipError(f"refusing to replace {output_dir}: it is not a directory the pipeline created; "
-                             "move it away or choose another output path")
+        raise OwnershipError(
+            f"refusing to replace {output_dir}: it is not a directory the pipeline created; "
+            "move it away or choose another output path"
+        )
     if output_dir.is_dir() and not is_owned(output_dir) and any(output_dir.iterdir()):
-        raise OwnershipError(f"refusing to replace {output_dir}: it is a non-empty directory the pipeline did not "
-                             f"create (no {MARKER} marker); move it away or choose another output path")
+        raise OwnershipError(
+            f"refusing to replace {output_dir}: it is a non-empty directory the pipeline did not "
+            f"create (no {MARKER} marker); move it away or choose another output path"
+        )
 
 
 @contextmanager
@@ -98,7 +102,9 @@ def atomic_dir(output_dir: str | Path) -> Iterator[Path]:
         raise
 
 
-def save_pretrained_atomic(model, tokenizer, output_dir: str | Path, extra: Callable[[Path], None] | None = None) -> Path:
+def save_pretrained_atomic(
+    model, tokenizer, output_dir: str | Path, extra: Callable[[Path], None] | None = None
+) -> Path:
     """Save model (safetensors) and tokenizer atomically (see `atomic_dir`); `extra(tmp)` may add files."""
     with atomic_dir(output_dir) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)

@@ -21,28 +21,54 @@ def tokenize_corpus(tokenizer, texts: list[str], max_length: int) -> torch.utils
     eos = tokenizer.eos_token or ""
     # eos right after the text, as TRL does: a space before it would be a token of its own in a
     # byte-level BPE, and the model would learn to stop after a stray space
-    enc = tokenizer([t if not eos or t.endswith(eos) else t + eos for t in texts], max_length=max_length, truncation=True,
-                    padding="longest", return_tensors="pt", padding_side="right")
+    enc = tokenizer(
+        [t if not eos or t.endswith(eos) else t + eos for t in texts],
+        max_length=max_length,
+        truncation=True,
+        padding="longest",
+        return_tensors="pt",
+        padding_side="right",
+    )
     labels = enc["input_ids"].masked_fill(enc["attention_mask"] == 0, -100)  # (N, T) no loss on pads
     return torch.utils.data.TensorDataset(enc["input_ids"], enc["attention_mask"], labels)
 
 
-def train_sft(model, tokenizer, texts: list[str], cfg: SFTConfig, run: RunConfig, *, max_length: int,
-              output_dir: str | Path, on_log: OnLog | None = None, on_checkpoint: OnCheckpoint | None = None,
-              show_progress: bool = True) -> dict[str, float]:
+def train_sft(
+    model,
+    tokenizer,
+    texts: list[str],
+    cfg: SFTConfig,
+    run: RunConfig,
+    *,
+    max_length: int,
+    output_dir: str | Path,
+    on_log: OnLog | None = None,
+    on_checkpoint: OnCheckpoint | None = None,
+    show_progress: bool = True,
+) -> dict[str, float]:
     """Train `model` on `texts` for cfg.max_steps optimizer steps and save it to `output_dir`.
 
     Returns the final metrics ({"sft/loss": the last micro-batch's loss, "sft/first_loss": the first's,
     "sft/steps"}). Callbacks receive metric dicts with steps and the saved directory.
     """
-    settings = LoopSettings(name="sft", section="sft", total_steps=cfg.max_steps, optim=cfg,
-                            micro_batches=cfg.gradient_accumulation_steps, log_every=cfg.log_steps, log_window="mean",
-                            lr_key="sft/learning_rate", grad_norm_key="sft/grad_norm", shown=("sft/loss",))
+    settings = LoopSettings(
+        name="sft",
+        section="sft",
+        total_steps=cfg.max_steps,
+        optim=cfg,
+        micro_batches=cfg.gradient_accumulation_steps,
+        log_every=cfg.log_steps,
+        log_window="mean",
+        lr_key="sft/learning_rate",
+        grad_norm_key="sft/grad_norm",
+        shown=("sft/loss",),
+    )
     loop = TrainingLoop(model, {}, tokenizer, settings, run)
     data = tokenize_corpus(tokenizer, texts, max_length)
     generator = torch.Generator().manual_seed(run.seed)
-    loader = torch.utils.data.DataLoader(data, batch_size=cfg.batch_size, shuffle=True, generator=generator,
-                                         drop_last=len(data) > cfg.batch_size)
+    loader = torch.utils.data.DataLoader(
+        data, batch_size=cfg.batch_size, shuffle=True, generator=generator, drop_last=len(data) > cfg.batch_size
+    )
     # data parallel: accelerate shards the loader; each step takes gradient_accumulation_steps micro-batches
     batches = Grouped(LoaderCycle(loop.accelerator.prepare(loader)), cfg.gradient_accumulation_steps)
     loop.trainable.train()

@@ -88,26 +88,41 @@ def prepare_data(cfg: PipelineConfig, parent_run_id: str) -> PreparedData:
         world = None
         if cfg.uses_demo_world():
             reporter.start(0, "Building the offline demo world", key="demo-world-progress")
-            world = build_demo_world(cfg.run.output_dir / "demo_world", cfg.run.seed, cfg.data.demo, cfg.model.demo,
-                                     progress=reporter.advance)
+            world = build_demo_world(
+                cfg.run.output_dir / "demo_world",
+                cfg.run.seed,
+                cfg.data.demo,
+                cfg.model.demo,
+                progress=reporter.advance,
+            )
             logger.info("demo world ready at %s", world.root)
 
         base_model = resolve_model_source(cfg.model.base, field="model.base", cfg=cfg, world=world)
         if cfg.reward.base not in ("policy", DEMO) and not cfg.reward.base.startswith("models:/"):
             check_source(cfg.reward.base, "reward.base")  # fail before any training, not after SFT
         tokenizer_source = cfg.model.tokenizer or base_model
-        tokenizer = load_tokenizer(tokenizer_source, revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code)
+        tokenizer = load_tokenizer(
+            tokenizer_source, revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code
+        )
         # the stop tokens against the base model's tokenizer now, before SFT or reward training
-        stop_token_ids(tokenizer, generation_config_of(base_model, trust_remote_code=cfg.model.trust_remote_code),
-                       stop_token=cfg.rl.stop_token, stop_tokens=cfg.rl.stop_tokens)
+        stop_token_ids(
+            tokenizer,
+            generation_config_of(base_model, trust_remote_code=cfg.model.trust_remote_code),
+            stop_token=cfg.rl.stop_token,
+            stop_tokens=cfg.rl.stop_tokens,
+        )
 
         tables, fingerprints, reports = {}, {}, []
         for name, field_name, spec, kind in tables_to_prepare(cfg):
             resolved = demo_path(world, kind, spec) if spec.path == DEMO else None
             ds = load_table(spec, kind, field=field_name, resolved_path=resolved)
             ds, report = apply_length_policy(
-                ds, kind, tokenizer, max_length=cfg.data.max_length,
-                max_prompt_length=cfg.data.max_prompt_length, action=cfg.data.overlong,
+                ds,
+                kind,
+                tokenizer,
+                max_length=cfg.data.max_length,
+                max_prompt_length=cfg.data.max_prompt_length,
+                action=cfg.data.overlong,
             )
             source = resolved or spec.path
             if report.overlong:
@@ -116,12 +131,29 @@ def prepare_data(cfg: PipelineConfig, parent_run_id: str) -> PreparedData:
                 raise ValueError(f"{field_name}: every row of {source} is over the length limit; raise data.max_length")
             tables[name] = str(save_table(ds, cfg.run.output_dir / "data" / f"{name}.jsonl"))
             fingerprints[name] = fingerprint_rows(ds)
-            reports.append({"table": name, "source": source, "rows": report.rows, "overlong": report.overlong,
-                            "action": report.action, "kept": report.kept, "fingerprint": fingerprints[name]})
+            reports.append(
+                {
+                    "table": name,
+                    "source": source,
+                    "rows": report.rows,
+                    "overlong": report.overlong,
+                    "action": report.action,
+                    "kept": report.kept,
+                    "fingerprint": fingerprints[name],
+                }
+            )
             reporter.log({f"data/{name}/rows": report.kept, f"data/{name}/overlong": report.overlong}, 0)
 
-        reporter.publish_table("data-report", reports, "Validated tables: rows, over-long rows and what was done with them")
-        prepared = PreparedData(tables=tables, fingerprints=fingerprints, base_model=base_model,
-                                tokenizer=tokenizer_source, demo_world=str(world.root.resolve()) if world else None, reports=reports)
+        reporter.publish_table(
+            "data-report", reports, "Validated tables: rows, over-long rows and what was done with them"
+        )
+        prepared = PreparedData(
+            tables=tables,
+            fingerprints=fingerprints,
+            base_model=base_model,
+            tokenizer=tokenizer_source,
+            demo_world=str(world.root.resolve()) if world else None,
+            reports=reports,
+        )
         reporter.tag({"data_fingerprint": prepared.fingerprint})
         return prepared

@@ -23,48 +23,89 @@ CANDIDATE = "candidate"
 def export_info(cfg: PipelineConfig, data: PreparedData, plan: InitPlan, trained: Checkpoint) -> ExportInfo:
     algorithm = cfg.rl.algorithm
     settings = cfg.ppo if algorithm == "ppo" else cfg.grpo
-    hyper = {f"rl.{k}": getattr(cfg.rl, k) for k in ("total_steps", "batch_size", "learning_rate", "response_length", "temperature")}
-    hyper.update({f"{algorithm}.{k}": v for k, v in settings.model_dump(mode="json").items() if not isinstance(v, (list, dict))})
+    hyper = {
+        f"rl.{k}": getattr(cfg.rl, k)
+        for k in ("total_steps", "batch_size", "learning_rate", "response_length", "temperature")
+    }
+    hyper.update(
+        {f"{algorithm}.{k}": v for k, v in settings.model_dump(mode="json").items() if not isinstance(v, (list, dict))}
+    )
     if cfg.model.lora.enabled:
         hyper.update({"lora.r": cfg.model.lora.r, "lora.alpha": cfg.model.lora.alpha})
     tables = ("preference", "prompts") if plan.reward_path else ("prompts",)
     return ExportInfo(
-        algorithm=algorithm, steps=trained.step, base_model=plan.policy_identity, reward_model=plan.reward_identity,
-        datasets=[data.source(t) for t in tables], eval_metrics=trained.extra.get("final_eval", {}),
-        hyperparameters=hyper, model_name=cfg.registry.policy_model_name,
+        algorithm=algorithm,
+        steps=trained.step,
+        base_model=plan.policy_identity,
+        reward_model=plan.reward_identity,
+        datasets=[data.source(t) for t in tables],
+        eval_metrics=trained.extra.get("final_eval", {}),
+        hyperparameters=hyper,
+        model_name=cfg.registry.policy_model_name,
     )
 
 
 @task(name="export-policy", cache_policy=NO_CACHE, **IO_RETRIES)
-def export_final_policy(cfg: PipelineConfig, data: PreparedData, plan: InitPlan, trained: Checkpoint,
-                        parent_run_id: str) -> Checkpoint:
+def export_final_policy(
+    cfg: PipelineConfig, data: PreparedData, plan: InitPlan, trained: Checkpoint, parent_run_id: str
+) -> Checkpoint:
     """Write <export dir> from the last RL checkpoint, register it as a version, point `candidate` at it."""
     out = cfg.export_dir
     with tracking.stage_run(parent_run_id, "export") as run_id:
-        reporter = StageReporter(cfg, "export", run_id, data_fingerprint=data.fingerprint, model_name=cfg.registry.policy_model_name,
-                                 lineage={"stage_key": trained.key, "algorithm": cfg.rl.algorithm,
-                                          "reward_model_version": plan.reward_identity, "base_model": plan.policy_identity,
-                                          "source_checkpoint": trained.model_uri or trained.path})
+        reporter = StageReporter(
+            cfg,
+            "export",
+            run_id,
+            data_fingerprint=data.fingerprint,
+            model_name=cfg.registry.policy_model_name,
+            lineage={
+                "stage_key": trained.key,
+                "algorithm": cfg.rl.algorithm,
+                "reward_model_version": plan.reward_identity,
+                "base_model": plan.policy_identity,
+                "source_checkpoint": trained.model_uri or trained.path,
+            },
+        )
         tokenizer = load_tokenizer(trained.path)
-        stops = stop_token_ids(tokenizer, generation_config_of(trained.path), stop_token=cfg.rl.stop_token,
-                               stop_tokens=cfg.rl.stop_tokens)
-        generation = generation_settings(tokenizer=tokenizer, max_new_tokens=cfg.rl.response_length,
-                                         temperature=cfg.rl.temperature, top_k=cfg.rl.top_k, top_p=cfg.rl.top_p,
-                                         stop_token_ids=stops)
-        export_policy(trained.path, out, export_info(cfg, data, plan, trained), generation=generation, merge=cfg.export.merge)
+        stops = stop_token_ids(
+            tokenizer, generation_config_of(trained.path), stop_token=cfg.rl.stop_token, stop_tokens=cfg.rl.stop_tokens
+        )
+        generation = generation_settings(
+            tokenizer=tokenizer,
+            max_new_tokens=cfg.rl.response_length,
+            temperature=cfg.rl.temperature,
+            top_k=cfg.rl.top_k,
+            top_p=cfg.rl.top_p,
+            stop_token_ids=stops,
+        )
+        export_policy(
+            trained.path, out, export_info(cfg, data, plan, trained), generation=generation, merge=cfg.export.merge
+        )
         reporter.artifact(out / "README.md", "model_card")
         reporter.logger.info("exported the %s policy (step %d) to %s", cfg.rl.algorithm, trained.step, out.resolve())
         # an adapter-only export has no full weights to log; the checkpoint it came from has them merged
         full = out if (out / "config.json").is_file() else Path(trained.path)
-        uri = reporter.register(full, trained.step,
-                                **{k.replace("/", "_"): f"{v:.4f}" for k, v in trained.extra.get("final_eval", {}).items()})
+        uri = reporter.register(
+            full,
+            trained.step,
+            **{k.replace("/", "_"): f"{v:.4f}" for k, v in trained.extra.get("final_eval", {}).items()},
+        )
         if uri is not None:
             reporter.alias(CANDIDATE, uri)
             reporter.logger.info("%s is %s, alias %s", out, uri, CANDIDATE)
             name = cfg.registry.policy_model_name
-            reporter.publish_markdown("policy-export", f"# Exported policy\n\n- directory: `{out.resolve()}`\n"
-                                      f"- model version: `{uri}` (alias `{CANDIDATE}`: `models:/{name}@{CANDIDATE}`)\n"
-                                      f"- load: `AutoModelForCausalLM.from_pretrained(\"{out.resolve()}\")`\n",
-                                      "The exported final policy")
-        return Checkpoint(path=str(out.resolve()), model_uri=uri, step=trained.step, metrics=trained.metrics,
-                          key=trained.key, extra={"source": trained.path})
+            reporter.publish_markdown(
+                "policy-export",
+                f"# Exported policy\n\n- directory: `{out.resolve()}`\n"
+                f"- model version: `{uri}` (alias `{CANDIDATE}`: `models:/{name}@{CANDIDATE}`)\n"
+                f'- load: `AutoModelForCausalLM.from_pretrained("{out.resolve()}")`\n',
+                "The exported final policy",
+            )
+        return Checkpoint(
+            path=str(out.resolve()),
+            model_uri=uri,
+            step=trained.step,
+            metrics=trained.metrics,
+            key=trained.key,
+            extra={"source": trained.path},
+        )

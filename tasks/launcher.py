@@ -67,7 +67,15 @@ def launch_command(cfg, spec: Path) -> list[str]:
     if cfg.run.accelerate_config is not None:
         command += ["--config_file", str(cfg.run.accelerate_config)]
     else:
-        command += ["--multi_gpu", "--num_machines", "1", "--mixed_precision", cfg.run.mixed_precision, "--dynamo_backend", "no"]
+        command += [
+            "--multi_gpu",
+            "--num_machines",
+            "1",
+            "--mixed_precision",
+            cfg.run.mixed_precision,
+            "--dynamo_backend",
+            "no",
+        ]
     return command + ["-m", WORKER_MODULE, str(spec)]
 
 
@@ -83,23 +91,34 @@ def launch(stage: str, cfg, **inputs):
     with tempfile.TemporaryDirectory(prefix=f"rlhf-{stage}-") as tmp:
         spec = Path(tmp) / "spec.json"
         result = Path(tmp) / "result.json"
-        spec.write_text(json.dumps({
-            "stage": stage, "config": cfg.model_dump(mode="json"), "result": str(result),
-            "inputs": {k: (dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v) for k, v in inputs.items()},
-        }))
+        spec.write_text(
+            json.dumps(
+                {
+                    "stage": stage,
+                    "config": cfg.model_dump(mode="json"),
+                    "result": str(result),
+                    "inputs": {
+                        k: (dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v) for k, v in inputs.items()
+                    },
+                }
+            )
+        )
         command = launch_command(cfg, spec)
         logger.info("%s stage on %d processes: %s", stage, cfg.run.num_processes, " ".join(command))
         tail: deque[str] = deque(maxlen=30)
         env = {**os.environ, WORKER_ENV: "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
         # the task's working directory: relative paths in the config mean the same in every process
-        with subprocess.Popen(command, cwd=Path.cwd(), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              bufsize=1) as proc:
+        with subprocess.Popen(
+            command, cwd=Path.cwd(), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
+        ) as proc:
             for line in proc.stdout:  # stream the processes' log into the task's
                 line = line.rstrip()
                 if line:
                     tail.append(line)
                     logger.info(line)
         if proc.returncode != 0 or not result.is_file():
-            raise RuntimeError(f"the {stage} stage failed on {cfg.run.num_processes} processes (exit {proc.returncode}): "
-                               + " | ".join(list(tail)[-5:]))
+            raise RuntimeError(
+                f"the {stage} stage failed on {cfg.run.num_processes} processes (exit {proc.returncode}): "
+                + " | ".join(list(tail)[-5:])
+            )
         return Checkpoint(**json.loads(result.read_text()))

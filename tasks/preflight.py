@@ -18,15 +18,22 @@ import os
 import re
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from rlhf_core.config import DEMO, DatasetSpec, PipelineConfig
-from rlhf_core.redaction import redact
 from rlhf_core.data import (
-    DataValidationError, Kind, _glob_files, _local_files, is_glob, looks_local, required_columns,
+    DataValidationError,
+    Kind,
+    _glob_files,
+    _local_files,
+    is_glob,
+    looks_local,
+    required_columns,
 )
 from rlhf_core.models import ModelSourceError, check_source, looks_like_path
+from rlhf_core.redaction import redact
 from rlhf_core.reward_functions import RewardFunctionError, load_function
 
 TRACKING_TIMEOUT_S = 10.0
@@ -62,16 +69,23 @@ def check(cfg: PipelineConfig) -> None:
     if problems:
         more = len(problems) - 1
         kind = getattr(problems[0], "kind", PreflightError)
-        raise kind(problems[0] + (f" (and {more} more problem{'s' if more > 1 else ''}; "
-                                  "`rlhf validate` checks them all)" if more else ""))
+        raise kind(
+            problems[0]
+            + (f" (and {more} more problem{'s' if more > 1 else ''}; `rlhf validate` checks them all)" if more else "")
+        )
 
 
 def preflight(cfg: PipelineConfig) -> list[str]:
     """Every problem found without training, one sentence each; an empty list means go."""
     problems: list[str] = []
-    for check_one, kind in ((_check_functions, RewardFunctionError), (_check_data, DataValidationError),
-                            (_check_models, ModelSourceError), (_check_context, PreflightError),
-                            (_check_tracking, PreflightError), (_check_registry, PreflightError)):
+    for check_one, kind in (
+        (_check_functions, RewardFunctionError),
+        (_check_data, DataValidationError),
+        (_check_models, ModelSourceError),
+        (_check_context, PreflightError),
+        (_check_tracking, PreflightError),
+        (_check_registry, PreflightError),
+    ):
         problems += [Problem.of(kind, p) for p in check_one(cfg)]
     return problems
 
@@ -100,7 +114,9 @@ def _signature_problem(fn: Callable, *, needs_kwargs: bool) -> str | None:
 def _check_functions(cfg: PipelineConfig) -> list[str]:
     specs: list[tuple[str, str, bool]] = []
     if cfg.rl.algorithm == "grpo":
-        specs += [(f"grpo.rewards[{i}].function", r.function, True) for i, r in enumerate(cfg.grpo.rewards) if r.function]
+        specs += [
+            (f"grpo.rewards[{i}].function", r.function, True) for i, r in enumerate(cfg.grpo.rewards) if r.function
+        ]
     specs += [("eval.metrics", spec, False) for spec in cfg.eval.metrics]
     problems = []
     for field, spec, needs_kwargs in specs:
@@ -123,10 +139,12 @@ def _check_functions(cfg: PipelineConfig) -> list[str]:
 
 def tables_to_check(cfg: PipelineConfig) -> list[tuple[str, DatasetSpec, Kind]]:
     """(config field, spec, kind) of every table the pipeline reads (as tasks.data.tables_to_prepare)."""
-    tables = [("data.preference", cfg.data.preference, "preference"),
-              ("data.preference_eval", cfg.data.preference_eval, "preference"),
-              ("data.prompts", cfg.data.prompts, "prompt"),
-              ("data.eval_prompts", cfg.data.eval_prompts, "prompt")]
+    tables = [
+        ("data.preference", cfg.data.preference, "preference"),
+        ("data.preference_eval", cfg.data.preference_eval, "preference"),
+        ("data.prompts", cfg.data.prompts, "prompt"),
+        ("data.eval_prompts", cfg.data.eval_prompts, "prompt"),
+    ]
     if cfg.sft.enabled:
         tables.append(("sft.dataset", cfg.sft.dataset, "text"))
     return tables
@@ -198,8 +216,10 @@ def _check_table(field: str, spec: DatasetSpec, kind: Kind) -> str | None:
             return f"{files[0]} row {i} is a {type(row).__name__}, not an object with columns"
         missing = [src for src in mapping.values() if src not in row]
         if missing:
-            return (f"{files[0]} has no column `{missing[0]}` (row {i} has {sorted(row)}); "
-                    f"map it with {field}.columns.{_pipeline_name(mapping, missing[0])}")
+            return (
+                f"{files[0]} has no column `{missing[0]}` (row {i} has {sorted(row)}); "
+                f"map it with {field}.columns.{_pipeline_name(mapping, missing[0])}"
+            )
         for dst, src in mapping.items():
             value = row[src]
             if value is None:
@@ -235,8 +255,10 @@ def _source_problem(source: str, field: str) -> str | None:
     except ModelSourceError as err:
         return str(err)
     if not looks_like_path(source) and (not HUB_NAME.fullmatch(source) or ".." in source or "--" in source):
-        return (f"{field}: '{source}' is neither an existing local directory nor a hub model name such as "
-                "'Qwen/Qwen2.5-0.5B'")
+        return (
+            f"{field}: '{source}' is neither an existing local directory nor a hub model name such as "
+            "'Qwen/Qwen2.5-0.5B'"
+        )
     return None
 
 
@@ -247,8 +269,11 @@ def _check_models(cfg: PipelineConfig) -> list[str]:
     if cfg.reward.base != "policy":
         sources.append(("reward.base", cfg.reward.base))
     if cfg.rl.algorithm == "grpo":
-        sources += [(f"grpo.rewards[{i}].model", r.model) for i, r in enumerate(cfg.grpo.rewards)
-                    if r.model is not None and r.model != "reward_stage"]
+        sources += [
+            (f"grpo.rewards[{i}].model", r.model)
+            for i, r in enumerate(cfg.grpo.rewards)
+            if r.model is not None and r.model != "reward_stage"
+        ]
     return [p for p in (_source_problem(source, field) for field, source in sources if source != DEMO) if p]
 
 
@@ -273,8 +298,10 @@ def _check_context(cfg: PipelineConfig) -> list[str]:
     context, where = model_context(cfg)
     needed = cfg.data.max_prompt_length + cfg.rl.response_length
     if context is not None and needed > context:
-        return [f"data.max_prompt_length {cfg.data.max_prompt_length} + rl.response_length {cfg.rl.response_length} = "
-                f"{needed} tokens exceeds the policy's context of {context} ({where})"]
+        return [
+            f"data.max_prompt_length {cfg.data.max_prompt_length} + rl.response_length {cfg.rl.response_length} = "
+            f"{needed} tokens exceeds the policy's context of {context} ({where})"
+        ]
     return []
 
 
@@ -289,7 +316,11 @@ def _strip_userinfo(uri: str) -> str:
 
 def _check_tracking(cfg: PipelineConfig) -> list[str]:
     uri = cfg.tracking_uri()
-    field = "tracking.uri" if cfg.tracking.uri else ("MLFLOW_TRACKING_URI" if os.environ.get("MLFLOW_TRACKING_URI") else "tracking.uri")
+    field = (
+        "tracking.uri"
+        if cfg.tracking.uri
+        else ("MLFLOW_TRACKING_URI" if os.environ.get("MLFLOW_TRACKING_URI") else "tracking.uri")
+    )
     if uri.startswith(("http://", "https://")):
         url = _strip_userinfo(uri).rstrip("/") + "/health"
         try:
@@ -301,8 +332,10 @@ def _check_tracking(cfg: PipelineConfig) -> list[str]:
             reason = f"HTTP {err.code}"
         except (urllib.error.URLError, OSError, ValueError) as err:
             reason = str(getattr(err, "reason", err)) or type(err).__name__
-        return [f"{field}: the tracking server {redact(uri)} does not answer (GET /health, "
-                f"{TRACKING_TIMEOUT_S:.0f} s timeout: {reason}); start it or fix the URI"]
+        return [
+            f"{field}: the tracking server {redact(uri)} does not answer (GET /health, "
+            f"{TRACKING_TIMEOUT_S:.0f} s timeout: {reason}); start it or fix the URI"
+        ]
     if uri.startswith("sqlite:///"):
         db = Path(uri.removeprefix("sqlite:///")).expanduser()
         parent = db.parent
@@ -326,10 +359,14 @@ def registry_name_problem(field: str, name: str) -> str | None:
 
 
 def _check_registry(cfg: PipelineConfig) -> list[str]:
-    names = [("registry.reward_model_name", cfg.registry.reward_model_name),
-             ("registry.policy_model_name", cfg.registry.policy_model_name)]
+    names = [
+        ("registry.reward_model_name", cfg.registry.reward_model_name),
+        ("registry.policy_model_name", cfg.registry.policy_model_name),
+    ]
     problems = [p for p in (registry_name_problem(f, n) for f, n in names) if p]
     if not problems and names[0][1] == names[1][1]:
-        problems.append(f"registry.reward_model_name and registry.policy_model_name are both '{names[0][1]}'; "
-                        "reward models and policies need their own registered models")
+        problems.append(
+            f"registry.reward_model_name and registry.policy_model_name are both '{names[0][1]}'; "
+            "reward models and policies need their own registered models"
+        )
     return problems

@@ -52,8 +52,9 @@ def find_version(model_name: str, tags: dict[str, str]):
     return max(matching, key=lambda v: int(v.version)) if matching else None
 
 
-def register_checkpoint(checkpoint_dir: str | Path, model_name: str, *, task: str, tags: dict[str, str],
-                        run_id: str) -> dict[str, str]:
+def register_checkpoint(
+    checkpoint_dir: str | Path, model_name: str, *, task: str, tags: dict[str, str], run_id: str
+) -> dict[str, str]:
     """Log a Hugging Face checkpoint directory as a new version of `model_name`.
 
     `task` is the transformers pipeline task ("text-generation" for policies,
@@ -106,8 +107,16 @@ def _local_artifact_dir(model_id: str | None) -> Path | None:
     return Path(unquote(urlparse(location).path))
 
 
-def register_once(checkpoint_dir: str | Path, model_name: str, *, task: str, tags: dict[str, str], run_id: str,
-                  identity: tuple[str, ...] = ("stage", "stage_key", "step"), keep_last: int | None = None) -> str:
+def register_once(
+    checkpoint_dir: str | Path,
+    model_name: str,
+    *,
+    task: str,
+    tags: dict[str, str],
+    run_id: str,
+    identity: tuple[str, ...] = ("stage", "stage_key", "step"),
+    keep_last: int | None = None,
+) -> str:
     """URI of the version whose `identity` tags match `tags`, registering the checkpoint only if none does.
 
     This is what makes re-runs and resumed runs register no duplicate versions, also when two processes
@@ -126,8 +135,10 @@ def register_once(checkpoint_dir: str | Path, model_name: str, *, task: str, tag
     try:
         lock.acquire()
     except Timeout:
-        raise RuntimeError(f"waited {lock.timeout:.0f} s for another process's registration to end "
-                           f"(lock {lock.lock_file}); is a registration hanging?") from None
+        raise RuntimeError(
+            f"waited {lock.timeout:.0f} s for another process's registration to end "
+            f"(lock {lock.lock_file}); is a registration hanging?"
+        ) from None
     try:
         existing = find_version(model_name, identity_tags)  # registered by another process while we waited
         if existing is not None:
@@ -162,7 +173,9 @@ def prune_versions(model_name: str, keep_last: int | None) -> list[str]:
         raise ValueError(f"keep_last must be at least 1, got {keep_last}")
     client = MlflowClient()
     aliased = {str(v) for v in client.get_registered_model(model_name).aliases.values()}
-    versions = sorted(client.search_model_versions(f"name = '{model_name}'"), key=lambda v: int(v.version), reverse=True)
+    versions = sorted(
+        client.search_model_versions(f"name = '{model_name}'"), key=lambda v: int(v.version), reverse=True
+    )
     deleted = []
     for version in versions[keep_last:]:
         if str(version.version) in aliased or str(version.tags.get("keep", "")).lower() == "true":
@@ -173,9 +186,16 @@ def prune_versions(model_name: str, keep_last: int | None) -> list[str]:
             try:
                 client.delete_logged_model(model_id)
             except mlflow.exceptions.MlflowException:
-                logging.getLogger(__name__).warning("could not mark logged model %s of %s/%s deleted", model_id, model_name,
-                               version.version, exc_info=True)
-        logging.getLogger(__name__).info("deleted model version %s/%s (registry.keep_last_versions=%d)", model_name, version.version, keep_last)
+                logging.getLogger(__name__).warning(
+                    "could not mark logged model %s of %s/%s deleted",
+                    model_id,
+                    model_name,
+                    version.version,
+                    exc_info=True,
+                )
+        logging.getLogger(__name__).info(
+            "deleted model version %s/%s (registry.keep_last_versions=%d)", model_name, version.version, keep_last
+        )
         deleted.append(str(version.version))
     return deleted
 
@@ -213,8 +233,9 @@ def version_cache_key(uri: str) -> str:
             name, number = ref.rsplit("/", 1)
             version = client.get_model_version(name, number)
     except mlflow.exceptions.MlflowException as err:
-        raise MissingVersion(f"the registry at {redact(mlflow.get_tracking_uri())} has no model version {uri} "
-                             f"({err.error_code})") from None
+        raise MissingVersion(
+            f"the registry at {redact(mlflow.get_tracking_uri())} has no model version {uri} ({err.error_code})"
+        ) from None
     digest = hashlib.sha256(f"{version.source}|{version.run_id}|{version.creation_timestamp}".encode()).hexdigest()[:10]
     return re.sub(r"[^A-Za-z0-9._-]+", "_", f"{name}-v{version.version}-{digest}")
 

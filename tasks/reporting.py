@@ -28,9 +28,18 @@ class StageReporter:
     tags every version of this stage carries besides stage, step, config hash and data fingerprint.
     """
 
-    def __init__(self, cfg: PipelineConfig, stage: str, run_id: str, *, data_fingerprint: str = "",
-                 curves: dict[str, tuple[str, ...]] | None = None, model_name: str | None = None,
-                 task: str = "text-generation", lineage: dict[str, str] | None = None):
+    def __init__(
+        self,
+        cfg: PipelineConfig,
+        stage: str,
+        run_id: str,
+        *,
+        data_fingerprint: str = "",
+        curves: dict[str, tuple[str, ...]] | None = None,
+        model_name: str | None = None,
+        task: str = "text-generation",
+        lineage: dict[str, str] | None = None,
+    ):
         self.cfg, self.stage, self.run_id = cfg, stage, run_id
         self.data_fingerprint = data_fingerprint
         self.sources = dict(curves or {})
@@ -90,10 +99,22 @@ class StageReporter:
         """
         if not self.cfg.tracking.register_models:
             return None
-        lineage = registry.lineage_tags(stage=self.stage, step=step, config_hash=self.cfg.config_hash(),
-                                        data_fingerprint=self.data_fingerprint, **self.lineage, **tags)
-        self.registered[step] = registry.register_once(path, self.model_name, task=self.task, tags=lineage,
-                                                       run_id=self.run_id, keep_last=self.cfg.registry.keep_last_versions)
+        lineage = registry.lineage_tags(
+            stage=self.stage,
+            step=step,
+            config_hash=self.cfg.config_hash(),
+            data_fingerprint=self.data_fingerprint,
+            **self.lineage,
+            **tags,
+        )
+        self.registered[step] = registry.register_once(
+            path,
+            self.model_name,
+            task=self.task,
+            tags=lineage,
+            run_id=self.run_id,
+            keep_last=self.cfg.registry.keep_last_versions,
+        )
         return self.registered[step]
 
     def checkpoint_tags(self, path: Path, step: int) -> dict[str, str]:

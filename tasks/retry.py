@@ -11,8 +11,16 @@ from typing import Any
 
 from prefect.tasks import exponential_backoff
 
-TRANSIENT_MESSAGES = ("Connection refused", "Max retries exceeded", "Connection reset", "Temporary failure in name resolution",
-                      "timed out", "Remote end closed connection", "503 Service Unavailable", "502 Bad Gateway")
+TRANSIENT_MESSAGES = (
+    "Connection refused",
+    "Max retries exceeded",
+    "Connection reset",
+    "Temporary failure in name resolution",
+    "timed out",
+    "Remote end closed connection",
+    "503 Service Unavailable",
+    "502 Bad Gateway",
+)
 
 
 def is_transient(error: BaseException) -> bool:

@@ -55,12 +55,18 @@ TRAINER_VERSION = 2  # bump when training changes what a finished stage would co
 
 
 def reward_key(cfg: PipelineConfig, data: PreparedData, base_identity: str) -> str:
-    return stage_key({
-        "trainer_version": TRAINER_VERSION,
-        "reward": cfg.reward.model_dump(mode="json"), "lora": cfg.model.lora.model_dump() if cfg.reward.lora else None,
-        "base": base_identity, "data": [data.fingerprints["preference"], data.fingerprints["preference_eval"]],
-        "max_length": cfg.data.max_length, "seed": cfg.run.seed, "mixed_precision": cfg.run.mixed_precision,
-    })
+    return stage_key(
+        {
+            "trainer_version": TRAINER_VERSION,
+            "reward": cfg.reward.model_dump(mode="json"),
+            "lora": cfg.model.lora.model_dump() if cfg.reward.lora else None,
+            "base": base_identity,
+            "data": [data.fingerprints["preference"], data.fingerprints["preference_eval"]],
+            "max_length": cfg.data.max_length,
+            "seed": cfg.run.seed,
+            "mixed_precision": cfg.run.mixed_precision,
+        }
+    )
 
 
 def reuse_registered(cfg: PipelineConfig, key: str, out_dir: Path) -> Checkpoint | None:
@@ -78,18 +84,34 @@ def reuse_registered(cfg: PipelineConfig, key: str, out_dir: Path) -> Checkpoint
     uri = f"models:/{name}/{version.version}"
     local = registry.materialize_version(uri, Path(out_dir) / "registry")
     metrics = {k: float(version.tags[k]) for k in ("eval_accuracy", "eval_loss") if k in version.tags}
-    return Checkpoint(path=str(local.resolve()), model_uri=uri, step=cfg.reward.max_steps, metrics=metrics, key=key,
-                      extra={"resumed_from": None, "from_registry": True})
+    return Checkpoint(
+        path=str(local.resolve()),
+        model_uri=uri,
+        step=cfg.reward.max_steps,
+        metrics=metrics,
+        key=key,
+        extra={"resumed_from": None, "from_registry": True},
+    )
 
 
 class RewardReporter(StageReporter):
     """The reward stage's reporting: checkpoints tagged with their eval metrics, evaluations as a table."""
 
     def __init__(self, cfg: PipelineConfig, run_id: str, data: PreparedData, key: str, base_identity: str):
-        super().__init__(cfg, "reward", run_id, data_fingerprint=data.fingerprint, model_name=cfg.registry.reward_model_name,
-                         task="text-classification", lineage={"stage_key": key, "base_model": base_identity},
-                         curves={"reward/loss": ("reward/loss",), "reward/accuracy": ("reward/accuracy",),
-                                 "eval_accuracy": ("eval_accuracy",)})
+        super().__init__(
+            cfg,
+            "reward",
+            run_id,
+            data_fingerprint=data.fingerprint,
+            model_name=cfg.registry.reward_model_name,
+            task="text-classification",
+            lineage={"stage_key": key, "base_model": base_identity},
+            curves={
+                "reward/loss": ("reward/loss",),
+                "reward/accuracy": ("reward/accuracy",),
+                "eval_accuracy": ("eval_accuracy",),
+            },
+        )
         self.eval_table: list[dict] = []
 
     def checkpoint_tags(self, path: Path, step: int) -> dict[str, str]:
@@ -108,22 +130,31 @@ class RewardReporter(StageReporter):
         if result.resumed_from:
             self.logger.info("reward training resumed from step %d", result.resumed_from)
         if self.eval_table:
-            self.publish_table("reward-eval", self.eval_table, "Reward model on held-out preference pairs, per evaluation step")
+            self.publish_table(
+                "reward-eval", self.eval_table, "Reward model on held-out preference pairs, per evaluation step"
+            )
         if self.history["reward/loss"]:
             self.plot("reward_curves.png", "Reward model")
         tracking.log_metrics(self.run_id, {f"final/{k}": v for k, v in result.metrics.items()}, result.step)
-        return Checkpoint(path=str(result.checkpoint.resolve()), model_uri=self.registered.get(result.step), step=result.step,
-                          metrics=result.metrics, key=self.lineage["stage_key"],
-                          extra={"resumed_from": result.resumed_from})
+        return Checkpoint(
+            path=str(result.checkpoint.resolve()),
+            model_uri=self.registered.get(result.step),
+            step=result.step,
+            metrics=result.metrics,
+            key=self.lineage["stage_key"],
+            extra={"resumed_from": result.resumed_from},
+        )
 
 
 def model_card(cfg: PipelineConfig, data: PreparedData, base_identity: str) -> dict:
     return {
         "title": f"Reward model {cfg.registry.reward_model_name}",
         "metadata": {
-            "base_model": base_identity, "datasets": [data.source("preference")],
+            "base_model": base_identity,
+            "datasets": [data.source("preference")],
             "tags": ["rlhf", "reward-model", "bradley-terry", "rlhf-pipeline"],
-            "library_name": "transformers", "pipeline_tag": "text-classification",
+            "library_name": "transformers",
+            "pipeline_tag": "text-classification",
         },
         "body": CARD_BODY,
     }
@@ -141,19 +172,39 @@ def train_reward(cfg: PipelineConfig, data: PreparedData, policy: Checkpoint | N
         reporter = RewardReporter(cfg, run_id, data, key, base_identity)
         reused = reuse_registered(cfg, key, out_dir)
         if reused is not None:
-            reporter.logger.info("reward model for stage key %s is already registered as %s: reused, not retrained",
-                                 key, reused.model_uri)
+            reporter.logger.info(
+                "reward model for stage key %s is already registered as %s: reused, not retrained",
+                key,
+                reused.model_uri,
+            )
             reporter.tag({"rlhf.reused": reused.model_uri})
             return reused
         tokenizer = load_tokenizer(base, revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code)
-        model = load_reward_model(base, tokenizer, lora=cfg.model.lora if cfg.reward.lora else None,
-                                  torch_dtype=cfg.model.torch_dtype, trust_remote_code=cfg.model.trust_remote_code,
-                                  revision=cfg.model.revision, seed=cfg.run.seed)
+        model = load_reward_model(
+            base,
+            tokenizer,
+            lora=cfg.model.lora if cfg.reward.lora else None,
+            torch_dtype=cfg.model.torch_dtype,
+            trust_remote_code=cfg.model.trust_remote_code,
+            revision=cfg.model.revision,
+            seed=cfg.run.seed,
+        )
         prepare_for_training(model, gradient_checkpointing=cfg.model.gradient_checkpointing)
         train_rows, eval_rows = read_rows(data.tables["preference"]), read_rows(data.tables["preference_eval"])
         reporter.register_saved(out_dir)
         reporter.start(cfg.reward.max_steps, f"Reward model: {cfg.reward.max_steps} steps")
-        result = train_reward_model(model, tokenizer, train_rows, eval_rows, cfg.reward, cfg.run,
-                                    max_length=cfg.data.max_length, output_dir=out_dir, card=model_card(cfg, data, base_identity),
-                                    on_log=reporter.log, on_eval=reporter.on_eval, on_checkpoint=reporter.on_checkpoint)
+        result = train_reward_model(
+            model,
+            tokenizer,
+            train_rows,
+            eval_rows,
+            cfg.reward,
+            cfg.run,
+            max_length=cfg.data.max_length,
+            output_dir=out_dir,
+            card=model_card(cfg, data, base_identity),
+            on_log=reporter.log,
+            on_eval=reporter.on_eval,
+            on_checkpoint=reporter.on_checkpoint,
+        )
         return reporter.finish(result)

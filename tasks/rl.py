@@ -21,13 +21,18 @@ from prefect.cache_policies import NO_CACHE
 from rlhf_core.config import PipelineConfig
 from rlhf_core.data import read_column, read_rows
 from rlhf_core.evaluation import evaluate_generations, summarize_rows
-from rlhf_core.models import (
-    ModelSourceError, generation_config_of, load_causal_lm, load_tokenizer, prepare_for_training, stop_token_ids,
-)
 from rlhf_core.grpo import train_grpo
+from rlhf_core.models import (
+    ModelSourceError,
+    generation_config_of,
+    load_causal_lm,
+    load_tokenizer,
+    prepare_for_training,
+    stop_token_ids,
+)
 from rlhf_core.ppo import train_ppo
-from rlhf_core.reward_model import load_reward_model
 from rlhf_core.reward_functions import load_function
+from rlhf_core.reward_model import load_reward_model
 from tasks import launcher, registry, tracking
 from tasks.data import PreparedData, resolve_model_source
 from tasks.plots import close, curve_figure
@@ -65,13 +70,17 @@ def uses_reward_stage(cfg: PipelineConfig) -> bool:
 
 def _policy_source(cfg: PipelineConfig, data: PreparedData, sft: Checkpoint | None, logger) -> tuple[str, str]:
     """(path, identity) of the policy's start: the champion, the SFT warm start or the base model."""
-    champion = registry.version_by_alias(cfg.registry.policy_model_name, "champion") if cfg.init.policy == "champion" else None
+    champion = (
+        registry.version_by_alias(cfg.registry.policy_model_name, "champion") if cfg.init.policy == "champion" else None
+    )
     if champion is not None:  # retraining from what serves today
         policy_identity = f"models:/{cfg.registry.policy_model_name}/{champion.version}"
         return resolve_model_source(policy_identity, field="init.policy", cfg=cfg, world=None), policy_identity
     if cfg.init.policy in ("sft", "champion") and sft is not None:
         if cfg.init.policy == "champion":
-            logger.info("no version of %s is champion yet: starting from the SFT warm start", cfg.registry.policy_model_name)
+            logger.info(
+                "no version of %s is champion yet: starting from the SFT warm start", cfg.registry.policy_model_name
+            )
         return sft.path, sft.model_uri or f"sft:{sft.key}"
     return data.base_model, cfg.model.base
 
@@ -94,8 +103,11 @@ def _check_sources(cfg: PipelineConfig, data: PreparedData, policy_path: str, re
     policy_tok = load_tokenizer(policy_path, revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code)
     reward_dirs = [reward.path] if reward is not None else []
     if cfg.rl.algorithm != "ppo":
-        reward_dirs += [resolve_model_source(r.model, field=f"grpo.rewards[{i}].model", cfg=cfg, world=None)
-                        for i, r in enumerate(cfg.grpo.rewards) if r.model not in (None, "reward_stage")]
+        reward_dirs += [
+            resolve_model_source(r.model, field=f"grpo.rewards[{i}].model", cfg=cfg, world=None)
+            for i, r in enumerate(cfg.grpo.rewards)
+            if r.model not in (None, "reward_stage")
+        ]
         for i, r in enumerate(cfg.grpo.rewards):
             if r.function is not None:
                 load_function(r.function, field=f"grpo.rewards[{i}].function")  # fail now, not after generating
@@ -106,10 +118,17 @@ def _check_sources(cfg: PipelineConfig, data: PreparedData, policy_path: str, re
                 f"the reward model's tokenizer ({directory}) does not match the policy's ({policy_path}): {mismatch}; "
                 "train the reward model from the policy's tokenizer"
             )
-    stop_token_ids(policy_tok, generation_config_of(policy_path, trust_remote_code=cfg.model.trust_remote_code),
-                   stop_token=cfg.rl.stop_token, stop_tokens=cfg.rl.stop_tokens)
-    context = getattr(AutoConfig.from_pretrained(policy_path, trust_remote_code=cfg.model.trust_remote_code),
-                      "max_position_embeddings", None)
+    stop_token_ids(
+        policy_tok,
+        generation_config_of(policy_path, trust_remote_code=cfg.model.trust_remote_code),
+        stop_token=cfg.rl.stop_token,
+        stop_tokens=cfg.rl.stop_tokens,
+    )
+    context = getattr(
+        AutoConfig.from_pretrained(policy_path, trust_remote_code=cfg.model.trust_remote_code),
+        "max_position_embeddings",
+        None,
+    )
     needed = cfg.data.max_prompt_length + cfg.rl.response_length
     if context is not None and needed > context:
         raise ValueError(
@@ -119,7 +138,9 @@ def _check_sources(cfg: PipelineConfig, data: PreparedData, policy_path: str, re
 
 
 @task(name="initialize-models", cache_policy=NO_CACHE, **IO_RETRIES)
-def initialize_models(cfg: PipelineConfig, data: PreparedData, sft: Checkpoint | None, reward: Checkpoint | None) -> InitPlan:
+def initialize_models(
+    cfg: PipelineConfig, data: PreparedData, sft: Checkpoint | None, reward: Checkpoint | None
+) -> InitPlan:
     """Pick the policy, value, reference and reward sources, and check they fit together."""
     logger = launcher.stage_logger()
     policy_path, policy_identity = _policy_source(cfg, data, sft, logger)
@@ -127,10 +148,14 @@ def initialize_models(cfg: PipelineConfig, data: PreparedData, sft: Checkpoint |
     if cfg.rl.algorithm == "ppo":
         value_path = reward.path if cfg.init.value_from == "reward" else policy_path
     _check_sources(cfg, data, policy_path, reward)
-    plan = InitPlan(policy_path=policy_path, policy_identity=policy_identity, value_path=value_path,
-                    reward_path=reward.path if reward is not None else None,
-                    reward_identity=(reward.model_uri or f"reward:{reward.key}") if reward is not None else "none",
-                    reference=_reference(cfg))
+    plan = InitPlan(
+        policy_path=policy_path,
+        policy_identity=policy_identity,
+        value_path=value_path,
+        reward_path=reward.path if reward is not None else None,
+        reward_identity=(reward.model_uri or f"reward:{reward.key}") if reward is not None else "none",
+        reference=_reference(cfg),
+    )
     logger.info("policy from %s, value from %s, reference: %s", policy_identity, value_path, plan.reference)
     return plan
 
@@ -139,8 +164,13 @@ def _lora(cfg: PipelineConfig):
     from peft import LoraConfig, TaskType
 
     lora = cfg.model.lora
-    return LoraConfig(task_type=TaskType.CAUSAL_LM, r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                      target_modules=list(lora.target_modules))
+    return LoraConfig(
+        task_type=TaskType.CAUSAL_LM,
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=list(lora.target_modules),
+    )
 
 
 def metric_functions(specs: list[str]) -> dict:
@@ -160,7 +190,9 @@ def reward_sources(cfg: PipelineConfig, plan: InitPlan, stage_reward_model) -> l
     sources = []
     for i, r in enumerate(cfg.grpo.rewards):
         if r.function is not None:
-            sources.append(function_reward(r.name, r.weight, load_function(r.function, field=f"grpo.rewards[{i}].function")))
+            sources.append(
+                function_reward(r.name, r.weight, load_function(r.function, field=f"grpo.rewards[{i}].function"))
+            )
             continue
         if r.model == "reward_stage":
             model = stage_reward_model
@@ -173,12 +205,20 @@ def reward_sources(cfg: PipelineConfig, plan: InitPlan, stage_reward_model) -> l
 
 def rl_key(cfg: PipelineConfig, data: PreparedData, plan: InitPlan) -> str:
     algorithm_cfg = cfg.ppo if cfg.rl.algorithm == "ppo" else cfg.grpo
-    return stage_key({
-        "rl": cfg.rl.model_dump(mode="json"), cfg.rl.algorithm: algorithm_cfg.model_dump(mode="json"),
-        "init": cfg.init.model_dump(), "lora": cfg.model.lora.model_dump(), "policy": plan.policy_identity,
-        "value": plan.value_path, "reward": plan.reward_identity, "prompts": data.fingerprints["prompts"],
-        "seed": cfg.run.seed, "max_prompt_length": cfg.data.max_prompt_length,
-    })
+    return stage_key(
+        {
+            "rl": cfg.rl.model_dump(mode="json"),
+            cfg.rl.algorithm: algorithm_cfg.model_dump(mode="json"),
+            "init": cfg.init.model_dump(),
+            "lora": cfg.model.lora.model_dump(),
+            "policy": plan.policy_identity,
+            "value": plan.value_path,
+            "reward": plan.reward_identity,
+            "prompts": data.fingerprints["prompts"],
+            "seed": cfg.run.seed,
+            "max_prompt_length": cfg.data.max_prompt_length,
+        }
+    )
 
 
 @dataclass(frozen=True)
@@ -195,8 +235,12 @@ class RLModels:
 def load_models(cfg: PipelineConfig, plan: InitPlan) -> RLModels:
     from transformers import AutoModelForSequenceClassification
 
-    tokenizer = load_tokenizer(plan.policy_path, revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code)
-    load = dict(revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code, torch_dtype=cfg.model.torch_dtype)
+    tokenizer = load_tokenizer(
+        plan.policy_path, revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code
+    )
+    load = dict(
+        revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code, torch_dtype=cfg.model.torch_dtype
+    )
     policy = load_causal_lm(plan.policy_path, **load)
     prepare_for_training(policy, gradient_checkpointing=cfg.model.gradient_checkpointing)
     ref_model = load_causal_lm(plan.policy_path, **load) if plan.reference == "copy" else None
@@ -205,30 +249,67 @@ def load_models(cfg: PipelineConfig, plan: InitPlan) -> RLModels:
 
         policy = get_peft_model(policy, _lora(cfg))
     reward_model = AutoModelForSequenceClassification.from_pretrained(plan.reward_path) if plan.reward_path else None
-    stop_ids = stop_token_ids(tokenizer, policy.generation_config, stop_token=cfg.rl.stop_token, stop_tokens=cfg.rl.stop_tokens)
-    return RLModels(tokenizer=tokenizer, policy=policy, ref_model=ref_model, reward_model=reward_model, stop_ids=stop_ids)
+    stop_ids = stop_token_ids(
+        tokenizer, policy.generation_config, stop_token=cfg.rl.stop_token, stop_tokens=cfg.rl.stop_tokens
+    )
+    return RLModels(
+        tokenizer=tokenizer, policy=policy, ref_model=ref_model, reward_model=reward_model, stop_ids=stop_ids
+    )
 
 
-def evaluate_policy(model, step: int, *, cfg: PipelineConfig, models: RLModels, prompts: list[str], metrics: dict) -> list[dict]:
+def evaluate_policy(
+    model, step: int, *, cfg: PipelineConfig, models: RLModels, prompts: list[str], metrics: dict
+) -> list[dict]:
     """Near-greedy completions of the held-out prompts by `model`, scored (the loops' `evaluate`)."""
-    return evaluate_generations(model, models.ref_model, models.reward_model, models.tokenizer, prompts,
-                                response_length=cfg.rl.response_length, max_prompt_length=cfg.data.max_prompt_length,
-                                metrics=metrics, batch_size=cfg.eval.batch_size, greedy=cfg.eval.greedy,
-                                stop_token_ids=models.stop_ids, device=next(model.parameters()).device)
+    return evaluate_generations(
+        model,
+        models.ref_model,
+        models.reward_model,
+        models.tokenizer,
+        prompts,
+        response_length=cfg.rl.response_length,
+        max_prompt_length=cfg.data.max_prompt_length,
+        metrics=metrics,
+        batch_size=cfg.eval.batch_size,
+        greedy=cfg.eval.greedy,
+        stop_token_ids=models.stop_ids,
+        device=next(model.parameters()).device,
+    )
 
 
 class PolicyReporter(StageReporter):
     """The RL stage's reporting: checkpoints tagged with their KL, held-out evaluations, GRPO's completions."""
 
-    def __init__(self, cfg: PipelineConfig, run_id: str, data: PreparedData, plan: InitPlan, key: str, out_dir: Path,
-                 gold: str | None):
+    def __init__(
+        self,
+        cfg: PipelineConfig,
+        run_id: str,
+        data: PreparedData,
+        plan: InitPlan,
+        key: str,
+        out_dir: Path,
+        gold: str | None,
+    ):
         algorithm = cfg.rl.algorithm
         reward = "objective/scores" if algorithm == "ppo" else "reward"
-        super().__init__(cfg, algorithm, run_id, data_fingerprint=data.fingerprint, model_name=cfg.registry.policy_model_name,
-                         lineage={"stage_key": key, "algorithm": algorithm, "reward_model_version": plan.reward_identity,
-                                  "base_model": plan.policy_identity},
-                         curves={reward: (reward,), "kl": ("objective/kl", "kl"),
-                                 "eval/gold": (f"eval/{gold}_mean",) if gold else ()})
+        super().__init__(
+            cfg,
+            algorithm,
+            run_id,
+            data_fingerprint=data.fingerprint,
+            model_name=cfg.registry.policy_model_name,
+            lineage={
+                "stage_key": key,
+                "algorithm": algorithm,
+                "reward_model_version": plan.reward_identity,
+                "base_model": plan.policy_identity,
+            },
+            curves={
+                reward: (reward,),
+                "kl": ("objective/kl", "kl"),
+                "eval/gold": (f"eval/{gold}_mean",) if gold else (),
+            },
+        )
         self.key, self.out_dir, self.gold = key, out_dir, gold
 
     def checkpoint_tags(self, path: Path, step: int) -> dict[str, str]:
@@ -267,26 +348,65 @@ class PolicyReporter(StageReporter):
         if launcher.is_main():
             report_evaluations(self.run_id, self.stage, evals, self.gold)
         final_step = max(evals) if evals else None
-        return Checkpoint(path=str((result.checkpoint / "policy").resolve()), model_uri=self.registered.get(result.step),
-                          step=result.step, metrics=result.metrics, key=self.key,
-                          extra={"resumed_from": result.resumed_from, "skipped_steps": result.skipped_steps,
-                                 "gold": self.gold, "eval_history": {s: summarize_rows(r) for s, r in evals.items()},
-                                 "final_eval": summarize_rows(evals[final_step]) if evals else {},
-                                 "final_rows": evals[final_step][:5] if evals else []})
+        return Checkpoint(
+            path=str((result.checkpoint / "policy").resolve()),
+            model_uri=self.registered.get(result.step),
+            step=result.step,
+            metrics=result.metrics,
+            key=self.key,
+            extra={
+                "resumed_from": result.resumed_from,
+                "skipped_steps": result.skipped_steps,
+                "gold": self.gold,
+                "eval_history": {s: summarize_rows(r) for s, r in evals.items()},
+                "final_eval": summarize_rows(evals[final_step]) if evals else {},
+                "final_rows": evals[final_step][:5] if evals else [],
+            },
+        )
 
 
-def _train(cfg: PipelineConfig, data: PreparedData, plan: InitPlan, models: RLModels, reporter: PolicyReporter, evaluate):
+def _train(
+    cfg: PipelineConfig, data: PreparedData, plan: InitPlan, models: RLModels, reporter: PolicyReporter, evaluate
+):
     """PPO or GRPO with the reporter's callbacks; the loop's result."""
     prompt_rows = read_rows(data.tables["prompts"])
-    common = dict(max_prompt_length=cfg.data.max_prompt_length, output_dir=reporter.out_dir, on_log=reporter.log,
-                  on_checkpoint=reporter.on_checkpoint, on_eval=reporter.on_eval, evaluate=evaluate,
-                  eval_every=cfg.eval.every_steps)
+    common = dict(
+        max_prompt_length=cfg.data.max_prompt_length,
+        output_dir=reporter.out_dir,
+        on_log=reporter.log,
+        on_checkpoint=reporter.on_checkpoint,
+        on_eval=reporter.on_eval,
+        evaluate=evaluate,
+        eval_every=cfg.eval.every_steps,
+    )
     if cfg.rl.algorithm == "ppo":
-        value_model = load_reward_model(plan.value_path, models.tokenizer, seed=cfg.run.seed, torch_dtype=cfg.model.torch_dtype)
-        return train_ppo(models.policy, value_model, models.ref_model, models.reward_model, models.tokenizer,
-                         [r["prompt"] for r in prompt_rows], cfg.rl, cfg.ppo, cfg.run, **common)
-    return train_grpo(models.policy, models.ref_model, reward_sources(cfg, plan, models.reward_model), models.tokenizer,
-                      prompt_rows, cfg.rl, cfg.grpo, cfg.run, on_completions=reporter.on_completions, **common)
+        value_model = load_reward_model(
+            plan.value_path, models.tokenizer, seed=cfg.run.seed, torch_dtype=cfg.model.torch_dtype
+        )
+        return train_ppo(
+            models.policy,
+            value_model,
+            models.ref_model,
+            models.reward_model,
+            models.tokenizer,
+            [r["prompt"] for r in prompt_rows],
+            cfg.rl,
+            cfg.ppo,
+            cfg.run,
+            **common,
+        )
+    return train_grpo(
+        models.policy,
+        models.ref_model,
+        reward_sources(cfg, plan, models.reward_model),
+        models.tokenizer,
+        prompt_rows,
+        cfg.rl,
+        cfg.grpo,
+        cfg.run,
+        on_completions=reporter.on_completions,
+        **common,
+    )
 
 
 @task(name="train-policy", cache_policy=NO_CACHE, **IO_RETRIES)
@@ -299,8 +419,13 @@ def train_policy(cfg: PipelineConfig, data: PreparedData, plan: InitPlan, parent
     with tracking.stage_run(parent_run_id, cfg.rl.algorithm) as run_id:
         models = load_models(cfg, plan)
         metrics = metric_functions(cfg.eval.metrics)
-        evaluate = partial(evaluate_policy, cfg=cfg, models=models, metrics=metrics,
-                           prompts=read_column(data.tables["eval_prompts"], "prompt")[: cfg.eval.num_prompts])
+        evaluate = partial(
+            evaluate_policy,
+            cfg=cfg,
+            models=models,
+            metrics=metrics,
+            prompts=read_column(data.tables["eval_prompts"], "prompt")[: cfg.eval.num_prompts],
+        )
         reporter = PolicyReporter(cfg, run_id, data, plan, key, out_dir, gold=next(iter(metrics), None))
         reporter.register_saved(out_dir, "policy")
         reporter.start(cfg.rl.total_steps, f"{cfg.rl.algorithm.upper()}: {cfg.rl.total_steps} steps")
@@ -328,8 +453,10 @@ def load_eval_history(out_dir: Path) -> dict[int, list[dict]]:
     history = {}
     for path in sorted((out_dir / "eval").glob("eval_step_*.parquet")):
         frame = pd.read_parquet(path)
-        rows = [{k: (None if isinstance(v, float) and v != v else v) for k, v in r.items() if k != "step"}
-                for r in frame.to_dict(orient="records")]
+        rows = [
+            {k: (None if isinstance(v, float) and v != v else v) for k, v in r.items() if k != "step"}
+            for r in frame.to_dict(orient="records")
+        ]
         history[int(path.stem.rsplit("_", 1)[1])] = rows
     return history
 
@@ -349,11 +476,20 @@ def report_evaluations(run_id: str, algorithm: str, evals: dict[int, list[dict]]
     close(fig)
     link = tracking.artifact_link(run_id, artifact)
     present = [c for c in columns if any(f"eval/{c}_mean" in m for m in summaries.values())]
-    lines = [f"# {algorithm.upper()} evaluation on held-out prompts", "",
-             f"Reward, gold metric and KL against step: [{artifact}]({link})", "",
-             "| step | " + " | ".join(present) + " |", "|---" * (len(present) + 1) + "|"]
+    lines = [
+        f"# {algorithm.upper()} evaluation on held-out prompts",
+        "",
+        f"Reward, gold metric and KL against step: [{artifact}]({link})",
+        "",
+        "| step | " + " | ".join(present) + " |",
+        "|---" * (len(present) + 1) + "|",
+    ]
     for step, m in summaries.items():
-        lines.append(f"| {step} | " + " | ".join(f"{m[f'eval/{c}_mean']:.4f}" if f"eval/{c}_mean" in m else "" for c in present) + " |")
+        lines.append(
+            f"| {step} | "
+            + " | ".join(f"{m[f'eval/{c}_mean']:.4f}" if f"eval/{c}_mean" in m else "" for c in present)
+            + " |"
+        )
     if gold and len(summaries) > 1:
         first, last = summaries[min(summaries)], summaries[max(summaries)]
         key = f"eval/{gold}_mean"

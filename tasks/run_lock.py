@@ -22,9 +22,9 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 from filelock import FileLock, Timeout
 
@@ -74,7 +74,8 @@ def run_lock(output_dir: str | Path) -> Iterator[dict]:
         raise RunLockedError(
             f"run.output_dir {directory} is in use by another pipeline run (host {holder.get('host', 'unknown')}, "
             f"pid {holder.get('pid', 'unknown')}, started {holder.get('started_at', 'at an unknown time')}); "
-            "wait for it to end or choose another run.output_dir") from None
+            "wait for it to end or choose another run.output_dir"
+        ) from None
     holder_path = directory / HOLDER_FILE
     try:
         holder = holder_info()

@@ -27,11 +27,16 @@ STAGE_FILE = "rlhf_stage.json"
 
 def sft_key(cfg: PipelineConfig, data: PreparedData) -> str:
     """What the warm start's result depends on: its settings, the model, the data, the seed."""
-    return stage_key({
-        "sft": cfg.sft.model_dump(mode="json"), "model": cfg.model.model_dump(mode="json"),
-        "data": data.fingerprints.get("sft"), "max_length": cfg.data.max_length, "seed": cfg.run.seed,
-        "mixed_precision": cfg.run.mixed_precision,
-    })
+    return stage_key(
+        {
+            "sft": cfg.sft.model_dump(mode="json"),
+            "model": cfg.model.model_dump(mode="json"),
+            "data": data.fingerprints.get("sft"),
+            "max_length": cfg.data.max_length,
+            "seed": cfg.run.seed,
+            "mixed_precision": cfg.run.mixed_precision,
+        }
+    )
 
 
 def _read_stage_file(path: Path) -> dict:
@@ -44,14 +49,28 @@ def _read_stage_file(path: Path) -> dict:
 def _train(cfg: PipelineConfig, data: PreparedData, reporter: StageReporter, out_dir: Path, key: str) -> dict:
     """Train the warm start into out_dir; its metrics. The stage file is written last: a crash before it means
     the next run trains again."""
-    tokenizer = load_tokenizer(data.tokenizer, revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code)
-    model = load_causal_lm(data.base_model, revision=cfg.model.revision,
-                           trust_remote_code=cfg.model.trust_remote_code, torch_dtype=cfg.model.torch_dtype)
+    tokenizer = load_tokenizer(
+        data.tokenizer, revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code
+    )
+    model = load_causal_lm(
+        data.base_model,
+        revision=cfg.model.revision,
+        trust_remote_code=cfg.model.trust_remote_code,
+        torch_dtype=cfg.model.torch_dtype,
+    )
     prepare_for_training(model, gradient_checkpointing=cfg.model.gradient_checkpointing)
     texts = read_column(data.tables["sft"], "text")
     reporter.start(cfg.sft.max_steps, f"SFT warm start: {cfg.sft.max_steps} steps")
-    metrics = train_sft(model, tokenizer, texts, cfg.sft, cfg.run, max_length=cfg.data.max_length,
-                        output_dir=out_dir, on_log=reporter.log)
+    metrics = train_sft(
+        model,
+        tokenizer,
+        texts,
+        cfg.sft,
+        cfg.run,
+        max_length=cfg.data.max_length,
+        output_dir=out_dir,
+        on_log=reporter.log,
+    )
     (out_dir / STAGE_FILE).write_text(json.dumps({"key": key, "metrics": metrics}, indent=2))
     reporter.done()
     reporter.plot("sft_loss.png", "SFT warm start")
@@ -65,8 +84,15 @@ def sft_warm_start(cfg: PipelineConfig, data: PreparedData, parent_run_id: str) 
     out_dir = cfg.run.output_dir / "sft"
     key = sft_key(cfg, data)
     with tracking.stage_run(parent_run_id, "sft") as run_id:
-        reporter = StageReporter(cfg, "sft", run_id, data_fingerprint=data.fingerprint, curves={"sft/loss": ("sft/loss",)},
-                                 model_name=cfg.registry.policy_model_name, lineage={"stage_key": key})
+        reporter = StageReporter(
+            cfg,
+            "sft",
+            run_id,
+            data_fingerprint=data.fingerprint,
+            curves={"sft/loss": ("sft/loss",)},
+            model_name=cfg.registry.policy_model_name,
+            lineage={"stage_key": key},
+        )
         done = _read_stage_file(out_dir)
         if done.get("key") == key:
             reporter.logger.info("SFT warm start with key %s already in %s; reusing it", key, out_dir)

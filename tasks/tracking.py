@@ -17,11 +17,11 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import lru_cache
 from importlib import metadata
 from pathlib import Path
-from typing import Iterator
 
 import mlflow
 from filelock import FileLock
@@ -39,8 +39,12 @@ def code_version() -> str:
     version = metadata.version("rlhf-pipeline")
     try:
         sha = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).resolve().parent,
-            capture_output=True, text=True, timeout=5, check=True,
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=Path(__file__).resolve().parent,
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=True,
         ).stdout.strip()
         return f"{version}+g{sha}" if sha else version
     except (OSError, subprocess.SubprocessError):
@@ -53,7 +57,10 @@ def writes() -> bool:
 
 
 USERNAME_ENV, PASSWORD_ENV, SUPPRESS_URL_ENV = (
-    "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT")
+    "MLFLOW_TRACKING_USERNAME",
+    "MLFLOW_TRACKING_PASSWORD",
+    "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT",
+)
 _suppressed_by_us = False
 
 
@@ -201,8 +208,13 @@ def end_abandoned_runs(experiment_id: str, output_dir: str) -> list[str]:
     for run in running:
         tags = run.data.tags
         pid = tags.get("rlhf.pid", "")
-        if (tags.get("rlhf.output_dir") != output_dir or tags.get("rlhf.host") != host or not pid.isdigit()
-                or int(pid) == os.getpid() or pid_alive(int(pid))):
+        if (
+            tags.get("rlhf.output_dir") != output_dir
+            or tags.get("rlhf.host") != host
+            or not pid.isdigit()
+            or int(pid) == os.getpid()
+            or pid_alive(int(pid))
+        ):
             continue
         children = [r for r in running if r.data.tags.get("mlflow.parentRunId") == run.info.run_id]
         fail_pending_models(experiment_id, [run.info.run_id, *(c.info.run_id for c in children)])
@@ -210,8 +222,9 @@ def end_abandoned_runs(experiment_id: str, output_dir: str) -> list[str]:
             client.set_terminated(child.info.run_id, RunStatus.to_string(RunStatus.KILLED))
         client.set_terminated(run.info.run_id, RunStatus.to_string(RunStatus.KILLED))
         client.set_tag(run.info.run_id, "rlhf.ended_by", f"a later start (pid {os.getpid()}): pid {pid} was gone")
-        logging.getLogger(__name__).warning("marked run %s KILLED: its process %s on this host no longer exists",
-                                            run.info.run_id, pid)
+        logging.getLogger(__name__).warning(
+            "marked run %s KILLED: its process %s on this host no longer exists", run.info.run_id, pid
+        )
         ended.append(run.info.run_id)
     return ended
 
@@ -228,9 +241,14 @@ def pipeline_run(cfg: PipelineConfig, tags: dict[str, str] | None = None) -> Ite
     experiment_id = ensure_experiment(cfg.tracking.experiment, uri)
     output_dir = str(Path(os.path.abspath(cfg.run.output_dir)).resolve())
     end_abandoned_runs(experiment_id, output_dir)
-    run_tags = {"rlhf.config_hash": cfg.config_hash(), "rlhf.code_version": code_version(),
-                "rlhf.output_dir": output_dir, "rlhf.host": socket.gethostname(), "rlhf.pid": str(os.getpid()),
-                **(tags or {})}
+    run_tags = {
+        "rlhf.config_hash": cfg.config_hash(),
+        "rlhf.code_version": code_version(),
+        "rlhf.output_dir": output_dir,
+        "rlhf.host": socket.gethostname(),
+        "rlhf.pid": str(os.getpid()),
+        **(tags or {}),
+    }
     run = mlflow.start_run(experiment_id=experiment_id, run_name=cfg.run.name, tags=run_tags)
     run_id = run.info.run_id
     try:
@@ -251,8 +269,11 @@ def stage_run(parent_run_id: str, stage: str) -> Iterator[str]:
         return
     parent = MlflowClient().get_run(parent_run_id)
     run = mlflow.start_run(
-        experiment_id=parent.info.experiment_id, run_name=stage, nested=True,
-        parent_run_id=parent_run_id, tags={"rlhf.stage": stage},
+        experiment_id=parent.info.experiment_id,
+        run_name=stage,
+        nested=True,
+        parent_run_id=parent_run_id,
+        tags={"rlhf.stage": stage},
     )
     try:
         yield run.info.run_id
@@ -306,5 +327,7 @@ def artifact_link(run_id: str, artifact_path: str) -> str:
     run = MlflowClient().get_run(run_id)
     uri = mlflow.get_tracking_uri()
     if uri.startswith(("http://", "https://")):
-        return f"{redact(uri).rstrip('/')}/#/experiments/{run.info.experiment_id}/runs/{run_id}/artifacts/{artifact_path}"
+        return (
+            f"{redact(uri).rstrip('/')}/#/experiments/{run.info.experiment_id}/runs/{run_id}/artifacts/{artifact_path}"
+        )
     return f"{run.info.artifact_uri.rstrip('/')}/{artifact_path}"

@@ -37,7 +37,9 @@ def smoke_cfg(tmp_path: Path, mlflow_uri: str) -> PipelineConfig:
 def smoke_world(tmp_path_factory) -> DemoWorld:
     """The smoke config's demo world, built once per session."""
     cfg = load_config(SMOKE)
-    return build_demo_world(tmp_path_factory.mktemp("world") / "demo_world", cfg.run.seed, cfg.data.demo, cfg.model.demo)
+    return build_demo_world(
+        tmp_path_factory.mktemp("world") / "demo_world", cfg.run.seed, cfg.data.demo, cfg.model.demo
+    )
 
 
 @pytest.fixture(scope="session")

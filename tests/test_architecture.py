@@ -29,8 +29,12 @@ def test_every_path_named_exists():
 
 def test_every_module_is_named_or_exempt():
     named = backticked_paths(DOC.read_text())
-    modules = sorted(str(p.relative_to(REPO)) for package in ("rlhf_core", "tasks", "flows")
-                     for p in (REPO / package).rglob("*.py") if "__pycache__" not in p.parts)
+    modules = sorted(
+        str(p.relative_to(REPO))
+        for package in ("rlhf_core", "tasks", "flows")
+        for p in (REPO / package).rglob("*.py")
+        if "__pycache__" not in p.parts
+    )
     unnamed = [m for m in modules if m not in named and m not in EXEMPT]
     assert not unnamed, f"ARCHITECTURE.md does not name {unnamed}: describe them, or exempt them here with a reason"
 

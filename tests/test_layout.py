@@ -30,15 +30,22 @@ def expected_test(module: str) -> Path:
 
 
 def test_every_rlhf_core_module_has_its_test_module():
-    missing = [f"{m} -> {expected_test(m).relative_to(REPO)}" for m in source_modules()
-               if Path(m).name not in EXEMPT and m not in EXEMPT and not expected_test(m).is_file()]
+    missing = [
+        f"{m} -> {expected_test(m).relative_to(REPO)}"
+        for m in source_modules()
+        if Path(m).name not in EXEMPT and m not in EXEMPT and not expected_test(m).is_file()
+    ]
     assert not missing, "rlhf_core modules without a test module: " + ", ".join(missing)
 
 
 def test_every_test_module_names_a_source_module():
     modules = {str(expected_test(m).relative_to(TESTS)) for m in source_modules()}
-    strays = sorted(str(p.relative_to(TESTS)) for p in TESTS.rglob("test_*.py") if str(p.relative_to(TESTS)) not in modules)
-    assert not strays, f"tests/rlhf_core modules that mirror no rlhf_core module: {strays} (cross-module tests: tests/integration/)"
+    strays = sorted(
+        str(p.relative_to(TESTS)) for p in TESTS.rglob("test_*.py") if str(p.relative_to(TESTS)) not in modules
+    )
+    assert not strays, (
+        f"tests/rlhf_core modules that mirror no rlhf_core module: {strays} (cross-module tests: tests/integration/)"
+    )
 
 
 def test_the_exemptions_are_still_needed():

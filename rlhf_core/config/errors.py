@@ -11,7 +11,6 @@ from typing import Any
 
 from pydantic import BaseModel
 
-
 # TRL's (and transformers') names for what this config calls otherwise: (section or None for any, key) -> our field.
 # A section-specific entry wins over the general one; "{section}" stands for the section the key was written in.
 TRL_NAMES: dict[tuple[str | None, str], str] = {
@@ -25,7 +24,10 @@ TRL_NAMES: dict[tuple[str | None, str], str] = {
     (None, "logging_steps"): "rl.log_steps",
     ("sft", "logging_steps"): "sft.log_steps",
     ("reward", "logging_steps"): "reward.log_steps",
-    (None, "per_device_train_batch_size"): "rl.batch_size (completions per RL step, for GRPO TRL's per_device_train_batch_size x steps_per_generation)",
+    (
+        None,
+        "per_device_train_batch_size",
+    ): "rl.batch_size (completions per RL step, for GRPO TRL's per_device_train_batch_size x steps_per_generation)",
     (None, "generation_batch_size"): "rl.batch_size (per process, TRL's is over all processes)",
     ("sft", "per_device_train_batch_size"): "sft.batch_size",
     ("reward", "per_device_train_batch_size"): "reward.batch_size",
@@ -68,14 +70,21 @@ TRL_NAMES: dict[tuple[str | None, str], str] = {
 # Fields this config had and replaced: (section or None for any, key) -> the sentence that says what to write now.
 # "{section}" stands for the section the key was written in.
 REPLACED_FIELDS: dict[tuple[str | None, str], str] = {
-    (None, "skip_nonfinite_steps"): "`{section}.skip_nonfinite_steps` was replaced by `{section}.max_nonfinite_steps_in_a_row`: "
-                                    "0 stops at the first non-finite step, as false did",
+    (
+        None,
+        "skip_nonfinite_steps",
+    ): "`{section}.skip_nonfinite_steps` was replaced by `{section}.max_nonfinite_steps_in_a_row`: "
+    "0 stops at the first non-finite step, as false did",
 }
 
 
 def nested_section(annotation) -> type[BaseModel] | None:
     """The section (a pydantic model) a field's annotation holds: itself, or inside `X | None` / `list[X]`."""
-    found = [c for c in (annotation, *getattr(annotation, "__args__", ())) if isinstance(c, type) and issubclass(c, BaseModel)]
+    found = [
+        c
+        for c in (annotation, *getattr(annotation, "__args__", ()))
+        if isinstance(c, type) and issubclass(c, BaseModel)
+    ]
     return found[0] if found else None
 
 
@@ -125,10 +134,18 @@ def unknown_key_hint(loc: tuple, root: type[BaseModel]) -> str | None:
     return None
 
 
-_TYPE_WORDS = {"int_type": "an integer", "int_parsing": "an integer", "float_type": "a number",
-               "float_parsing": "a number", "bool_type": "true or false", "bool_parsing": "true or false",
-               "string_type": "a string (quote it in YAML)", "list_type": "a list",
-               "model_type": "a mapping of fields", "dict_type": "a mapping of fields"}
+_TYPE_WORDS = {
+    "int_type": "an integer",
+    "int_parsing": "an integer",
+    "float_type": "a number",
+    "float_parsing": "a number",
+    "bool_type": "true or false",
+    "bool_parsing": "true or false",
+    "string_type": "a string (quote it in YAML)",
+    "list_type": "a list",
+    "model_type": "a mapping of fields",
+    "dict_type": "a mapping of fields",
+}
 
 
 def _yaml_repr(value: Any) -> str:
@@ -158,9 +175,12 @@ def describe_error(err: dict[str, Any], root: type[BaseModel]) -> str:
     if kind in _TYPE_WORDS:
         value = err.get("input")
         kind_name = {"bool": "boolean", "int": "integer", "str": "string", "dict": "mapping"}.get(
-            type(value).__name__, type(value).__name__)
-        return (f"config field `{loc}` must be {_TYPE_WORDS[kind]}, but got {_yaml_repr(value)} "
-                f"({'an' if kind_name[0] in 'aeiou' else 'a'} {kind_name})")
+            type(value).__name__, type(value).__name__
+        )
+        return (
+            f"config field `{loc}` must be {_TYPE_WORDS[kind]}, but got {_yaml_repr(value)} "
+            f"({'an' if kind_name[0] in 'aeiou' else 'a'} {kind_name})"
+        )
     return f"config field `{loc}` got {err.get('input')!r}: {err['msg']}"
 
 

@@ -19,7 +19,9 @@ class EvalConfig(Section):
     every_steps: int = Field(20, ge=1, description="Generate and score held-out completions every this many RL steps.")
     num_prompts: int = Field(64, ge=1, description="Held-out prompts evaluated each time.")
     batch_size: int = Field(64, ge=1, description="Prompts per generation batch.")
-    greedy: bool = Field(False, description="Plain greedy decoding instead of near-greedy sampling (temperature 0.01+1e-7).")
+    greedy: bool = Field(
+        False, description="Plain greedy decoding instead of near-greedy sampling (temperature 0.01+1e-7)."
+    )
     metrics: list[str] = Field(
         default_factory=lambda: ["rlhf_core.reward_functions:vader_compound"],
         description="Extra metric functions 'module:function' scored on each completion.",
@@ -27,30 +29,51 @@ class EvalConfig(Section):
 
 
 class ExportConfig(Section):
-    output_dir: Path | None = Field(None, strict=False, description="Where the final policy is exported; null means <run.output_dir>/export.")
+    output_dir: Path | None = Field(
+        None, strict=False, description="Where the final policy is exported; null means <run.output_dir>/export."
+    )
     merge: bool = Field(False, description="With LoRA, also export the adapter merged into the base weights.")
 
 
 class PromoteConfig(Section):
     metric: str | None = Field(
-        None, description="Eval column that decides promotion: 'score' (reward model) or a metric function's name; null: the first of eval.metrics, else score.")
-    min_improvement: float = Field(0.01, description="The candidate must beat the champion's metric by at least this much.")
-    max_kl: float | None = Field(20.0, gt=0.0, description="Refuse a candidate whose mean KL to its reference (nats per completion) exceeds this; null: no KL gate.")
-    min_value: float | None = Field(None, description="With no champion yet, the candidate's metric must reach this; null: no such gate.")
+        None,
+        description="Eval column that decides promotion: 'score' (reward model) or a metric function's name; null: the first of eval.metrics, else score.",
+    )
+    min_improvement: float = Field(
+        0.01, description="The candidate must beat the champion's metric by at least this much."
+    )
+    max_kl: float | None = Field(
+        20.0,
+        gt=0.0,
+        description="Refuse a candidate whose mean KL to its reference (nats per completion) exceeds this; null: no KL gate.",
+    )
+    min_value: float | None = Field(
+        None, description="With no champion yet, the candidate's metric must reach this; null: no such gate."
+    )
     num_prompts: int | None = Field(None, ge=1, description="Held-out prompts evaluated; null: eval.num_prompts.")
 
 
 class TrackingConfig(Section):
-    uri: str | None = Field(None, description="MLflow tracking URI; null falls back to MLFLOW_TRACKING_URI, then sqlite:///mlflow.db here.")
+    uri: str | None = Field(
+        None, description="MLflow tracking URI; null falls back to MLFLOW_TRACKING_URI, then sqlite:///mlflow.db here."
+    )
     experiment: str = Field("rlhf", min_length=1, description="MLflow experiment name.")
     register_models: bool = Field(True, description="Log every checkpoint as a version of a registered model.")
 
 
 class RegistryConfig(Section):
-    reward_model_name: str = Field("rlhf-reward-model", min_length=1, description="Registered model that holds reward-model versions.")
-    policy_model_name: str = Field("rlhf-policy", min_length=1, description="Registered model that holds policy versions.")
+    reward_model_name: str = Field(
+        "rlhf-reward-model", min_length=1, description="Registered model that holds reward-model versions."
+    )
+    policy_model_name: str = Field(
+        "rlhf-policy", min_length=1, description="Registered model that holds policy versions."
+    )
     keep_last_versions: int | None = Field(
-        None, ge=1, description="Versions kept per registered model after each registration: the newest N plus every version with an alias or the tag keep=true; null keeps all.")
+        None,
+        ge=1,
+        description="Versions kept per registered model after each registration: the newest N plus every version with an alias or the tag keep=true; null keeps all.",
+    )
 
 
 class PipelineConfig(Section):
@@ -81,7 +104,10 @@ class PipelineConfig(Section):
             )
         if self.init.reference == "adapter_disabled" and not self.model.lora.enabled:
             raise ValueError("init.reference 'adapter_disabled' needs model.lora.enabled true; use 'copy' or 'auto'")
-        if self.rl.algorithm == "ppo" and (self.rl.batch_size // self.ppo.num_mini_batches) % self.rl.gradient_accumulation_steps:
+        if (
+            self.rl.algorithm == "ppo"
+            and (self.rl.batch_size // self.ppo.num_mini_batches) % self.rl.gradient_accumulation_steps
+        ):
             raise ValueError(
                 f"a PPO mini-batch of {self.rl.batch_size // self.ppo.num_mini_batches} (rl.batch_size / ppo.num_mini_batches) "
                 f"must be a multiple of rl.gradient_accumulation_steps {self.rl.gradient_accumulation_steps}"
@@ -89,21 +115,29 @@ class PipelineConfig(Section):
         if self.run.accelerate_config is not None:
             strategy = accelerate_strategy_of(self.run.accelerate_config)
             if strategy == "fsdp1":
-                raise ValueError(f"run.accelerate_config {self.run.accelerate_config} uses FSDP version 1; set "
-                                 "fsdp_config.fsdp_version: 2 (see configs/accelerate/fsdp.yaml)")
+                raise ValueError(
+                    f"run.accelerate_config {self.run.accelerate_config} uses FSDP version 1; set "
+                    "fsdp_config.fsdp_version: 2 (see configs/accelerate/fsdp.yaml)"
+                )
             if strategy in ("zero3", "fsdp") and (self.model.lora.enabled or self.reward.lora):
-                raise ValueError(f"run.accelerate_config {self.run.accelerate_config} shards parameters ({strategy}), "
-                                 "which LoRA training does not need or support here; use configs/accelerate/ddp.yaml "
-                                 "or deepspeed_zero2.yaml, or turn model.lora.enabled / reward.lora off")
+                raise ValueError(
+                    f"run.accelerate_config {self.run.accelerate_config} shards parameters ({strategy}), "
+                    "which LoRA training does not need or support here; use configs/accelerate/ddp.yaml "
+                    "or deepspeed_zero2.yaml, or turn model.lora.enabled / reward.lora off"
+                )
         if self.rl.algorithm == "grpo":
             self._grpo_checks()
-        if self.run.accelerate_config is not None and accelerate_strategy_of(self.run.accelerate_config).startswith("zero"):
+        if self.run.accelerate_config is not None and accelerate_strategy_of(self.run.accelerate_config).startswith(
+            "zero"
+        ):
             for name, stage in (("rl", self.rl), ("reward", self.reward)):
                 if stage.max_nonfinite_steps_in_a_row:
-                    raise ValueError(f"run.accelerate_config {self.run.accelerate_config} uses DeepSpeed, whose engine steps "
-                                     "inside backward before a non-finite gradient can be seen, so such a step cannot be "
-                                     f"skipped; set {name}.max_nonfinite_steps_in_a_row: 0 (it is "
-                                     f"{stage.max_nonfinite_steps_in_a_row}; a non-finite gradient then stops the run)")
+                    raise ValueError(
+                        f"run.accelerate_config {self.run.accelerate_config} uses DeepSpeed, whose engine steps "
+                        "inside backward before a non-finite gradient can be seen, so such a step cannot be "
+                        f"skipped; set {name}.max_nonfinite_steps_in_a_row: 0 (it is "
+                        f"{stage.max_nonfinite_steps_in_a_row}; a non-finite gradient then stops the run)"
+                    )
         if self.init.policy == "sft" and not self.sft.enabled:
             raise ValueError("init.policy is 'sft' but sft.enabled is false; set init.policy to 'base' or enable sft")
         names = self.metric_names()
@@ -115,30 +149,47 @@ class PipelineConfig(Section):
     def _grpo_checks(self) -> None:
         grpo, rl = self.grpo, self.rl
         if grpo.steps_per_generation is not None and grpo.steps_per_generation % rl.gradient_accumulation_steps:
-            raise ValueError(f"grpo.steps_per_generation {grpo.steps_per_generation} must be a multiple of "
-                             f"rl.gradient_accumulation_steps {rl.gradient_accumulation_steps}")
+            raise ValueError(
+                f"grpo.steps_per_generation {grpo.steps_per_generation} must be a multiple of "
+                f"rl.gradient_accumulation_steps {rl.gradient_accumulation_steps}"
+            )
         if grpo.steps_per_generation is not None and rl.batch_size % grpo.steps_per_generation:
-            raise ValueError(f"rl.batch_size {rl.batch_size} (the generation batch) must be a multiple of "
-                             f"grpo.steps_per_generation {grpo.steps_per_generation}, the micro-batches it is split into")
+            raise ValueError(
+                f"rl.batch_size {rl.batch_size} (the generation batch) must be a multiple of "
+                f"grpo.steps_per_generation {grpo.steps_per_generation}, the micro-batches it is split into"
+            )
         if grpo.steps_per_generation is None and rl.batch_size % rl.gradient_accumulation_steps:
-            raise ValueError(f"rl.batch_size {rl.batch_size} (the generation batch) must be a multiple of "
-                             f"rl.gradient_accumulation_steps {rl.gradient_accumulation_steps}, the micro-batches it is "
-                             "split into while grpo.steps_per_generation is null")
+            raise ValueError(
+                f"rl.batch_size {rl.batch_size} (the generation batch) must be a multiple of "
+                f"rl.gradient_accumulation_steps {rl.gradient_accumulation_steps}, the micro-batches it is "
+                "split into while grpo.steps_per_generation is null"
+            )
         if rl.missing_eos_penalty is not None and grpo.multi_objective_aggregation == "normalize_then_sum":
-            raise ValueError("rl.missing_eos_penalty is subtracted from the summed reward before group statistics, which "
-                             "grpo.multi_objective_aggregation 'normalize_then_sum' does not have; use 'sum_then_normalize' "
-                             "or add the penalty as a reward function")
+            raise ValueError(
+                "rl.missing_eos_penalty is subtracted from the summed reward before group statistics, which "
+                "grpo.multi_objective_aggregation 'normalize_then_sum' does not have; use 'sum_then_normalize' "
+                "or add the penalty as a reward function"
+            )
         if grpo.delta is not None and grpo.loss_type in ("cispo", "sapo"):
-            raise ValueError(f"grpo.delta applies to the clipped losses (grpo, bnpo, dr_grpo, dapo), not loss_type '{grpo.loss_type}'")
+            raise ValueError(
+                f"grpo.delta applies to the clipped losses (grpo, bnpo, dr_grpo, dapo), not loss_type '{grpo.loss_type}'"
+            )
         if grpo.sync_ref_model:
             if grpo.beta == 0:
                 raise ValueError("grpo.sync_ref_model needs a reference model, but grpo.beta is 0 so none is loaded")
             if self.model.lora.enabled:
-                raise ValueError("grpo.sync_ref_model needs a reference copy to mix into, but with model.lora.enabled the "
-                                 "reference is the policy with its adapters disabled")
-            if self.run.accelerate_config is not None and accelerate_strategy_of(self.run.accelerate_config) in ("zero3", "fsdp"):
-                raise ValueError(f"grpo.sync_ref_model mixes whole weights, which run.accelerate_config "
-                                 f"{self.run.accelerate_config} shards; use ddp.yaml or deepspeed_zero2.yaml")
+                raise ValueError(
+                    "grpo.sync_ref_model needs a reference copy to mix into, but with model.lora.enabled the "
+                    "reference is the policy with its adapters disabled"
+                )
+            if self.run.accelerate_config is not None and accelerate_strategy_of(self.run.accelerate_config) in (
+                "zero3",
+                "fsdp",
+            ):
+                raise ValueError(
+                    f"grpo.sync_ref_model mixes whole weights, which run.accelerate_config "
+                    f"{self.run.accelerate_config} shards; use ddp.yaml or deepspeed_zero2.yaml"
+                )
 
     # derived values, computed in one place ---------------------------------------------------
 
@@ -158,8 +209,14 @@ class PipelineConfig(Section):
         return names[0] if names else "score"
 
     def uses_demo_world(self) -> bool:
-        sources = [self.model.base, self.reward.base, self.data.preference.path, self.data.preference_eval.path,
-                   self.data.prompts.path, self.data.eval_prompts.path]
+        sources = [
+            self.model.base,
+            self.reward.base,
+            self.data.preference.path,
+            self.data.preference_eval.path,
+            self.data.prompts.path,
+            self.data.eval_prompts.path,
+        ]
         if self.sft.enabled:
             sources.append(self.sft.dataset.path)
         return DEMO in sources
@@ -184,4 +241,3 @@ def accelerate_strategy_of(path) -> str:
     from rlhf_core.parallel import accelerate_strategy
 
     return accelerate_strategy(path)
-

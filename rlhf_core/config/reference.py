@@ -71,8 +71,10 @@ def with_block(text: str, table: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m rlhf_core.config.reference",
-                                     description="Render the configuration reference (Markdown) from the schema.")
+    parser = argparse.ArgumentParser(
+        prog="python -m rlhf_core.config.reference",
+        description="Render the configuration reference (Markdown) from the schema.",
+    )
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--write", metavar="FILE", type=Path, help=f"rewrite the block between {START} and {END}")
     group.add_argument("--check", metavar="FILE", type=Path, help="exit 1 when that block differs from the schema")

@@ -11,16 +11,34 @@ from rlhf_core.config.base import DEMO, Section
 
 
 class RunConfig(Section):
-    name: str = Field("rlhf", min_length=1, description="Name of the pipeline run, used for the MLflow run and Prefect artifacts.")
-    output_dir: Path = Field(Path("outputs/rlhf"), strict=False, description="Directory for the demo world, checkpoints and exports of this run.")
+    name: str = Field(
+        "rlhf", min_length=1, description="Name of the pipeline run, used for the MLflow run and Prefect artifacts."
+    )
+    output_dir: Path = Field(
+        Path("outputs/rlhf"),
+        strict=False,
+        description="Directory for the demo world, checkpoints and exports of this run.",
+    )
     seed: int = Field(42, ge=0, description="Seed for data generation, model initialization, shuffling and sampling.")
-    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where training runs: auto picks CUDA when available.")
-    mixed_precision: Literal["no", "fp16", "bf16"] = Field("no", description="Accelerate mixed precision for training loops.")
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="Where training runs: auto picks CUDA when available."
+    )
+    mixed_precision: Literal["no", "fp16", "bf16"] = Field(
+        "no", description="Accelerate mixed precision for training loops."
+    )
     num_processes: int = Field(
-        1, ge=1, description="Data-parallel processes for the reward, PPO and GRPO stages; >1 launches torchrun (CPU, gloo) or accelerate launch (CUDA).")
-    accelerate_config: Path | None = Field(None, strict=False, description="accelerate launch config file (DeepSpeed, FSDP) for num_processes > 1 on CUDA.")
+        1,
+        ge=1,
+        description="Data-parallel processes for the reward, PPO and GRPO stages; >1 launches torchrun (CPU, gloo) or accelerate launch (CUDA).",
+    )
+    accelerate_config: Path | None = Field(
+        None, strict=False, description="accelerate launch config file (DeepSpeed, FSDP) for num_processes > 1 on CUDA."
+    )
     keep_last_checkpoints: int | None = Field(
-        None, ge=1, description="Local checkpoints kept per reward, PPO and GRPO stage: the newest N plus the best (reward: highest eval_accuracy; PPO: highest objective/scores, GRPO: highest reward, both the training metrics of the checkpoint's step); null keeps all.")
+        None,
+        ge=1,
+        description="Local checkpoints kept per reward, PPO and GRPO stage: the newest N plus the best (reward: highest eval_accuracy; PPO: highest objective/scores, GRPO: highest reward, both the training metrics of the checkpoint's step); null keeps all.",
+    )
 
 
 class DemoModelConfig(Section):
@@ -50,14 +68,28 @@ class LoraSettings(Section):
 
 
 class ModelConfig(Section):
-    base: str = Field(DEMO, min_length=1, description="Base policy: 'demo' (built offline), a local directory, a hub name or a models:/ URI.")
-    tokenizer: str | None = Field(None, description="Tokenizer source when it differs from `base`; defaults to the base's own.")
+    base: str = Field(
+        DEMO,
+        min_length=1,
+        description="Base policy: 'demo' (built offline), a local directory, a hub name or a models:/ URI.",
+    )
+    tokenizer: str | None = Field(
+        None, description="Tokenizer source when it differs from `base`; defaults to the base's own."
+    )
     revision: str | None = Field(None, description="Hub revision (branch, tag or commit) for hub names.")
-    trust_remote_code: bool = Field(False, description="Allow model code from the hub to run; only for sources you trust.")
-    torch_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("float32", description="Dtype the weights are loaded in.")
+    trust_remote_code: bool = Field(
+        False, description="Allow model code from the hub to run; only for sources you trust."
+    )
+    torch_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "float32", description="Dtype the weights are loaded in."
+    )
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
-    lora: LoraSettings = Field(default_factory=LoraSettings, description="LoRA adapter settings shared by the trained models.")
-    demo: DemoModelConfig = Field(default_factory=DemoModelConfig, description="Architecture of the demo's tiny Llama (used when base is 'demo').")
+    lora: LoraSettings = Field(
+        default_factory=LoraSettings, description="LoRA adapter settings shared by the trained models."
+    )
+    demo: DemoModelConfig = Field(
+        default_factory=DemoModelConfig, description="Architecture of the demo's tiny Llama (used when base is 'demo')."
+    )
 
 
 class ColumnMap(Section):
@@ -69,40 +101,61 @@ class ColumnMap(Section):
 
 
 class DatasetSpec(Section):
-    path: str = Field(DEMO, min_length=1, description="'demo', a local json/jsonl/parquet/csv file, directory or glob (data/prefs/*.jsonl), or a hub dataset name.")
+    path: str = Field(
+        DEMO,
+        min_length=1,
+        description="'demo', a local json/jsonl/parquet/csv file, directory or glob (data/prefs/*.jsonl), or a hub dataset name.",
+    )
     split: str = Field("train", min_length=1, description="Split to read (local files are one 'train' split).")
-    columns: ColumnMap = Field(default_factory=ColumnMap, description="Mapping from the pipeline's column names to the source's.")
+    columns: ColumnMap = Field(
+        default_factory=ColumnMap, description="Mapping from the pipeline's column names to the source's."
+    )
     limit: int | None = Field(None, ge=1, description="Read at most this many rows, in file order.")
 
     @model_validator(mode="after")
     def _demo_splits(self) -> DatasetSpec:
         if self.path == DEMO and self.split not in ("train", "test"):
-            raise ValueError(f"split '{self.split}' does not exist in the demo world; allowed values are 'train' or 'test'")
+            raise ValueError(
+                f"split '{self.split}' does not exist in the demo world; allowed values are 'train' or 'test'"
+            )
         return self
 
 
 class DemoWorldConfig(Section):
     num_sentences: int = Field(6000, ge=10, description="Sentences in the demo's review corpus (SFT data).")
     num_preference_pairs: int = Field(3000, ge=10, description="Preference pairs labelled by VADER (train split).")
-    num_eval_preference_pairs: int = Field(400, ge=2, description="Held-out preference pairs (reward-model evaluation).")
+    num_eval_preference_pairs: int = Field(
+        400, ge=2, description="Held-out preference pairs (reward-model evaluation)."
+    )
     num_train_prompts: int = Field(1024, ge=2, description="Prompts for RL training.")
     num_eval_prompts: int = Field(64, ge=2, description="Held-out prompts for generation evaluation.")
-    min_compound_gap: float = Field(0.3, gt=0.0, le=2.0, description="Least VADER compound difference between chosen and rejected.")
+    min_compound_gap: float = Field(
+        0.3, gt=0.0, le=2.0, description="Least VADER compound difference between chosen and rejected."
+    )
 
 
 class DataConfig(Section):
-    preference: DatasetSpec = Field(default_factory=DatasetSpec, description="Preference pairs for reward-model training.")
+    preference: DatasetSpec = Field(
+        default_factory=DatasetSpec, description="Preference pairs for reward-model training."
+    )
     preference_eval: DatasetSpec = Field(
-        default_factory=lambda: DatasetSpec(split="test"), description="Held-out preference pairs for reward-model evaluation."
+        default_factory=lambda: DatasetSpec(split="test"),
+        description="Held-out preference pairs for reward-model evaluation.",
     )
     prompts: DatasetSpec = Field(default_factory=DatasetSpec, description="Prompts for RL rollouts.")
     eval_prompts: DatasetSpec = Field(
         default_factory=lambda: DatasetSpec(split="test"), description="Held-out prompts for generation evaluation."
     )
-    max_length: int = Field(64, ge=4, description="Longest prompt+completion in tokens; longer rows are handled by `overlong`.")
+    max_length: int = Field(
+        64, ge=4, description="Longest prompt+completion in tokens; longer rows are handled by `overlong`."
+    )
     max_prompt_length: int = Field(16, ge=1, description="Longest prompt in tokens for RL and evaluation prompts.")
-    overlong: Literal["truncate", "drop"] = Field("truncate", description="What to do with rows longer than the limits.")
-    demo: DemoWorldConfig = Field(default_factory=DemoWorldConfig, description="Sizes of the offline demo world (used by 'demo' sources).")
+    overlong: Literal["truncate", "drop"] = Field(
+        "truncate", description="What to do with rows longer than the limits."
+    )
+    demo: DemoWorldConfig = Field(
+        default_factory=DemoWorldConfig, description="Sizes of the offline demo world (used by 'demo' sources)."
+    )
 
     @model_validator(mode="after")
     def _prompt_fits(self) -> DataConfig:

@@ -14,16 +14,23 @@ class OptimSettings(Section):
     learning_rate: float = Field(1e-4, gt=0.0, description="Peak AdamW learning rate.")
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
     warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps before the schedule.")
-    lr_scheduler: Literal["linear", "cosine", "constant", "constant_with_warmup"] = Field("linear", description="Learning-rate schedule after warm-up.")
+    lr_scheduler: Literal["linear", "cosine", "constant", "constant_with_warmup"] = Field(
+        "linear", description="Learning-rate schedule after warm-up."
+    )
     max_grad_norm: float = Field(1.0, gt=0.0, description="Gradient clipping norm.")
     gradient_accumulation_steps: int = Field(1, ge=1, description="Micro-batches accumulated per optimizer step.")
     max_nonfinite_steps_in_a_row: int = Field(
-        3, ge=0, description="An optimizer step whose gradient norm is NaN or inf is skipped and counted (perf/skipped_steps); this many in a row stop the run with an error. 0 stops at the first (DeepSpeed needs 0: its engine steps inside backward).")
+        3,
+        ge=0,
+        description="An optimizer step whose gradient norm is NaN or inf is skipped and counted (perf/skipped_steps); this many in a row stop the run with an error. 0 stops at the first (DeepSpeed needs 0: its engine steps inside backward).",
+    )
 
 
 class SFTConfig(OptimSettings):
     enabled: bool = Field(True, description="Run the SFT warm start; with false the policy starts from model.base.")
-    dataset: DatasetSpec = Field(default_factory=DatasetSpec, description="Text corpus to fine-tune on ('demo': the review corpus).")
+    dataset: DatasetSpec = Field(
+        default_factory=DatasetSpec, description="Text corpus to fine-tune on ('demo': the review corpus)."
+    )
     max_steps: int = Field(300, ge=1, description="Optimizer steps of the warm start.")
     batch_size: int = Field(32, ge=1, description="Sequences per micro-batch.")
     learning_rate: float = Field(3e-3, gt=0.0, description="Peak AdamW learning rate.")
@@ -31,24 +38,42 @@ class SFTConfig(OptimSettings):
 
 
 class RewardConfig(OptimSettings):
-    base: str = Field("policy", min_length=1, description="Reward model start: 'policy' (the SFT/base policy), a directory, hub name or models:/ URI.")
+    base: str = Field(
+        "policy",
+        min_length=1,
+        description="Reward model start: 'policy' (the SFT/base policy), a directory, hub name or models:/ URI.",
+    )
     max_steps: int = Field(200, ge=1, description="Optimizer steps of reward training.")
-    batch_size: int = Field(32, ge=1, description="Preference pairs per micro-batch (chosen and rejected share one forward).")
+    batch_size: int = Field(
+        32, ge=1, description="Preference pairs per micro-batch (chosen and rejected share one forward)."
+    )
     learning_rate: float = Field(1e-3, gt=0.0, description="Peak AdamW learning rate.")
-    center_rewards_coefficient: float | None = Field(None, gt=0.0, description="Weight of the reward-centering penalty (TRL's); null turns it off.")
+    center_rewards_coefficient: float | None = Field(
+        None, gt=0.0, description="Weight of the reward-centering penalty (TRL's); null turns it off."
+    )
     eval_steps: int = Field(50, ge=1, description="Evaluate on the held-out pairs every this many steps.")
     save_steps: int = Field(100, ge=1, description="Checkpoint and register a version every this many steps.")
     log_steps: int = Field(10, ge=1, description="Log training metrics every this many steps.")
-    lora: bool = Field(False, description="Train the reward model with LoRA (model.lora settings, score head trainable).")
-    disable_dropout: bool = Field(True, description="Turn every dropout of the reward model off while it trains (TRL's default); false keeps the model's own.")
+    lora: bool = Field(
+        False, description="Train the reward model with LoRA (model.lora settings, score head trainable)."
+    )
+    disable_dropout: bool = Field(
+        True,
+        description="Turn every dropout of the reward model off while it trains (TRL's default); false keeps the model's own.",
+    )
 
 
 class InitConfig(Section):
     policy: Literal["sft", "base", "champion"] = Field(
-        "sft", description="Policy start: the SFT warm start's output, model.base as is, or the registry's champion (sft, else base, when there is none).")
-    value_from: Literal["reward", "policy"] = Field("reward", description="Value model start: the reward model's weights (as TRL) or the policy's.")
+        "sft",
+        description="Policy start: the SFT warm start's output, model.base as is, or the registry's champion (sft, else base, when there is none).",
+    )
+    value_from: Literal["reward", "policy"] = Field(
+        "reward", description="Value model start: the reward model's weights (as TRL) or the policy's."
+    )
     reference: Literal["auto", "copy", "adapter_disabled"] = Field(
-        "auto", description="Reference model: a frozen copy, or with LoRA the policy with adapters off; auto picks by LoRA."
+        "auto",
+        description="Reference model: a frozen copy, or with LoRA the policy with adapters off; auto picks by LoRA.",
     )
 
 
@@ -56,37 +81,64 @@ class RLConfig(OptimSettings):
     algorithm: Literal["ppo", "grpo"] = Field("ppo", description="RL algorithm of the policy stage.")
     total_steps: int = Field(100, ge=1, description="RL steps: one rollout (PPO) or generation (GRPO) batch each.")
     batch_size: int = Field(
-        32, ge=1, description="Completions generated per RL step (the rollout or generation batch); PPO splits it into ppo.num_mini_batches optimizer steps, GRPO into grpo.steps_per_generation / rl.gradient_accumulation_steps optimizer steps.")
-    gradient_accumulation_steps: int = Field(1, ge=1, description="Micro-batches accumulated per optimizer step (PPO and GRPO alike).")
+        32,
+        ge=1,
+        description="Completions generated per RL step (the rollout or generation batch); PPO splits it into ppo.num_mini_batches optimizer steps, GRPO into grpo.steps_per_generation / rl.gradient_accumulation_steps optimizer steps.",
+    )
+    gradient_accumulation_steps: int = Field(
+        1, ge=1, description="Micro-batches accumulated per optimizer step (PPO and GRPO alike)."
+    )
     learning_rate: float = Field(3e-6, gt=0.0, description="Peak AdamW learning rate (TRL's default).")
     response_length: int = Field(16, ge=1, description="Most new tokens per rollout.")
     temperature: float = Field(0.7, gt=0.0, description="Sampling temperature of rollouts (TRL's default).")
     top_k: int = Field(0, ge=0, description="Top-k filtering of rollouts; 0 disables it.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus filtering of rollouts; 1.0 disables it.")
     stop_token: str = Field(
-        "eos", min_length=1, description="What ends a response: 'eos' (every id of the policy's generation_config.eos_token_id and the tokenizer's eos), 'none', or one token of the tokenizer.")
+        "eos",
+        min_length=1,
+        description="What ends a response: 'eos' (every id of the policy's generation_config.eos_token_id and the tokenizer's eos), 'none', or one token of the tokenizer.",
+    )
     stop_tokens: list[str] = Field(
-        default_factory=list, description="More tokens that end a response (e.g. '<|im_end|>'), each one token of the policy's tokenizer.")
-    min_response_length: int = Field(1, ge=1, description="The stop token cannot end a response before this many tokens (transformers' min_new_tokens).")
-    missing_eos_penalty: float | None = Field(None, description="Subtract this from the score of responses that never emit eos.")
+        default_factory=list,
+        description="More tokens that end a response (e.g. '<|im_end|>'), each one token of the policy's tokenizer.",
+    )
+    min_response_length: int = Field(
+        1,
+        ge=1,
+        description="The stop token cannot end a response before this many tokens (transformers' min_new_tokens).",
+    )
+    missing_eos_penalty: float | None = Field(
+        None, description="Subtract this from the score of responses that never emit eos."
+    )
     save_steps: int = Field(50, ge=1, description="Checkpoint and register a policy version every this many steps.")
     log_steps: int = Field(1, ge=1, description="Log training metrics every this many steps.")
-    disable_dropout: bool = Field(True, description="Turn every dropout (LoRA's and attention's included) off in the trained policy and value models (TRL's default; frozen models run in eval mode anyway); false keeps them.")
+    disable_dropout: bool = Field(
+        True,
+        description="Turn every dropout (LoRA's and attention's included) off in the trained policy and value models (TRL's default; frozen models run in eval mode anyway); false keeps them.",
+    )
 
     @model_validator(mode="after")
     def _min_within_max(self) -> RLConfig:
         if self.min_response_length > self.response_length:
-            raise ValueError(f"min_response_length {self.min_response_length} must not exceed response_length {self.response_length}")
+            raise ValueError(
+                f"min_response_length {self.min_response_length} must not exceed response_length {self.response_length}"
+            )
         if self.missing_eos_penalty is not None and self.stop_token == "none" and not self.stop_tokens:
-            raise ValueError("missing_eos_penalty needs a stop token, but stop_token is 'none' and stop_tokens is empty, "
-                             "so every response would be penalized")
+            raise ValueError(
+                "missing_eos_penalty needs a stop token, but stop_token is 'none' and stop_tokens is empty, "
+                "so every response would be penalized"
+            )
         return self
 
 
 class PPOConfig(Section):
     kl_coef: float = Field(0.05, ge=0.0, description="Initial coefficient of the per-token KL penalty (TRL's default).")
-    kl_estimator: Literal["k1", "k3"] = Field("k1", description="KL estimator of the penalty: k1 (log ratio) or k3 (unbiased, positive).")
-    adaptive_kl: bool = Field(False, description="Adapt kl_coef toward target_kl (Ziegler et al.) instead of keeping it fixed.")
+    kl_estimator: Literal["k1", "k3"] = Field(
+        "k1", description="KL estimator of the penalty: k1 (log ratio) or k3 (unbiased, positive)."
+    )
+    adaptive_kl: bool = Field(
+        False, description="Adapt kl_coef toward target_kl (Ziegler et al.) instead of keeping it fixed."
+    )
     target_kl: float = Field(6.0, gt=0.0, description="KL the adaptive controller steers toward.")
     horizon: int = Field(10000, ge=1, description="Horizon of the adaptive KL controller.")
     cliprange: float = Field(0.2, gt=0.0, description="Clip range of the policy ratio.")
@@ -102,7 +154,9 @@ class PPOConfig(Section):
 
 class RewardSource(Section):
     name: str = Field(..., min_length=1, description="Name of this reward in metrics (rewards/<name>/mean).")
-    model: str | None = Field(None, description="A reward model: 'reward_stage' (this run's), a directory, hub name or models:/ URI.")
+    model: str | None = Field(
+        None, description="A reward model: 'reward_stage' (this run's), a directory, hub name or models:/ URI."
+    )
     function: str | None = Field(None, description="A Python reward function as 'package.module:function'.")
     weight: float = Field(1.0, description="Weight of this reward in the sum.")
 
@@ -123,29 +177,68 @@ class GRPOConfig(Section):
     num_generations: int = Field(8, ge=2, description="Completions sampled per prompt (the group).")
     epsilon: float = Field(0.2, gt=0.0, description="Lower clip of the importance ratio.")
     epsilon_high: float | None = Field(
-        None, gt=0.0, description="Upper clip of the ratio; null uses epsilon. With loss_type cispo: the cap of the ratio (TRL recommends 5.0).")
+        None,
+        gt=0.0,
+        description="Upper clip of the ratio; null uses epsilon. With loss_type cispo: the cap of the ratio (TRL recommends 5.0).",
+    )
     delta: float | None = Field(
-        None, gt=1.0, description="Two-sided clipping (INTELLECT-2): cap the unclipped ratio at delta; null is off. Should exceed 1 + epsilon_high.")
-    beta: float = Field(0.0, ge=0.0, description="KL coefficient to the reference (k3); 0 loads no reference (TRL's default).")
-    use_bias_correction_kl: bool = Field(True, description="Multiply the k3 KL term by the importance ratio (TRL 1.16's default).")
+        None,
+        gt=1.0,
+        description="Two-sided clipping (INTELLECT-2): cap the unclipped ratio at delta; null is off. Should exceed 1 + epsilon_high.",
+    )
+    beta: float = Field(
+        0.0, ge=0.0, description="KL coefficient to the reference (k3); 0 loads no reference (TRL's default)."
+    )
+    use_bias_correction_kl: bool = Field(
+        True, description="Multiply the k3 KL term by the importance ratio (TRL 1.16's default)."
+    )
     loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"] = Field(
-        "dapo", description="Loss: grpo, bnpo, dr_grpo, dapo (TRL's default), cispo (clipped-IS-weight policy gradient) or sapo (soft gate).")
+        "dapo",
+        description="Loss: grpo, bnpo, dr_grpo, dapo (TRL's default), cispo (clipped-IS-weight policy gradient) or sapo (soft gate).",
+    )
     importance_sampling_level: Literal["token", "sequence"] = Field(
-        "token", description="Importance ratio per token, or one per sequence from the mean log ratio (GSPO).")
-    sapo_temperature_pos: float = Field(1.0, gt=0.0, description="SAPO's gate temperature for tokens with positive advantage.")
-    sapo_temperature_neg: float = Field(1.05, gt=0.0, description="SAPO's gate temperature for tokens with non-positive advantage.")
-    scale_rewards: Literal["group", "batch", "none"] = Field("group", description="Divide advantages by the group's, the batch's or no std.")
+        "token", description="Importance ratio per token, or one per sequence from the mean log ratio (GSPO)."
+    )
+    sapo_temperature_pos: float = Field(
+        1.0, gt=0.0, description="SAPO's gate temperature for tokens with positive advantage."
+    )
+    sapo_temperature_neg: float = Field(
+        1.05, gt=0.0, description="SAPO's gate temperature for tokens with non-positive advantage."
+    )
+    scale_rewards: Literal["group", "batch", "none"] = Field(
+        "group", description="Divide advantages by the group's, the batch's or no std."
+    )
     multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = Field(
-        "sum_then_normalize", description="Weighted sum of rewards then group-normalize, or normalize each reward per group, sum, then batch-normalize.")
+        "sum_then_normalize",
+        description="Weighted sum of rewards then group-normalize, or normalize each reward per group, sum, then batch-normalize.",
+    )
     top_entropy_quantile: float = Field(
-        1.0, gt=0.0, le=1.0, description="Train only on the tokens whose entropy is in this top fraction of the batch's; 1.0 trains on all.")
-    num_iterations: int = Field(1, ge=1, description="Updates per generation batch, reusing stored old log-probabilities.")
+        1.0,
+        gt=0.0,
+        le=1.0,
+        description="Train only on the tokens whose entropy is in this top fraction of the batch's; 1.0 trains on all.",
+    )
+    num_iterations: int = Field(
+        1, ge=1, description="Updates per generation batch, reusing stored old log-probabilities."
+    )
     steps_per_generation: int | None = Field(
-        None, ge=1, description="Micro-batches the generation batch (rl.batch_size completions) is split into (TRL's name); a multiple of rl.gradient_accumulation_steps; null: rl.gradient_accumulation_steps, i.e. one optimizer step per generation batch.")
-    mask_truncated_completions: bool = Field(False, description="Leave completions without a stop token out of the loss.")
-    sync_ref_model: bool = Field(False, description="Mix the policy into the reference every ref_model_sync_steps optimizer steps (TR-DPO).")
-    ref_model_mixup_alpha: float = Field(0.6, ge=0.0, le=1.0, description="ref = alpha * policy + (1 - alpha) * ref at each sync.")
+        None,
+        ge=1,
+        description="Micro-batches the generation batch (rl.batch_size completions) is split into (TRL's name); a multiple of rl.gradient_accumulation_steps; null: rl.gradient_accumulation_steps, i.e. one optimizer step per generation batch.",
+    )
+    mask_truncated_completions: bool = Field(
+        False, description="Leave completions without a stop token out of the loss."
+    )
+    sync_ref_model: bool = Field(
+        False, description="Mix the policy into the reference every ref_model_sync_steps optimizer steps (TR-DPO)."
+    )
+    ref_model_mixup_alpha: float = Field(
+        0.6, ge=0.0, le=1.0, description="ref = alpha * policy + (1 - alpha) * ref at each sync."
+    )
     ref_model_sync_steps: int = Field(512, ge=1, description="Optimizer steps between reference syncs.")
-    rewards: list[RewardSource] = Field(default_factory=_default_grpo_rewards, min_length=1, description="Reward sources and weights.")
-    log_completions_steps: int = Field(10, ge=1, description="Write a Parquet of completions and rewards every this many steps.")
-
+    rewards: list[RewardSource] = Field(
+        default_factory=_default_grpo_rewards, min_length=1, description="Reward sources and weights."
+    )
+    log_completions_steps: int = Field(
+        10, ge=1, description="Write a Parquet of completions and rewards every this many steps."
+    )

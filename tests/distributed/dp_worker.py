@@ -18,8 +18,8 @@ from rlhf_core.demo_world import build_demo_world
 from rlhf_core.grpo import function_reward, train_grpo
 from rlhf_core.models import load_causal_lm, load_tokenizer
 from rlhf_core.ppo import train_ppo
-from rlhf_core.reward_model import load_reward_model, train_reward_model
 from rlhf_core.reward_functions import vader_compound
+from rlhf_core.reward_model import load_reward_model, train_reward_model
 
 
 def fingerprint(*models) -> str:
@@ -45,10 +45,17 @@ def main(world_root: str, out: str) -> None:
     from rlhf_core.parallel import reduce_metrics
 
     # metrics: the mean over processes, the total for the summed keys, one all-reduce
-    reduced = reduce_metrics(Accelerator(cpu=True), {"loss": torch.tensor(float(rank)), "tokens": 3.0 + rank}, sums=("tokens",))
+    reduced = reduce_metrics(
+        Accelerator(cpu=True), {"loss": torch.tensor(float(rank)), "tokens": 3.0 + rank}, sums=("tokens",)
+    )
     record(stage="reduce", metrics=reduced)
-    extremes = reduce_metrics(Accelerator(cpu=True), {"low": 2.0 + rank, "high": 5.0 * (1 + rank), "mean": float(rank),
-                                                      "n": 1.0}, sums=("n",), mins=("low",), maxes=("high",))
+    extremes = reduce_metrics(
+        Accelerator(cpu=True),
+        {"low": 2.0 + rank, "high": 5.0 * (1 + rank), "mean": float(rank), "n": 1.0},
+        sums=("n",),
+        mins=("low",),
+        maxes=("high",),
+    )
     record(stage="reduce", metrics=extremes)
 
     cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "smoke.yaml")
@@ -57,29 +64,70 @@ def main(world_root: str, out: str) -> None:
     tok = load_tokenizer(str(world.tokenizer))
 
     reward = load_reward_model(str(world.base_model), tok, seed=3)
-    train_reward_model(reward, tok, read_rows(world.preferences("train")), read_rows(world.preferences("test")),
-                       RewardConfig(max_steps=3, batch_size=4, eval_steps=3, save_steps=3, log_steps=1, learning_rate=1e-3),
-                       run, max_length=40, output_dir=out_dir / "reward", card={"title": "r", "metadata": {}, "body": ""},
-                       on_step=lambda step: record(stage="reward", step=step, weights=fingerprint(reward)),
-                       on_log=lambda metrics, step: record(stage="reward", log=step), show_progress=False)
+    train_reward_model(
+        reward,
+        tok,
+        read_rows(world.preferences("train")),
+        read_rows(world.preferences("test")),
+        RewardConfig(max_steps=3, batch_size=4, eval_steps=3, save_steps=3, log_steps=1, learning_rate=1e-3),
+        run,
+        max_length=40,
+        output_dir=out_dir / "reward",
+        card={"title": "r", "metadata": {}, "body": ""},
+        on_step=lambda step: record(stage="reward", step=step, weights=fingerprint(reward)),
+        on_log=lambda metrics, step: record(stage="reward", log=step),
+        show_progress=False,
+    )
 
     prompts = read_column(world.prompts("train"), "prompt")
     policy, ref = load_causal_lm(str(world.base_model)), load_causal_lm(str(world.base_model))
     value = load_reward_model(str(world.base_model), tok, seed=3)
     scorer = load_reward_model(str(world.base_model), tok, seed=4).eval()
     rl = RLConfig(total_steps=2, batch_size=4, response_length=4, save_steps=2, learning_rate=1e-3, temperature=1.0)
-    train_ppo(policy, value, ref, scorer, tok, prompts, rl, PPOConfig(num_ppo_epochs=1), run, max_prompt_length=16,
-              output_dir=out_dir / "ppo", on_step=lambda step: record(stage="ppo", step=step, weights=fingerprint(policy, value)),
-              on_log=lambda metrics, step: record(stage="ppo", log=step, episode=metrics["episode"]), show_progress=False)
+    train_ppo(
+        policy,
+        value,
+        ref,
+        scorer,
+        tok,
+        prompts,
+        rl,
+        PPOConfig(num_ppo_epochs=1),
+        run,
+        max_prompt_length=16,
+        output_dir=out_dir / "ppo",
+        on_step=lambda step: record(stage="ppo", step=step, weights=fingerprint(policy, value)),
+        on_log=lambda metrics, step: record(stage="ppo", log=step, episode=metrics["episode"]),
+        show_progress=False,
+    )
 
     policy = load_causal_lm(str(world.base_model))
-    rl = RLConfig(algorithm="grpo", total_steps=2, batch_size=4, response_length=4, save_steps=2, learning_rate=1e-3,
-                  temperature=1.0)
-    train_grpo(policy, None, [function_reward("vader", 1.0, lambda prompts, completions, **_: vader_compound(completions=completions))],
-               tok, read_rows(world.prompts("train")), rl, GRPOConfig(num_generations=2, beta=0.0), run, max_prompt_length=16,
-               output_dir=out_dir / "grpo",
-               on_step=lambda step: record(stage="grpo", step=step, weights=fingerprint(policy), sampling_seed=torch.initial_seed()),
-               on_log=lambda metrics, step: record(stage="grpo", log=step), show_progress=False)
+    rl = RLConfig(
+        algorithm="grpo",
+        total_steps=2,
+        batch_size=4,
+        response_length=4,
+        save_steps=2,
+        learning_rate=1e-3,
+        temperature=1.0,
+    )
+    train_grpo(
+        policy,
+        None,
+        [function_reward("vader", 1.0, lambda prompts, completions, **_: vader_compound(completions=completions))],
+        tok,
+        read_rows(world.prompts("train")),
+        rl,
+        GRPOConfig(num_generations=2, beta=0.0),
+        run,
+        max_prompt_length=16,
+        output_dir=out_dir / "grpo",
+        on_step=lambda step: record(
+            stage="grpo", step=step, weights=fingerprint(policy), sampling_seed=torch.initial_seed()
+        ),
+        on_log=lambda metrics, step: record(stage="grpo", log=step),
+        show_progress=False,
+    )
     torch.distributed.barrier() if torch.distributed.is_initialized() else None
 
 

@@ -51,12 +51,15 @@ class Recorder:
 
 def row_keys(query_ids: torch.Tensor, query_mask: torch.Tensor) -> list[int]:
     """A number per row from the row's real prompt ids (padding ignored)."""
-    return [zlib.crc32(",".join(map(str, query_ids[i][query_mask[i].bool()].tolist())).encode())
-            for i in range(query_ids.shape[0])]
+    return [
+        zlib.crc32(",".join(map(str, query_ids[i][query_mask[i].bool()].tolist())).encode())
+        for i in range(query_ids.shape[0])
+    ]
 
 
-def forced_choices(query_ids: torch.Tensor, query_mask: torch.Tensor, vocab_size: int, group: int,
-                   response_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+def forced_choices(
+    query_ids: torch.Tensor, query_mask: torch.Tensor, vocab_size: int, group: int, response_length: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(first token (B,), step at which the row emits its stop token (B,), response_length for never), each a
     fixed function of the row's prompt and of its index in its group: the completions of a group differ,
     and so do the lengths of the rows and the token counts of the processes."""
@@ -74,8 +77,9 @@ def deterministic_collect_rollout(real, recorder: Recorder, vocab_size: int):
 
     def wrapper(policy, ref_model, query_ids, query_mask, settings, **kwargs):
         stops = list(kwargs.get("stop_token_ids", ()))
-        first, stop_at = forced_choices(query_ids, query_mask, vocab_size, kwargs.get("prompt_repeats", 1),
-                                        settings.response_length)
+        first, stop_at = forced_choices(
+            query_ids, query_mask, vocab_size, kwargs.get("prompt_repeats", 1), settings.response_length
+        )
         t = [0]
 
         def choose(logits, _settings):
@@ -117,12 +121,20 @@ def instrumented(*, deterministic: bool, vocab_size: int = 0):
     real_collect, real_step = rollout_mod.collect_rollout, TrainingLoop.optimizer_step
 
     def optimizer_step(self):
-        recorder.grads.append({name: p.grad.detach().cpu().clone() for name, p in self.unwrapped().named_parameters()
-                               if p.grad is not None})
+        recorder.grads.append(
+            {
+                name: p.grad.detach().cpu().clone()
+                for name, p in self.unwrapped().named_parameters()
+                if p.grad is not None
+            }
+        )
         real_step(self)
 
-    collect = (deterministic_collect_rollout(real_collect, recorder, vocab_size) if deterministic
-               else recording_collect_rollout(real_collect, recorder))
+    collect = (
+        deterministic_collect_rollout(real_collect, recorder, vocab_size)
+        if deterministic
+        else recording_collect_rollout(real_collect, recorder)
+    )
     saved = (ppo_mod.collect_rollout, grpo_mod.collect_rollout)
     ppo_mod.collect_rollout = grpo_mod.collect_rollout = collect
     TrainingLoop.optimizer_step = optimizer_step
@@ -139,7 +151,7 @@ def snapshot(path: Path, recorder: Recorder, *models: tuple[str, torch.nn.Module
     for prefix, model in models:
         for name, value in model.state_dict().items():
             tensors[f"w.{prefix}.{name}"] = value.detach().cpu().clone().contiguous()
-    for j, grads in enumerate(recorder.grads[recorder.saved_grads:]):
+    for j, grads in enumerate(recorder.grads[recorder.saved_grads :]):
         for name, value in grads.items():
             tensors[f"g{j}.{name}"] = value.contiguous()
     recorder.saved_grads = len(recorder.grads)
@@ -171,8 +183,17 @@ def high_id_reward(tokenizer):
     return score
 
 
-def run_ppo(world_root: str | Path, out: str | Path, batch_size: int, tag: str, *, rl: dict | None = None,
-            ppo: dict | None = None, deterministic: bool = True, show_progress: bool = False) -> Recorder:
+def run_ppo(
+    world_root: str | Path,
+    out: str | Path,
+    batch_size: int,
+    tag: str,
+    *,
+    rl: dict | None = None,
+    ppo: dict | None = None,
+    deterministic: bool = True,
+    show_progress: bool = False,
+) -> Recorder:
     from rlhf_core.models import load_causal_lm, load_tokenizer
     from rlhf_core.reward_model import load_reward_model
 
@@ -185,17 +206,36 @@ def run_ppo(world_root: str | Path, out: str | Path, batch_size: int, tag: str, 
     prompts = train_prompts(world_root)
     with instrumented(deterministic=deterministic, vocab_size=len(tok)) as recorder:
         ppo_mod.train_ppo(
-            policy, value, ref, scorer, tok, prompts, RLConfig(batch_size=batch_size, **{**PPO_RL, **(rl or {})}),
-            PPOConfig(**{**PPO_ALGO, **(ppo or {})}), RunConfig(device="cpu", seed=SEED), max_prompt_length=16,
+            policy,
+            value,
+            ref,
+            scorer,
+            tok,
+            prompts,
+            RLConfig(batch_size=batch_size, **{**PPO_RL, **(rl or {})}),
+            PPOConfig(**{**PPO_ALGO, **(ppo or {})}),
+            RunConfig(device="cpu", seed=SEED),
+            max_prompt_length=16,
             output_dir=out / f"ppo-{tag}",
-            on_step=lambda step: snapshot(out / f"ppo-{tag}-step{step}.safetensors", recorder, ("policy", policy),
-                                          ("value", value)),
-            show_progress=show_progress)
+            on_step=lambda step: snapshot(
+                out / f"ppo-{tag}-step{step}.safetensors", recorder, ("policy", policy), ("value", value)
+            ),
+            show_progress=show_progress,
+        )
     return recorder
 
 
-def run_grpo(world_root: str | Path, out: str | Path, batch_size: int, tag: str, *, rl: dict | None = None,
-             grpo: dict | None = None, deterministic: bool = True, show_progress: bool = False) -> Recorder:
+def run_grpo(
+    world_root: str | Path,
+    out: str | Path,
+    batch_size: int,
+    tag: str,
+    *,
+    rl: dict | None = None,
+    grpo: dict | None = None,
+    deterministic: bool = True,
+    show_progress: bool = False,
+) -> Recorder:
     from rlhf_core.models import load_causal_lm, load_tokenizer
 
     world_root, out = Path(world_root), Path(out)
@@ -207,11 +247,19 @@ def run_grpo(world_root: str | Path, out: str | Path, batch_size: int, tag: str,
     rows = [{"prompt": p} for p in train_prompts(world_root)]
     with instrumented(deterministic=deterministic, vocab_size=len(tok)) as recorder:
         grpo_mod.train_grpo(
-            policy, ref, [grpo_mod.function_reward("high_ids", 1.0, high_id_reward(tok))], tok, rows,
-            RLConfig(batch_size=batch_size, **{**GRPO_RL, **(rl or {})}), cfg, RunConfig(device="cpu", seed=SEED),
-            max_prompt_length=16, output_dir=out / f"grpo-{tag}",
+            policy,
+            ref,
+            [grpo_mod.function_reward("high_ids", 1.0, high_id_reward(tok))],
+            tok,
+            rows,
+            RLConfig(batch_size=batch_size, **{**GRPO_RL, **(rl or {})}),
+            cfg,
+            RunConfig(device="cpu", seed=SEED),
+            max_prompt_length=16,
+            output_dir=out / f"grpo-{tag}",
             on_step=lambda step: snapshot(out / f"grpo-{tag}-step{step}.safetensors", recorder, ("policy", policy)),
-            show_progress=show_progress)
+            show_progress=show_progress,
+        )
     return recorder
 
 

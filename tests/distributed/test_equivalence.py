@@ -122,9 +122,24 @@ def data_parallel_runs(tmp_path_factory, smoke_world):
     """torchrun with 2 CPU processes (gloo) x B, then this process alone x 2B, each recorded step by step."""
     out = tmp_path_factory.mktemp("equivalence")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc_per_node", "2",
-                           str(WORKER_PATH), str(smoke_world.root), str(out), str(PPO_BATCH), str(GRPO_BATCH)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [
+            str(Path(sys.executable).with_name("torchrun")),
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            str(WORKER_PATH),
+            str(smoke_world.root),
+            str(out),
+            str(PPO_BATCH),
+            str(GRPO_BATCH),
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     worker.run_ppo(smoke_world.root, out, 2 * PPO_BATCH, "single")
     worker.run_grpo(smoke_world.root, out, 2 * GRPO_BATCH, "single")
@@ -177,8 +192,9 @@ def test_response_logprobs_at_a_temperature_match_a_plain_full_forward(smoke_wor
         # by hand, batched: the full forward over every position (no logits_to_keep), positions from the mask
         input_ids = torch.cat([query, responses], 1)
         attention = torch.cat([query_mask, mask], 1)
-        logits = model(input_ids=input_ids, attention_mask=attention,
-                       position_ids=(attention.cumsum(1) - 1).clamp(min=0)).logits.float()
+        logits = model(
+            input_ids=input_ids, attention_mask=attention, position_ids=(attention.cumsum(1) - 1).clamp(min=0)
+        ).logits.float()
         Q = query.shape[1]
         scaled = logits[:, Q - 1 : Q - 1 + R] / T
         logsm = scaled.log_softmax(-1)
@@ -208,28 +224,43 @@ def test_response_logprobs_at_a_temperature_match_a_plain_full_forward(smoke_wor
 def test_ppo_accumulating_four_micro_batches_is_one_big_batch(tmp_path, smoke_world, initial, sampler):
     deterministic = sampler == "forced"
     whole = worker.run_ppo(smoke_world.root, tmp_path, 8, "ga1", deterministic=deterministic)
-    accumulated = worker.run_ppo(smoke_world.root, tmp_path, 8, "ga4", rl={"gradient_accumulation_steps": 4},
-                                 deterministic=deterministic)
+    accumulated = worker.run_ppo(
+        smoke_world.root, tmp_path, 8, "ga4", rl={"gradient_accumulation_steps": 4}, deterministic=deterministic
+    )
     assert len(whole.grads) == len(accumulated.grads) == 2  # one optimizer step per iteration in both
     if deterministic:
         assert_lengths_vary(tmp_path, "ppo", "ga1")
-    assert_equivalent(load_steps(tmp_path, "ppo", "ga4", 2), load_steps(tmp_path, "ppo", "ga1", 2),
-                      f"ppo ga ({sampler})", initial)
+    assert_equivalent(
+        load_steps(tmp_path, "ppo", "ga4", 2), load_steps(tmp_path, "ppo", "ga1", 2), f"ppo ga ({sampler})", initial
+    )
 
 
-@pytest.mark.parametrize("loss_type,sampler", [("dapo", "real"), ("dapo", "forced"), ("grpo", "forced"),
-                                               ("dr_grpo", "forced"), ("cispo", "forced")])
+@pytest.mark.parametrize(
+    "loss_type,sampler",
+    [("dapo", "real"), ("dapo", "forced"), ("grpo", "forced"), ("dr_grpo", "forced"), ("cispo", "forced")],
+)
 def test_grpo_accumulating_four_micro_batches_is_one_big_batch(tmp_path, smoke_world, initial, loss_type, sampler):
     deterministic = sampler == "forced"
     grpo = {"loss_type": loss_type, **({"epsilon_high": 5.0} if loss_type == "cispo" else {})}
     whole = worker.run_grpo(smoke_world.root, tmp_path, 8, "ga1", grpo=grpo, deterministic=deterministic)
-    accumulated = worker.run_grpo(smoke_world.root, tmp_path, 8, "ga4", grpo=grpo,
-                                  rl={"gradient_accumulation_steps": 4}, deterministic=deterministic)
+    accumulated = worker.run_grpo(
+        smoke_world.root,
+        tmp_path,
+        8,
+        "ga4",
+        grpo=grpo,
+        rl={"gradient_accumulation_steps": 4},
+        deterministic=deterministic,
+    )
     assert len(whole.grads) == len(accumulated.grads) == 4  # num_iterations 2: two optimizer steps per iteration
     if deterministic:
         assert_lengths_vary(tmp_path, "grpo", "ga1")
-    assert_equivalent(load_steps(tmp_path, "grpo", "ga4", 2), load_steps(tmp_path, "grpo", "ga1", 2),
-                      f"grpo {loss_type} ga ({sampler})", initial)
+    assert_equivalent(
+        load_steps(tmp_path, "grpo", "ga4", 2),
+        load_steps(tmp_path, "grpo", "ga1", 2),
+        f"grpo {loss_type} ga ({sampler})",
+        initial,
+    )
 
 
 @pytest.mark.slow
@@ -247,9 +278,22 @@ def test_two_processes_train_reward_ppo_and_grpo_with_identical_weights(tmp_path
     out = tmp_path / "dp"
     out.mkdir()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc_per_node", "2",
-                           str(REPO / "tests" / "distributed" / "dp_worker.py"), str(smoke_world.root), str(out)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [
+            str(Path(sys.executable).with_name("torchrun")),
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            str(REPO / "tests" / "distributed" / "dp_worker.py"),
+            str(smoke_world.root),
+            str(out),
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     traces = [[json.loads(line) for line in (out / f"rank{r}.jsonl").read_text().splitlines()] for r in (0, 1)]
     for stage, steps in (("reward", 3), ("ppo", 2), ("grpo", 2)):
@@ -260,7 +304,9 @@ def test_two_processes_train_reward_ppo_and_grpo_with_identical_weights(tmp_path
         assert [e["log"] for e in traces[0] if e["stage"] == stage and "log" in e] == list(range(1, steps + 1))
         assert not [e for e in traces[1] if e["stage"] == stage and "log" in e]
     assert [e["metrics"] for e in traces[0] if e["stage"] == "reduce"] == [
-        {"loss": 0.5, "tokens": 7.0}, {"low": 2.0, "high": 10.0, "mean": 0.5, "n": 2.0}]
+        {"loss": 0.5, "tokens": 7.0},
+        {"low": 2.0, "high": 10.0, "mean": 0.5, "n": 2.0},
+    ]
     # identical weights, but each process samples with its own seed (run.seed + rank)
     assert [{e["sampling_seed"] for e in t if e["stage"] == "grpo" and "step" in e} for t in traces] == [{3}, {4}]
     # PPO's episode counts the prompts of both processes

@@ -41,8 +41,9 @@ class Services:
 
     def start(self, name: str, args: list[str], env: dict[str, str]) -> None:
         log = open(self.root / f"{name}.log", "w")
-        self.procs[name] = subprocess.Popen(args, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                            start_new_session=True)
+        self.procs[name] = subprocess.Popen(
+            args, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
 
     def wait_http(self, name: str, url: str, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -59,7 +60,9 @@ class Services:
         raise TimeoutError(f"{name} did not answer {url} within {timeout_s:.0f} s")
 
     def logs(self) -> str:
-        return "\n".join(f"===== {p.name} =====\n{p.read_text(errors='replace')[-6000:]}" for p in sorted(self.root.glob("*.log")))
+        return "\n".join(
+            f"===== {p.name} =====\n{p.read_text(errors='replace')[-6000:]}" for p in sorted(self.root.glob("*.log"))
+        )
 
     def stop(self) -> None:
         for proc in self.procs.values():
@@ -77,24 +80,53 @@ def team(tmp_path_factory):
     root = tmp_path_factory.mktemp("team")
     prefect_port, mlflow_port = free_port(), free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_"))}
-    env.update({
-        "PREFECT_HOME": str(root / "prefect-home"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-        "PREFECT_UI_ENABLED": "false", "PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{root / 'prefect.db'}",
-        "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-    })
+    env.update(
+        {
+            "PREFECT_HOME": str(root / "prefect-home"),
+            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+            "PREFECT_UI_ENABLED": "false",
+            "PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{root / 'prefect.db'}",
+            "HF_HUB_OFFLINE": "1",
+            "HF_DATASETS_OFFLINE": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+        }
+    )
     services = Services(root)
-    services.start("prefect-server", [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1",
-                                      "--port", str(prefect_port)], env)
-    services.start("mlflow-server", [str(BIN / "mlflow"), "server", "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
-                                     "--artifacts-destination", str(root / "mlflow-artifacts"), "--host", "127.0.0.1",
-                                     "--port", str(mlflow_port), "--workers", "1"], env)
-    client_env = {**env, "PREFECT_API_URL": f"http://127.0.0.1:{prefect_port}/api",
-                  "MLFLOW_TRACKING_URI": f"http://127.0.0.1:{mlflow_port}", "PREFECT_WORKER_QUERY_SECONDS": "2"}
+    services.start(
+        "prefect-server",
+        [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(prefect_port)],
+        env,
+    )
+    services.start(
+        "mlflow-server",
+        [
+            str(BIN / "mlflow"),
+            "server",
+            "--backend-store-uri",
+            f"sqlite:///{root / 'mlflow.db'}",
+            "--artifacts-destination",
+            str(root / "mlflow-artifacts"),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(mlflow_port),
+            "--workers",
+            "1",
+        ],
+        env,
+    )
+    client_env = {
+        **env,
+        "PREFECT_API_URL": f"http://127.0.0.1:{prefect_port}/api",
+        "MLFLOW_TRACKING_URI": f"http://127.0.0.1:{mlflow_port}",
+        "PREFECT_WORKER_QUERY_SECONDS": "2",
+    }
     try:
         services.wait_http("prefect-server", f"http://127.0.0.1:{prefect_port}/api/health", 180)
         services.wait_http("mlflow-server", f"http://127.0.0.1:{mlflow_port}/health", 120)
-        deployed = subprocess.run([str(BIN / "rlhf"), "deploy"], cwd=REPO, env=client_env, capture_output=True, text=True,
-                                  timeout=300)
+        deployed = subprocess.run(
+            [str(BIN / "rlhf"), "deploy"], cwd=REPO, env=client_env, capture_output=True, text=True, timeout=300
+        )
         assert deployed.returncode == 0, deployed.stdout + deployed.stderr
         services.start("worker", [str(BIN / "prefect"), "worker", "start", "--pool", "rlhf-process"], client_env)
         yield {"env": client_env, "root": root, "services": services, "mlflow": client_env["MLFLOW_TRACKING_URI"]}

@@ -69,20 +69,43 @@ ATTEMPT_TIMEOUT_S = 240
 
 def _env(prefect_api_url: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
-    env.update(PREFECT_API_URL=prefect_api_url, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
-               TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    env.update(
+        PREFECT_API_URL=prefect_api_url,
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+        PYTHONUNBUFFERED="1",
+    )
     return env
 
 
 def _command(root: Path) -> list[str]:
-    return [sys.executable, "-m", "flows.cli", "run", "-c", SMOKE, "--set", f"run.output_dir={root / 'out'}",
-            "--set", f"tracking.uri=sqlite:///{root / 'mlflow.db'}"]
+    return [
+        sys.executable,
+        "-m",
+        "flows.cli",
+        "run",
+        "-c",
+        SMOKE,
+        "--set",
+        f"run.output_dir={root / 'out'}",
+        "--set",
+        f"tracking.uri=sqlite:///{root / 'mlflow.db'}",
+    ]
 
 
 def attempt(root: Path, env: dict[str, str], kill_at: tuple[str, float] | None = None) -> dict:
     """Run the pipeline once; with `kill_at` = (regex, delay), SIGKILL it `delay` s after a line matches."""
-    proc = subprocess.Popen(_command(root), cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, errors="replace", start_new_session=True)
+    proc = subprocess.Popen(
+        _command(root),
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        errors="replace",
+        start_new_session=True,
+    )
     lines: list[str] = []
     seen = threading.Event()
     pattern = re.compile(kill_at[0]) if kill_at else None
@@ -103,8 +126,10 @@ def attempt(root: Path, env: dict[str, str], kill_at: tuple[str, float] | None =
         if seen.is_set():
             time.sleep(kill_at[1])
             if proc.poll() is None:
-                last_line = next((l for l in reversed(lines) if l.strip()), "")
-                last_log = next((l for l in reversed(lines) if " | INFO " in l or "Created version" in l), "")
+                last_line = next((line for line in reversed(lines) if line.strip()), "")
+                last_log = next(
+                    (line for line in reversed(lines) if " | INFO " in line or "Created version" in line), ""
+                )
                 os.killpg(proc.pid, signal.SIGKILL)
                 killed = True
     try:
@@ -112,10 +137,15 @@ def attempt(root: Path, env: dict[str, str], kill_at: tuple[str, float] | None =
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-        raise AssertionError(f"attempt ran past {ATTEMPT_TIMEOUT_S} s:\n" + "\n".join(lines[-40:]))
+        raise AssertionError(f"attempt ran past {ATTEMPT_TIMEOUT_S} s:\n" + "\n".join(lines[-40:])) from None
     reader.join(timeout=10)
-    return {"returncode": proc.returncode, "killed": killed, "last_line": last_line[:160],
-            "last_log": last_log[:200], "output": lines}
+    return {
+        "returncode": proc.returncode,
+        "killed": killed,
+        "last_line": last_line[:160],
+        "last_log": last_log[:200],
+        "output": lines,
+    }
 
 
 def plan_trial(rng: random.Random, groups: list[str]) -> list[tuple[str, str, float]]:
@@ -187,15 +217,27 @@ def run_chaos(tmp_path: Path, prefect_api_url: str, trials: list[list[str]], see
         root.mkdir()
         for group, marker, delay in plan_trial(rng, groups):
             result = attempt(root, env, (marker, delay))
-            hits.append({"trial": t, "group": group, "marker": marker, "delay_s": delay, "killed": result["killed"],
-                         "returncode": result["returncode"], "last_line": result["last_line"],
-                         "last_log": result["last_log"]})
-            print(f"trial {t} kill {group}: {marker!r} + {delay} s -> killed={result['killed']} "
-                  f"rc={result['returncode']}\n    last log line: {result['last_log']}\n    last line: {result['last_line']}",
-                  flush=True)
+            hits.append(
+                {
+                    "trial": t,
+                    "group": group,
+                    "marker": marker,
+                    "delay_s": delay,
+                    "killed": result["killed"],
+                    "returncode": result["returncode"],
+                    "last_line": result["last_line"],
+                    "last_log": result["last_log"],
+                }
+            )
+            print(
+                f"trial {t} kill {group}: {marker!r} + {delay} s -> killed={result['killed']} "
+                f"rc={result['returncode']}\n    last log line: {result['last_log']}\n    last line: {result['last_line']}",
+                flush=True,
+            )
             assert result["killed"] and result["returncode"] == -signal.SIGKILL, (
                 f"the attempt was not killed at {marker!r} (+{delay} s): rc {result['returncode']}\n"
-                + "\n".join(result["output"][-40:]))
+                + "\n".join(result["output"][-40:])
+            )
         final = attempt(root, env)
         assert final["returncode"] == 0, "the run after the kills failed:\n" + "\n".join(final["output"][-60:])
 
@@ -209,7 +251,8 @@ def run_chaos(tmp_path: Path, prefect_api_url: str, trials: list[list[str]], see
         # the RL stage_key hashes paths under run.output_dir, so it differs between run directories: compare
         # (stage, step), and require one stage_key per stage within the run
         assert {n: [(s, step) for s, _, step in ids] for n, ids in versions.items()} == {
-            n: [(s, step) for s, _, step in ids] for n, ids in expected_versions.items()}
+            n: [(s, step) for s, _, step in ids] for n, ids in expected_versions.items()
+        }
         for name, identities in versions.items():
             keys = collections.defaultdict(set)
             for stage, key, _ in identities:
@@ -242,5 +285,7 @@ def test_two_kills_then_resume_end_as_an_uninterrupted_run(tmp_path, prefect_api
 
 @pytest.mark.chaos
 def test_nine_kills_across_reward_rl_export_and_registration(tmp_path, prefect_api_url):
-    hits = run_chaos(tmp_path, prefect_api_url, [GROUPS, GROUPS, GROUPS], seed=int(os.environ.get("RLHF_CHAOS_SEED", "11")))
+    hits = run_chaos(
+        tmp_path, prefect_api_url, [GROUPS, GROUPS, GROUPS], seed=int(os.environ.get("RLHF_CHAOS_SEED", "11"))
+    )
     assert sum(h["killed"] for h in hits) == 9

@@ -17,13 +17,23 @@ VADER_ONLY = "grpo.rewards=[{name: vader, function: 'rlhf_core.reward_functions:
 
 
 def test_grpo_with_only_callable_rewards_runs_without_a_reward_model(prefect_harness, tmp_path, mlflow_uri):
-    overrides = [f"run.output_dir={tmp_path / 'out'}", f"tracking.uri={mlflow_uri}", "rl.algorithm=grpo", VADER_ONLY,
-                 "grpo.log_completions_steps=1"]
+    overrides = [
+        f"run.output_dir={tmp_path / 'out'}",
+        f"tracking.uri={mlflow_uri}",
+        "rl.algorithm=grpo",
+        VADER_ONLY,
+        "grpo.log_completions_steps=1",
+    ]
     summary = rlhf_pipeline(config_path=SMOKE, overrides=overrides)
     client = MlflowClient(mlflow_uri, registry_uri=mlflow_uri)
     assert client.search_model_versions("name = 'smoke-reward-model'") == []
     versions = sorted(client.search_model_versions("name = 'smoke-policy'"), key=lambda v: int(v.version))
-    assert [(v.tags["stage"], v.tags["step"]) for v in versions] == [("sft", "8"), ("grpo", "1"), ("grpo", "2"), ("export", "2")]
+    assert [(v.tags["stage"], v.tags["step"]) for v in versions] == [
+        ("sft", "8"),
+        ("grpo", "1"),
+        ("grpo", "2"),
+        ("export", "2"),
+    ]
     assert versions[2].tags["algorithm"] == "grpo" and versions[2].tags["reward_model_version"] == "none"
     assert versions[3].tags["algorithm"] == "grpo" and summary["candidate_uri"] == "models:/smoke-policy/4"
     assert summary["reward_model_uri"] is None and summary["algorithm"] == "grpo"
@@ -39,23 +49,38 @@ def test_grpo_with_only_callable_rewards_runs_without_a_reward_model(prefect_har
 
 
 def test_a_reward_function_that_cannot_be_imported_stops_before_rl(prefect_harness, tmp_path, mlflow_uri):
-    overrides = [f"run.output_dir={tmp_path / 'out'}", f"tracking.uri={mlflow_uri}", "rl.algorithm=grpo",
-                 "grpo.rewards=[{name: bad, function: 'no_such_module:score'}]"]
+    overrides = [
+        f"run.output_dir={tmp_path / 'out'}",
+        f"tracking.uri={mlflow_uri}",
+        "rl.algorithm=grpo",
+        "grpo.rewards=[{name: bad, function: 'no_such_module:score'}]",
+    ]
     state = rlhf_pipeline(config_path=SMOKE, overrides=overrides, return_state=True)
-    with pytest.raises(RewardFunctionError, match=r"grpo.rewards\[0\].function: could not import module 'no_such_module'"):
+    with pytest.raises(
+        RewardFunctionError, match=r"grpo.rewards\[0\].function: could not import module 'no_such_module'"
+    ):
         state.result()
     # the preflight check refuses it before any stage: not even the SFT warm start ran
     assert MlflowClient(mlflow_uri, registry_uri=mlflow_uri).search_model_versions("name = 'smoke-policy'") == []
     assert not (tmp_path / "out").exists()
 
 
-def test_a_lora_run_exports_adapter_and_merged_model_and_registers_the_merged_one(prefect_harness, tmp_path, mlflow_uri):
+def test_a_lora_run_exports_adapter_and_merged_model_and_registers_the_merged_one(
+    prefect_harness, tmp_path, mlflow_uri
+):
     from peft import AutoPeftModelForCausalLM
 
     from rlhf_core.model_card import read_front_matter
 
-    overrides = [f"run.output_dir={tmp_path / 'out'}", f"tracking.uri={mlflow_uri}", "rl.algorithm=grpo", VADER_ONLY,
-                 "model.lora.enabled=true", "export.merge=true", f"export.output_dir={tmp_path / 'shipped'}"]
+    overrides = [
+        f"run.output_dir={tmp_path / 'out'}",
+        f"tracking.uri={mlflow_uri}",
+        "rl.algorithm=grpo",
+        VADER_ONLY,
+        "model.lora.enabled=true",
+        "export.merge=true",
+        f"export.output_dir={tmp_path / 'shipped'}",
+    ]
     summary = rlhf_pipeline(config_path=SMOKE, overrides=overrides)
     shipped = tmp_path / "shipped"
     assert summary["export_dir"] == str(shipped.resolve())
@@ -66,5 +91,7 @@ def test_a_lora_run_exports_adapter_and_merged_model_and_registers_the_merged_on
     adapter = AutoPeftModelForCausalLM.from_pretrained(str(shipped / "adapter"))
     with torch.no_grad():
         torch.testing.assert_close(merged(**ids).logits, adapter(**ids).logits, atol=1e-4, rtol=1e-4)
-    candidate = MlflowClient(mlflow_uri, registry_uri=mlflow_uri).get_model_version_by_alias("smoke-policy", "candidate")
+    candidate = MlflowClient(mlflow_uri, registry_uri=mlflow_uri).get_model_version_by_alias(
+        "smoke-policy", "candidate"
+    )
     assert candidate.tags["stage"] == "export" and summary["candidate_uri"].endswith(f"/{candidate.version}")

@@ -29,8 +29,11 @@ def test_the_home_directory_is_refused_and_left_alone(prefect_harness, tmp_path,
     home = filled(tmp_path / "home")
     monkeypatch.setenv("HOME", str(home))
     before = tree_hash(tmp_path)
-    out = [f"run.output_dir={home}"] if field == "run.output_dir" else [f"run.output_dir={tmp_path / 'out'}",
-                                                                     f"export.output_dir={home}/sub/.."]
+    out = (
+        [f"run.output_dir={home}"]
+        if field == "run.output_dir"
+        else [f"run.output_dir={tmp_path / 'out'}", f"export.output_dir={home}/sub/.."]
+    )
     refused([*out, f"tracking.uri={mlflow_uri}"], field, "is the home directory")
     assert tree_hash(tmp_path) == before and not (tmp_path / "out").exists()
 
@@ -41,7 +44,11 @@ def test_the_working_directory_is_refused_and_left_alone(prefect_harness, tmp_pa
     (work / MARKER).write_text("{}")  # even a directory that looks like ours: never the working directory
     monkeypatch.chdir(work)
     before = tree_hash(tmp_path)
-    out = ["run.output_dir=."] if field == "run.output_dir" else [f"run.output_dir={tmp_path / 'out'}", "export.output_dir=."]
+    out = (
+        ["run.output_dir=."]
+        if field == "run.output_dir"
+        else [f"run.output_dir={tmp_path / 'out'}", "export.output_dir=."]
+    )
     refused([*out, f"tracking.uri={mlflow_uri}"], field, "is the current working directory")
     assert tree_hash(tmp_path) == before and not (tmp_path / "out").exists()
 
@@ -49,8 +56,15 @@ def test_the_working_directory_is_refused_and_left_alone(prefect_harness, tmp_pa
 def test_an_export_into_an_ancestor_of_the_run_directory_is_refused(prefect_harness, tmp_path, mlflow_uri):
     filled(tmp_path / "runs")
     before = tree_hash(tmp_path)
-    refused([f"run.output_dir={tmp_path / 'runs' / 'out'}", f"export.output_dir={tmp_path / 'runs'}",
-             f"tracking.uri={mlflow_uri}"], "export.output_dir", "contains run.output_dir")
+    refused(
+        [
+            f"run.output_dir={tmp_path / 'runs' / 'out'}",
+            f"export.output_dir={tmp_path / 'runs'}",
+            f"tracking.uri={mlflow_uri}",
+        ],
+        "export.output_dir",
+        "contains run.output_dir",
+    )
     assert tree_hash(tmp_path) == before and not (tmp_path / "runs" / "out").exists()
 
 
@@ -62,8 +76,11 @@ def test_an_ancestor_of_an_input_is_refused(prefect_harness, tmp_path, mlflow_ur
     (inputs / MARKER).write_text("{}")  # marked or not, a directory holding an input is never an output
     before = tree_hash(tmp_path)
     out = [f"{field}={inputs}"] + ([f"run.output_dir={tmp_path / 'out'}"] if field == "export.output_dir" else [])
-    refused([*out, f"data.preference.path={inputs / 'prefs' / 'train.jsonl'}", f"tracking.uri={mlflow_uri}"],
-            field, "contains data.preference.path")
+    refused(
+        [*out, f"data.preference.path={inputs / 'prefs' / 'train.jsonl'}", f"tracking.uri={mlflow_uri}"],
+        field,
+        "contains data.preference.path",
+    )
     assert tree_hash(tmp_path) == before and not (tmp_path / "out").exists()
 
 
@@ -74,7 +91,9 @@ def test_a_non_empty_directory_the_pipeline_did_not_create_is_refused(prefect_ha
     (legacy / "checkpoint-2" / "model.safetensors").write_bytes(b"weights of an old run")
     before = tree_hash(tmp_path)
     out = [f"{field}={legacy}"] + ([f"run.output_dir={tmp_path / 'out'}"] if field == "export.output_dir" else [])
-    message = refused([*out, f"tracking.uri={mlflow_uri}"], field, "is a non-empty directory the pipeline did not create")
+    message = refused(
+        [*out, f"tracking.uri={mlflow_uri}"], field, "is a non-empty directory the pipeline did not create"
+    )
     assert "choose an empty or new directory" in message
     assert tree_hash(tmp_path) == before and not (tmp_path / "out").exists()
 

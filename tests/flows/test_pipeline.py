@@ -35,7 +35,12 @@ def test_pipeline_runs_registers_and_reuses_finished_stages(prefect_harness, tmp
     assert client.get_run(summary["mlflow_run_id"]).info.status == "FINISHED"
     stages = child_runs(client, summary["mlflow_run_id"])
     assert {name: r.info.status for name, r in stages.items()} == {
-        "data": "FINISHED", "sft": "FINISHED", "reward": "FINISHED", "ppo": "FINISHED", "export": "FINISHED"}
+        "data": "FINISHED",
+        "sft": "FINISHED",
+        "reward": "FINISHED",
+        "ppo": "FINISHED",
+        "export": "FINISHED",
+    }
     assert client.get_metric_history(stages["sft"].info.run_id, "sft/loss")[-1].step == 8
     assert "sft_loss.png" in [a.path for a in client.list_artifacts(stages["sft"].info.run_id)]
     assert stages["data"].data.tags["data_fingerprint"] == summary["data_fingerprint"]
@@ -43,14 +48,20 @@ def test_pipeline_runs_registers_and_reuses_finished_stages(prefect_harness, tmp
     reward_versions = sorted(client.search_model_versions("name = 'smoke-reward-model'"), key=lambda v: int(v.version))
     assert [(v.tags["stage"], v.tags["step"]) for v in reward_versions] == [("reward", "2"), ("reward", "4")]
     assert reward_versions[-1].tags["base_model"] == "models:/smoke-policy/1"
-    assert float(reward_versions[-1].tags["eval_accuracy"]) == pytest.approx(summary["metrics"]["reward/eval_accuracy"], abs=1e-4)
+    assert float(reward_versions[-1].tags["eval_accuracy"]) == pytest.approx(
+        summary["metrics"]["reward/eval_accuracy"], abs=1e-4
+    )
     assert summary["reward_model_uri"] == "models:/smoke-reward-model/2"
     eval_history = client.get_metric_history(stages["reward"].info.run_id, "eval_accuracy")
     assert [m.step for m in eval_history] == [2, 4]
 
     policy_versions = sorted(client.search_model_versions("name = 'smoke-policy'"), key=lambda v: int(v.version))
     assert [(v.tags["stage"], v.tags["step"]) for v in policy_versions] == [
-        ("sft", "8"), ("ppo", "1"), ("ppo", "2"), ("export", "2")]
+        ("sft", "8"),
+        ("ppo", "1"),
+        ("ppo", "2"),
+        ("export", "2"),
+    ]
     sft_version, ppo_version = policy_versions[0], policy_versions[2]
     assert sft_version.tags["data_fingerprint"] == summary["data_fingerprint"]
     assert ppo_version.tags["algorithm"] == "ppo"
@@ -67,14 +78,18 @@ def test_pipeline_runs_registers_and_reuses_finished_stages(prefect_harness, tmp
     assert [a for a in artifacts if a.endswith(".parquet")] == [f"eval/eval_step_00000{i}.parquet" for i in range(3)]
     assert "eval/eval_curves.png" in artifacts
     for step in (1, 2):
-        local = client.download_artifacts(ppo_run, f"eval/completions_step_00000{step}.json", str(tmp_path / f"t{step}"))
+        local = client.download_artifacts(
+            ppo_run, f"eval/completions_step_00000{step}.json", str(tmp_path / f"t{step}")
+        )
         table = pd.read_json(local, orient="split")
         assert set(table["step"]) == {step} and len(table) == 8
         assert {"prompt", "completion", "score", "vader_compound", "kl", "length"} <= set(table.columns)
     out = tmp_path / "out"
     [parquet] = (out / "ppo").glob("*/eval/eval_step_000002.parquet")
     frame = pd.read_parquet(parquet)
-    assert len(frame) == 8 and frame["vader_compound"].mean() == pytest.approx(summary["eval_history"][2]["eval/vader_compound_mean"])
+    assert len(frame) == 8 and frame["vader_compound"].mean() == pytest.approx(
+        summary["eval_history"][2]["eval/vader_compound_mean"]
+    )
 
     # the export: a version with the alias candidate that MLflow loads as a text-generation pipeline
     assert summary["export_dir"] == str((out / "export").resolve())
@@ -84,7 +99,9 @@ def test_pipeline_runs_registers_and_reuses_finished_stages(prefect_harness, tmp
     assert candidate.tags["source_checkpoint"] == "models:/smoke-policy/3"
     generator = mlflow.transformers.load_model("models:/smoke-policy@candidate")
     generated = generator("the movie was", max_new_tokens=4, do_sample=False)
-    assert isinstance(generated[0]["generated_text"], str) and generated[0]["generated_text"].startswith("the movie was")
+    assert isinstance(generated[0]["generated_text"], str) and generated[0]["generated_text"].startswith(
+        "the movie was"
+    )
     for table in ("preference", "preference_eval", "prompts", "eval_prompts", "sft"):
         assert (out / "data" / f"{table}.jsonl").stat().st_size > 0
     weights = out / "sft" / "model.safetensors"
@@ -109,12 +126,15 @@ def test_bad_data_fails_the_flow_and_the_mlflow_run_with_nothing_registered(pref
     state = rlhf_pipeline(config_path=SMOKE, overrides=overrides, return_state=True)
 
     assert state.is_failed()
-    assert state.message.startswith("stage 'data' failed: DataValidationError: ") and "prefs.jsonl row 1" in state.message
+    assert (
+        state.message.startswith("stage 'data' failed: DataValidationError: ") and "prefs.jsonl row 1" in state.message
+    )
     with pytest.raises(DataValidationError, match=r"prefs.jsonl row 1: `chosen` is identical to `rejected`"):
         state.result()
     client = MlflowClient(mlflow_uri, registry_uri=mlflow_uri)
-    [run] = client.search_runs([client.get_experiment_by_name("rlhf-smoke").experiment_id],
-                               "attributes.run_name = 'smoke'")
+    [run] = client.search_runs(
+        [client.get_experiment_by_name("rlhf-smoke").experiment_id], "attributes.run_name = 'smoke'"
+    )
     assert run.info.status == "FAILED"
     assert client.search_registered_models() == []
 
@@ -125,16 +145,22 @@ def test_an_unknown_stop_token_fails_in_the_data_stage_before_any_training(prefe
     state = rlhf_pipeline(config_path=SMOKE, overrides=overrides, return_state=True)
 
     assert state.is_failed()
-    assert state.message.startswith("stage 'data' failed: ModelSourceError: rl.stop_tokens[0]: '<|im_end|>' is not a "
-                                    "token of the policy's tokenizer")
+    assert state.message.startswith(
+        "stage 'data' failed: ModelSourceError: rl.stop_tokens[0]: '<|im_end|>' is not a "
+        "token of the policy's tokenizer"
+    )
     assert not list((tmp_path / "out").glob("sft")) and not list((tmp_path / "out").glob("reward"))
 
 
 def test_prefect_settings_honour_the_user_environment():
-    code = ("import flows; from prefect.settings import get_current_settings as g; s = g(); "
-            "print(s.api.url, s.server.ephemeral.startup_timeout_seconds)")
+    code = (
+        "import flows; from prefect.settings import get_current_settings as g; s = g(); "
+        "print(s.api.url, s.server.ephemeral.startup_timeout_seconds)"
+    )
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
-    default = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True, cwd=REPO)
+    default = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True, cwd=REPO
+    )
     assert default.stdout.split() == ["None", "180"]
     env.update(PREFECT_API_URL="http://127.0.0.1:4999/api", PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="45")
     user = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True, cwd=REPO)

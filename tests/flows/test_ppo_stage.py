@@ -20,7 +20,9 @@ def ppo_versions(client):
     return sorted((int(v.version), v.tags["stage"], v.tags["step"]) for v in versions if v.tags["stage"] == "ppo")
 
 
-def test_a_crash_in_ppo_resumes_from_the_last_checkpoint_without_duplicate_versions(prefect_harness, tmp_path, mlflow_uri, monkeypatch):
+def test_a_crash_in_ppo_resumes_from_the_last_checkpoint_without_duplicate_versions(
+    prefect_harness, tmp_path, mlflow_uri, monkeypatch
+):
     overrides = [f"run.output_dir={tmp_path / 'out'}", f"tracking.uri={mlflow_uri}", "rl.total_steps=3"]
     real = tasks.rl.train_ppo
 
@@ -29,6 +31,7 @@ def test_a_crash_in_ppo_resumes_from_the_last_checkpoint_without_duplicate_versi
             on_log(metrics, step)
             if step == 2:
                 raise RuntimeError("injected crash at step 2")
+
         return real(*args, on_log=log, **kwargs)
 
     monkeypatch.setattr(tasks.rl, "train_ppo", crashing)
@@ -39,8 +42,11 @@ def test_a_crash_in_ppo_resumes_from_the_last_checkpoint_without_duplicate_versi
     monkeypatch.setattr(tasks.rl, "train_ppo", real)
     summary = rlhf_pipeline(config_path=SMOKE, overrides=overrides)
     assert [s for _, _, s in ppo_versions(client)] == ["1", "2", "3"]
-    runs = client.search_runs([client.get_experiment_by_name("rlhf-smoke").experiment_id], "attributes.run_name = 'ppo'",
-                              order_by=["attributes.start_time ASC"])
+    runs = client.search_runs(
+        [client.get_experiment_by_name("rlhf-smoke").experiment_id],
+        "attributes.run_name = 'ppo'",
+        order_by=["attributes.start_time ASC"],
+    )
     assert [r.info.status for r in runs] == ["FAILED", "FINISHED"]
     assert [m.step for m in client.get_metric_history(runs[1].info.run_id, "objective/kl")] == [2, 3]
     assert summary["policy_model_uri"] == f"models:/smoke-policy/{ppo_versions(client)[-1][0]}"
@@ -49,16 +55,23 @@ def test_a_crash_in_ppo_resumes_from_the_last_checkpoint_without_duplicate_versi
 def test_prompts_and_responses_longer_than_the_context_are_refused(prefect_harness, tmp_path, mlflow_uri):
     overrides = [f"run.output_dir={tmp_path / 'out'}", f"tracking.uri={mlflow_uri}", "rl.response_length=60"]
     state = rlhf_pipeline(config_path=SMOKE, overrides=overrides, return_state=True)
-    with pytest.raises(ValueError, match=r"data.max_prompt_length 16 \+ rl.response_length 60 = 76 tokens exceeds the policy's context of 64"):
+    with pytest.raises(
+        ValueError,
+        match=r"data.max_prompt_length 16 \+ rl.response_length 60 = 76 tokens exceeds the policy's context of 64",
+    ):
         state.result()
     assert ppo_versions(MlflowClient(mlflow_uri, registry_uri=mlflow_uri)) == []
 
 
 def test_a_reward_model_with_another_tokenizer_is_refused(prefect_harness, tmp_path, mlflow_uri):
     cfg = load_config(SMOKE)
-    other = build_demo_world(tmp_path / "other", 99, cfg.data.demo.model_copy(update={"num_sentences": 80}), cfg.model.demo)
+    other = build_demo_world(
+        tmp_path / "other", 99, cfg.data.demo.model_copy(update={"num_sentences": 80}), cfg.model.demo
+    )
     overrides = [f"run.output_dir={tmp_path / 'out'}", f"tracking.uri={mlflow_uri}", f"reward.base={other.base_model}"]
     state = rlhf_pipeline(config_path=SMOKE, overrides=overrides, return_state=True)
-    with pytest.raises(ModelSourceError, match="reward model's tokenizer .* does not match the policy's .*: their vocabularies differ"):
+    with pytest.raises(
+        ModelSourceError, match="reward model's tokenizer .* does not match the policy's .*: their vocabularies differ"
+    ):
         state.result()
     assert ppo_versions(MlflowClient(mlflow_uri, registry_uri=mlflow_uri)) == []

@@ -13,13 +13,13 @@ import pytest
 
 import flows.cli
 from flows.cli import is_user_error, main
-from rlhf_core.data import DataValidationError
 from rlhf_core.config import load_config
+from rlhf_core.data import DataValidationError
 from tasks.preflight import preflight
 
 SMOKE = str(Path(__file__).resolve().parents[2] / "configs" / "smoke.yaml")
 
-FUNCTIONS = '''
+FUNCTIONS = """
 def no_kwargs(prompts=None, completions=None):
     return [0.0] * len(completions)
 
@@ -28,7 +28,7 @@ def positional(texts):
 
 def fine(prompts=None, completions=None, **kwargs):
     return [1.0] * len(completions)
-'''
+"""
 
 
 @pytest.fixture
@@ -72,37 +72,62 @@ def test_a_valid_config_passes(tmp_path, capsys):
     assert preflight(load_config(SMOKE)) == []
 
 
-@pytest.mark.parametrize("sets, expected", [
-    (["rl.algorithm=grpo", "grpo.rewards=[{name: bad, function: 'no_such_module:score'}]"],
-     "grpo.rewards[0].function: could not import module 'no_such_module'"),
-    (["rl.algorithm=grpo", "grpo.rewards=[{name: r, function: 'preflight_funcs:no_kwargs'}]"],
-     "grpo.rewards[0].function: 'preflight_funcs:no_kwargs' cannot be called as fn(prompts=..., completions=..., "
-     "**kwargs) (it takes no **kwargs"),
-    (["rl.algorithm=grpo", "grpo.rewards=[{name: r, function: 'preflight_funcs:positional'}]"], "cannot be called"),
-    (["eval.metrics=['rlhf_core.reward_functions:no_such_metric']"], "eval.metrics: module 'rlhf_core.reward_functions' has no function 'no_such_metric'"),
-    (["eval.metrics=['preflight_funcs:positional']"],
-     "eval.metrics: 'preflight_funcs:positional' cannot be called as fn(prompts=..., completions=...)"),
-])
+@pytest.mark.parametrize(
+    "sets, expected",
+    [
+        (
+            ["rl.algorithm=grpo", "grpo.rewards=[{name: bad, function: 'no_such_module:score'}]"],
+            "grpo.rewards[0].function: could not import module 'no_such_module'",
+        ),
+        (
+            ["rl.algorithm=grpo", "grpo.rewards=[{name: r, function: 'preflight_funcs:no_kwargs'}]"],
+            "grpo.rewards[0].function: 'preflight_funcs:no_kwargs' cannot be called as fn(prompts=..., completions=..., "
+            "**kwargs) (it takes no **kwargs",
+        ),
+        (["rl.algorithm=grpo", "grpo.rewards=[{name: r, function: 'preflight_funcs:positional'}]"], "cannot be called"),
+        (
+            ["eval.metrics=['rlhf_core.reward_functions:no_such_metric']"],
+            "eval.metrics: module 'rlhf_core.reward_functions' has no function 'no_such_metric'",
+        ),
+        (
+            ["eval.metrics=['preflight_funcs:positional']"],
+            "eval.metrics: 'preflight_funcs:positional' cannot be called as fn(prompts=..., completions=...)",
+        ),
+    ],
+)
 def test_reward_and_metric_functions_are_imported_and_their_signature_checked(funcs, tmp_path, capsys, sets, expected):
     code, err = cli("validate", tmp_path, capsys, *sets)
     assert_one_sentence(code, err, expected, tmp_path)
 
 
 def test_a_function_with_the_right_signature_passes(funcs, tmp_path, capsys):
-    code, err = cli("validate", tmp_path, capsys, "rl.algorithm=grpo", "eval.metrics=['preflight_funcs:no_kwargs']",
-                    "grpo.rewards=[{name: r, function: 'preflight_funcs:fine'}]")
+    code, err = cli(
+        "validate",
+        tmp_path,
+        capsys,
+        "rl.algorithm=grpo",
+        "eval.metrics=['preflight_funcs:no_kwargs']",
+        "grpo.rewards=[{name: r, function: 'preflight_funcs:fine'}]",
+    )
     assert code == 0, err
 
 
-@pytest.mark.parametrize("rows, field, expected", [
-    (None, "data.prompts", "data.prompts.path: {dir}/prompts.jsonl does not exist"),
-    ([{"question": "hi"}], "data.prompts", "prompts.jsonl has no column `prompt` (row 1 has ['question']); map it with data.prompts.columns.prompt"),
-    (["{not json"], "data.prompts", "prompts.jsonl row 1 is not valid JSON"),
-    ([{"prompt": 3}], "data.eval_prompts", "prompts.jsonl row 1 column `prompt` holds a int, not a string"),
-    ([{"prompt": None}], "data.prompts", "prompts.jsonl row 1 column `prompt` is missing a value"),
-    ([{"prompt": "p", "chosen": "a"}], "data.preference", "has no column `rejected`"),
-    ([{"text": "t"}], "sft.dataset", None),
-])
+@pytest.mark.parametrize(
+    "rows, field, expected",
+    [
+        (None, "data.prompts", "data.prompts.path: {dir}/prompts.jsonl does not exist"),
+        (
+            [{"question": "hi"}],
+            "data.prompts",
+            "prompts.jsonl has no column `prompt` (row 1 has ['question']); map it with data.prompts.columns.prompt",
+        ),
+        (["{not json"], "data.prompts", "prompts.jsonl row 1 is not valid JSON"),
+        ([{"prompt": 3}], "data.eval_prompts", "prompts.jsonl row 1 column `prompt` holds a int, not a string"),
+        ([{"prompt": None}], "data.prompts", "prompts.jsonl row 1 column `prompt` is missing a value"),
+        ([{"prompt": "p", "chosen": "a"}], "data.preference", "has no column `rejected`"),
+        ([{"text": "t"}], "sft.dataset", None),
+    ],
+)
 def test_data_paths_exist_and_their_first_rows_parse(tmp_path, capsys, rows, field, expected):
     path = tmp_path / "prompts.jsonl"
     if rows is not None:
@@ -118,19 +143,36 @@ def test_a_glob_matching_nothing_and_a_renamed_column(tmp_path, capsys):
     code, err = cli("validate", tmp_path, capsys, f"data.prompts.path={tmp_path}/prefs/*.jsonl")
     assert_one_sentence(code, err, f"data.prompts.path: the glob {tmp_path}/prefs/*.jsonl matches no", tmp_path)
     write_jsonl(tmp_path / "q.jsonl", [{"question": "hi"}])
-    code, err = cli("validate", tmp_path, capsys, f"data.prompts.path={tmp_path / 'q.jsonl'}", "data.prompts.columns.prompt=question")
+    code, err = cli(
+        "validate",
+        tmp_path,
+        capsys,
+        f"data.prompts.path={tmp_path / 'q.jsonl'}",
+        "data.prompts.columns.prompt=question",
+    )
     assert code == 0, err
 
 
-@pytest.mark.parametrize("sets, expected", [
-    (["model.base=./no/such/model", "sft.enabled=false", "init.policy=base"], "model.base: directory ./no/such/model does not exist"),
-    (["model.base=not a hub name!", "sft.enabled=false", "init.policy=base"],
-     "model.base: 'not a hub name!' is neither an existing local directory nor a hub model name"),
-    (["model.tokenizer=/no/such/tokenizer"], "model.tokenizer: directory /no/such/tokenizer does not exist"),
-    (["reward.base=/no/such/reward"], "reward.base: directory /no/such/reward does not exist"),
-    (["reward.base=models:/x"], "reward.base: 'models:/x' must look like models:/<name>/<version>"),
-    (["rl.algorithm=grpo", "grpo.rewards=[{name: rm, model: /no/rm}]"], "grpo.rewards[0].model: directory /no/rm does not exist"),
-])
+@pytest.mark.parametrize(
+    "sets, expected",
+    [
+        (
+            ["model.base=./no/such/model", "sft.enabled=false", "init.policy=base"],
+            "model.base: directory ./no/such/model does not exist",
+        ),
+        (
+            ["model.base=not a hub name!", "sft.enabled=false", "init.policy=base"],
+            "model.base: 'not a hub name!' is neither an existing local directory nor a hub model name",
+        ),
+        (["model.tokenizer=/no/such/tokenizer"], "model.tokenizer: directory /no/such/tokenizer does not exist"),
+        (["reward.base=/no/such/reward"], "reward.base: directory /no/such/reward does not exist"),
+        (["reward.base=models:/x"], "reward.base: 'models:/x' must look like models:/<name>/<version>"),
+        (
+            ["rl.algorithm=grpo", "grpo.rewards=[{name: rm, model: /no/rm}]"],
+            "grpo.rewards[0].model: directory /no/rm does not exist",
+        ),
+    ],
+)
 def test_model_and_tokenizer_sources(tmp_path, capsys, sets, expected):
     code, err = cli("validate", tmp_path, capsys, *sets)
     assert_one_sentence(code, err, expected, tmp_path)
@@ -138,8 +180,13 @@ def test_model_and_tokenizer_sources(tmp_path, capsys, sets, expected):
 
 def test_prompt_and_response_must_fit_the_demo_context(tmp_path, capsys):
     code, err = cli("validate", tmp_path, capsys, "rl.response_length=60")
-    assert_one_sentence(code, err, "data.max_prompt_length 16 + rl.response_length 60 = 76 tokens exceeds the policy's "
-                        "context of 64 (model.demo.max_position_embeddings)", tmp_path)
+    assert_one_sentence(
+        code,
+        err,
+        "data.max_prompt_length 16 + rl.response_length 60 = 76 tokens exceeds the policy's "
+        "context of 64 (model.demo.max_position_embeddings)",
+        tmp_path,
+    )
 
 
 def test_prompt_and_response_must_fit_a_local_models_context(tmp_path, capsys):
@@ -147,7 +194,12 @@ def test_prompt_and_response_must_fit_a_local_models_context(tmp_path, capsys):
     model.mkdir()
     (model / "config.json").write_text(json.dumps({"model_type": "llama", "max_position_embeddings": 20}))
     code, err = cli("validate", tmp_path, capsys, f"model.base={model}", "sft.enabled=false", "init.policy=base")
-    assert_one_sentence(code, err, f"= 22 tokens exceeds the policy's context of 20 (max_position_embeddings in {model}/config.json)", tmp_path)
+    assert_one_sentence(
+        code,
+        err,
+        f"= 22 tokens exceeds the policy's context of 20 (max_position_embeddings in {model}/config.json)",
+        tmp_path,
+    )
 
 
 def test_an_unreachable_tracking_server_is_refused(tmp_path, capsys):
@@ -186,13 +238,16 @@ def test_a_sqlite_store_in_a_missing_directory_is_refused(tmp_path, capsys):
     assert_one_sentence(code, err, f"tracking.uri: the directory {tmp_path}/no/dir of the SQLite store", tmp_path)
 
 
-@pytest.mark.parametrize("sets, expected", [
-    (["registry.policy_model_name=team/policy"], "registry.policy_model_name 'team/policy' contains '/'"),
-    (["registry.reward_model_name='rm:1'"], "registry.reward_model_name 'rm:1' contains ':'"),
-    (["registry.reward_model_name=' '"], "registry.reward_model_name is empty"),
-    (["registry.reward_model_name="], "config field `registry.reward_model_name` got ''"),
-    (["registry.reward_model_name=same", "registry.policy_model_name=same"], "are both 'same'"),
-])
+@pytest.mark.parametrize(
+    "sets, expected",
+    [
+        (["registry.policy_model_name=team/policy"], "registry.policy_model_name 'team/policy' contains '/'"),
+        (["registry.reward_model_name='rm:1'"], "registry.reward_model_name 'rm:1' contains ':'"),
+        (["registry.reward_model_name=' '"], "registry.reward_model_name is empty"),
+        (["registry.reward_model_name="], "config field `registry.reward_model_name` got ''"),
+        (["registry.reward_model_name=same", "registry.policy_model_name=same"], "are both 'same'"),
+    ],
+)
 def test_registry_names(tmp_path, capsys, sets, expected):
     code, err = cli("validate", tmp_path, capsys, *sets)
     assert_one_sentence(code, err, expected, tmp_path)
@@ -205,7 +260,9 @@ def test_several_problems_are_counted_in_the_one_sentence(tmp_path, capsys):
 
 def test_a_bool_for_an_integer_is_one_sentence(tmp_path, capsys):
     code, err = cli("validate", tmp_path, capsys, "rl.total_steps=true")
-    assert_one_sentence(code, err, "error: config field `rl.total_steps` must be an integer, but got true (a boolean)", tmp_path)
+    assert_one_sentence(
+        code, err, "error: config field `rl.total_steps` must be an integer, but got true (a boolean)", tmp_path
+    )
 
 
 def test_run_checks_before_any_work(tmp_path, capsys, monkeypatch):
@@ -225,7 +282,9 @@ def test_debug_shows_the_traceback(tmp_path, capsys, monkeypatch):
     assert main(["--debug", "validate", "--config", SMOKE, "--set", "rl.total_steps=1.5"]) == 2
     err = capsys.readouterr().err
     assert "Traceback" in err and "ConfigError" in err
-    assert err.strip().splitlines()[-1] == "error: config field `rl.total_steps` must be an integer, but got 1.5 (a float)"
+    assert (
+        err.strip().splitlines()[-1] == "error: config field `rl.total_steps` must be an integer, but got 1.5 (a float)"
+    )
 
 
 def test_a_user_error_inside_the_flow_exits_2_and_a_bug_keeps_its_traceback(tmp_path, capsys, monkeypatch):
@@ -251,10 +310,12 @@ def test_check_raises_what_the_stage_would_have_raised(tmp_path):
     from rlhf_core.reward_functions import RewardFunctionError
     from tasks.preflight import PreflightError, check
 
-    cases = [(["eval.metrics=['no_such_module:f']"], RewardFunctionError),
-             ([f"data.prompts.path={tmp_path / 'x.jsonl'}"], DataValidationError),
-             (["model.tokenizer=/no/such/dir"], ModelSourceError),
-             (["rl.response_length=60"], PreflightError)]
+    cases = [
+        (["eval.metrics=['no_such_module:f']"], RewardFunctionError),
+        ([f"data.prompts.path={tmp_path / 'x.jsonl'}"], DataValidationError),
+        (["model.tokenizer=/no/such/dir"], ModelSourceError),
+        (["rl.response_length=60"], PreflightError),
+    ]
     for overrides, kind in cases:
         with pytest.raises(kind) as err:
             check(load_config(SMOKE, overrides))

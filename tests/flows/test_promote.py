@@ -35,7 +35,9 @@ def register_candidate(model_dir: Path, reference: Path, uri: str) -> str:
     experiment = tracking.ensure_experiment("promote-test", uri)
     with mlflow.start_run(experiment_id=experiment) as run:
         tags = {"stage": "export", "step": "2", "base_model": str(reference), "reward_model_version": "none"}
-        version = registry.register_checkpoint(model_dir, NAME, task="text-generation", tags=tags, run_id=run.info.run_id)["version"]
+        version = registry.register_checkpoint(
+            model_dir, NAME, task="text-generation", tags=tags, run_id=run.info.run_id
+        )["version"]
     registry.set_alias(NAME, "candidate", version)
     return version
 
@@ -44,16 +46,33 @@ def write_targets(model_dir: Path, world, path: Path) -> None:
     """The greedy completions of `model_dir` on the held-out prompts become the metric's targets."""
     tok = load_tokenizer(str(model_dir))
     prompts = read_column(world.prompts("test"), "prompt")
-    rows = evaluate_generations(load_causal_lm(str(model_dir)), None, None, tok, prompts, response_length=6,
-                                max_prompt_length=16, metrics={}, batch_size=64, greedy=True, stop_token_ids=[tok.eos_token_id])
+    rows = evaluate_generations(
+        load_causal_lm(str(model_dir)),
+        None,
+        None,
+        tok,
+        prompts,
+        response_length=6,
+        max_prompt_length=16,
+        metrics={},
+        batch_size=64,
+        greedy=True,
+        stop_token_ids=[tok.eos_token_id],
+    )
     path.write_text(json.dumps({r["prompt"]: r["completion"] for r in rows}))
 
 
 def test_promotion_first_better_worse_and_idempotent(prefect_harness, tmp_path, mlflow_uri, smoke_world, monkeypatch):
     targets = tmp_path / "targets.json"
     monkeypatch.setenv("RLHF_TEST_TARGETS", str(targets))
-    overrides = [f"run.output_dir={tmp_path / 'out'}", f"tracking.uri={mlflow_uri}", "eval.greedy=true",
-                 "eval.metrics=['tests.flows.promote_metric:agreement']", "promote.max_kl=1000", "promote.min_improvement=0.5"]
+    overrides = [
+        f"run.output_dir={tmp_path / 'out'}",
+        f"tracking.uri={mlflow_uri}",
+        "eval.greedy=true",
+        "eval.metrics=['tests.flows.promote_metric:agreement']",
+        "promote.max_kl=1000",
+        "promote.min_improvement=0.5",
+    ]
     client = MlflowClient(mlflow_uri, registry_uri=mlflow_uri)  # not the registry an earlier test configured
     base = Path(smoke_world.base_model)
     a = perturbed(base, tmp_path / "a", seed=1)
@@ -94,7 +113,10 @@ def test_promotion_first_better_worse_and_idempotent(prefect_harness, tmp_path, 
     v3 = register_candidate(b, base, mlflow_uri)
     better = rlhf_promote(config_path=SMOKE, overrides=overrides)
     assert better["decision"] == "promoted"
-    assert better["candidate_summary"]["eval/agreement_mean"] == 1.0 and better["champion_summary"]["eval/agreement_mean"] < 0.5
+    assert (
+        better["candidate_summary"]["eval/agreement_mean"] == 1.0
+        and better["champion_summary"]["eval/agreement_mean"] < 0.5
+    )
     assert str(client.get_model_version_by_alias(NAME, "champion").version) == v3
     assert client.get_model_version(NAME, v1).tags["promotion.replaced_by"] == v3
 

@@ -25,8 +25,14 @@ VADER = "{name: vader, function: 'rlhf_core.reward_functions:vader_compound', we
 CASES = {
     "ppo": ["rl.algorithm=ppo"],
     # a reward model and a function, two optimizer steps per generation batch, a reference model
-    "grpo": ["rl.algorithm=grpo", f"grpo.rewards=[{{name: rm, model: reward_stage}}, {VADER}]",
-             "grpo.beta=0.04", "rl.batch_size=16", "rl.gradient_accumulation_steps=2", "grpo.steps_per_generation=4"],
+    "grpo": [
+        "rl.algorithm=grpo",
+        f"grpo.rewards=[{{name: rm, model: reward_stage}}, {VADER}]",
+        "grpo.beta=0.04",
+        "rl.batch_size=16",
+        "rl.gradient_accumulation_steps=2",
+        "grpo.steps_per_generation=4",
+    ],
 }
 
 

@@ -19,8 +19,9 @@ def write_jsonl(path, rows):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
-def test_retrain_notices_new_files_starts_from_the_champion_and_retries_io(prefect_harness, tmp_path, mlflow_uri,
-                                                                             smoke_world, monkeypatch):
+def test_retrain_notices_new_files_starts_from_the_champion_and_retries_io(
+    prefect_harness, tmp_path, mlflow_uri, smoke_world, monkeypatch
+):
     drops = tmp_path / "drops"
     drops.mkdir()
     pairs = read_rows(smoke_world.preferences("train"))
@@ -44,18 +45,26 @@ def test_retrain_notices_new_files_starts_from_the_champion_and_retries_io(prefe
     assert first["promotion"]["decision"] == "promoted"  # no champion yet
     client = MlflowClient(mlflow_uri, registry_uri=mlflow_uri)
     champion = client.get_model_version_by_alias("smoke-policy", "champion")
-    counts = (len(client.search_model_versions("name = 'smoke-policy'")), len(client.search_model_versions("name = 'smoke-reward-model'")))
+    counts = (
+        len(client.search_model_versions("name = 'smoke-policy'")),
+        len(client.search_model_versions("name = 'smoke-reward-model'")),
+    )
 
     # the same files again: nothing is trained, registered or promoted
     second = rlhf_retrain(config_path=SMOKE, overrides=overrides, preference_path=glob)
     assert second["pipeline"]["skipped"] == "no new data" and not second["promotion"]["changed"]
-    assert (len(client.search_model_versions("name = 'smoke-policy'")),
-            len(client.search_model_versions("name = 'smoke-reward-model'"))) == counts
+    assert (
+        len(client.search_model_versions("name = 'smoke-policy'")),
+        len(client.search_model_versions("name = 'smoke-reward-model'")),
+    ) == counts
 
     # a new file: a new reward model, and PPO starts from the champion
     write_jsonl(drops / "2026-11-02.jsonl", pairs[32:])
     third = rlhf_retrain(config_path=SMOKE, overrides=overrides, preference_path=glob)
-    assert third["pipeline"]["skipped"] is None and third["pipeline"]["data_fingerprint"] != first["pipeline"]["data_fingerprint"]
+    assert (
+        third["pipeline"]["skipped"] is None
+        and third["pipeline"]["data_fingerprint"] != first["pipeline"]["data_fingerprint"]
+    )
     assert len(client.search_model_versions("name = 'smoke-reward-model'")) > counts[1]
     new = [v for v in client.search_model_versions("name = 'smoke-policy'") if int(v.version) > counts[0]]
     assert {v.tags["stage"] for v in new} == {"ppo", "export"}

@@ -30,6 +30,7 @@ def test_a_crash_mid_training_resumes_without_duplicate_versions(prefect_harness
             on_log(metrics, step)
             if step == 3:
                 raise RuntimeError("injected crash at step 3")
+
         return real(*args, on_log=log, **kwargs)
 
     monkeypatch.setattr(tasks.reward_model, "train_reward_model", crashing)
@@ -44,14 +45,19 @@ def test_a_crash_mid_training_resumes_without_duplicate_versions(prefect_harness
 
     # then training continued from step 2 and each checkpoint is registered exactly once
     assert reward_versions(client) == [(1, "2"), (2, "4")]
-    runs = client.search_runs([client.get_experiment_by_name("rlhf-smoke").experiment_id],
-                              "attributes.run_name = 'reward'", order_by=["attributes.start_time ASC"])
+    runs = client.search_runs(
+        [client.get_experiment_by_name("rlhf-smoke").experiment_id],
+        "attributes.run_name = 'reward'",
+        order_by=["attributes.start_time ASC"],
+    )
     assert [r.info.status for r in runs] == ["FAILED", "FINISHED"]
     assert [m.step for m in client.get_metric_history(runs[1].info.run_id, "reward/loss")] == [3, 4]
     assert summary["reward_model_uri"] == "models:/smoke-reward-model/2"
 
 
-def test_a_checkpoint_saved_but_not_registered_is_registered_on_the_next_run(prefect_harness, tmp_path, mlflow_uri, monkeypatch):
+def test_a_checkpoint_saved_but_not_registered_is_registered_on_the_next_run(
+    prefect_harness, tmp_path, mlflow_uri, monkeypatch
+):
     overrides = [f"run.output_dir={tmp_path / 'out'}", f"tracking.uri={mlflow_uri}"]
     real = tasks.registry.register_once
 
@@ -71,7 +77,11 @@ def test_a_checkpoint_saved_but_not_registered_is_registered_on_the_next_run(pre
 
 
 def test_a_missing_reward_base_fails_before_any_training(prefect_harness, tmp_path, mlflow_uri):
-    overrides = [f"run.output_dir={tmp_path / 'out'}", f"tracking.uri={mlflow_uri}", f"reward.base={tmp_path / 'no-model'}"]
+    overrides = [
+        f"run.output_dir={tmp_path / 'out'}",
+        f"tracking.uri={mlflow_uri}",
+        f"reward.base={tmp_path / 'no-model'}",
+    ]
     state = rlhf_pipeline(config_path=SMOKE, overrides=overrides, return_state=True)
     with pytest.raises(ModelSourceError, match=r"^reward.base: directory .*no-model does not exist$"):
         state.result()
@@ -95,8 +105,9 @@ def test_a_reward_tokenizer_with_no_pad_and_no_eos_is_refused(prefect_harness, t
     assert MlflowClient(mlflow_uri, registry_uri=mlflow_uri).search_model_versions("name = 'smoke-reward-model'") == []
 
 
-def test_a_worker_without_the_output_directory_reuses_the_registered_reward_model(prefect_harness, tmp_path, mlflow_uri,
-                                                                                  monkeypatch):
+def test_a_worker_without_the_output_directory_reuses_the_registered_reward_model(
+    prefect_harness, tmp_path, mlflow_uri, monkeypatch
+):
     overrides = [f"run.output_dir={tmp_path / 'out'}", f"tracking.uri={mlflow_uri}"]
     first = rlhf_pipeline(config_path=SMOKE, overrides=overrides)
     client = MlflowClient(mlflow_uri, registry_uri=mlflow_uri)

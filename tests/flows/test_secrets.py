@@ -25,8 +25,13 @@ REPO = Path(__file__).resolve().parents[2]
 SMOKE = str(REPO / "configs" / "smoke.yaml")
 BIN = Path(sys.executable).parent
 SENTINEL = "Sentinel-9f3b2c7e"
-MLFLOW_ENV = ("MLFLOW_TRACKING_URI", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN",
-              "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT")
+MLFLOW_ENV = (
+    "MLFLOW_TRACKING_URI",
+    "MLFLOW_TRACKING_USERNAME",
+    "MLFLOW_TRACKING_PASSWORD",
+    "MLFLOW_TRACKING_TOKEN",
+    "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT",
+)
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore")]
 
 
@@ -45,9 +50,26 @@ def mlflow_server(tmp_path):
     log = open(store / "server.log", "w")
     env = {k: v for k, v in os.environ.items() if k not in MLFLOW_ENV}
     proc = subprocess.Popen(
-        [str(BIN / "mlflow"), "server", "--backend-store-uri", f"sqlite:///{store / 'mlflow.db'}",
-         "--artifacts-destination", str(store / "artifacts"), "--host", "127.0.0.1", "--port", str(port),
-         "--workers", "1"], cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        [
+            str(BIN / "mlflow"),
+            "server",
+            "--backend-store-uri",
+            f"sqlite:///{store / 'mlflow.db'}",
+            "--artifacts-destination",
+            str(store / "artifacts"),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--workers",
+            "1",
+        ],
+        cwd=tmp_path,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 120
         while True:
@@ -105,8 +127,12 @@ def prefect_records() -> str:
 
     APILogWorker.drain_all(timeout=10)  # logs travel to the API in batches: send what is queued
     with get_client(sync_client=True) as client:
-        records = [*read_all(client.read_flow_runs), *read_all(client.read_task_runs), *read_all(client.read_logs),
-                   *read_all(client.read_artifacts)]
+        records = [
+            *read_all(client.read_flow_runs),
+            *read_all(client.read_task_runs),
+            *read_all(client.read_logs),
+            *read_all(client.read_artifacts),
+        ]
     return "\n".join(r.model_dump_json() for r in records)
 
 
@@ -120,9 +146,24 @@ def test_a_credential_in_the_tracking_uri_surfaces_nowhere(prefect_harness, mlfl
     env.update(PREFECT_API_URL=PREFECT_API_URL.value(), PYTHONPATH=str(REPO), COLUMNS="200")
     # when: `rlhf run` in a process of its own, so that stdout and stderr are exactly what a user sees
     done = subprocess.run(
-        [sys.executable, "-m", "flows.cli", "run", "--config", SMOKE, "--set", f"run.output_dir={out}",
-         "--set", f"tracking.uri=http://alice:{SENTINEL}@{host}"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+        [
+            sys.executable,
+            "-m",
+            "flows.cli",
+            "run",
+            "--config",
+            SMOKE,
+            "--set",
+            f"run.output_dir={out}",
+            "--set",
+            f"tracking.uri=http://alice:{SENTINEL}@{host}",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     # then: it ran against the server, and MLflow printed its own links without the credentials
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"View run smoke at: http://{host}/#/experiments/" in done.stdout

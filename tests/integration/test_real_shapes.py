@@ -102,20 +102,36 @@ def scripted_batch(tok, model, stops, min_tokens=1):
     return ids, mask, ScriptedPolicy(model, ids.shape[1], script)
 
 
-FOREIGN = {"qwen2.5": "<|eot_id|>", "qwen2.5-instruct": "<|eot_id|>", "llama-3-instruct": "<|im_end|>", "gpt2": "<|im_end|>"}
+FOREIGN = {
+    "qwen2.5": "<|eot_id|>",
+    "qwen2.5-instruct": "<|eot_id|>",
+    "llama-3-instruct": "<|im_end|>",
+    "gpt2": "<|im_end|>",
+}
 
 
 def _rollout_stats(policy, tok, prompts, stops, response_length, seed=0):
     ids, mask = left_pad(tokenize_prompts(tok, prompts, 48), tok.pad_token_id)
     torch.manual_seed(seed)
-    rollout = collect_rollout(policy, None, ids, mask, SamplingSettings(response_length=response_length, temperature=1.0),
-                              pad_token_id=tok.pad_token_id, stop_token_ids=stops, need_reference=False, need_logprobs=False)
+    rollout = collect_rollout(
+        policy,
+        None,
+        ids,
+        mask,
+        SamplingSettings(response_length=response_length, temperature=1.0),
+        pad_token_id=tok.pad_token_id,
+        stop_token_ids=stops,
+        need_reference=False,
+        need_logprobs=False,
+    )
     ended_on = [rollout.responses[i, rollout.last_index[i]].item() for i in range(len(prompts)) if rollout.has_stop[i]]
     return completion_metrics(rollout)["completions/clipped_ratio"].item(), ended_on
 
 
-CONVERSATION = [{"role": "user", "content": "Tell me about the cat."},
-                {"role": "assistant", "content": "the cat sleeps all day."}]
+CONVERSATION = [
+    {"role": "user", "content": "Tell me about the cat."},
+    {"role": "assistant", "content": "the cat sleeps all day."},
+]
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -126,8 +142,11 @@ def test_fixtures_have_the_families_special_token_layout(family_root, name):
     specials = family(name).specials
     assert ids_of(raw, specials) == list(range(len(raw) - len(specials), len(raw)))  # after the ordinary vocabulary
     model = load_causal_lm(str(path))
-    assert model.config.vocab_size >= len(raw) and type(model).__name__ == {
-        "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel"}[family(name).arch]
+    assert (
+        model.config.vocab_size >= len(raw)
+        and type(model).__name__
+        == {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel"}[family(name).arch]
+    )
     assert (raw.chat_template is not None) == (name != "gpt2")
     if name == "llama-3-instruct":
         assert raw("hi")["input_ids"][0] == raw.bos_token_id  # the tokenizer prepends <|begin_of_text|>
@@ -158,7 +177,8 @@ def test_qwen_base_can_stop_on_im_end_too(family_root):
     """Qwen2.5 base knows the ChatML tokens although its eos is <|endoftext|>: rl.stop_tokens adds one."""
     tok, model = load(family_root, "qwen2.5")
     assert stop_token_ids(tok, model.generation_config, stop_tokens=["<|im_end|>"]) == tuple(
-        ids_of(tok, ["<|endoftext|>", "<|im_end|>"]))
+        ids_of(tok, ["<|endoftext|>", "<|im_end|>"])
+    )
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -168,8 +188,16 @@ def test_rollout_ends_at_either_stop_id_and_nothing_after_it_counts(family_root,
     stops = stop_token_ids(tok, model.generation_config)
     ids, mask, policy = scripted_batch(tok, model, stops)
     torch.manual_seed(0)
-    rollout = collect_rollout(policy, None, ids, mask, SamplingSettings(response_length=R, temperature=1.0, greedy=greedy),
-                              pad_token_id=tok.pad_token_id, stop_token_ids=stops, need_reference=False)
+    rollout = collect_rollout(
+        policy,
+        None,
+        ids,
+        mask,
+        SamplingSettings(response_length=R, temperature=1.0, greedy=greedy),
+        pad_token_id=tok.pad_token_id,
+        stop_token_ids=stops,
+        need_reference=False,
+    )
     a, b = stops[0], stops[-1]
     lengths = [3, 5, R, R, 2]
     assert rollout.resp_mask.sum(1).tolist() == lengths
@@ -201,9 +229,17 @@ def test_missing_eos_penalty_only_hits_rows_without_a_stop(family_root, name):
     tok, model = load(family_root, name)
     stops = stop_token_ids(tok, model.generation_config)
     ids, mask, policy = scripted_batch(tok, model, stops)
-    rollout = collect_rollout(policy, None, ids, mask, SamplingSettings(response_length=R, greedy=True),
-                              pad_token_id=tok.pad_token_id, stop_token_ids=stops, need_reference=False,
-                              need_logprobs=False)
+    rollout = collect_rollout(
+        policy,
+        None,
+        ids,
+        mask,
+        SamplingSettings(response_length=R, greedy=True),
+        pad_token_id=tok.pad_token_id,
+        stop_token_ids=stops,
+        need_reference=False,
+        need_logprobs=False,
+    )
     counter = TokenCountReward()
     scores, values = score_rollout(rollout, counter, counter, missing_eos_penalty=10.0)
     # the score is read on the stop token: prompt + response up to and including it, padding not counted
@@ -219,9 +255,16 @@ def test_no_stop_before_min_tokens_even_when_the_model_wants_one(family_root, na
     stops = stop_token_ids(tok, model.generation_config)
     ids, mask, _ = scripted_batch(tok, model, stops)
     script = torch.full((ids.shape[0], R), stops[-1])  # a stop at every step
-    rollout = collect_rollout(ScriptedPolicy(model, ids.shape[1], script), None, ids, mask,
-                              SamplingSettings(response_length=R, greedy=True, min_tokens=3),
-                              pad_token_id=tok.pad_token_id, stop_token_ids=stops, need_reference=False)
+    rollout = collect_rollout(
+        ScriptedPolicy(model, ids.shape[1], script),
+        None,
+        ids,
+        mask,
+        SamplingSettings(response_length=R, greedy=True, min_tokens=3),
+        pad_token_id=tok.pad_token_id,
+        stop_token_ids=stops,
+        need_reference=False,
+    )
     assert rollout.has_stop.all() and rollout.last_index.tolist() == [3] * ids.shape[0]
     assert not torch.isin(rollout.responses[:, :3], torch.tensor(stops)).any()
 
@@ -252,13 +295,37 @@ def test_an_unknown_stop_token_stops_training_before_the_first_step(family_root,
     with pytest.raises(ModelSourceError, match=r"^rl\.stop_tokens\[0\]: '<\|im_end\|>' is not a token") as err:
         if algorithm == "ppo":
             _, ref = load(family_root, "llama-3-instruct")
-            train_ppo(policy, TokenCountReward(), ref, TokenCountReward(), tok, prompts, rl, PPOConfig(), RunConfig(device="cpu"),
-                      max_prompt_length=16, output_dir=tmp_path / "out", on_step=steps.append, show_progress=False)
+            train_ppo(
+                policy,
+                TokenCountReward(),
+                ref,
+                TokenCountReward(),
+                tok,
+                prompts,
+                rl,
+                PPOConfig(),
+                RunConfig(device="cpu"),
+                max_prompt_length=16,
+                output_dir=tmp_path / "out",
+                on_step=steps.append,
+                show_progress=False,
+            )
         else:
             reward = function_reward("len", 1.0, lambda prompts, completions, **_: [float(len(c)) for c in completions])
-            train_grpo(policy, None, [reward], tok, [{"prompt": p} for p in prompts], rl, GRPOConfig(num_generations=2),
-                       RunConfig(device="cpu"), max_prompt_length=16, output_dir=tmp_path / "out", on_step=steps.append,
-                       show_progress=False)
+            train_grpo(
+                policy,
+                None,
+                [reward],
+                tok,
+                [{"prompt": p} for p in prompts],
+                rl,
+                GRPOConfig(num_generations=2),
+                RunConfig(device="cpu"),
+                max_prompt_length=16,
+                output_dir=tmp_path / "out",
+                on_step=steps.append,
+                show_progress=False,
+            )
     assert one_sentence(str(err.value))
     assert steps == [] and not list(tmp_path.glob("out/checkpoint-*"))
 
@@ -354,9 +421,16 @@ def test_sft_warm_start_then_ppo_and_grpo_responses_stop(family_root, tmp_path, 
     assert clipped_before > 0.5
 
     sft_dir = tmp_path / "sft"
-    sft = train_sft(base, tok, sft_texts(tok, spec), SFTConfig(max_steps=100, batch_size=12, learning_rate=3e-3,
-                    lr_scheduler="constant", log_steps=100), RunConfig(device="cpu", seed=1), max_length=64,
-                    output_dir=sft_dir, show_progress=False)
+    sft = train_sft(
+        base,
+        tok,
+        sft_texts(tok, spec),
+        SFTConfig(max_steps=100, batch_size=12, learning_rate=3e-3, lr_scheduler="constant", log_steps=100),
+        RunConfig(device="cpu", seed=1),
+        max_length=64,
+        output_dir=sft_dir,
+        show_progress=False,
+    )
     assert sft["sft/loss"] < 0.5
     warm = load_causal_lm(str(sft_dir)).eval()
     assert warm.generation_config.eos_token_id == base.generation_config.eos_token_id  # both stop ids survive the save
@@ -367,13 +441,31 @@ def test_sft_warm_start_then_ppo_and_grpo_responses_stop(family_root, tmp_path, 
     sft_stop = tok.convert_tokens_to_ids(spec.sft_stop)
     assert ended_on.count(sft_stop) >= len(ended_on) - 1
 
-    rl = dict(total_steps=2, batch_size=8, learning_rate=1e-5, response_length=length, temperature=1.0, save_steps=100,
-              log_steps=1)
+    rl = dict(
+        total_steps=2,
+        batch_size=8,
+        learning_rate=1e-5,
+        response_length=length,
+        temperature=1.0,
+        save_steps=100,
+        log_steps=1,
+    )
     ppo_logs = []
-    result = train_ppo(load_causal_lm(str(sft_dir)), load_reward_model(str(sft_dir), tok, seed=0), load_causal_lm(str(sft_dir)),
-                       load_reward_model(str(sft_dir), tok, seed=1), tok, prompts, RLConfig(**rl), PPOConfig(num_ppo_epochs=1),
-                       RunConfig(device="cpu", seed=3), max_prompt_length=48, output_dir=tmp_path / "ppo",
-                       on_log=lambda m, s: ppo_logs.append(m), show_progress=False)
+    result = train_ppo(
+        load_causal_lm(str(sft_dir)),
+        load_reward_model(str(sft_dir), tok, seed=0),
+        load_causal_lm(str(sft_dir)),
+        load_reward_model(str(sft_dir), tok, seed=1),
+        tok,
+        prompts,
+        RLConfig(**rl),
+        PPOConfig(num_ppo_epochs=1),
+        RunConfig(device="cpu", seed=3),
+        max_prompt_length=48,
+        output_dir=tmp_path / "ppo",
+        on_log=lambda m, s: ppo_logs.append(m),
+        show_progress=False,
+    )
     assert len(ppo_logs) == 2
     for logged in ppo_logs:
         assert logged["completions/clipped_ratio"] < 0.5, logged
@@ -384,10 +476,20 @@ def test_sft_warm_start_then_ppo_and_grpo_responses_stop(family_root, tmp_path, 
 
     grpo_logs = []
     has_a = function_reward("has_a", 1.0, lambda prompts, completions, **_: [float("a" in c) for c in completions])
-    train_grpo(load_causal_lm(str(sft_dir)), None, [has_a], tok, [{"prompt": p} for p in prompts],
-               RLConfig(algorithm="grpo", **rl), GRPOConfig(num_generations=4), RunConfig(device="cpu", seed=3),
-               max_prompt_length=48, output_dir=tmp_path / "grpo", on_log=lambda m, s: grpo_logs.append(m),
-               show_progress=False)
+    train_grpo(
+        load_causal_lm(str(sft_dir)),
+        None,
+        [has_a],
+        tok,
+        [{"prompt": p} for p in prompts],
+        RLConfig(algorithm="grpo", **rl),
+        GRPOConfig(num_generations=4),
+        RunConfig(device="cpu", seed=3),
+        max_prompt_length=48,
+        output_dir=tmp_path / "grpo",
+        on_log=lambda m, s: grpo_logs.append(m),
+        show_progress=False,
+    )
     assert len(grpo_logs) == 2
     for logged in grpo_logs:
         assert logged["completions/clipped_ratio"] < 0.5, logged
@@ -397,9 +499,11 @@ def test_sft_warm_start_then_ppo_and_grpo_responses_stop(family_root, tmp_path, 
 def test_qwen_instruct_chat_template_renders_chatml_ending_with_im_end(family_root):
     tok, _ = load(family_root, "qwen2.5-instruct")
     text = tok.apply_chat_template(CONVERSATION, tokenize=False)
-    assert text == ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
-                    "<|im_start|>user\nTell me about the cat.<|im_end|>\n"
-                    "<|im_start|>assistant\nthe cat sleeps all day.<|im_end|>\n")
+    assert text == (
+        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+        "<|im_start|>user\nTell me about the cat.<|im_end|>\n"
+        "<|im_start|>assistant\nthe cat sleeps all day.<|im_end|>\n"
+    )
     assert text.rstrip("\n").endswith("<|im_end|>")
     ids = tok(text)["input_ids"]
     im_end, im_start = ids_of(tok, ["<|im_end|>", "<|im_start|>"])
@@ -430,6 +534,8 @@ def test_exported_generation_config_keeps_every_stop_id(family_root, name):
 
     tok, model = load(family_root, name)
     stops = stop_token_ids(tok, model.generation_config)
-    settings = generation_settings(tokenizer=tok, max_new_tokens=8, temperature=0.7, top_k=0, top_p=1.0, stop_token_ids=stops)
+    settings = generation_settings(
+        tokenizer=tok, max_new_tokens=8, temperature=0.7, top_k=0, top_p=1.0, stop_token_ids=stops
+    )
     exported = GenerationConfig(**settings)
     assert len(stops) == 2 and set(stop_token_ids(tok, exported)) == set(stops)

@@ -25,9 +25,17 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from rlhf_core.config import GRPOConfig as OurGRPOConfig, RLConfig, RunConfig
+from rlhf_core.config import GRPOConfig as OurGRPOConfig
+from rlhf_core.config import RLConfig, RunConfig
 from rlhf_core.grpo import (
-    function_reward, grpo_advantages, grpo_token_loss, high_entropy_mask, nanstd, reduce_loss, stat_mean, train_grpo,
+    function_reward,
+    grpo_advantages,
+    grpo_token_loss,
+    high_entropy_mask,
+    nanstd,
+    reduce_loss,
+    stat_mean,
+    train_grpo,
 )
 from rlhf_core.rl_math import masked_mean, response_mask
 from rlhf_core.rollout import response_logprobs
@@ -59,8 +67,16 @@ def build_policy(seed: int = 0):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                         intermediate_size=64, pad_token_id=PAD, eos_token_id=EOS, bos_token_id=None)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+        pad_token_id=PAD,
+        eos_token_id=EOS,
+        bos_token_id=None,
+    )
     return LlamaForCausalLM(config)
 
 
@@ -91,14 +107,26 @@ def make_trainer(tokenizer, tmp_path_factory):
 
     def make(temperature: float = 1.0, reward_names=("r0",), model=None, **overrides):
         args = GRPOConfig(
-            output_dir=str(tmp_path_factory.mktemp("trl_grpo")), use_cpu=True, bf16=False, report_to=[],
-            per_device_train_batch_size=8, num_generations=4, max_completion_length=MAX_COMPLETION,
-            temperature=temperature, gradient_checkpointing=False, save_strategy="no", logging_steps=1,
+            output_dir=str(tmp_path_factory.mktemp("trl_grpo")),
+            use_cpu=True,
+            bf16=False,
+            report_to=[],
+            per_device_train_batch_size=8,
+            num_generations=4,
+            max_completion_length=MAX_COMPLETION,
+            temperature=temperature,
+            gradient_checkpointing=False,
+            save_strategy="no",
+            logging_steps=1,
             **overrides,
         )
-        trainer = GRPOTrainer(model=model if model is not None else build_policy(), args=args,
-                              reward_funcs=[named_reward(n) for n in reward_names], train_dataset=dataset,
-                              processing_class=tokenizer)
+        trainer = GRPOTrainer(
+            model=model if model is not None else build_policy(),
+            args=args,
+            reward_funcs=[named_reward(n) for n in reward_names],
+            train_dataset=dataset,
+            processing_class=tokenizer,
+        )
         trainer.model.train()  # `mode` is "train" in TRL's code paths
         return trainer
 
@@ -138,13 +166,30 @@ def drive_trl_scoring(trainer, per_source: torch.Tensor, completions: list[list[
 
 def scenario_groups() -> torch.Tensor:
     """(20, 3), groups of 4: full, partly None with an unscorable row, one scorable row, all unscorable, zero std."""
-    return torch.tensor([
-        [1.0, 0.5, 2.0], [2.0, -1.0, 0.0], [0.5, 0.25, 1.0], [3.0, 2.0, -1.0],  # every source scored
-        [1.0, NAN, 2.0], [NAN, NAN, NAN], [NAN, 1.5, NAN], [0.0, NAN, 0.5],  # partly None, one unscorable row
-        [NAN, NAN, NAN], [NAN, 2.0, NAN], [NAN, NAN, NAN], [NAN, NAN, NAN],  # a single scorable row: std NaN
-        [NAN, NAN, NAN], [NAN, NAN, NAN], [NAN, NAN, NAN], [NAN, NAN, NAN],  # a whole unscorable group
-        [1.0, 1.0, 1.0], [1.0, 1.0, 1.0], [1.0, 1.0, 1.0], [1.0, 1.0, NAN],  # zero std (one source None)
-    ])
+    return torch.tensor(
+        [
+            [1.0, 0.5, 2.0],
+            [2.0, -1.0, 0.0],
+            [0.5, 0.25, 1.0],
+            [3.0, 2.0, -1.0],  # every source scored
+            [1.0, NAN, 2.0],
+            [NAN, NAN, NAN],
+            [NAN, 1.5, NAN],
+            [0.0, NAN, 0.5],  # partly None, one unscorable row
+            [NAN, NAN, NAN],
+            [NAN, 2.0, NAN],
+            [NAN, NAN, NAN],
+            [NAN, NAN, NAN],  # a single scorable row: std NaN
+            [NAN, NAN, NAN],
+            [NAN, NAN, NAN],
+            [NAN, NAN, NAN],
+            [NAN, NAN, NAN],  # a whole unscorable group
+            [1.0, 1.0, 1.0],
+            [1.0, 1.0, 1.0],
+            [1.0, 1.0, 1.0],
+            [1.0, 1.0, NAN],  # zero std (one source None)
+        ]
+    )
 
 
 def scenario_random() -> torch.Tensor:
@@ -156,8 +201,11 @@ def scenario_random() -> torch.Tensor:
     return x
 
 
-SCENARIOS = {"groups": (scenario_groups, [1.0, 0.5, -2.0]), "groups_unit": (scenario_groups, [1.0, 1.0, 1.0]),
-             "random": (scenario_random, [0.7, 1.3])}
+SCENARIOS = {
+    "groups": (scenario_groups, [1.0, 0.5, -2.0]),
+    "groups_unit": (scenario_groups, [1.0, 1.0, 1.0]),
+    "random": (scenario_random, [0.7, 1.3]),
+}
 
 
 @pytest.mark.parametrize("aggregation", ["sum_then_normalize", "normalize_then_sum"])
@@ -170,12 +218,14 @@ def test_advantages_match_trl_generate_and_score(make_trainer, scenario, scale_r
     make, weights = SCENARIOS[scenario]
     per_source = make()
     names = [f"r{i}" for i in range(per_source.shape[1])]
-    trainer = make_trainer(reward_names=names, reward_weights=weights, scale_rewards=scale_rewards,
-                           multi_objective_aggregation=aggregation)
+    trainer = make_trainer(
+        reward_names=names, reward_weights=weights, scale_rewards=scale_rewards, multi_objective_aggregation=aggregation
+    )
     trl_out = drive_trl_scoring(trainer, per_source)
 
-    ours = grpo_advantages(per_source, torch.tensor(weights), trainer.num_generations, scale_rewards=scale_rewards,
-                           aggregation=aggregation)
+    ours = grpo_advantages(
+        per_source, torch.tensor(weights), trainer.num_generations, scale_rewards=scale_rewards, aggregation=aggregation
+    )
     torch.testing.assert_close(ours.advantages, trl_out["advantages"], **TOL)
     unscorable = torch.isnan(per_source).all(dim=1)
     assert torch.equal(ours.unscorable, unscorable) and unscorable.any()
@@ -183,7 +233,8 @@ def test_advantages_match_trl_generate_and_score(make_trainer, scenario, scale_r
     assert ours.advantages.abs().max() > 0.1  # not a trivially zero comparison
     # what TRL logs as frac_reward_zero_std comes from the same std we return
     assert trainer._metrics["train"]["frac_reward_zero_std"][-1] == pytest.approx(
-        torch.isclose(ours.std, torch.zeros_like(ours.std)).float().mean().item())
+        torch.isclose(ours.std, torch.zeros_like(ours.std)).float().mean().item()
+    )
 
 
 def test_nanstd_matches_trl():
@@ -253,10 +304,18 @@ class LossCase:
         return "-".join(parts)
 
     def ours(self) -> OurGRPOConfig:
-        return OurGRPOConfig(loss_type=self.loss_type, importance_sampling_level=self.level, beta=self.beta,
-                             use_bias_correction_kl=self.bias_kl, delta=self.delta, epsilon=self.epsilon,
-                             epsilon_high=self.eps_high, top_entropy_quantile=self.top_entropy_quantile,
-                             sapo_temperature_pos=0.9, sapo_temperature_neg=1.3)
+        return OurGRPOConfig(
+            loss_type=self.loss_type,
+            importance_sampling_level=self.level,
+            beta=self.beta,
+            use_bias_correction_kl=self.bias_kl,
+            delta=self.delta,
+            epsilon=self.epsilon,
+            epsilon_high=self.eps_high,
+            top_entropy_quantile=self.top_entropy_quantile,
+            sapo_temperature_pos=0.9,
+            sapo_temperature_neg=1.3,
+        )
 
     @property
     def eps_high(self) -> float:
@@ -266,8 +325,12 @@ class LossCase:
 LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"]
 CLIPPED = ["grpo", "bnpo", "dr_grpo", "dapo"]
 CASES = (
-    [LossCase(lt, level, beta, bias) for lt in LOSS_TYPES for level in ("token", "sequence")
-     for beta, bias in ((0.0, True), (0.04, True), (0.04, False))]
+    [
+        LossCase(lt, level, beta, bias)
+        for lt in LOSS_TYPES
+        for level in ("token", "sequence")
+        for beta, bias in ((0.0, True), (0.04, True), (0.04, False))
+    ]
     + [LossCase(lt, level, beta=0.04, delta=1.5) for lt in CLIPPED for level in ("token", "sequence")]
     + [LossCase(lt, top_entropy_quantile=0.4, beta=0.04) for lt in LOSS_TYPES]
     + [LossCase(lt, "sequence", top_entropy_quantile=0.4) for lt in ("grpo", "dapo")]
@@ -292,8 +355,14 @@ def batch():
     completion_ids = torch.randint(3, VOCAB, (B, MAX_COMPLETION), generator=g).masked_fill(mask == 0, PAD)
     advantages = torch.randn(B, generator=g)
     advantages[3] = 0.0
-    return dict(prompt_ids=prompt_ids, prompt_mask=torch.ones_like(prompt_ids), completion_ids=completion_ids,
-                completion_mask=mask, advantages=advantages, noise=torch.randn(2, B, MAX_COMPLETION, generator=g))
+    return dict(
+        prompt_ids=prompt_ids,
+        prompt_mask=torch.ones_like(prompt_ids),
+        completion_ids=completion_ids,
+        completion_mask=mask,
+        advantages=advantages,
+        noise=torch.randn(2, B, MAX_COMPLETION, generator=g),
+    )
 
 
 def perturbed(logp: torch.Tensor, noise: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -331,14 +400,22 @@ def trl_loss(trainer, inputs: dict) -> tuple[torch.Tensor, dict[str, torch.Tenso
 
 def old_and_ref(trainer, batch, temperature):
     with torch.no_grad():
-        logp, _ = response_logprobs(trainer.model, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"],
-                                    batch["completion_mask"], temperature)
+        logp, _ = response_logprobs(
+            trainer.model,
+            batch["prompt_ids"],
+            batch["prompt_mask"],
+            batch["completion_ids"],
+            batch["completion_mask"],
+            temperature,
+        )
     mask = batch["completion_mask"]
     return perturbed(logp, batch["noise"][0], mask), perturbed(logp, batch["noise"][1], mask)
 
 
 def trl_inputs(batch, rows, case: LossCase, old, ref, num_items) -> dict:
-    inputs = {k: batch[k][rows] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages")}
+    inputs = {
+        k: batch[k][rows] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages")
+    }
     inputs["num_items_in_batch"] = torch.tensor(num_items)
     if not case.on_policy:
         inputs["old_per_token_logps"] = old[rows]
@@ -350,12 +427,28 @@ def trl_inputs(batch, rows, case: LossCase, old, ref, num_items) -> dict:
 def our_loss(model, batch, rows, case: LossCase, old, ref, *, total_tokens: float):
     """Our loss for the rows, as `train_grpo` computes it for one micro-batch (before its micro-batch scaling)."""
     mask = batch["completion_mask"][rows]
-    logp, entropy = response_logprobs(model, batch["prompt_ids"][rows], batch["prompt_mask"][rows],
-                                      batch["completion_ids"][rows], mask, case.temperature, with_entropy=True)
+    logp, entropy = response_logprobs(
+        model,
+        batch["prompt_ids"][rows],
+        batch["prompt_mask"][rows],
+        batch["completion_ids"][rows],
+        mask,
+        case.temperature,
+        with_entropy=True,
+    )
     old_logp = logp.detach() if case.on_policy else old[rows]
-    entropy_mask = high_entropy_mask(entropy, mask, case.top_entropy_quantile) if case.top_entropy_quantile < 1 else None
-    per_token, stats = grpo_token_loss(logp, old_logp, batch["advantages"][rows], mask, case.ours(),
-                                       ref_logp=ref[rows] if case.beta else None, entropy_mask=entropy_mask)
+    entropy_mask = (
+        high_entropy_mask(entropy, mask, case.top_entropy_quantile) if case.top_entropy_quantile < 1 else None
+    )
+    per_token, stats = grpo_token_loss(
+        logp,
+        old_logp,
+        batch["advantages"][rows],
+        mask,
+        case.ours(),
+        ref_logp=ref[rows] if case.beta else None,
+        entropy_mask=entropy_mask,
+    )
     loss = reduce_loss(per_token, mask, case.loss_type, max_completion_length=MAX_COMPLETION, total_tokens=total_tokens)
     return loss, stats, entropy, logp, entropy_mask
 
@@ -378,14 +471,18 @@ def test_loss_and_gradient_match_trl_compute_loss(trainers, batch, case):
 
     loss_trl, grads_trl, metrics = trl_loss(trainer, trl_inputs(batch, rows, case, old, ref, num_items))
     model.zero_grad(set_to_none=True)
-    loss_ours, stats, entropy, logp, entropy_mask = our_loss(model, batch, rows, case, old, ref, total_tokens=float(num_items))
+    loss_ours, stats, entropy, logp, entropy_mask = our_loss(
+        model, batch, rows, case, old, ref, total_tokens=float(num_items)
+    )
     loss_ours.backward()
     grads_ours = grads(model)
 
     torch.testing.assert_close(loss_ours.detach(), loss_trl, **TOL)
     assert grads_ours.keys() == grads_trl.keys() and len(grads_ours) == len(list(model.parameters()))
     for name in grads_trl:
-        torch.testing.assert_close(grads_ours[name], grads_trl[name], atol=1e-6, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(
+            grads_ours[name], grads_trl[name], atol=1e-6, rtol=1e-5, msg=lambda m, name=name: f"{name}: {m}"
+        )
     assert max(g.abs().max() for g in grads_trl.values()) > 1e-2  # gradients are not trivially zero
 
     # the data exercises what the case is about
@@ -413,7 +510,9 @@ def test_loss_and_gradient_match_trl_compute_loss(trainers, batch, case):
         low, high = stats["low_clipped"], stats["high_clipped"]
         torch.testing.assert_close(stat_mean(low, mask).item(), metrics["clip_ratio/low_mean"], **TOL)
         torch.testing.assert_close(stat_mean(high, mask).item(), metrics["clip_ratio/high_mean"], **TOL)
-        torch.testing.assert_close(stat_mean(torch.maximum(low, high), mask).item(), metrics["clip_ratio/region_mean"], **TOL)
+        torch.testing.assert_close(
+            stat_mean(torch.maximum(low, high), mask).item(), metrics["clip_ratio/region_mean"], **TOL
+        )
 
 
 @pytest.mark.parametrize("temperature", [0.7, 1.0])
@@ -426,10 +525,15 @@ def test_logprobs_entropies_and_entropy_mask_match_trl(trainers, batch, temperat
     mask = b["completion_mask"]
     with torch.no_grad():
         trl_logp, trl_entropy, _ = trainer._get_per_token_logps_and_entropies(
-            trainer.model, torch.cat([b["prompt_ids"], b["completion_ids"]], 1), torch.cat([b["prompt_mask"], mask], 1),
-            MAX_COMPLETION, compute_entropy=True)
-        logp, entropy = response_logprobs(trainer.model, b["prompt_ids"], b["prompt_mask"], b["completion_ids"], mask,
-                                          temperature, with_entropy=True)
+            trainer.model,
+            torch.cat([b["prompt_ids"], b["completion_ids"]], 1),
+            torch.cat([b["prompt_mask"], mask], 1),
+            MAX_COMPLETION,
+            compute_entropy=True,
+        )
+        logp, entropy = response_logprobs(
+            trainer.model, b["prompt_ids"], b["prompt_mask"], b["completion_ids"], mask, temperature, with_entropy=True
+        )
     real = mask.bool()
     torch.testing.assert_close(logp[real], trl_logp[real], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(entropy[real], trl_entropy[real], atol=1e-5, rtol=1e-5)
@@ -477,7 +581,9 @@ def test_accumulated_micro_batches_match_trl(trainers, batch, loss_type, accumul
 
     torch.testing.assert_close(loss_ours.detach(), loss_trl.detach(), **TOL)
     for name in grads_trl:
-        torch.testing.assert_close(grads_ours[name], grads_trl[name], atol=1e-6, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(
+            grads_ours[name], grads_trl[name], atol=1e-6, rtol=1e-5, msg=lambda m, name=name: f"{name}: {m}"
+        )
 
 
 # ------------------------------------------------------------------------------------------
@@ -491,43 +597,75 @@ LOOP_REWARDS = {  # 16 completions, groups of 4; None = the function returned No
 LOOP_WEIGHTS = {"length": 1.0, "odd": -0.5}
 
 
-@pytest.mark.parametrize("aggregation,scale_rewards", [
-    ("sum_then_normalize", "group"), ("sum_then_normalize", "batch"), ("sum_then_normalize", "none"),
-    ("normalize_then_sum", "group"),
-])
-def test_train_grpo_step_advantages_and_reward_metrics_match_trl(make_trainer, tokenizer, tmp_path, aggregation,
-                                                                 scale_rewards):
+@pytest.mark.parametrize(
+    "aggregation,scale_rewards",
+    [
+        ("sum_then_normalize", "group"),
+        ("sum_then_normalize", "batch"),
+        ("sum_then_normalize", "none"),
+        ("normalize_then_sum", "group"),
+    ],
+)
+def test_train_grpo_step_advantages_and_reward_metrics_match_trl(
+    make_trainer, tokenizer, tmp_path, aggregation, scale_rewards
+):
     """One `train_grpo` step (tiny policy, two reward functions returning fixed values with None) ->
     the advantages in its completions table and its logged `reward`, `reward_std`,
     `frac_reward_zero_std`, `rewards/<name>/mean|std` == TRL's `_generate_and_score_completions`
     output and `_metrics` for the same rewards (README: "Metrics with TRL's names").
     Tolerance atol 1e-5, rtol 1e-5 (the loop's metrics pass through floats)."""
+
     def source(name):
         def fn(prompts, completions, **_):
             assert len(completions) == 16
             return list(LOOP_REWARDS[name])
+
         return function_reward(name, LOOP_WEIGHTS[name], fn)
 
     logs, tables = [], []
     rows = [{"prompt": p} for p in ("w3 w4 w5", "w6 w7 w8", "w9 w10 w11", "w12 w13 w14")]
-    train_grpo(build_policy(seed=0), None, [source("length"), source("odd")], tokenizer, rows,
-               RLConfig(algorithm="grpo", total_steps=1, batch_size=16, response_length=MAX_COMPLETION,
-                        temperature=0.7, learning_rate=1e-3),
-               OurGRPOConfig(num_generations=4, multi_objective_aggregation=aggregation, scale_rewards=scale_rewards),
-               RunConfig(device="cpu", seed=3), max_prompt_length=8, output_dir=tmp_path / "grpo",
-               on_log=lambda m, s: logs.append(m), on_completions=lambda table, s: tables.append(table),
-               show_progress=False)
+    train_grpo(
+        build_policy(seed=0),
+        None,
+        [source("length"), source("odd")],
+        tokenizer,
+        rows,
+        RLConfig(
+            algorithm="grpo",
+            total_steps=1,
+            batch_size=16,
+            response_length=MAX_COMPLETION,
+            temperature=0.7,
+            learning_rate=1e-3,
+        ),
+        OurGRPOConfig(num_generations=4, multi_objective_aggregation=aggregation, scale_rewards=scale_rewards),
+        RunConfig(device="cpu", seed=3),
+        max_prompt_length=8,
+        output_dir=tmp_path / "grpo",
+        on_log=lambda m, s: logs.append(m),
+        on_completions=lambda table, s: tables.append(table),
+        show_progress=False,
+    )
     table = tables[0]
     assert [[r["length"], r["odd"]] for r in table] == [list(v) for v in zip(*LOOP_REWARDS.values())]
 
     per_source = torch.tensor([[NAN if v is None else v for v in col] for col in LOOP_REWARDS.values()]).T
-    trainer = make_trainer(reward_names=list(LOOP_REWARDS), reward_weights=list(LOOP_WEIGHTS.values()),
-                           scale_rewards=scale_rewards, multi_objective_aggregation=aggregation)
+    trainer = make_trainer(
+        reward_names=list(LOOP_REWARDS),
+        reward_weights=list(LOOP_WEIGHTS.values()),
+        scale_rewards=scale_rewards,
+        multi_objective_aggregation=aggregation,
+    )
     out = drive_trl_scoring(trainer, per_source)
     torch.testing.assert_close(torch.tensor([r["advantage"] for r in table]), out["advantages"], atol=1e-5, rtol=1e-5)
 
     trl_metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
-    keys = ["reward", "reward_std", "frac_reward_zero_std"] + [f"rewards/{n}/{s}" for n in LOOP_REWARDS for s in ("mean", "std")]
-    mismatches = {k: (logs[0][k], trl_metrics[k]) for k in keys
-                  if not math.isclose(logs[0][k], trl_metrics[k], rel_tol=1e-5, abs_tol=1e-5)}
+    keys = ["reward", "reward_std", "frac_reward_zero_std"] + [
+        f"rewards/{n}/{s}" for n in LOOP_REWARDS for s in ("mean", "std")
+    ]
+    mismatches = {
+        k: (logs[0][k], trl_metrics[k])
+        for k in keys
+        if not math.isclose(logs[0][k], trl_metrics[k], rel_tol=1e-5, abs_tol=1e-5)
+    }
     assert not mismatches, f"ours vs TRL's logged metric: {mismatches}"

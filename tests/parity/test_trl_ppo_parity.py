@@ -54,7 +54,9 @@ SETTINGS = dict(temperature=0.7, gamma=0.99, lam=0.9)
 MAX_DIFFS: dict[str, float] = {}  # name -> max abs diff reached, printed at the end (pytest -s / -rA)
 
 
-TRL112_CANDIDATES = tuple(dict.fromkeys([Path(sys.executable).parents[1] / "trl-1.12.0", REPO / ".venv" / "trl-1.12.0"]))
+TRL112_CANDIDATES = tuple(
+    dict.fromkeys([Path(sys.executable).parents[1] / "trl-1.12.0", REPO / ".venv" / "trl-1.12.0"])
+)
 
 
 def trl112_dir() -> Path | None:
@@ -64,13 +66,16 @@ def trl112_dir() -> Path | None:
     return None
 
 
-MISSING = ("TRL 1.12.0 is not installed apart: expected "
-           + " or ".join(str(c) for c in TRL112_CANDIDATES)
-           + " to hold trl/experimental/ppo/ppo_trainer.py. Run `make venv`, or: .venv/bin/python -m pip install"
-           " --no-deps --target .venv/trl-1.12.0 trl==1.12.0")
+MISSING = (
+    "TRL 1.12.0 is not installed apart: expected "
+    + " or ".join(str(c) for c in TRL112_CANDIDATES)
+    + " to hold trl/experimental/ppo/ppo_trainer.py. Run `make venv`, or: .venv/bin/python -m pip install"
+    " --no-deps --target .venv/trl-1.12.0 trl==1.12.0"
+)
 
 
 # ----------------------------------------------------------------------------------------------- fixtures
+
 
 def build_tokenizer(pad_is_eos: bool):
     """A word-level fast tokenizer over the 64 ids; pad is its own token, or the eos (GPT-2 shape)."""
@@ -80,8 +85,14 @@ def build_tokenizer(pad_is_eos: bool):
     vocab = {"<pad>": PAD, "<unk>": UNK, "<bos>": BOS, "<eos>": EOS, **{f"w{i}": i for i in range(4, VOCAB)}}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", unk_token="<unk>",
-                                   pad_token="<eos>" if pad_is_eos else "<pad>", padding_side="left")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<bos>",
+        eos_token="<eos>",
+        unk_token="<unk>",
+        pad_token="<eos>" if pad_is_eos else "<pad>",
+        padding_side="left",
+    )
 
 
 def build_models() -> dict[str, torch.nn.Module]:
@@ -89,13 +100,29 @@ def build_models() -> dict[str, torch.nn.Module]:
     from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
 
     def config(**extra):
-        return LlamaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                           num_key_value_heads=2, intermediate_size=64, max_position_embeddings=64,
-                           initializer_range=0.3, pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS, **extra)
+        return LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            intermediate_size=64,
+            max_position_embeddings=64,
+            initializer_range=0.3,
+            pad_token_id=PAD,
+            bos_token_id=BOS,
+            eos_token_id=EOS,
+            **extra,
+        )
 
     out = {}
-    for seed, (name, cls) in enumerate([("policy", LlamaForCausalLM), ("value", LlamaForSequenceClassification),
-                                        ("reward", LlamaForSequenceClassification)]):
+    for seed, (name, cls) in enumerate(
+        [
+            ("policy", LlamaForCausalLM),
+            ("value", LlamaForSequenceClassification),
+            ("reward", LlamaForSequenceClassification),
+        ]
+    ):
         torch.manual_seed(1000 + seed)
         out[name] = cls(config(num_labels=1) if cls is LlamaForSequenceClassification else config()).float().eval()
     # the reference: the policy a little moved (per-token KL ~0.3-0.5; two independent inits give ~3-70)
@@ -119,7 +146,7 @@ def make_responses(stops: list[int | None], pad: int, seed: int) -> list[list[in
     for i, s in enumerate(stops):
         if s is not None:
             rows[i, s] = EOS
-            rows[i, s + 1:] = pad
+            rows[i, s + 1 :] = pad
     return rows.tolist()
 
 
@@ -160,23 +187,45 @@ def world(tmp_path_factory):
     runs, meta = [], {}
     for name, (pad_is_eos, stops, seed, estimator, whiten, penalty) in RUNS.items():
         pad = EOS if pad_is_eos else PAD
-        ppo = dict(SETTINGS, kl_coef=KL_COEF[estimator], kl_estimator=estimator, whiten_rewards=whiten,
-                   missing_eos_penalty=penalty)
-        runs.append(dict(name=name, tokenizer_dir=str(tmp / f"tokenizer_pad_is_eos_{pad_is_eos}"), prompts=prompts,
-                         responses=make_responses(stops, pad, seed), ppo=ppo, seed=seed))
+        ppo = dict(
+            SETTINGS,
+            kl_coef=KL_COEF[estimator],
+            kl_estimator=estimator,
+            whiten_rewards=whiten,
+            missing_eos_penalty=penalty,
+        )
+        runs.append(
+            dict(
+                name=name,
+                tokenizer_dir=str(tmp / f"tokenizer_pad_is_eos_{pad_is_eos}"),
+                prompts=prompts,
+                responses=make_responses(stops, pad, seed),
+                ppo=ppo,
+                seed=seed,
+            )
+        )
         meta[name] = dict(pad=pad, stops=stops, ppo=ppo)
     spec = tmp / "spec.json"
     spec.write_text(json.dumps({"models": model_dirs, "runs": runs, "out_dir": str(tmp / "out")}))
 
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
-               TRL_EXPERIMENTAL_SILENCE="1", CUDA_VISIBLE_DEVICES="",
-               PYTHONPATH=os.pathsep.join([str(trl_dir), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    env = dict(
+        os.environ,
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+        TRL_EXPERIMENTAL_SILENCE="1",
+        CUDA_VISIBLE_DEVICES="",
+        PYTHONPATH=os.pathsep.join([str(trl_dir), *filter(None, [os.environ.get("PYTHONPATH")])]),
+    )
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, str(WORKER), str(spec)], env=env, cwd=REPO, capture_output=True,
-                          text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, str(WORKER), str(spec)], env=env, cwd=REPO, capture_output=True, text=True, timeout=600
+    )
     if proc.returncode != 0:
-        pytest.fail(f"the TRL 1.12 side failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}",
-                    pytrace=False)
+        pytest.fail(
+            f"the TRL 1.12 side failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}",
+            pytrace=False,
+        )
     print(f"\nTRL 1.12 side: {len(runs)} runs in {time.perf_counter() - start:.1f} s")
     results = {}
     for name, run in zip(RUNS, runs):
@@ -185,8 +234,12 @@ def world(tmp_path_factory):
         assert torch.equal(tensors["prompt_index"][order], torch.arange(BATCH)), tensors["prompt_index"]
         tensors = {k: v[order] if v.dim() and v.shape[0] == BATCH else v for k, v in tensors.items()}
         assert torch.equal(tensors["frame_responses"], torch.tensor(run["responses"])), name
-        results[name] = dict(tensors, meta=json.loads((tmp / "out" / f"{name}.json").read_text()),
-                             responses=run["responses"], **meta[name])
+        results[name] = dict(
+            tensors,
+            meta=json.loads((tmp / "out" / f"{name}.json").read_text()),
+            responses=run["responses"],
+            **meta[name],
+        )
     return models, results
 
 
@@ -200,11 +253,15 @@ def report_max_diffs():
     lines = [f"  {key:<{width}}  {diff:.3g}" for key, diff in sorted(MAX_DIFFS.items())]
     math = max((d for k, d in MAX_DIFFS.items() if "(model)" not in k), default=0.0)
     model = max((d for k, d in MAX_DIFFS.items() if "(model)" in k), default=0.0)
-    print("\nmax abs diff per comparison:\n" + "\n".join(lines)
-          + f"\n  overall: math on the same inputs {math:.3g}, model outputs (model) {model:.3g}")
+    print(
+        "\nmax abs diff per comparison:\n"
+        + "\n".join(lines)
+        + f"\n  overall: math on the same inputs {math:.3g}, model outputs (model) {model:.3g}"
+    )
 
 
 # -------------------------------------------------------------------------------------------- our side
+
 
 def close(name: str, ours: torch.Tensor, theirs: torch.Tensor, atol: float = ATOL_MATH) -> None:
     ours, theirs = ours.double(), theirs.double()
@@ -224,8 +281,15 @@ def our_math(r: dict, logprobs, ref_logprobs, values, scores, mask, last_index):
         rewards = masked_whiten(rewards, mask, shift_mean=False) * mask
     advantages, returns = compute_gae(rewards, values * mask, mask, ppo["gamma"], ppo["lam"])
     whitened = masked_whiten(advantages, mask) * mask
-    return dict(kl=kl, non_score=non_score, raw_rewards=raw_rewards, rewards=rewards, raw_advantages=advantages,
-                advantages=whitened, returns=returns)
+    return dict(
+        kl=kl,
+        non_score=non_score,
+        raw_rewards=raw_rewards,
+        rewards=rewards,
+        raw_advantages=advantages,
+        advantages=whitened,
+        returns=returns,
+    )
 
 
 def trl_way(r: dict, logprobs, ref_logprobs, values, scores, mask, last_index):
@@ -242,14 +306,27 @@ def trl_way(r: dict, logprobs, ref_logprobs, values, scores, mask, last_index):
         rewards = masked_whiten(rewards, mask_p1, shift_mean=False) * mask_p1
     advantages, returns = compute_gae(rewards, values * mask_p1, mask_p1, ppo["gamma"], ppo["lam"])
     whitened = masked_whiten(advantages, mask) * mask
-    return dict(raw_rewards=raw_rewards, rewards=rewards, raw_advantages=advantages, advantages=whitened,
-                returns=returns, mask_p1=mask_p1, end=end)
+    return dict(
+        raw_rewards=raw_rewards,
+        rewards=rewards,
+        raw_advantages=advantages,
+        advantages=whitened,
+        returns=returns,
+        mask_p1=mask_p1,
+        end=end,
+    )
 
 
 def trl_outputs(r: dict) -> dict[str, torch.Tensor]:
     """TRL 1.12's tensors as recorded inside train()."""
-    out = dict(kl=r["frame_kl"], non_score=r["frame_non_score_reward"], rewards=r["frame_rewards"],
-               raw_advantages=r["whiten_advantages_in"], advantages=r["frame_advantages"], returns=r["frame_returns"])
+    out = dict(
+        kl=r["frame_kl"],
+        non_score=r["frame_non_score_reward"],
+        rewards=r["frame_rewards"],
+        raw_advantages=r["whiten_advantages_in"],
+        advantages=r["frame_advantages"],
+        returns=r["frame_returns"],
+    )
     out["raw_rewards"] = r["whiten_rewards_in"] if r["ppo"]["whiten_rewards"] else r["frame_rewards"]
     return out
 
@@ -264,6 +341,7 @@ def inputs(r: dict):
 
 # ------------------------------------------------------------------------------------------------ tests
 
+
 def test_trl_112_is_installed_apart():
     if trl112_dir() is None:
         pytest.fail(MISSING, pytrace=False)
@@ -271,7 +349,7 @@ def test_trl_112_is_installed_apart():
 
 def test_trl_side_is_trl_112(world):
     _, results = world
-    for name, r in results.items():
+    for r in results.values():
         meta = r["meta"]
         assert meta["trl_version"] == "1.12.0", meta
         assert "trl-1.12.0" in meta["ppo_trainer_file"], meta
@@ -297,8 +375,9 @@ def test_rollout_inputs_match(world, name):
     assert torch.equal(r["reward_index"] - context, last), "TRL reads the score at the last real token, as we do"
 
     rollout = Rollout(queries, query_mask, responses, mask, last, None, None, has_stop)
-    scores, values = score_rollout(rollout, models["value"], models["reward"],
-                                   missing_eos_penalty=r["ppo"]["missing_eos_penalty"])
+    scores, values = score_rollout(
+        rollout, models["value"], models["reward"], missing_eos_penalty=r["ppo"]["missing_eos_penalty"]
+    )
     close(f"scores (model) [{name}]", scores, r["frame_scores"], ATOL_MODEL)
     close(f"values on mask (model) [{name}]", values, r["frame_values"] * mask, ATOL_MODEL)
     # TRL keeps one more value, at last + 1: our token_values gives it with the mask extended by one
@@ -341,8 +420,12 @@ def test_early_stop_differs_from_trl_only_by_score_placement(world, name):
     _, _, _, mask, last, has_stop = inputs(r)
     width = mask.shape[1]
     rows = torch.arange(BATCH)
-    logprobs, ref_logprobs, values, scores = (r["frame_logprobs"], r["frame_ref_logprobs"], r["frame_values"],
-                                              r["frame_scores"])
+    logprobs, ref_logprobs, values, scores = (
+        r["frame_logprobs"],
+        r["frame_ref_logprobs"],
+        r["frame_values"],
+        r["frame_scores"],
+    )
     theirs = trl_outputs(r)
 
     # 1. the KL part is the same: per-token KL on the real tokens, zero after the stop token
@@ -371,16 +454,20 @@ def test_early_stop_differs_from_trl_only_by_score_placement(world, name):
     # raw advantages and the returns, unless the rewards are whitened (batch statistics mix the rows)
     same = ~shifted
     if not r["ppo"]["whiten_rewards"]:
-        close(f"raw advantages on unshifted rows [{name}]", ours["raw_advantages"][same],
-              theirs["raw_advantages"][same])
+        close(
+            f"raw advantages on unshifted rows [{name}]", ours["raw_advantages"][same], theirs["raw_advantages"][same]
+        )
         close(f"returns on unshifted rows [{name}]", ours["returns"][same], theirs["returns"][same])
     # on shifted rows: our advantage at the stop token is r_last + score - V_last; TRL's is
     # r_last + gamma * V_{last+1} - V_last + gamma * lam * A_{last+1} with A_{last+1} = score' - V_{last+1}
     # (score' the whitened reward there with whiten_rewards), and TRL's return at last + 1 is that reward,
     # where ours is 0 (past the response)
     p1 = last[shifted] + 1
-    close(f"TRL return at last+1 == its reward [{name}]", theirs["returns"][rows[shifted], p1],
-          theirs["rewards"][rows[shifted], p1])
+    close(
+        f"TRL return at last+1 == its reward [{name}]",
+        theirs["returns"][rows[shifted], p1],
+        theirs["rewards"][rows[shifted], p1],
+    )
     assert bool((ours["returns"][rows[shifted], p1] == 0).all())
     assert bool((theirs["advantages"][rows[shifted], p1] == 0).all())  # whitened advantages: both masked there
     assert not torch.allclose(ours["advantages"], theirs["advantages"], atol=1e-3)  # the difference is real
@@ -424,19 +511,30 @@ def test_pad_equals_eos(world, name):
     # TRL's score: the reward model at the token before the eos, not attending the eos
     penalty = r["ppo"]["missing_eos_penalty"] or 0.0
     trl_scores_model = sequence_scores(models["reward"], queries, query_mask, responses, trl_mask, trl_last)
-    close(f"TRL score = reward at last-1 (model) [{name}]", trl_scores_model - penalty * (~has_stop).float(),
-          r["frame_scores"], ATOL_MODEL)
-    ours_scores, ours_values = score_rollout(Rollout(queries, query_mask, responses, mask, last, None, None, has_stop),
-                                             models["value"], models["reward"],
-                                             missing_eos_penalty=r["ppo"]["missing_eos_penalty"])
+    close(
+        f"TRL score = reward at last-1 (model) [{name}]",
+        trl_scores_model - penalty * (~has_stop).float(),
+        r["frame_scores"],
+        ATOL_MODEL,
+    )
+    ours_scores, ours_values = score_rollout(
+        Rollout(queries, query_mask, responses, mask, last, None, None, has_stop),
+        models["value"],
+        models["reward"],
+        missing_eos_penalty=r["ppo"]["missing_eos_penalty"],
+    )
     close(f"scores of unstopped rows (model) [{name}]", ours_scores[~stopped], r["frame_scores"][~stopped], ATOL_MODEL)
     assert not torch.allclose(ours_scores[stopped], r["frame_scores"][stopped], atol=1e-3)
     # TRL's values are kept to sequence_lengths + 1 = s: exactly our values, on our mask
     close(f"values (model) [{name}]", ours_values, r["frame_values"], ATOL_MODEL)
 
     # TRL's rewards, advantages and returns == ours composed TRL's way with last = s - 1
-    logprobs, ref_logprobs, values, scores = (r["frame_logprobs"], r["frame_ref_logprobs"], r["frame_values"],
-                                              r["frame_scores"])
+    logprobs, ref_logprobs, values, scores = (
+        r["frame_logprobs"],
+        r["frame_ref_logprobs"],
+        r["frame_values"],
+        r["frame_scores"],
+    )
     theirs = trl_outputs(r)
     moved = trl_way(r, logprobs, ref_logprobs, values, scores, trl_mask, trl_last)
     for key in ("raw_rewards", "rewards", "raw_advantages", "advantages", "returns"):
@@ -491,34 +589,79 @@ def test_train_ppo_end_to_end(world, name, monkeypatch, tmp_path):
             out = fn(*args, **kwargs)
             record(out, *args, **kwargs)
             return out
+
         return wrapper
 
     def on_whiten(out, x, mask, shift_mean=True, all_reduce=None):
         rec["whitened_advantages" if shift_mean else "whitened_rewards"] = out * mask
 
     monkeypatch.setattr(rollout_module, "generate", generate)
-    monkeypatch.setattr(ppo_module, "collect_rollout", recording(
-        ppo_module.collect_rollout, lambda out, *a, **k: rec.update(rollout=out)))
-    monkeypatch.setattr(ppo_module, "score_rollout", recording(
-        ppo_module.score_rollout, lambda out, *a, **k: rec.update(scores=out[0], values=out[1])))
-    monkeypatch.setattr(ppo_module, "kl_penalized_rewards", recording(
-        ppo_module.kl_penalized_rewards,
-        lambda out, scores, kl, mask, last, coef: rec.update(kl=kl, raw_rewards=out[0], non_score=out[1], kl_coef=coef)))
-    monkeypatch.setattr(ppo_module, "compute_gae", recording(
-        ppo_module.compute_gae,
-        lambda out, rewards, values, mask, gamma, lam: rec.update(gae_rewards=rewards, raw_advantages=out[0],
-                                                                  returns=out[1], gae=(gamma, lam))))
+    monkeypatch.setattr(
+        ppo_module,
+        "collect_rollout",
+        recording(ppo_module.collect_rollout, lambda out, *a, **k: rec.update(rollout=out)),
+    )
+    monkeypatch.setattr(
+        ppo_module,
+        "score_rollout",
+        recording(ppo_module.score_rollout, lambda out, *a, **k: rec.update(scores=out[0], values=out[1])),
+    )
+    monkeypatch.setattr(
+        ppo_module,
+        "kl_penalized_rewards",
+        recording(
+            ppo_module.kl_penalized_rewards,
+            lambda out, scores, kl, mask, last, coef: rec.update(
+                kl=kl, raw_rewards=out[0], non_score=out[1], kl_coef=coef
+            ),
+        ),
+    )
+    monkeypatch.setattr(
+        ppo_module,
+        "compute_gae",
+        recording(
+            ppo_module.compute_gae,
+            lambda out, rewards, values, mask, gamma, lam: rec.update(
+                gae_rewards=rewards, raw_advantages=out[0], returns=out[1], gae=(gamma, lam)
+            ),
+        ),
+    )
     monkeypatch.setattr(ppo_module, "masked_whiten", recording(ppo_module.masked_whiten, on_whiten))
 
-    rl = RLConfig(total_steps=1, batch_size=BATCH, response_length=RESPONSE_LENGTH, learning_rate=1e-3,
-                  temperature=ppo["temperature"] + 1e-7, stop_token="eos", missing_eos_penalty=ppo["missing_eos_penalty"],
-                  save_steps=100, log_steps=1)
-    ppo_cfg = PPOConfig(kl_coef=ppo["kl_coef"], kl_estimator=ppo["kl_estimator"], gamma=ppo["gamma"], lam=ppo["lam"],
-                        whiten_rewards=ppo["whiten_rewards"], num_ppo_epochs=1, num_mini_batches=1)
-    train_ppo(copy.deepcopy(models["policy"]), copy.deepcopy(models["value"]), copy.deepcopy(models["ref"]),
-              copy.deepcopy(models["reward"]), build_tokenizer(r["pad"] == EOS), [prompt_text(p) for p in prompts],
-              rl, ppo_cfg, RunConfig(device="cpu", seed=0), max_prompt_length=16, output_dir=tmp_path / "ppo",
-              show_progress=False)
+    rl = RLConfig(
+        total_steps=1,
+        batch_size=BATCH,
+        response_length=RESPONSE_LENGTH,
+        learning_rate=1e-3,
+        temperature=ppo["temperature"] + 1e-7,
+        stop_token="eos",
+        missing_eos_penalty=ppo["missing_eos_penalty"],
+        save_steps=100,
+        log_steps=1,
+    )
+    ppo_cfg = PPOConfig(
+        kl_coef=ppo["kl_coef"],
+        kl_estimator=ppo["kl_estimator"],
+        gamma=ppo["gamma"],
+        lam=ppo["lam"],
+        whiten_rewards=ppo["whiten_rewards"],
+        num_ppo_epochs=1,
+        num_mini_batches=1,
+    )
+    train_ppo(
+        copy.deepcopy(models["policy"]),
+        copy.deepcopy(models["value"]),
+        copy.deepcopy(models["ref"]),
+        copy.deepcopy(models["reward"]),
+        build_tokenizer(r["pad"] == EOS),
+        [prompt_text(p) for p in prompts],
+        rl,
+        ppo_cfg,
+        RunConfig(device="cpu", seed=0),
+        max_prompt_length=16,
+        output_dir=tmp_path / "ppo",
+        show_progress=False,
+    )
 
     assert seen["pad"] == r["pad"] and seen["stops"] == (EOS,), seen
     assert rec["kl_coef"] == ppo["kl_coef"] and rec["gae"] == (ppo["gamma"], ppo["lam"])
@@ -529,32 +672,60 @@ def test_train_ppo_end_to_end(world, name, monkeypatch, tmp_path):
     assert torch.equal(has_stop, torch.tensor([s is not None for s in r["stops"]]))
     assert torch.equal(last, torch.tensor([RESPONSE_LENGTH - 1 if s is None else s for s in r["stops"]]))
     assert torch.equal(mask.sum(1), last + 1)  # the stop token is in our mask, pad == eos or not
-    got = {k: rec[k][order] for k in ("scores", "values", "kl", "non_score", "raw_rewards", "gae_rewards",
-                                      "raw_advantages", "whitened_advantages", "returns")}
+    got = {
+        k: rec[k][order]
+        for k in (
+            "scores",
+            "values",
+            "kl",
+            "non_score",
+            "raw_rewards",
+            "gae_rewards",
+            "raw_advantages",
+            "whitened_advantages",
+            "returns",
+        )
+    }
     logprobs, ref_logprobs = rollout.logprobs[order], rollout.ref_logprobs[order]
     assert ("whitened_rewards" in rec) == ppo["whiten_rewards"]
 
     # what train_ppo computed is our_math of its own inputs (and so the pieces the tests above pin to TRL)
     expected = our_math(r, logprobs, ref_logprobs, got["values"], got["scores"], mask, last)
-    for ours_key, key in (("kl", "kl"), ("non_score", "non_score"), ("raw_rewards", "raw_rewards"),
-                          ("gae_rewards", "rewards"), ("raw_advantages", "raw_advantages"),
-                          ("whitened_advantages", "advantages"), ("returns", "returns")):
+    for ours_key, key in (
+        ("kl", "kl"),
+        ("non_score", "non_score"),
+        ("raw_rewards", "raw_rewards"),
+        ("gae_rewards", "rewards"),
+        ("raw_advantages", "raw_advantages"),
+        ("whitened_advantages", "advantages"),
+        ("returns", "returns"),
+    ):
         close(f"train_ppo {ours_key} == our_math [{name}]", got[ours_key], expected[key])
 
     # its inputs are TRL's: log-probabilities on the tokens both count, scores and values where they agree
     trl_mask = (~r["frame_padding_mask"]).long()
     close(f"train_ppo logprobs (model) [{name}]", logprobs * trl_mask, r["frame_logprobs"] * trl_mask, ATOL_MODEL)
-    close(f"train_ppo ref_logprobs (model) [{name}]", ref_logprobs * trl_mask, r["frame_ref_logprobs"] * trl_mask,
-          ATOL_MODEL)
+    close(
+        f"train_ppo ref_logprobs (model) [{name}]",
+        ref_logprobs * trl_mask,
+        r["frame_ref_logprobs"] * trl_mask,
+        ATOL_MODEL,
+    )
     close(f"train_ppo values (model) [{name}]", got["values"], r["frame_values"] * mask, ATOL_MODEL)
     agree = ~has_stop if name.startswith("padeos") else torch.ones(BATCH, dtype=torch.bool)
     close(f"train_ppo scores (model) [{name}]", got["scores"][agree], r["frame_scores"][agree], ATOL_MODEL)
 
     if name.startswith("full"):  # nothing stops: train_ppo's tensors are TRL's
         theirs = trl_outputs(r)
-        for ours_key, key in (("kl", "kl"), ("non_score", "non_score"), ("raw_rewards", "raw_rewards"),
-                              ("gae_rewards", "rewards"), ("raw_advantages", "raw_advantages"),
-                              ("whitened_advantages", "advantages"), ("returns", "returns")):
+        for ours_key, key in (
+            ("kl", "kl"),
+            ("non_score", "non_score"),
+            ("raw_rewards", "raw_rewards"),
+            ("gae_rewards", "rewards"),
+            ("raw_advantages", "raw_advantages"),
+            ("whitened_advantages", "advantages"),
+            ("returns", "returns"),
+        ):
             close(f"train_ppo {ours_key} == TRL (model) [{name}]", got[ours_key], theirs[key], ATOL_MODEL)
     elif name.startswith("stop"):  # TRL's == train_ppo's inputs composed TRL's way (score on last + 1)
         moved = trl_way(r, logprobs, ref_logprobs, r["frame_values"], got["scores"], mask, last)

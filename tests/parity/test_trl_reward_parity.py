@@ -48,8 +48,17 @@ def build_reward_model(seed: int = 0):
     from transformers import LlamaConfig, LlamaForSequenceClassification
 
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                         intermediate_size=64, pad_token_id=PAD, eos_token_id=EOS, bos_token_id=None, num_labels=1)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+        pad_token_id=PAD,
+        eos_token_id=EOS,
+        bos_token_id=None,
+        num_labels=1,
+    )
     return LlamaForSequenceClassification(config)
 
 
@@ -65,12 +74,21 @@ def make_trainer(tokenizer, tmp_path_factory):
     from trl import RewardConfig, RewardTrainer
 
     def make(rows, center_rewards_coefficient=None):
-        args = RewardConfig(output_dir=str(tmp_path_factory.mktemp("trl_reward")), use_cpu=True, bf16=False,
-                            report_to=[], per_device_train_batch_size=len(rows), gradient_checkpointing=False,
-                            max_length=MAX_LENGTH, center_rewards_coefficient=center_rewards_coefficient,
-                            save_strategy="no", disable_tqdm=True)
-        trainer = RewardTrainer(model=build_reward_model(), args=args, train_dataset=Dataset.from_list(rows),
-                                processing_class=tokenizer)
+        args = RewardConfig(
+            output_dir=str(tmp_path_factory.mktemp("trl_reward")),
+            use_cpu=True,
+            bf16=False,
+            report_to=[],
+            per_device_train_batch_size=len(rows),
+            gradient_checkpointing=False,
+            max_length=MAX_LENGTH,
+            center_rewards_coefficient=center_rewards_coefficient,
+            save_strategy="no",
+            disable_tqdm=True,
+        )
+        trainer = RewardTrainer(
+            model=build_reward_model(), args=args, train_dataset=Dataset.from_list(rows), processing_class=tokenizer
+        )
         trainer.model.train()
         return trainer
 
@@ -97,15 +115,18 @@ def test_tokenized_pairs_and_batches_match_trl(make_trainer, tokenizer, with_mar
 
     trl_batch = trainer.data_collator(theirs)
     our_batch = collate_pairs(ours, tokenizer.pad_token_id)
-    assert set(our_batch) == set(trl_batch) == ({"input_ids", "attention_mask"} | ({"margin"} if with_margin else set()))
+    assert (
+        set(our_batch) == set(trl_batch) == ({"input_ids", "attention_mask"} | ({"margin"} if with_margin else set()))
+    )
     for key in trl_batch:
         assert torch.equal(our_batch[key], trl_batch[key]), key
 
 
 @pytest.mark.parametrize("center_rewards_coefficient", [None, 0.01, 0.5])
 @pytest.mark.parametrize("with_margin", [True, False])
-def test_bradley_terry_loss_gradient_and_metrics_match_trl(make_trainer, tokenizer, with_margin,
-                                                           center_rewards_coefficient):
+def test_bradley_terry_loss_gradient_and_metrics_match_trl(
+    make_trainer, tokenizer, with_margin, center_rewards_coefficient
+):
     """TRL's `RewardTrainer.compute_loss` (chosen/rejected split of one forward, -logsigmoid of the
     difference minus the margin, + coef x mean((r_c + r_r)^2)) == `bradley_terry_loss` on
     `score_pairs` of the same batch: loss and every parameter's gradient (atol 1e-6, rtol 1e-5),
@@ -131,10 +152,10 @@ def test_bradley_terry_loss_gradient_and_metrics_match_trl(make_trainer, tokeniz
     torch.testing.assert_close(loss_ours.detach(), loss_trl.detach(), **TOL)
     assert grads_ours.keys() == grads_trl.keys() and len(grads_ours) == len(list(model.parameters()))
     for name in grads_trl:
-        torch.testing.assert_close(grads_ours[name], grads_trl[name], **TOL, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(grads_ours[name], grads_trl[name], **TOL, msg=lambda m, name=name: f"{name}: {m}")
     assert max(g.abs().max() for g in grads_trl.values()) > 1e-3
 
     stats = preference_stats(r_chosen.detach(), r_rejected.detach())
     for key in ("accuracy", "margin", "min_reward", "mean_reward", "max_reward"):
-        torch.testing.assert_close(stats[key].item(), metrics[key], **TOL, msg=lambda m: f"{key}: {m}")
+        torch.testing.assert_close(stats[key].item(), metrics[key], **TOL, msg=lambda m, key=key: f"{key}: {m}")
     assert 0 < stats["accuracy"] < 1  # both orders occur: the comparison is not one-sided

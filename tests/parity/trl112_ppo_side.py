@@ -47,14 +47,31 @@ import trl.experimental.ppo.ppo_trainer as ppo_mod  # noqa: E402
 from datasets import Dataset  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 from transformers import (  # noqa: E402
-    AutoModelForCausalLM, AutoModelForSequenceClassification, PreTrainedTokenizerFast,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    PreTrainedTokenizerFast,
 )
 from trl.experimental.ppo import PPOConfig, PPOTrainer  # noqa: E402
 
 FRAME_NAMES = (
-    "queries", "responses", "postprocessed_responses", "logprobs", "ref_logprobs", "values", "scores",
-    "sequence_lengths", "sequence_lengths_p1", "contain_eos_token", "padding_mask", "padding_mask_p1", "kl",
-    "non_score_reward", "rewards", "actual_end", "advantages", "returns",
+    "queries",
+    "responses",
+    "postprocessed_responses",
+    "logprobs",
+    "ref_logprobs",
+    "values",
+    "scores",
+    "sequence_lengths",
+    "sequence_lengths_p1",
+    "contain_eos_token",
+    "padding_mask",
+    "padding_mask_p1",
+    "kl",
+    "non_score_reward",
+    "rewards",
+    "actual_end",
+    "advantages",
+    "returns",
 )
 
 
@@ -72,7 +89,9 @@ def run_one(run: dict, models: dict, out_dir: Path) -> None:
     cfg = run["ppo"]
 
     captured: dict[str, torch.Tensor] = {}
-    originals = {name: getattr(ppo_mod, name) for name in ("batch_generation", "masked_whiten", "get_reward", "empty_cache")}
+    originals = {
+        name: getattr(ppo_mod, name) for name in ("batch_generation", "masked_whiten", "get_reward", "empty_cache")
+    }
 
     def batch_generation(model, queries, local_rollout_forward_batch_size, pad_token_id, generation_config):
         assert queries.shape[0] == batch, queries.shape
@@ -115,18 +134,40 @@ def run_one(run: dict, models: dict, out_dir: Path) -> None:
         ppo_mod.get_reward, ppo_mod.empty_cache = get_reward, empty_cache
         with tempfile.TemporaryDirectory() as tmp:
             args = PPOConfig(
-                output_dir=tmp, report_to="none", save_strategy="no", use_cpu=True, bf16=False, fp16=False,
-                gradient_checkpointing=False, disable_tqdm=True, seed=run.get("seed", 0),
-                per_device_train_batch_size=batch, gradient_accumulation_steps=1, num_mini_batches=1,
-                num_ppo_epochs=1, total_episodes=batch, num_sample_generations=0,
-                local_rollout_forward_batch_size=batch, response_length=fixed.shape[1], stop_token="eos",
-                temperature=cfg["temperature"], kl_coef=cfg["kl_coef"], kl_estimator=cfg["kl_estimator"],
-                whiten_rewards=cfg["whiten_rewards"], gamma=cfg["gamma"], lam=cfg["lam"],
+                output_dir=tmp,
+                report_to="none",
+                save_strategy="no",
+                use_cpu=True,
+                bf16=False,
+                fp16=False,
+                gradient_checkpointing=False,
+                disable_tqdm=True,
+                seed=run.get("seed", 0),
+                per_device_train_batch_size=batch,
+                gradient_accumulation_steps=1,
+                num_mini_batches=1,
+                num_ppo_epochs=1,
+                total_episodes=batch,
+                num_sample_generations=0,
+                local_rollout_forward_batch_size=batch,
+                response_length=fixed.shape[1],
+                stop_token="eos",
+                temperature=cfg["temperature"],
+                kl_coef=cfg["kl_coef"],
+                kl_estimator=cfg["kl_estimator"],
+                whiten_rewards=cfg["whiten_rewards"],
+                gamma=cfg["gamma"],
+                lam=cfg["lam"],
                 missing_eos_penalty=cfg["missing_eos_penalty"],
             )
             trainer = PPOTrainer(
-                args=args, processing_class=tokenizer, model=policy, ref_model=ref, reward_model=reward,
-                train_dataset=Dataset.from_dict({"input_ids": run["prompts"]}), value_model=value,
+                args=args,
+                processing_class=tokenizer,
+                model=policy,
+                ref_model=ref,
+                reward_model=reward,
+                train_dataset=Dataset.from_dict({"input_ids": run["prompts"]}),
+                value_model=value,
             )
             trainer.train()
     finally:
@@ -138,9 +179,13 @@ def run_one(run: dict, models: dict, out_dir: Path) -> None:
     tensors = {k: v.contiguous().cpu() for k, v in captured.items()}
     save_file(tensors, str(out_dir / f"{run['name']}.safetensors"))
     meta = {
-        "trl_version": trl.__version__, "trl_file": trl.__file__, "ppo_trainer_file": ppo_mod.__file__,
-        "stop_token_id": trainer.stop_token_id, "pad_token_id": tokenizer.pad_token_id,
-        "eos_token_id": tokenizer.eos_token_id, "args_temperature": args.temperature,
+        "trl_version": trl.__version__,
+        "trl_file": trl.__file__,
+        "ppo_trainer_file": ppo_mod.__file__,
+        "stop_token_id": trainer.stop_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "args_temperature": args.temperature,
     }
     (out_dir / f"{run['name']}.json").write_text(json.dumps(meta, indent=1))
 

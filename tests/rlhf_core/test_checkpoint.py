@@ -107,17 +107,30 @@ def reward_run(smoke_world, out, keep, on_log=None, accuracy=None):
         seen.append((step, path.is_dir(), sorted(p.name for p in out.glob("checkpoint-*"))))
 
     result = train_reward_model(
-        model, tokenizer, read_rows(smoke_world.preferences("train")), read_rows(smoke_world.preferences("test")),
-        settings, RunConfig(device="cpu", seed=3, keep_last_checkpoints=keep), max_length=40, output_dir=out,
-        card=CARD, on_log=on_log, on_checkpoint=on_checkpoint, show_progress=False,
-        on_eval=lambda m, s: accuracy.__setitem__(s, m["eval_accuracy"]) if accuracy is not None else None)
+        model,
+        tokenizer,
+        read_rows(smoke_world.preferences("train")),
+        read_rows(smoke_world.preferences("test")),
+        settings,
+        RunConfig(device="cpu", seed=3, keep_last_checkpoints=keep),
+        max_length=40,
+        output_dir=out,
+        card=CARD,
+        on_log=on_log,
+        on_checkpoint=on_checkpoint,
+        show_progress=False,
+        on_eval=lambda m, s: accuracy.__setitem__(s, m["eval_accuracy"]) if accuracy is not None else None,
+    )
     return result, seen
 
 
 def test_encode_decode_round_trips_nested_state():
-    state = {"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.randn(2, 3)}},
-             "param_groups": [{"lr": 0.1, "betas": (0.9, 0.999), "params": [0]}], "name": None,
-             "np": np.arange(3, dtype=np.uint32)}
+    state = {
+        "state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.randn(2, 3)}},
+        "param_groups": [{"lr": 0.1, "betas": (0.9, 0.999), "params": [0]}],
+        "name": None,
+        "np": np.arange(3, dtype=np.uint32),
+    }
     tensors = {}
     blob = json.loads(json.dumps(encode(state, tensors)))  # survives JSON
     back = decode(blob, tensors)
@@ -197,9 +210,19 @@ def test_reward_training_resumes_from_the_previous_good_checkpoint(tmp_path, smo
     def run():
         model = load_reward_model(str(smoke_world.base_model), tokenizer, seed=1)
         saved = []
-        result = train_reward_model(model, tokenizer, rows, eval_rows, settings, RunConfig(device="cpu", seed=3),
-                                    max_length=32, output_dir=out, card=CARD, show_progress=False,
-                                    on_checkpoint=lambda p, s: saved.append(s))
+        result = train_reward_model(
+            model,
+            tokenizer,
+            rows,
+            eval_rows,
+            settings,
+            RunConfig(device="cpu", seed=3),
+            max_length=32,
+            output_dir=out,
+            card=CARD,
+            show_progress=False,
+            on_checkpoint=lambda p, s: saved.append(s),
+        )
         return result, saved
 
     run()
@@ -225,8 +248,13 @@ def test_reward_training_resumes_from_the_previous_good_checkpoint(tmp_path, smo
 
 
 def test_selection_by_hand():
-    dirs = [(ck(2), {"acc": 0.5}), (ck(10), {"acc": 0.7}), (ck(4), {"acc": 0.9}), (ck(6), {"acc": 0.6}),
-            (ck(8), {"acc": 0.8})]
+    dirs = [
+        (ck(2), {"acc": 0.5}),
+        (ck(10), {"acc": 0.7}),
+        (ck(4), {"acc": 0.9}),
+        (ck(6), {"acc": 0.6}),
+        (ck(8), {"acc": 0.8}),
+    ]
     # newest two are 10 and 8; the best (0.9) is 4; deleted: 2 and 6, oldest first
     assert checkpoints_to_delete(dirs, 2, "acc") == [ck(2), ck(6)]
     # the best among the newest: nothing extra kept
@@ -245,8 +273,16 @@ def test_selection_by_hand():
 
 
 def test_selection_ignores_unusable_scores_and_breaks_ties_to_the_newer():
-    dirs = [(ck(1), {"acc": math.nan}), (ck(2), None), (ck(3), {"acc": "high"}), (ck(4), {"acc": True}),
-            (ck(5), {"acc": 0.3}), (ck(6), {"acc": 0.3}), (ck(7), {"acc": 0.1}), (P / "final", {"acc": 9.0})]
+    dirs = [
+        (ck(1), {"acc": math.nan}),
+        (ck(2), None),
+        (ck(3), {"acc": "high"}),
+        (ck(4), {"acc": True}),
+        (ck(5), {"acc": 0.3}),
+        (ck(6), {"acc": 0.3}),
+        (ck(7), {"acc": 0.1}),
+        (P / "final", {"acc": 9.0}),
+    ]
     # best is 0.3, tie between 5 and 6 goes to 6; newest is 7; names not checkpoint-N never come back
     assert checkpoints_to_delete(dirs, 1, "acc") == [ck(1), ck(2), ck(3), ck(4), ck(5)]
 
@@ -333,12 +369,22 @@ def test_ppo_keeps_the_newest_and_the_best_scoring_and_resumes(tmp_path, smoke_w
             if on_log is not None:
                 on_log(metrics, step)
 
-        return train_ppo(policy, value, ref, reward, tok, prompts,
-                         RLConfig(total_steps=steps, batch_size=4, learning_rate=3e-3, response_length=4, save_steps=1,
-                                  log_steps=1),
-                         PPOConfig(num_ppo_epochs=1, num_mini_batches=1), RunConfig(device="cpu", seed=5, keep_last_checkpoints=1),
-                         max_prompt_length=12, output_dir=out, on_log=log, show_progress=False,
-                         on_checkpoint=lambda p, s: seen.append((s, p.is_dir())))
+        return train_ppo(
+            policy,
+            value,
+            ref,
+            reward,
+            tok,
+            prompts,
+            RLConfig(total_steps=steps, batch_size=4, learning_rate=3e-3, response_length=4, save_steps=1, log_steps=1),
+            PPOConfig(num_ppo_epochs=1, num_mini_batches=1),
+            RunConfig(device="cpu", seed=5, keep_last_checkpoints=1),
+            max_prompt_length=12,
+            output_dir=out,
+            on_log=log,
+            show_progress=False,
+            on_checkpoint=lambda p, s: seen.append((s, p.is_dir())),
+        )
 
     def crash(metrics, step):
         if step == 4:

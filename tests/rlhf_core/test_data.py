@@ -81,7 +81,10 @@ def test_bad_rows_name_file_row_and_column(tmp_path, row, message):
 
 def test_missing_column_names_the_columns_and_the_config_field(tmp_path):
     path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "p", "chosen": "a"}])
-    with pytest.raises(DataValidationError, match=r"has no column `rejected` \(columns are \['prompt', 'chosen'\]\); map it with data.preference.columns"):
+    with pytest.raises(
+        DataValidationError,
+        match=r"has no column `rejected` \(columns are \['prompt', 'chosen'\]\); map it with data.preference.columns",
+    ):
         load(path)
 
 
@@ -126,13 +129,19 @@ def test_length_policy_counts_truncates_and_drops(tmp_path, smoke_world):
     tokenizer = load_tokenizer(str(smoke_world.tokenizer))
     rows = GOOD + [{"prompt": "the food was", "chosen": " great" * 30 + " .", "rejected": " awful ."}]
     ds = load(write_jsonl(tmp_path / "p.jsonl", rows))
-    kept, report = apply_length_policy(ds, "preference", tokenizer, max_length=10, max_prompt_length=4, action="truncate")
+    kept, report = apply_length_policy(
+        ds, "preference", tokenizer, max_length=10, max_prompt_length=4, action="truncate"
+    )
     assert (report.rows, report.overlong, report.kept, len(kept)) == (4, 1, 4, 4)
     assert "1 of 4 rows exceed the length limit and will be truncated" in report.sentence("p.jsonl")
     kept, report = apply_length_policy(ds, "preference", tokenizer, max_length=10, max_prompt_length=4, action="drop")
     assert (report.overlong, report.kept, len(kept)) == (1, 3, 3)
     assert "great great" not in " ".join(kept["chosen"])
-    prompts = load_table(DatasetSpec(path=str(write_jsonl(tmp_path / "q.jsonl", [{"prompt": "a b"}, {"prompt": "a b c d e f"}]))), "prompt", field="x")
+    prompts = load_table(
+        DatasetSpec(path=str(write_jsonl(tmp_path / "q.jsonl", [{"prompt": "a b"}, {"prompt": "a b c d e f"}]))),
+        "prompt",
+        field="x",
+    )
     _, report = apply_length_policy(prompts, "prompt", tokenizer, max_length=10, max_prompt_length=4, action="drop")
     assert report.overlong == 1  # bos + 6 words > 4
 
@@ -147,7 +156,11 @@ def test_fingerprint_depends_on_content_only(tmp_path):
 
 def test_hub_dataset_names_go_to_the_hub_and_fail_in_one_sentence_offline():
     with pytest.raises(DataValidationError) as err:
-        load_table(DatasetSpec(path="no-such-org/no-such-dataset", split="train"), "preference", field="data.preference")
+        load_table(
+            DatasetSpec(path="no-such-org/no-such-dataset", split="train"), "preference", field="data.preference"
+        )
     message = str(err.value)
-    assert message.startswith("data.preference.path: hub dataset 'no-such-org/no-such-dataset' (split 'train') could not be loaded")
+    assert message.startswith(
+        "data.preference.path: hub dataset 'no-such-org/no-such-dataset' (split 'train') could not be loaded"
+    )
     assert "\n" not in message

@@ -13,12 +13,14 @@ from rlhf_core.config import DemoModelConfig, DemoWorldConfig
 from rlhf_core.demo_world import NEUTRAL_WORDS, build_demo_world, load_vader_lexicon
 from rlhf_core.reward_functions import vader_compound
 
-SMALL = DemoWorldConfig(num_sentences=120, num_preference_pairs=40, num_eval_preference_pairs=10,
-                        num_train_prompts=30, num_eval_prompts=10)
+SMALL = DemoWorldConfig(
+    num_sentences=120, num_preference_pairs=40, num_eval_preference_pairs=10, num_train_prompts=30, num_eval_prompts=10
+)
 
 
-TINY = DemoModelConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
-                       max_position_embeddings=64)
+TINY = DemoModelConfig(
+    hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, max_position_embeddings=64
+)
 
 
 def read_jsonl(path):
@@ -31,8 +33,13 @@ def test_same_seed_same_files_other_seed_other_files(tmp_path):
     c = build_demo_world(tmp_path / "c", 4, SMALL, TINY)
     files_a = json.loads(a.manifest.read_text())["files"]
     assert files_a == json.loads(b.manifest.read_text())["files"]
-    assert {"corpus.jsonl", "tokenizer/tokenizer.json", "base_model/model.safetensors",
-            "preferences/train.jsonl", "prompts/test.jsonl"} <= set(files_a)
+    assert {
+        "corpus.jsonl",
+        "tokenizer/tokenizer.json",
+        "base_model/model.safetensors",
+        "preferences/train.jsonl",
+        "prompts/test.jsonl",
+    } <= set(files_a)
     assert files_a["corpus.jsonl"] != json.loads(c.manifest.read_text())["files"]["corpus.jsonl"]
 
 

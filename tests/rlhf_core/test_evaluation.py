@@ -9,8 +9,10 @@ from rlhf_core.models import load_causal_lm, load_tokenizer
 
 
 def test_summary_means_every_numeric_column_skipping_missing_values():
-    rows = [{"prompt": "a", "score": 1.0, "kl": None, "length": 2, "ok": True},
-            {"prompt": "b", "score": 3.0, "kl": 0.5, "length": 4, "ok": False}]
+    rows = [
+        {"prompt": "a", "score": 1.0, "kl": None, "length": 2, "ok": True},
+        {"prompt": "b", "score": 3.0, "kl": 0.5, "length": 4, "ok": False},
+    ]
     assert summarize_rows(rows) == {"eval/score_mean": 2.0, "eval/length_mean": 3.0}  # kl: None in the first row
     assert summarize_rows([]) == {}
 
@@ -19,8 +21,17 @@ def test_rows_hold_prompt_completion_length_and_the_metric_functions(smoke_world
     tok = load_tokenizer(str(smoke_world.tokenizer))
     policy = load_causal_lm(str(smoke_world.base_model))
     prompts = ["the movie was", "i think the food"]
-    rows = evaluate_generations(policy, None, None, tok, prompts, response_length=4, max_prompt_length=16,
-                                batch_size=1, metrics={"chars": lambda prompts, completions, **_: [float(len(c)) for c in completions]})
+    rows = evaluate_generations(
+        policy,
+        None,
+        None,
+        tok,
+        prompts,
+        response_length=4,
+        max_prompt_length=16,
+        batch_size=1,
+        metrics={"chars": lambda prompts, completions, **_: [float(len(c)) for c in completions]},
+    )
     assert [r["prompt"] for r in rows] == prompts
     for row in rows:
         assert 0 < row["length"] <= 4 and row["chars"] == float(len(row["completion"])) and "kl" not in row

@@ -11,9 +11,16 @@ from rlhf_core.model_card import read_front_matter
 from rlhf_core.models import load_causal_lm, load_tokenizer
 from rlhf_core.saving import save_hf_dir
 
-INFO = ExportInfo(algorithm="ppo", steps=60, base_model="models:/demo-policy/1", reward_model="models:/demo-reward-model/2",
-                  datasets=["prefs.jsonl", "prompts.jsonl"], eval_metrics={"eval/vader_compound_mean": 0.5, "eval/kl_mean": 5.7},
-                  hyperparameters={"rl.learning_rate": 0.002}, model_name="demo-policy")
+INFO = ExportInfo(
+    algorithm="ppo",
+    steps=60,
+    base_model="models:/demo-policy/1",
+    reward_model="models:/demo-reward-model/2",
+    datasets=["prefs.jsonl", "prompts.jsonl"],
+    eval_metrics={"eval/vader_compound_mean": 0.5, "eval/kl_mean": 5.7},
+    hyperparameters={"rl.learning_rate": 0.002},
+    model_name="demo-policy",
+)
 
 
 def generation(tok):
@@ -48,7 +55,10 @@ def test_full_export_holds_the_policy_only_with_card_and_generation_config(polic
     assert saved <= set(model.state_dict()) and not any("score" in n or "value" in n for n in saved)
     card = read_front_matter(out / "README.md")
     assert card["base_model"] == "models:/demo-policy/1" and card["tags"] == ["rlhf", "ppo"]
-    assert card["reward_model"] == "models:/demo-reward-model/2" and card["datasets"] == ["prefs.jsonl", "prompts.jsonl"]
+    assert card["reward_model"] == "models:/demo-reward-model/2" and card["datasets"] == [
+        "prefs.jsonl",
+        "prompts.jsonl",
+    ]
     assert card["eval_results"]["eval/vader_compound_mean"] == 0.5
     body = (out / "README.md").read_text()
     assert "AutoModelForCausalLM.from_pretrained" in body and "60 steps" in body
@@ -64,7 +74,9 @@ def lora_policy_dir(smoke_world, tmp_path):
     from peft import LoraConfig, TaskType, get_peft_model
 
     base, tok = load_causal_lm(str(smoke_world.base_model)), load_tokenizer(str(smoke_world.tokenizer))
-    model = get_peft_model(base, LoraConfig(task_type=TaskType.CAUSAL_LM, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    model = get_peft_model(
+        base, LoraConfig(task_type=TaskType.CAUSAL_LM, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    )
     with torch.no_grad():  # a trained adapter: B is zero at initialization, which would hide a missing merge
         for name, param in model.named_parameters():
             if "lora_B" in name:
@@ -81,7 +93,9 @@ def test_lora_export_is_an_adapter_that_loads_on_its_base(lora_policy_dir, tmp_p
     names = {p.name for p in out.iterdir()}
     assert {"adapter_config.json", "adapter_model.safetensors", "generation_config.json", "README.md"} <= names
     assert "model.safetensors" not in names
-    assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == str(smoke_world.base_model)
+    assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == str(
+        smoke_world.base_model
+    )
     assert read_front_matter(out / "README.md")["tags"] == ["rlhf", "ppo", "lora"]
     expected = greedy(model, tok)
     assert torch.equal(greedy(AutoPeftModelForCausalLM.from_pretrained(str(out)), tok), expected)

@@ -52,16 +52,22 @@ def test_token_loss_clips_asymmetrically():
     k3 = torch.expm1(ref - new) - (ref - new)
     torch.testing.assert_close(with_kl, loss + 0.1 * k3)
     # TRL 1.16's default: the KL term times the importance ratio (1.5 and 0.5 here)
-    corrected, _ = grpo_token_loss(new, old, adv, mask, plain_kl.model_copy(update={"use_bias_correction_kl": True}), ref_logp=ref)
+    corrected, _ = grpo_token_loss(
+        new, old, adv, mask, plain_kl.model_copy(update={"use_bias_correction_kl": True}), ref_logp=ref
+    )
     torch.testing.assert_close(corrected, loss + 0.1 * k3 * torch.tensor([[1.5], [0.5]]))
 
 
 def test_each_loss_type_normalizes_as_its_paper():
     per_token = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]])
     mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
-    assert reduce_loss(per_token, mask, "grpo", max_completion_length=3, total_tokens=8).item() == pytest.approx((2.0 + 4.0) / 2)
+    assert reduce_loss(per_token, mask, "grpo", max_completion_length=3, total_tokens=8).item() == pytest.approx(
+        (2.0 + 4.0) / 2
+    )
     assert reduce_loss(per_token, mask, "bnpo", max_completion_length=3, total_tokens=8).item() == pytest.approx(10 / 4)
-    assert reduce_loss(per_token, mask, "dr_grpo", max_completion_length=3, total_tokens=8).item() == pytest.approx(10 / 6)
+    assert reduce_loss(per_token, mask, "dr_grpo", max_completion_length=3, total_tokens=8).item() == pytest.approx(
+        10 / 6
+    )
     assert reduce_loss(per_token, mask, "dapo", max_completion_length=3, total_tokens=8).item() == pytest.approx(10 / 8)
 
 
@@ -73,8 +79,12 @@ def test_bad_reward_functions_are_named():
     not_number = function_reward("text", 1.0, lambda prompts, completions, **kw: ["good", 1.0])
     with pytest.raises(RewardFunctionError, match=r"reward function text returned 'good' \(a str\) for completion 0"):
         not_number.score(["a", "b"], ["x", "y"], rollout, [{"prompt": "a"}, {"prompt": "b"}])
-    columns = function_reward("cols", 1.0, lambda prompts, completions, answer, **kw: [float(a == c) for a, c in zip(answer, completions)])
-    assert columns.score(["a", "b"], ["x", "y"], rollout, [{"prompt": "a", "answer": "x"}, {"prompt": "b", "answer": "z"}]) == [1.0, 0.0]
+    columns = function_reward(
+        "cols", 1.0, lambda prompts, completions, answer, **kw: [float(a == c) for a, c in zip(answer, completions)]
+    )
+    assert columns.score(
+        ["a", "b"], ["x", "y"], rollout, [{"prompt": "a", "answer": "x"}, {"prompt": "b", "answer": "z"}]
+    ) == [1.0, 0.0]
 
 
 def setup(world):
@@ -114,10 +124,22 @@ def run(world, out, steps=4, on_log=None, grpo=None, **rl):
         if on_log:
             on_log(metrics, step)
 
-    result = train_grpo(policy, None, [make_reward(tok)], tok, prompt_rows(world), RLConfig(total_steps=steps, algorithm="grpo", **{**RL, **rl}),
-                        grpo or GRPOConfig(num_generations=4, log_completions_steps=2), RunConfig(device="cpu", seed=5),
-                        max_prompt_length=12, output_dir=out, on_log=log, on_checkpoint=lambda p, s: ckpts.append(s),
-                        on_completions=lambda rows, s: completions.append((s, rows)), show_progress=False)
+    result = train_grpo(
+        policy,
+        None,
+        [make_reward(tok)],
+        tok,
+        prompt_rows(world),
+        RLConfig(total_steps=steps, algorithm="grpo", **{**RL, **rl}),
+        grpo or GRPOConfig(num_generations=4, log_completions_steps=2),
+        RunConfig(device="cpu", seed=5),
+        max_prompt_length=12,
+        output_dir=out,
+        on_log=log,
+        on_checkpoint=lambda p, s: ckpts.append(s),
+        on_completions=lambda rows, s: completions.append((s, rows)),
+        show_progress=False,
+    )
     return policy, result, logs, ckpts, completions
 
 
@@ -128,23 +150,45 @@ def test_short_run_changes_parameters_logs_trl_metrics_and_completions(tmp_path,
     for name, param in policy.named_parameters():
         assert not torch.equal(before_params[name], param), f"{name} did not change"
     names = set(logs[-1][1])
-    assert {"reward", "reward_std", "rewards/high_ids/mean", "rewards/high_ids/std", "frac_reward_zero_std",
-            "completions/mean_length", "completions/clipped_ratio", "entropy", "clip_ratio/region_mean",
-            "perf/step_seconds"} <= names
+    assert {
+        "reward",
+        "reward_std",
+        "rewards/high_ids/mean",
+        "rewards/high_ids/std",
+        "frac_reward_zero_std",
+        "completions/mean_length",
+        "completions/clipped_ratio",
+        "entropy",
+        "clip_ratio/region_mean",
+        "perf/step_seconds",
+    } <= names
     assert "kl" not in names  # beta 0: no reference at all
     assert ckpts == [2, 4] and not (result.checkpoint / "value").exists()
     assert [s for s, _ in completions] == [2, 4]
     row = completions[0][1][0]
-    assert set(row) == {"step", "prompt", "completion", "advantage", "reward", "high_ids"} and len(completions[0][1]) == 16
+    assert (
+        set(row) == {"step", "prompt", "completion", "advantage", "reward", "high_ids"} and len(completions[0][1]) == 16
+    )
 
 
 def test_beta_uses_a_reference_and_logs_kl(tmp_path, smoke_world):
     tok, policy = setup(smoke_world)
     ref = load_causal_lm(str(smoke_world.base_model))
     logs = []
-    train_grpo(policy, ref, [make_reward(tok)], tok, prompt_rows(smoke_world), RLConfig(total_steps=2, algorithm="grpo", **RL),
-               GRPOConfig(num_generations=4, beta=0.04, loss_type="grpo", num_iterations=2), RunConfig(device="cpu", seed=5),
-               max_prompt_length=12, output_dir=tmp_path / "b", on_log=lambda m, s: logs.append(m), show_progress=False)
+    train_grpo(
+        policy,
+        ref,
+        [make_reward(tok)],
+        tok,
+        prompt_rows(smoke_world),
+        RLConfig(total_steps=2, algorithm="grpo", **RL),
+        GRPOConfig(num_generations=4, beta=0.04, loss_type="grpo", num_iterations=2),
+        RunConfig(device="cpu", seed=5),
+        max_prompt_length=12,
+        output_dir=tmp_path / "b",
+        on_log=lambda m, s: logs.append(m),
+        show_progress=False,
+    )
     assert "kl" in logs[-1] and logs[-1]["kl"] >= 0
 
 
@@ -165,8 +209,17 @@ def test_resume_after_a_crash_matches(tmp_path, smoke_world):
 
 @pytest.mark.slow
 def test_reward_rises_with_an_easy_callable_reward(tmp_path, smoke_world):
-    _, _, logs, _, _ = run(smoke_world, tmp_path / "learn", steps=30, batch_size=32, response_length=8, learning_rate=1e-2,
-                           lr_scheduler="constant", save_steps=100, grpo=GRPOConfig(num_generations=8, log_completions_steps=100))
+    _, _, logs, _, _ = run(
+        smoke_world,
+        tmp_path / "learn",
+        steps=30,
+        batch_size=32,
+        response_length=8,
+        learning_rate=1e-2,
+        lr_scheduler="constant",
+        save_steps=100,
+        grpo=GRPOConfig(num_generations=8, log_completions_steps=100),
+    )
     rewards = [m["reward"] for _, m in logs]
     first, last = sum(rewards[:4]) / 4, sum(rewards[-4:]) / 4
     assert last > first + 0.1, f"reward did not rise: {rewards}"
@@ -194,8 +247,9 @@ def test_batch_scale_and_the_missing_stop_penalty_come_before_group_statistics()
     out = grpo_advantages(per_source, torch.ones(1), 2, scale_rewards="batch")
     batch_std = torch.tensor([1.0, 3.0, 4.0]).std().item()  # the scorable rows only
     torch.testing.assert_close(out.advantages, torch.tensor([-1.0, 1.0, 0.0, 0.0]) / (batch_std + 1e-4))
-    penalized = grpo_advantages(torch.tensor([[1.0], [1.0]]), torch.ones(1), 2, scale_rewards="none",
-                                penalty=torch.tensor([0.0, 2.0]))  # the second never stopped
+    penalized = grpo_advantages(
+        torch.tensor([[1.0], [1.0]]), torch.ones(1), 2, scale_rewards="none", penalty=torch.tensor([0.0, 2.0])
+    )  # the second never stopped
     assert penalized.rewards.tolist() == [1.0, -1.0] and penalized.advantages.tolist() == [1.0, -1.0]
 
 
@@ -234,8 +288,13 @@ def test_cispo_sapo_delta_and_sequence_level_by_hand():
     assert plain.item() == pytest.approx(3.0) and capped.item() == pytest.approx(2.0)
     # GSPO: one ratio per sequence, exp of the mean log ratio over its real tokens
     logp, old2 = torch.tensor([[0.2, 0.4, 9.0]]), torch.zeros(1, 3)
-    seq, _ = grpo_token_loss(logp, old2, torch.tensor([1.0]), torch.tensor([[1, 1, 0]]),
-                             GRPOConfig(importance_sampling_level="sequence", epsilon=0.5))
+    seq, _ = grpo_token_loss(
+        logp,
+        old2,
+        torch.tensor([1.0]),
+        torch.tensor([[1, 1, 0]]),
+        GRPOConfig(importance_sampling_level="sequence", epsilon=0.5),
+    )
     assert seq.shape == (1, 1) and seq.item() == pytest.approx(-math.exp(0.3))
 
 
@@ -247,8 +306,15 @@ def test_high_entropy_mask_keeps_the_top_quantile_of_real_tokens():
     assert keep.tolist() == [[False, False, True], [False, True, False]]
     # the mask multiplies the policy term only; the KL term still counts on every token
     logp, ref = torch.zeros(1, 2), torch.tensor([[-0.5, -0.5]])
-    per_token, _ = grpo_token_loss(logp, logp, torch.tensor([1.0]), torch.ones(1, 2), GRPOConfig(beta=0.1), ref_logp=ref,
-                                   entropy_mask=torch.tensor([[1.0, 0.0]]))
+    per_token, _ = grpo_token_loss(
+        logp,
+        logp,
+        torch.tensor([1.0]),
+        torch.ones(1, 2),
+        GRPOConfig(beta=0.1),
+        ref_logp=ref,
+        entropy_mask=torch.tensor([[1.0, 0.0]]),
+    )
     k3 = math.exp(-0.5) + 0.5 - 1
     torch.testing.assert_close(per_token, torch.tensor([[-1.0 + 0.1 * k3, 0.1 * k3]]))
 
@@ -267,10 +333,18 @@ def test_steps_per_generation_feeds_several_optimizer_steps_from_one_generation(
 
     rollouts, steps = [], []
     real_collect, real_step = grpo_module.collect_rollout, TrainingLoop.optimizer_step
-    monkeypatch.setattr(grpo_module, "collect_rollout", lambda *a, **k: rollouts.append(real_collect(*a, **k)) or rollouts[-1])
+    monkeypatch.setattr(
+        grpo_module, "collect_rollout", lambda *a, **k: rollouts.append(real_collect(*a, **k)) or rollouts[-1]
+    )
     monkeypatch.setattr(TrainingLoop, "optimizer_step", lambda self: steps.append(self.step) or real_step(self))
-    run(smoke_world, tmp_path / "spg", steps=2, batch_size=16, gradient_accumulation_steps=2,
-        grpo=GRPOConfig(num_generations=4, steps_per_generation=4, num_iterations=2))
+    run(
+        smoke_world,
+        tmp_path / "spg",
+        steps=2,
+        batch_size=16,
+        gradient_accumulation_steps=2,
+        grpo=GRPOConfig(num_generations=4, steps_per_generation=4, num_iterations=2),
+    )
     # 16 completions per generation (2 optimizer batches of 8), each batch used twice: 4 optimizer steps per generation
     assert [r.responses.shape[0] for r in rollouts] == [16, 16] and steps == [0, 0, 0, 0, 1, 1, 1, 1]
     assert all(r.logprobs is not None for r in rollouts)  # off-policy steps need the sampling-time log-probabilities
@@ -279,9 +353,21 @@ def test_steps_per_generation_feeds_several_optimizer_steps_from_one_generation(
 def test_sync_ref_model_moves_the_reference_and_saves_it(tmp_path, smoke_world):
     tok, policy = setup(smoke_world)
     ref = load_causal_lm(str(smoke_world.base_model))
-    result = train_grpo(policy, ref, [make_reward(tok)], tok, prompt_rows(smoke_world), RLConfig(total_steps=2, algorithm="grpo", **RL),
-                        GRPOConfig(num_generations=4, beta=0.04, sync_ref_model=True, ref_model_mixup_alpha=1.0, ref_model_sync_steps=1),
-                        RunConfig(device="cpu", seed=5), max_prompt_length=12, output_dir=tmp_path / "sync", show_progress=False)
+    result = train_grpo(
+        policy,
+        ref,
+        [make_reward(tok)],
+        tok,
+        prompt_rows(smoke_world),
+        RLConfig(total_steps=2, algorithm="grpo", **RL),
+        GRPOConfig(
+            num_generations=4, beta=0.04, sync_ref_model=True, ref_model_mixup_alpha=1.0, ref_model_sync_steps=1
+        ),
+        RunConfig(device="cpu", seed=5),
+        max_prompt_length=12,
+        output_dir=tmp_path / "sync",
+        show_progress=False,
+    )
     for (name, a), (_, b) in zip(policy.named_parameters(), ref.named_parameters()):
         torch.testing.assert_close(a, b, msg=f"alpha 1 after every step: the reference is the policy ({name})")
     assert (result.checkpoint / "ref" / "model.safetensors").is_file()  # a resume restores the moved reference
@@ -290,17 +376,43 @@ def test_sync_ref_model_moves_the_reference_and_saves_it(tmp_path, smoke_world):
 def test_unscorable_completions_are_counted_and_non_finite_rewards_stop_the_step(tmp_path, smoke_world):
     tok, policy = setup(smoke_world)
     logs = []
-    every_other = function_reward("every_other", 1.0, lambda prompts, completions, **_: [None if i % 2 else float(len(c))
-                                                                                        for i, c in enumerate(completions)])
-    train_grpo(policy, None, [every_other], tok, prompt_rows(smoke_world), RLConfig(total_steps=1, algorithm="grpo", **RL),
-               GRPOConfig(num_generations=4), RunConfig(device="cpu", seed=5), max_prompt_length=12,
-               output_dir=tmp_path / "none", on_log=lambda m, s: logs.append(m), show_progress=False)
+    every_other = function_reward(
+        "every_other",
+        1.0,
+        lambda prompts, completions, **_: [None if i % 2 else float(len(c)) for i, c in enumerate(completions)],
+    )
+    train_grpo(
+        policy,
+        None,
+        [every_other],
+        tok,
+        prompt_rows(smoke_world),
+        RLConfig(total_steps=1, algorithm="grpo", **RL),
+        GRPOConfig(num_generations=4),
+        RunConfig(device="cpu", seed=5),
+        max_prompt_length=12,
+        output_dir=tmp_path / "none",
+        on_log=lambda m, s: logs.append(m),
+        show_progress=False,
+    )
     assert logs[0]["rewards/num_unscorable"] == 8.0 and math.isfinite(logs[0]["reward"])
-    broken = function_reward("broken", 1.0, lambda prompts, completions, **_: [1.0] * 3 + [float("inf")] + [0.0] * (len(completions) - 4))
+    broken = function_reward(
+        "broken", 1.0, lambda prompts, completions, **_: [1.0] * 3 + [float("inf")] + [0.0] * (len(completions) - 4)
+    )
     with pytest.raises(RewardFunctionError, match="reward function broken returned inf for completion 3"):
-        train_grpo(policy, None, [broken], tok, prompt_rows(smoke_world), RLConfig(total_steps=1, algorithm="grpo", **RL),
-                   GRPOConfig(num_generations=4), RunConfig(device="cpu", seed=5), max_prompt_length=12,
-                   output_dir=tmp_path / "inf", show_progress=False)
+        train_grpo(
+            policy,
+            None,
+            [broken],
+            tok,
+            prompt_rows(smoke_world),
+            RLConfig(total_steps=1, algorithm="grpo", **RL),
+            GRPOConfig(num_generations=4),
+            RunConfig(device="cpu", seed=5),
+            max_prompt_length=12,
+            output_dir=tmp_path / "inf",
+            show_progress=False,
+        )
     assert not list((tmp_path / "inf").glob("checkpoint-*"))
 
 
@@ -308,10 +420,20 @@ def test_grpo_subtracts_the_missing_stop_penalty(tmp_path, smoke_world):
     tok, policy = setup(smoke_world)
     logs = []
     zero = function_reward("zero", 1.0, lambda prompts, completions, **_: [0.0] * len(completions))
-    train_grpo(policy, None, [zero], tok, prompt_rows(smoke_world),
-               RLConfig(total_steps=2, algorithm="grpo", missing_eos_penalty=2.0, **RL), GRPOConfig(num_generations=4),
-               RunConfig(device="cpu", seed=5), max_prompt_length=12, output_dir=tmp_path / "pen",
-               on_log=lambda m, s: logs.append(m), show_progress=False)
+    train_grpo(
+        policy,
+        None,
+        [zero],
+        tok,
+        prompt_rows(smoke_world),
+        RLConfig(total_steps=2, algorithm="grpo", missing_eos_penalty=2.0, **RL),
+        GRPOConfig(num_generations=4),
+        RunConfig(device="cpu", seed=5),
+        max_prompt_length=12,
+        output_dir=tmp_path / "pen",
+        on_log=lambda m, s: logs.append(m),
+        show_progress=False,
+    )
     for metrics in logs:
         assert 0 < metrics["completions/clipped_ratio"] <= 1
         assert metrics["reward"] == pytest.approx(-2.0 * metrics["completions/clipped_ratio"])
@@ -320,6 +442,12 @@ def test_grpo_subtracts_the_missing_stop_penalty(tmp_path, smoke_world):
 def test_logged_loss_is_the_optimizer_steps_not_a_micro_batch_share(tmp_path, smoke_world):
     whole, split = [], []
     for accumulation, logs in ((1, whole), (4, split)):
-        run(smoke_world, tmp_path / f"ga{accumulation}", steps=1, gradient_accumulation_steps=accumulation,
-            on_log=lambda m, s, logs=logs: logs.append(m), grpo=GRPOConfig(num_generations=4, loss_type="grpo"))
+        run(
+            smoke_world,
+            tmp_path / f"ga{accumulation}",
+            steps=1,
+            gradient_accumulation_steps=accumulation,
+            on_log=lambda m, s, logs=logs: logs.append(m),
+            grpo=GRPOConfig(num_generations=4, loss_type="grpo"),
+        )
     assert split[0]["loss"] == pytest.approx(whole[0]["loss"], rel=1e-4, abs=1e-6)

@@ -58,7 +58,9 @@ def settings(total_steps: int, *, patience: int = 3, scheduler: str = "constant"
 
 def make_loop(s: LoopSettings, output_dir=None, seed: int = 0) -> tuple[TrainingLoop, Tiny]:
     model = Tiny()
-    loop = TrainingLoop(model, {"": model}, StubTokenizer(), s, RunConfig(device="cpu", seed=seed), output_dir=output_dir)
+    loop = TrainingLoop(
+        model, {"": model}, StubTokenizer(), s, RunConfig(device="cpu", seed=seed), output_dir=output_dir
+    )
     return loop, model
 
 
@@ -98,13 +100,16 @@ def same(a: list[torch.Tensor], b: list[torch.Tensor], atol: float = 0.0) -> boo
 
 # -- the batch order -------------------------------------------------------------------------------
 
+
 def test_each_process_gets_its_own_batch_and_one_process_keeps_the_old_order():
     alone = ShardedBatches(10, 2, seed=1, rank=0, world=1)
     assert [alone.next() for _ in range(5)] == epoch_batches(10, 2, 1, 0)
     assert alone.epoch == 1 and alone.position == 0
     ranks = [ShardedBatches(10, 2, seed=1, rank=r, world=2) for r in (0, 1)]
     steps = [[shard.next() for shard in ranks] for _ in range(2)]
-    assert [batch for step in steps for batch in step] == epoch_batches(10, 2, 1, 0)[:4]  # 5 batches: the 5th is dropped
+    assert [batch for step in steps for batch in step] == epoch_batches(10, 2, 1, 0)[
+        :4
+    ]  # 5 batches: the 5th is dropped
     assert ranks[0].epoch == 1 and ranks[0].position == 0  # a third step would need 2 more batches: next epoch
     resumed = ShardedBatches(10, 2, seed=1, rank=1, world=2, epoch=0, position=2)
     assert resumed.next() == steps[1][1]
@@ -114,6 +119,7 @@ def test_each_process_gets_its_own_batch_and_one_process_keeps_the_old_order():
 
 # -- (a) the non-finite policy -------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("poison", [float("nan"), float("inf")])
 def test_a_non_finite_step_is_skipped_and_counted_leaving_weights_and_optimizer_alone(poison):
     loop, model = make_loop(settings(3))
@@ -122,8 +128,13 @@ def test_a_non_finite_step_is_skipped_and_counted_leaving_weights_and_optimizer_
     def on_step(step):
         seen[step] = (weights(model), len(loop.optimizer.optimizer.state))
 
-    result = loop.run(regression_step(loop, {1: poison}), batches(loop), on_step=on_step,
-                      on_log=lambda m, s: logs.append((s, m)), show_progress=False)
+    result = loop.run(
+        regression_step(loop, {1: poison}),
+        batches(loop),
+        on_step=on_step,
+        on_log=lambda m, s: logs.append((s, m)),
+        show_progress=False,
+    )
     assert same(seen[1][0], before) and seen[1][1] == 0  # step 1 skipped: no update, no Adam moments
     assert not same(seen[2][0], before) and seen[2][1] > 0  # step 2 finite: stepped
     assert result.skipped_steps == 1 and result.step == 3
@@ -133,21 +144,24 @@ def test_a_non_finite_step_is_skipped_and_counted_leaving_weights_and_optimizer_
 
 def test_a_finite_step_between_non_finite_ones_resets_the_count():
     loop, _ = make_loop(settings(6, patience=1))
-    result = loop.run(regression_step(loop, {1: float("nan"), 3: float("nan"), 5: float("inf")}), batches(loop),
-                      show_progress=False)
+    result = loop.run(
+        regression_step(loop, {1: float("nan"), 3: float("nan"), 5: float("inf")}), batches(loop), show_progress=False
+    )
     assert result.skipped_steps == 3 and result.step == 6
 
 
 @pytest.mark.parametrize("patience", [1, 2])
 def test_one_more_than_the_patience_in_a_row_stops_naming_the_field(patience):
     loop, _ = make_loop(settings(6, patience=patience))
-    ok = loop.run(regression_step(loop, {s: float("nan") for s in range(2, 2 + patience)}), batches(loop),
-                  show_progress=False)
+    ok = loop.run(
+        regression_step(loop, {s: float("nan") for s in range(2, 2 + patience)}), batches(loop), show_progress=False
+    )
     assert ok.skipped_steps == patience  # exactly `patience` in a row is tolerated
     loop, model = make_loop(settings(6, patience=patience))
     with pytest.raises(FloatingPointError, match=rf"reward\.max_nonfinite_steps_in_a_row {patience}") as err:
-        loop.run(regression_step(loop, {s: float("nan") for s in range(2, 3 + patience)}), batches(loop),
-                 show_progress=False)
+        loop.run(
+            regression_step(loop, {s: float("nan") for s in range(2, 3 + patience)}), batches(loop), show_progress=False
+        )
     assert f"{patience + 1} optimizer step(s) in a row (step {patience + 2})" in str(err.value)
     assert loop.skipped == patience + 1
 
@@ -161,20 +175,28 @@ def test_zero_patience_stops_at_the_first_non_finite_step():
 
 # -- (b) cadence -----------------------------------------------------------------------------------------
 
+
 def test_logs_evaluations_and_checkpoints_come_at_their_multiples_and_the_last_step(tmp_path):
     loop, _ = make_loop(settings(7, log_every=3, eval_every=2, save_every=3), output_dir=tmp_path)
     logged, evaluated, evals_seen, saved = [], [], [], []
-    result = loop.run(regression_step(loop), batches(loop), on_log=lambda m, s: logged.append((s, m)),
-                      evaluate=lambda s: evaluated.append(s) or {"eval/score": float(s)},
-                      on_eval=lambda r, s: evals_seen.append((s, r)),
-                      on_checkpoint=lambda p, s: saved.append((p.name, s)), show_progress=False)
+    result = loop.run(
+        regression_step(loop),
+        batches(loop),
+        on_log=lambda m, s: logged.append((s, m)),
+        evaluate=lambda s: evaluated.append(s) or {"eval/score": float(s)},
+        on_eval=lambda r, s: evals_seen.append((s, r)),
+        on_checkpoint=lambda p, s: saved.append((p.name, s)),
+        show_progress=False,
+    )
     assert [s for s, _ in logged] == [3, 6, 7]
     assert evaluated == [2, 4, 6, 7] and [s for s, _ in evals_seen] == [2, 4, 6, 7]
     assert saved == [("checkpoint-3", 3), ("checkpoint-6", 6), ("checkpoint-7", 7)]
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("checkpoint-")) == [n for n, _ in saved]
     for (name, step), (log_step, metrics) in zip(saved, logged):
         ckpt = tmp_path / name
-        assert (ckpt / "metrics.json").is_file() and (ckpt / STATE_DIR).is_dir() and (ckpt / "model.safetensors").is_file()
+        assert (
+            (ckpt / "metrics.json").is_file() and (ckpt / STATE_DIR).is_dir() and (ckpt / "model.safetensors").is_file()
+        )
         recorded = json.loads((ckpt / "metrics.json").read_text())
         assert log_step == step and recorded["loss"] == pytest.approx(metrics["loss"])  # "train": the step's metrics
     assert result.checkpoint == tmp_path / "checkpoint-7" and result.step == 7
@@ -190,6 +212,7 @@ def test_without_save_every_nothing_is_written_and_eval_metrics_can_be_what_a_ch
 
 
 # -- (c) resume ----------------------------------------------------------------------------------------------
+
 
 def test_a_run_killed_after_a_checkpoint_resumes_to_the_weights_of_an_uninterrupted_run(tmp_path):
     # the linear schedule, Adam's moments and the batch position must all come back
@@ -227,6 +250,7 @@ def test_a_finished_run_resumes_to_nothing_to_do(tmp_path):
 
 # -- (d) gradient accumulation -------------------------------------------------------------------------------
 
+
 def test_two_half_micro_batches_make_the_update_of_one_full_batch():
     # Adam hides a loss scale in the weights; the gradient norm (before clipping) shows it
     full, full_model = make_loop(settings(3, grad_norm_key="grad_norm"))
@@ -241,6 +265,7 @@ def test_two_half_micro_batches_make_the_update_of_one_full_batch():
 
 
 # -- (e) the log window --------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("window, expected", [("mean", [1.5, 3.5, 5.0]), ("last", [2.0, 4.0, 5.0])])
 def test_the_mean_window_averages_the_steps_since_the_last_log(window, expected):

@@ -38,6 +38,8 @@ def test_a_stop_token_unknown_to_a_word_level_tokenizer_is_not_taken_for_its_unk
 
     tok = load_tokenizer(str(smoke_world.tokenizer))
     assert len(tok.encode("<|im_end|>", add_special_tokens=False)) == 1  # the unk id
-    with pytest.raises(ModelSourceError, match=r"^rl\.stop_tokens\[0\]: '<\|im_end\|>' is not a token of the policy's tokenizer"):
+    with pytest.raises(
+        ModelSourceError, match=r"^rl\.stop_tokens\[0\]: '<\|im_end\|>' is not a token of the policy's tokenizer"
+    ):
         stop_token_ids(tok, None, stop_tokens=["<|im_end|>"])
     assert stop_token_ids(tok, None, stop_tokens=[tok.eos_token]) == (tok.eos_token_id,)

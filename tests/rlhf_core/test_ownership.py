@@ -64,7 +64,9 @@ def test_the_working_directory_is_refused_even_when_empty(tmp_path, monkeypatch)
 def test_an_input_or_a_directory_holding_one_is_refused(tmp_path):
     data = filled(tmp_path / "data")
     inputs = {"data.preference.path": data / "precious.txt"}
-    with pytest.raises(OwnershipError, match=r"^run.output_dir .*data contains data.preference.path .*precious.txt") as err:
+    with pytest.raises(
+        OwnershipError, match=r"^run.output_dir .*data contains data.preference.path .*precious.txt"
+    ) as err:
         check_output_dir(data, field="run.output_dir", inputs=inputs)
     assert one_sentence(str(err.value))
     with pytest.raises(OwnershipError, match=r"^export.output_dir .* is run.output_dir "):
@@ -75,8 +77,11 @@ def test_an_input_or_a_directory_holding_one_is_refused(tmp_path):
 
 def test_a_non_empty_directory_without_the_marker_is_refused_and_a_marked_or_empty_one_accepted(tmp_path):
     legacy = filled(tmp_path / "legacy")
-    with pytest.raises(OwnershipError, match=rf"^run.output_dir .*legacy is a non-empty directory the pipeline did "
-                                             rf"not create \(it has no \{MARKER} marker\)") as err:
+    with pytest.raises(
+        OwnershipError,
+        match=rf"^run.output_dir .*legacy is a non-empty directory the pipeline did "
+        rf"not create \(it has no \{MARKER} marker\)",
+    ) as err:
         check_output_dir(legacy, field="run.output_dir")
     assert one_sentence(str(err.value))
     (legacy / MARKER).write_text("{}")
@@ -92,8 +97,10 @@ def test_a_non_empty_directory_without_the_marker_is_refused_and_a_marked_or_emp
 def test_pipeline_check_names_inputs_from_the_config_and_marks_the_run_dir(tmp_path):
     prefs = filled(tmp_path / "prefs")
     (prefs / "a.jsonl").write_text("{}\n")
-    cfg = load_config(SMOKE, [f"run.output_dir={tmp_path / 'out'}", f"data.preference.path={prefs}/*.jsonl",
-                              f"export.output_dir={prefs}"])
+    cfg = load_config(
+        SMOKE,
+        [f"run.output_dir={tmp_path / 'out'}", f"data.preference.path={prefs}/*.jsonl", f"export.output_dir={prefs}"],
+    )
     before = tree_hash(tmp_path)
     with pytest.raises(OwnershipError, match=r"^export.output_dir .*prefs is data.preference.path .*prefs, which"):
         check_pipeline_outputs(cfg, config_path=SMOKE)
@@ -111,12 +118,12 @@ def test_orphan_temporaries_of_a_killed_run_are_removed_and_nothing_else(tmp_pat
     orphan = tmp_path / ".checkpoint-4-abc123"
     (orphan / "policy").mkdir(parents=True)
     (orphan / "policy" / "model.safetensors").write_bytes(b"half")
-    (orphan / MARKER).write_text(json.dumps({"created_by": ATOMIC_CREATOR, "host": host_id(),
-                                             "pid": dead_pid(), "created_at": "x"}))
+    (orphan / MARKER).write_text(
+        json.dumps({"created_by": ATOMIC_CREATOR, "host": host_id(), "pid": dead_pid(), "created_at": "x"})
+    )
     live = tmp_path / ".checkpoint-6-def456"  # being written by a process that is still running (this one)
     live.mkdir()
-    (live / MARKER).write_text(json.dumps({"created_by": ATOMIC_CREATOR, "host": host_id(),
-                                           "pid": os.getpid()}))
+    (live / MARKER).write_text(json.dumps({"created_by": ATOMIC_CREATOR, "host": host_id(), "pid": os.getpid()}))
     foreign = filled(tmp_path / ".checkpoint-8-unmarked")  # hidden but not ours
     hidden_file = tmp_path / ".checkpoint-9-file"
     hidden_file.write_text("x")
@@ -136,8 +143,9 @@ def test_a_save_killed_between_its_two_renames_gets_the_previous_directory_back(
     holder.mkdir()
     previous.rename(holder / "export")
     pid = dead_pid()
-    (holder / MARKER).write_text(json.dumps({"created_by": ATOMIC_CREATOR, "host": host_id(), "pid": pid,
-                                             "aside_of": "export"}))
+    (holder / MARKER).write_text(
+        json.dumps({"created_by": ATOMIC_CREATOR, "host": host_id(), "pid": pid, "aside_of": "export"})
+    )
     new = tmp_path / ".export-n3w"
     new.mkdir()
     (new / MARKER).write_text(json.dumps({"created_by": ATOMIC_CREATOR, "host": host_id(), "pid": pid}))

@@ -8,7 +8,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.commands.config.config_args import load_config_from_file
 
-from rlhf_core.config import PipelineConfig, load_config
+from rlhf_core.config import PipelineConfig
 from rlhf_core.parallel import accelerate_strategy, full_parameters, gathered_state_dicts, reduce_metrics
 
 REPO = Path(__file__).resolve().parents[2]
@@ -16,8 +16,9 @@ ACCELERATE = REPO / "configs" / "accelerate"
 
 
 def test_reduce_metrics_on_one_process_brings_tensors_and_floats_back_as_floats():
-    out = reduce_metrics(Accelerator(cpu=True), {"loss": torch.tensor(0.25), "tokens": torch.tensor(7), "lr": 1e-3},
-                         sums=("tokens",))
+    out = reduce_metrics(
+        Accelerator(cpu=True), {"loss": torch.tensor(0.25), "tokens": torch.tensor(7), "lr": 1e-3}, sums=("tokens",)
+    )
     assert out == {"loss": 0.25, "tokens": 7.0, "lr": pytest.approx(1e-3)}
     assert all(type(v) is float for v in out.values())
     assert reduce_metrics(Accelerator(cpu=True), {}) == {}
@@ -31,8 +32,9 @@ def test_without_sharding_generation_needs_no_gathering_and_checkpoints_save_the
     assert gathered_state_dicts(accelerator, model, {"m": model}) is None
 
 
-@pytest.mark.parametrize(("name", "strategy"), [("ddp", "ddp"), ("deepspeed_zero2", "zero2"), ("deepspeed_zero3", "zero3"),
-                                                ("fsdp", "fsdp")])
+@pytest.mark.parametrize(
+    ("name", "strategy"), [("ddp", "ddp"), ("deepspeed_zero2", "zero2"), ("deepspeed_zero3", "zero3"), ("fsdp", "fsdp")]
+)
 def test_shipped_accelerate_configs_load_in_accelerate_and_say_what_they_shard(name, strategy):
     path = ACCELERATE / f"{name}.yaml"
     loaded = load_config_from_file(str(path))
@@ -62,12 +64,21 @@ def test_lora_with_parameter_sharding_is_refused(name):
     rl = {"max_nonfinite_steps_in_a_row": 0}
     reward = {"max_nonfinite_steps_in_a_row": 0}
     with pytest.raises(ValueError, match="shards parameters"):
-        PipelineConfig.model_validate({"run": {"accelerate_config": path}, "model": {"lora": {"enabled": True}}, "rl": rl,
-                                       "reward": reward})
+        PipelineConfig.model_validate(
+            {"run": {"accelerate_config": path}, "model": {"lora": {"enabled": True}}, "rl": rl, "reward": reward}
+        )
     with pytest.raises(ValueError, match="shards parameters"):
-        PipelineConfig.model_validate({"run": {"accelerate_config": path}, "reward": {"lora": True, **reward}, "rl": rl})
-    PipelineConfig.model_validate({"run": {"accelerate_config": str(ACCELERATE / "deepspeed_zero2.yaml")},
-                                   "model": {"lora": {"enabled": True}}, "rl": rl, "reward": reward})
+        PipelineConfig.model_validate(
+            {"run": {"accelerate_config": path}, "reward": {"lora": True, **reward}, "rl": rl}
+        )
+    PipelineConfig.model_validate(
+        {
+            "run": {"accelerate_config": str(ACCELERATE / "deepspeed_zero2.yaml")},
+            "model": {"lora": {"enabled": True}},
+            "rl": rl,
+            "reward": reward,
+        }
+    )
 
 
 @pytest.mark.parametrize("name", ["deepspeed_zero2", "deepspeed_zero3"])
@@ -77,8 +88,13 @@ def test_deepspeed_cannot_skip_a_non_finite_step_so_the_config_says_so(name):
         PipelineConfig.model_validate({"run": {"accelerate_config": path}})
     with pytest.raises(ValueError, match="reward.max_nonfinite_steps_in_a_row: 0"):
         PipelineConfig.model_validate({"run": {"accelerate_config": path}, "rl": {"max_nonfinite_steps_in_a_row": 0}})
-    PipelineConfig.model_validate({"run": {"accelerate_config": path}, "rl": {"max_nonfinite_steps_in_a_row": 0},
-                                   "reward": {"max_nonfinite_steps_in_a_row": 0}})
+    PipelineConfig.model_validate(
+        {
+            "run": {"accelerate_config": path},
+            "rl": {"max_nonfinite_steps_in_a_row": 0},
+            "reward": {"max_nonfinite_steps_in_a_row": 0},
+        }
+    )
     PipelineConfig.model_validate({"run": {"accelerate_config": str(ACCELERATE / "ddp.yaml")}})
 
 
@@ -88,6 +104,7 @@ def test_ppo_wrapper_exposes_the_decoder_layer_class_for_fsdp_auto_wrap(smoke_wo
     from rlhf_core.reward_model import load_reward_model
 
     tok = load_tokenizer(str(smoke_world.tokenizer))
-    both = PolicyAndValue(load_causal_lm(str(smoke_world.base_model)), load_reward_model(str(smoke_world.base_model), tok))
+    both = PolicyAndValue(
+        load_causal_lm(str(smoke_world.base_model)), load_reward_model(str(smoke_world.base_model), tok)
+    )
     assert both._no_split_modules == ["LlamaDecoderLayer"]
-

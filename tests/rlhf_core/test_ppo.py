@@ -54,7 +54,9 @@ def setup(world, *, lora=False):
     if lora:
         from peft import LoraConfig, TaskType, get_peft_model
 
-        policy = get_peft_model(policy, LoraConfig(task_type=TaskType.CAUSAL_LM, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+        policy = get_peft_model(
+            policy, LoraConfig(task_type=TaskType.CAUSAL_LM, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+        )
         ref = None
     value = load_reward_model(str(world.base_model), tok, seed=0)
     return tok, policy, ref, value, HighIdReward(len(tok) // 2)
@@ -72,10 +74,22 @@ def run(world, out, steps=4, lora=False, on_log=None, ppo=None, **rl):
         if on_log:
             on_log(metrics, step)
 
-    result = train_ppo(policy, value, ref, reward, tok, prompts_of(world), RLConfig(total_steps=steps, **{**RL, **rl}),
-                       ppo or PPOConfig(num_ppo_epochs=2, num_mini_batches=2), RunConfig(device="cpu", seed=5),
-                       max_prompt_length=12, output_dir=out, on_log=log, on_checkpoint=lambda p, s: ckpts.append((p, s)),
-                       show_progress=False)
+    result = train_ppo(
+        policy,
+        value,
+        ref,
+        reward,
+        tok,
+        prompts_of(world),
+        RLConfig(total_steps=steps, **{**RL, **rl}),
+        ppo or PPOConfig(num_ppo_epochs=2, num_mini_batches=2),
+        RunConfig(device="cpu", seed=5),
+        max_prompt_length=12,
+        output_dir=out,
+        on_log=log,
+        on_checkpoint=lambda p, s: ckpts.append((p, s)),
+        show_progress=False,
+    )
     return policy, value, ref, result, logs, ckpts
 
 
@@ -91,9 +105,21 @@ def test_policy_and_value_train_reference_stays_and_checkpoints_hold_the_policy_
     for name, param in ref.named_parameters():
         assert torch.equal(before_p[name], param), f"reference {name} changed"
     metric_names = set(logs[-1][1])
-    assert {"objective/kl", "objective/entropy", "objective/non_score_reward", "objective/rlhf_reward", "objective/scores",
-            "policy/approxkl_avg", "policy/clipfrac_avg", "loss/policy_avg", "loss/value_avg", "val/clipfrac_avg",
-            "val/ratio", "perf/step_seconds", "perf/tokens_per_second"} <= metric_names
+    assert {
+        "objective/kl",
+        "objective/entropy",
+        "objective/non_score_reward",
+        "objective/rlhf_reward",
+        "objective/scores",
+        "policy/approxkl_avg",
+        "policy/clipfrac_avg",
+        "loss/policy_avg",
+        "loss/value_avg",
+        "val/clipfrac_avg",
+        "val/ratio",
+        "perf/step_seconds",
+        "perf/tokens_per_second",
+    } <= metric_names
     assert [s for _, s in ckpts] == [2, 4] and ckpts[-1][0] == tmp_path / "ppo" / "checkpoint-4" / "policy"
     weights = load_file(str(result.checkpoint / "policy" / "model.safetensors"))
     assert not [k for k in weights if "score" in k]  # no value head in the policy
@@ -147,18 +173,41 @@ def test_a_non_finite_loss_skips_the_step_and_never_corrupts_a_checkpoint(tmp_pa
         return loss * float("inf"), stats
 
     monkeypatch.setattr(ppo_module, "policy_loss", inf_loss)
-    result = train_ppo(policy, value, ref, reward, tok, prompts_of(smoke_world), RLConfig(total_steps=2, **RL),
-                       PPOConfig(num_ppo_epochs=1), RunConfig(device="cpu", seed=5), max_prompt_length=12,
-                       output_dir=tmp_path / "nan", show_progress=False)
+    result = train_ppo(
+        policy,
+        value,
+        ref,
+        reward,
+        tok,
+        prompts_of(smoke_world),
+        RLConfig(total_steps=2, **RL),
+        PPOConfig(num_ppo_epochs=1),
+        RunConfig(device="cpu", seed=5),
+        max_prompt_length=12,
+        output_dir=tmp_path / "nan",
+        show_progress=False,
+    )
     assert result.skipped_steps == 2 and result.metrics["perf/skipped_steps"] == 2.0
     weights = load_file(str(result.checkpoint / "policy" / "model.safetensors"))
     assert all(t.isfinite().all() for t in weights.values())
     # max_nonfinite_steps_in_a_row 0 (what DeepSpeed needs): the run stops at the first such step, saving nothing
-    with pytest.raises(FloatingPointError, match=r"gradient norm was (inf|nan) in 1 optimizer step\(s\) in a row \(step 1\)"):
-        train_ppo(policy, value, ref, reward, tok, prompts_of(smoke_world),
-                  RLConfig(total_steps=2, max_nonfinite_steps_in_a_row=0, **RL),
-                  PPOConfig(num_ppo_epochs=1), RunConfig(device="cpu", seed=5), max_prompt_length=12,
-                  output_dir=tmp_path / "stop", show_progress=False)
+    with pytest.raises(
+        FloatingPointError, match=r"gradient norm was (inf|nan) in 1 optimizer step\(s\) in a row \(step 1\)"
+    ):
+        train_ppo(
+            policy,
+            value,
+            ref,
+            reward,
+            tok,
+            prompts_of(smoke_world),
+            RLConfig(total_steps=2, max_nonfinite_steps_in_a_row=0, **RL),
+            PPOConfig(num_ppo_epochs=1),
+            RunConfig(device="cpu", seed=5),
+            max_prompt_length=12,
+            output_dir=tmp_path / "stop",
+            show_progress=False,
+        )
     assert not list((tmp_path / "stop").glob("checkpoint-*"))
 
 
@@ -169,24 +218,55 @@ def test_a_non_finite_reward_model_score_stops_the_step_naming_the_sample(tmp_pa
     with torch.no_grad():
         reward.score.bias.fill_(float("nan"))
     with pytest.raises(RewardFunctionError, match="the reward model returned nan for completion 0"):
-        train_ppo(policy, value, ref, reward, tok, prompts_of(smoke_world), RLConfig(total_steps=1, **RL),
-                  PPOConfig(num_ppo_epochs=1), RunConfig(device="cpu", seed=5), max_prompt_length=12,
-                  output_dir=tmp_path / "nan", show_progress=False)
+        train_ppo(
+            policy,
+            value,
+            ref,
+            reward,
+            tok,
+            prompts_of(smoke_world),
+            RLConfig(total_steps=1, **RL),
+            PPOConfig(num_ppo_epochs=1),
+            RunConfig(device="cpu", seed=5),
+            max_prompt_length=12,
+            output_dir=tmp_path / "nan",
+            show_progress=False,
+        )
 
 
 def test_empty_prompt_set_is_refused(tmp_path, smoke_world):
     tok, policy, ref, value, reward = setup(smoke_world)
     with pytest.raises(ValueError, match="prompt set is empty"):
-        train_ppo(policy, value, ref, reward, tok, [], RLConfig(total_steps=1, **RL), PPOConfig(), RunConfig(device="cpu"),
-                  max_prompt_length=12, output_dir=tmp_path / "x", show_progress=False)
+        train_ppo(
+            policy,
+            value,
+            ref,
+            reward,
+            tok,
+            [],
+            RLConfig(total_steps=1, **RL),
+            PPOConfig(),
+            RunConfig(device="cpu"),
+            max_prompt_length=12,
+            output_dir=tmp_path / "x",
+            show_progress=False,
+        )
 
 
 @pytest.mark.slow
 def test_reward_rises_on_an_easy_reward(tmp_path, smoke_world):
     # from a random tiny Llama, about half of the 8 sampled tokens are "high" ids; PPO should push it up
-    _, _, _, _, logs, _ = run(smoke_world, tmp_path / "learn", steps=24, batch_size=32, response_length=8,
-                              learning_rate=1e-2, lr_scheduler="constant", save_steps=100,
-                              ppo=PPOConfig(num_ppo_epochs=4, kl_coef=0.01))
+    _, _, _, _, logs, _ = run(
+        smoke_world,
+        tmp_path / "learn",
+        steps=24,
+        batch_size=32,
+        response_length=8,
+        learning_rate=1e-2,
+        lr_scheduler="constant",
+        save_steps=100,
+        ppo=PPOConfig(num_ppo_epochs=4, kl_coef=0.01),
+    )
     scores = [m["objective/scores"] for _, m in logs]
     first, last = sum(scores[:4]) / 4, sum(scores[-4:]) / 4
     assert last > first + 1.5, f"scores did not rise: {scores}"
@@ -201,8 +281,12 @@ def dropout_policy(world):
     for module in policy.modules():
         if hasattr(module, "attention_dropout"):
             module.attention_dropout = 0.5
-    return get_peft_model(policy, LoraConfig(task_type=TaskType.CAUSAL_LM, r=4, lora_alpha=8, lora_dropout=0.5,
-                                             target_modules=["q_proj", "v_proj"]))
+    return get_peft_model(
+        policy,
+        LoraConfig(
+            task_type=TaskType.CAUSAL_LM, r=4, lora_alpha=8, lora_dropout=0.5, target_modules=["q_proj", "v_proj"]
+        ),
+    )
 
 
 def test_disable_dropout_turns_off_lora_and_attention_dropout(smoke_world):
@@ -221,9 +305,21 @@ def test_disable_dropout_turns_off_lora_and_attention_dropout(smoke_world):
 def test_ppo_ratio_is_one_on_policy_only_with_dropout_off(tmp_path, smoke_world, disable):
     tok, _, _, value, reward = setup(smoke_world)
     logs = []
-    train_ppo(dropout_policy(smoke_world), value, None, reward, tok, prompts_of(smoke_world),
-              RLConfig(total_steps=1, disable_dropout=disable, **RL), PPOConfig(num_ppo_epochs=1), RunConfig(device="cpu", seed=5),
-              max_prompt_length=12, output_dir=tmp_path / str(disable), on_log=lambda m, s: logs.append(m), show_progress=False)
+    train_ppo(
+        dropout_policy(smoke_world),
+        value,
+        None,
+        reward,
+        tok,
+        prompts_of(smoke_world),
+        RLConfig(total_steps=1, disable_dropout=disable, **RL),
+        PPOConfig(num_ppo_epochs=1),
+        RunConfig(device="cpu", seed=5),
+        max_prompt_length=12,
+        output_dir=tmp_path / str(disable),
+        on_log=lambda m, s: logs.append(m),
+        show_progress=False,
+    )
     # one epoch, one mini-batch: the update's log-probabilities are the rollout's own, unless dropout differs
     if disable:
         assert logs[0]["val/ratio"] == pytest.approx(1.0, abs=1e-5) and logs[0]["policy/approxkl_avg"] < 1e-9

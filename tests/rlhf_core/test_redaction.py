@@ -2,7 +2,13 @@ import pytest
 
 from rlhf_core.config import ConfigError, load_config
 from rlhf_core.redaction import (
-    flatten_config, has_secret, is_secret_key, redact, redact_override, refuse_secret_overrides, split_credentials,
+    flatten_config,
+    has_secret,
+    is_secret_key,
+    redact,
+    redact_override,
+    refuse_secret_overrides,
+    split_credentials,
 )
 
 S = "S3cr3t"  # every case below hides it
@@ -11,12 +17,12 @@ REDACTED = [
     ("http://user:S3cr3t@host:5000", "http://user:***@host:5000"),
     ("https://user:S3cr3t@mlflow.example.com/path?x=1", "https://user:***@mlflow.example.com/path?x=1"),
     ("postgresql://u:S3cr3t@db:5432/mlflow", "postgresql://u:***@db:5432/mlflow"),
-    ("http://user:a/S3cr3t/b@host", "http://user:***@host"),                 # '/' in the password
-    ("http://user:p@ss@S3cr3t@host/x", "http://user:***@host/x"),             # '@' in the password
-    ("http://user:a:S3cr3t@host", "http://user:***@host"),                   # ':' in the password
-    ("http://user:S3cr3t%40x@host", "http://user:***@host"),                 # percent-encoded
-    ("http://S3cr3t@host:5000", "http://***@host:5000"),                     # a token as the user name
-    ("http://:S3cr3t@host", "http://:***@host"),                             # a token as the password, no user
+    ("http://user:a/S3cr3t/b@host", "http://user:***@host"),  # '/' in the password
+    ("http://user:p@ss@S3cr3t@host/x", "http://user:***@host/x"),  # '@' in the password
+    ("http://user:a:S3cr3t@host", "http://user:***@host"),  # ':' in the password
+    ("http://user:S3cr3t%40x@host", "http://user:***@host"),  # percent-encoded
+    ("http://S3cr3t@host:5000", "http://***@host:5000"),  # a token as the user name
+    ("http://:S3cr3t@host", "http://:***@host"),  # a token as the password, no user
     ("http://host/api?token=S3cr3t", "http://host/api?token=***"),
     ("http://host/api?a=1&password=S3cr3t&b=2", "http://host/api?a=1&password=***&b=2"),
     ("http://host/?api_key=S3cr3t#frag", "http://host/?api_key=***#frag"),
@@ -25,12 +31,16 @@ REDACTED = [
     ("http://host/?apikey=S3cr3t", "http://host/?apikey=***"),
     ("http://host/?key=S3cr3t", "http://host/?key=***"),
     # inside other text: log lines, reprs, JSON, error messages
-    ("View run x at: http://u:S3cr3t@127.0.0.1:5000/#/experiments/1/runs/abc",
-     "View run x at: http://u:***@127.0.0.1:5000/#/experiments/1/runs/abc"),
+    (
+        "View run x at: http://u:S3cr3t@127.0.0.1:5000/#/experiments/1/runs/abc",
+        "View run x at: http://u:***@127.0.0.1:5000/#/experiments/1/runs/abc",
+    ),
     ("['tracking.uri=http://u:S3cr3t@h', 'x=1']", "['tracking.uri=http://u:***@h', 'x=1']"),
     ('{"uri": "http://u:S3cr3t@h"}', '{"uri": "http://u:***@h"}'),
-    ("API request to http://u:S3cr3t@h/api/2.0/x failed; retry http://t0k3nS3cr3t@h2 later",
-     "API request to http://u:***@h/api/2.0/x failed; retry http://***@h2 later"),
+    (
+        "API request to http://u:S3cr3t@h/api/2.0/x failed; retry http://t0k3nS3cr3t@h2 later",
+        "API request to http://u:***@h/api/2.0/x failed; retry http://***@h2 later",
+    ),
 ]
 
 UNCHANGED = [
@@ -61,18 +71,21 @@ def test_redact_leaves_ordinary_uris_and_paths_alone(text):
 
 
 def test_redact_is_idempotent():
-    for text, expected in REDACTED:
+    for _text, expected in REDACTED:
         assert redact(expected) == expected
 
 
-@pytest.mark.parametrize("uri, expected", [
-    ("http://alice:a/b@c@host:5000/x", ("http://host:5000/x", "alice", "a/b@c")),
-    ("https://alice:p%40ss@host", ("https://host", "alice", "p@ss")),
-    ("http://TOKEN@host", ("http://TOKEN@host", None, None)),
-    ("http://:TOKEN@host", ("http://:TOKEN@host", None, None)),
-    ("http://host:5000", ("http://host:5000", None, None)),
-    ("sqlite:////tmp/mlflow.db", ("sqlite:////tmp/mlflow.db", None, None)),
-])
+@pytest.mark.parametrize(
+    "uri, expected",
+    [
+        ("http://alice:a/b@c@host:5000/x", ("http://host:5000/x", "alice", "a/b@c")),
+        ("https://alice:p%40ss@host", ("https://host", "alice", "p@ss")),
+        ("http://TOKEN@host", ("http://TOKEN@host", None, None)),
+        ("http://:TOKEN@host", ("http://:TOKEN@host", None, None)),
+        ("http://host:5000", ("http://host:5000", None, None)),
+        ("sqlite:////tmp/mlflow.db", ("sqlite:////tmp/mlflow.db", None, None)),
+    ],
+)
 def test_split_credentials(uri, expected):
     assert split_credentials(uri) == expected
 

@@ -21,8 +21,13 @@ def test_vader_compound_scores_completions():
 
 def test_a_raising_function_names_itself_the_sample_and_the_exception():
     with pytest.raises(RewardFunctionError) as err:
-        call_scoring_function("brevity", fails_on_the_third, prompts=["p"] * 4,
-                              completions=["hi", "good day", "hello", "hey"], source=["a", "b", "c", "d"])
+        call_scoring_function(
+            "brevity",
+            fails_on_the_third,
+            prompts=["p"] * 4,
+            completions=["hi", "good day", "hello", "hey"],
+            source=["a", "b", "c", "d"],
+        )
     message = str(err.value)
     assert message == "reward function brevity raised ZeroDivisionError: float division by zero on completion 2 (of 4)"
     assert isinstance(err.value.__cause__, ZeroDivisionError)
@@ -38,8 +43,9 @@ def test_the_columns_are_split_per_sample_too():
         return [0.0] * len(completions)
 
     with pytest.raises(RewardFunctionError, match=r"raised KeyError: 'bad label' on completion 1 \(of 3\)"):
-        call_scoring_function("labels", needs_a_column, prompts=["p"] * 3, completions=["a", "b", "c"],
-                              label=["ok", "bad", "ok"])
+        call_scoring_function(
+            "labels", needs_a_column, prompts=["p"] * 3, completions=["a", "b", "c"], label=["ok", "bad", "ok"]
+        )
     assert seen == [["ok", "bad", "ok"], ["ok"], ["bad"]]
 
 
@@ -49,5 +55,7 @@ def test_a_batch_only_failure_reports_the_batch():
             raise RuntimeError("expects one completion")
         return [0.0]
 
-    with pytest.raises(RewardFunctionError, match="raised RuntimeError: expects one completion on a batch of 2 completions"):
+    with pytest.raises(
+        RewardFunctionError, match="raised RuntimeError: expects one completion on a batch of 2 completions"
+    ):
         call_scoring_function("single", batch_of_one_only, prompts=["p", "q"], completions=["a", "b"])

@@ -24,8 +24,11 @@ from rlhf_core.reward_model import (
     train_reward_model,
 )
 
-CARD = {"title": "test reward model", "metadata": {"base_model": "tiny", "datasets": ["demo"], "tags": ["rlhf"]},
-        "body": "trained in a test"}
+CARD = {
+    "title": "test reward model",
+    "metadata": {"base_model": "tiny", "datasets": ["demo"], "tags": ["rlhf"]},
+    "body": "trained in a test",
+}
 
 
 def encode_pairs(tokenizer, rows, max_length):
@@ -44,7 +47,9 @@ def read_rows(path):
 def short_run(smoke_world, out, *, lora=None, max_steps=6, on_log=None, **cfg):
     tokenizer = load_tokenizer(str(smoke_world.tokenizer))
     model = load_reward_model(str(smoke_world.base_model), tokenizer, lora=lora, seed=1)
-    settings = RewardConfig(max_steps=max_steps, batch_size=8, learning_rate=5e-3, eval_steps=3, save_steps=2, log_steps=1, **cfg)
+    settings = RewardConfig(
+        max_steps=max_steps, batch_size=8, learning_rate=5e-3, eval_steps=3, save_steps=2, log_steps=1, **cfg
+    )
     events = {"log": [], "eval": [], "ckpt": []}
 
     def log(metrics, step):
@@ -53,9 +58,18 @@ def short_run(smoke_world, out, *, lora=None, max_steps=6, on_log=None, **cfg):
             on_log(metrics, step)
 
     result = train_reward_model(
-        model, tokenizer, read_rows(smoke_world.preferences("train")), read_rows(smoke_world.preferences("test")),
-        settings, RunConfig(device="cpu", seed=3), max_length=40, output_dir=out, card=CARD, on_log=log,
-        on_eval=lambda m, s: events["eval"].append((s, m)), on_checkpoint=lambda p, s: events["ckpt"].append(s),
+        model,
+        tokenizer,
+        read_rows(smoke_world.preferences("train")),
+        read_rows(smoke_world.preferences("test")),
+        settings,
+        RunConfig(device="cpu", seed=3),
+        max_length=40,
+        output_dir=out,
+        card=CARD,
+        on_log=log,
+        on_eval=lambda m, s: events["eval"].append((s, m)),
+        on_checkpoint=lambda p, s: events["ckpt"].append(s),
         show_progress=False,
     )
     return model, tokenizer, result, events
@@ -70,7 +84,9 @@ def test_bradley_terry_loss_by_hand():
     expected_m = -(math.log(sigmoid(0.5)) + math.log(sigmoid(0.0))) / 2
     assert bradley_terry_loss(rc, rr, torch.tensor([0.5, -1.0])).item() == pytest.approx(expected_m, rel=1e-6)
     # centering adds coef * mean((rc + rr)^2) = 0.01 * (9 + 1) / 2
-    assert bradley_terry_loss(rc, rr, center_rewards_coefficient=0.01).item() == pytest.approx(expected + 0.05, rel=1e-6)
+    assert bradley_terry_loss(rc, rr, center_rewards_coefficient=0.01).item() == pytest.approx(
+        expected + 0.05, rel=1e-6
+    )
     assert bradley_terry_loss(torch.tensor([0.0]), torch.tensor([0.0])).item() == pytest.approx(math.log(2), rel=1e-6)
 
 
@@ -84,8 +100,10 @@ def test_preference_metrics_by_hand():
 
 def test_chosen_and_rejected_share_one_forward(smoke_world):
     tokenizer = load_tokenizer(str(smoke_world.tokenizer))
-    rows = [{"prompt": "the food was", "chosen": " great .", "rejected": " awful and the room was dirty .", "margin": 1.0},
-            {"prompt": "the room was", "chosen": " lovely .", "rejected": " bad ."}]
+    rows = [
+        {"prompt": "the food was", "chosen": " great .", "rejected": " awful and the room was dirty .", "margin": 1.0},
+        {"prompt": "the room was", "chosen": " lovely .", "rejected": " bad ."},
+    ]
     batch = encode_pairs(tokenizer, rows, max_length=32)
     assert batch["input_ids"].shape[0] == 4 and batch["margin"].tolist() == [1.0, 0.0]
     model = load_reward_model(str(smoke_world.base_model), tokenizer)
@@ -104,7 +122,10 @@ def test_chosen_and_rejected_share_one_forward(smoke_world):
 
 def test_short_run_trains_every_parameter_evaluates_and_checkpoints(tmp_path, smoke_world):
     tokenizer = load_tokenizer(str(smoke_world.tokenizer))
-    before = {n: p.detach().clone() for n, p in load_reward_model(str(smoke_world.base_model), tokenizer, seed=1).named_parameters()}
+    before = {
+        n: p.detach().clone()
+        for n, p in load_reward_model(str(smoke_world.base_model), tokenizer, seed=1).named_parameters()
+    }
     model, tokenizer, result, events = short_run(smoke_world, tmp_path / "rm")
     for name, param in model.named_parameters():
         assert not torch.equal(before[name], param.detach()), f"{name} did not change"
@@ -179,8 +200,13 @@ def test_evaluate_reward_model_counts_all_rows(smoke_world):
 
 @pytest.mark.parametrize("disable", [True, False])
 def test_reward_training_turns_dropout_off_unless_asked(tmp_path, smoke_world, disable):
-    model, _, _, _ = short_run(smoke_world, tmp_path / "rm", lora=LoraSettings(enabled=True, r=4, alpha=8, dropout=0.5),
-                               max_steps=1, disable_dropout=disable)
+    model, _, _, _ = short_run(
+        smoke_world,
+        tmp_path / "rm",
+        lora=LoraSettings(enabled=True, r=4, alpha=8, dropout=0.5),
+        max_steps=1,
+        disable_dropout=disable,
+    )
     rates = {m.p for m in model.modules() if isinstance(m, torch.nn.Dropout)}
     assert rates == ({0.0} if disable else {0.5})
 
@@ -209,6 +235,12 @@ def test_pairs_are_scored_on_their_closing_eos_when_pad_is_eos(tmp_path, name):
         # the chosen text as an RL query + response that stopped on eos: the same score
         prompt = tokenizer("the food was")["input_ids"]
         response = batch["input_ids"][0, len(prompt) : last[0] + 1]
-        score = sequence_scores(model, torch.tensor([prompt]), torch.ones(1, len(prompt), dtype=torch.long),
-                                response[None], torch.ones_like(response)[None], torch.tensor([len(response) - 1]))
+        score = sequence_scores(
+            model,
+            torch.tensor([prompt]),
+            torch.ones(1, len(prompt), dtype=torch.long),
+            response[None],
+            torch.ones_like(response)[None],
+            torch.tensor([len(response) - 1]),
+        )
         torch.testing.assert_close(score[0], rc[0])

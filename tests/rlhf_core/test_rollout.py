@@ -28,10 +28,23 @@ def batch(world, n=6):
 def test_greedy_decode_loop_matches_transformers_generate(smoke_world, min_tokens):
     tok, ids, mask = batch(smoke_world)
     model = load_causal_lm(str(smoke_world.base_model)).eval()
-    ours = generate(model, ids, mask, SamplingSettings(response_length=7, greedy=True, min_tokens=min_tokens),
-                    pad_token_id=tok.pad_token_id, stop_token_ids=[tok.eos_token_id])
-    theirs = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=7, min_new_tokens=min_tokens,
-                            eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)[:, ids.shape[1]:]
+    ours = generate(
+        model,
+        ids,
+        mask,
+        SamplingSettings(response_length=7, greedy=True, min_tokens=min_tokens),
+        pad_token_id=tok.pad_token_id,
+        stop_token_ids=[tok.eos_token_id],
+    )
+    theirs = model.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        do_sample=False,
+        max_new_tokens=7,
+        min_new_tokens=min_tokens,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )[:, ids.shape[1] :]
     width = theirs.shape[1]
     assert torch.equal(ours[:, :width], theirs)
     assert (ours[:, width:] == tok.pad_token_id).all()
@@ -43,28 +56,44 @@ def test_groups_of_one_prompt_share_its_prefill(smoke_world):
     ids, mask = ids.repeat_interleave(4, dim=0), mask.repeat_interleave(4, dim=0)  # 3 prompts x 4 copies
     model = load_causal_lm(str(smoke_world.base_model)).eval()
     settings = SamplingSettings(response_length=6, greedy=True)
-    shared = generate(model, ids, mask, settings, pad_token_id=tok.pad_token_id, stop_token_ids=[tok.eos_token_id],
-                      prompt_repeats=4)
+    shared = generate(
+        model, ids, mask, settings, pad_token_id=tok.pad_token_id, stop_token_ids=[tok.eos_token_id], prompt_repeats=4
+    )
     alone = generate(model, ids, mask, settings, pad_token_id=tok.pad_token_id, stop_token_ids=[tok.eos_token_id])
     assert torch.equal(shared, alone)
     # rows that are not runs of one prompt fall back to prefilling every row
     order = torch.arange(12).view(3, 4).T.flatten()  # prompt 0, 1, 2, 0, 1, 2, ...
-    mixed = generate(model, ids[order], mask[order], settings, pad_token_id=tok.pad_token_id,
-                     stop_token_ids=[tok.eos_token_id], prompt_repeats=4)
+    mixed = generate(
+        model,
+        ids[order],
+        mask[order],
+        settings,
+        pad_token_id=tok.pad_token_id,
+        stop_token_ids=[tok.eos_token_id],
+        prompt_repeats=4,
+    )
     assert torch.equal(mixed, alone[order])
 
 
 def test_left_padding_does_not_change_log_probabilities(smoke_world):
     tok, ids, mask = batch(smoke_world)
     model = load_causal_lm(str(smoke_world.base_model)).eval()
-    responses = generate(model, ids, mask, SamplingSettings(response_length=5), pad_token_id=tok.pad_token_id,
-                         stop_token_ids=[tok.eos_token_id])
+    responses = generate(
+        model,
+        ids,
+        mask,
+        SamplingSettings(response_length=5),
+        pad_token_id=tok.pad_token_id,
+        stop_token_ids=[tok.eos_token_id],
+    )
     resp_mask, _, _ = response_mask(responses, [tok.eos_token_id])
     with torch.no_grad():
         batched, _ = response_logprobs(model, ids, mask, responses, resp_mask)
         for row in range(ids.shape[0]):
             real = mask[row].bool()
-            alone, _ = response_logprobs(model, ids[row, real][None], mask[row, real][None], responses[row][None], resp_mask[row][None])
+            alone, _ = response_logprobs(
+                model, ids[row, real][None], mask[row, real][None], responses[row][None], resp_mask[row][None]
+            )
             torch.testing.assert_close(batched[row], alone[0], atol=1e-4, rtol=1e-4)
     assert position_ids_from_mask(torch.tensor([[0, 0, 1, 1]])).tolist() == [[0, 0, 0, 1]]
 
@@ -75,10 +104,14 @@ def test_filtering_and_sampling():
     # softmax of [3, 2, 1, 0] is [0.64, 0.24, 0.09, 0.03]: top_p 0.7 keeps the two tokens that reach it
     assert torch.isinf(filter_logits(logits, top_k=0, top_p=0.7)).tolist() == [[True, False, False, True]]
     torch.manual_seed(0)
-    draws = torch.stack([sample_next(logits.expand(4000, 4), SamplingSettings(response_length=1)) for _ in range(5)]).flatten()
+    draws = torch.stack(
+        [sample_next(logits.expand(4000, 4), SamplingSettings(response_length=1)) for _ in range(5)]
+    ).flatten()
     freq = torch.bincount(draws, minlength=4).float() / draws.numel()
     torch.testing.assert_close(freq, torch.softmax(logits[0], -1), atol=0.02, rtol=0)
     assert sample_next(logits, SamplingSettings(response_length=1, greedy=True)).item() == 1
     # filtered tokens are never drawn, even with a uniform draw at the very end of the mass
-    top2 = torch.stack([sample_next(logits.expand(2000, 4), SamplingSettings(response_length=1, top_k=2)) for _ in range(3)])
+    top2 = torch.stack(
+        [sample_next(logits.expand(2000, 4), SamplingSettings(response_length=1, top_k=2)) for _ in range(3)]
+    )
     assert set(top2.flatten().tolist()) == {1, 2}

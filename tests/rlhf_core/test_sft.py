@@ -25,10 +25,18 @@ def test_short_run_changes_every_parameter_lowers_loss_and_saves(tmp_path, smoke
     texts = [json.loads(line)["text"] for line in smoke_world.corpus.read_text().splitlines()]
     logs, saved = [], []
     # when
-    metrics = train_sft(model, tokenizer, texts, SFTConfig(max_steps=12, batch_size=16, learning_rate=3e-3, log_steps=4),
-                        RunConfig(device="cpu"), max_length=40, output_dir=tmp_path / "sft",
-                        on_log=lambda m, s: logs.append((s, m)), on_checkpoint=lambda p, s: saved.append((p, s)),
-                        show_progress=False)
+    metrics = train_sft(
+        model,
+        tokenizer,
+        texts,
+        SFTConfig(max_steps=12, batch_size=16, learning_rate=3e-3, log_steps=4),
+        RunConfig(device="cpu"),
+        max_length=40,
+        output_dir=tmp_path / "sft",
+        on_log=lambda m, s: logs.append((s, m)),
+        on_checkpoint=lambda p, s: saved.append((p, s)),
+        show_progress=False,
+    )
     # then
     assert [s for s, _ in logs] == [4, 8, 12]
     assert metrics["sft/loss"] < metrics["sft/first_loss"] - 0.5

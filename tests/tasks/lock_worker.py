@@ -23,8 +23,9 @@ from tasks.run_lock import run_lock, terminate_on_sigterm  # noqa: E402
 
 
 def config(uri: str, out: str):
-    return load_config(None, [f"tracking.uri={uri}", "tracking.experiment=t", f"run.output_dir={out}",
-                              "run.name=worker"])
+    return load_config(
+        None, [f"tracking.uri={uri}", "tracking.experiment=t", f"run.output_dir={out}", "run.name=worker"]
+    )
 
 
 def register(uri: str, out: str, model_dir: str, go_file: str) -> None:
@@ -34,15 +35,21 @@ def register(uri: str, out: str, model_dir: str, go_file: str) -> None:
         time.sleep(0.01)
     with tracking.pipeline_run(cfg) as parent, tracking.stage_run(parent, "sft") as run_id:
         tags = {"stage": "sft", "stage_key": "k", "step": "1"}
-        print(registry.register_once(model_dir, "race-policy", task="text-generation", tags=tags, run_id=run_id),
-              flush=True)
+        print(
+            registry.register_once(model_dir, "race-policy", task="text-generation", tags=tags, run_id=run_id),
+            flush=True,
+        )
 
 
 def run(uri: str, out: str) -> None:
     cfg = config(uri, out)
     Path(out).mkdir(parents=True, exist_ok=True)
-    with run_lock(out), terminate_on_sigterm(), tracking.pipeline_run(cfg) as parent, \
-            tracking.stage_run(parent, "sft") as stage:
+    with (
+        run_lock(out),
+        terminate_on_sigterm(),
+        tracking.pipeline_run(cfg) as parent,
+        tracking.stage_run(parent, "sft") as stage,
+    ):
         print("ready", parent, stage, flush=True)
         time.sleep(120)
 

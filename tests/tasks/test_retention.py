@@ -12,8 +12,16 @@ pytestmark = pytest.mark.filterwarnings("ignore")
 
 @pytest.fixture
 def cfg(tmp_path, mlflow_uri):
-    return load_config(None, [f"tracking.uri={mlflow_uri}", "tracking.experiment=t", f"run.output_dir={tmp_path}",
-                              "run.name=unit", "registry.keep_last_versions=2"])
+    return load_config(
+        None,
+        [
+            f"tracking.uri={mlflow_uri}",
+            "tracking.experiment=t",
+            f"run.output_dir={tmp_path}",
+            "run.name=unit",
+            "registry.keep_last_versions=2",
+        ],
+    )
 
 
 def test_old_versions_go_and_aliased_and_kept_ones_stay(cfg, smoke_world):
@@ -21,8 +29,14 @@ def test_old_versions_go_and_aliased_and_kept_ones_stay(cfg, smoke_world):
 
     def register(step, run_id):
         tags = {"stage": "rl", "stage_key": "k", "step": str(step)}
-        return registry.register_once(smoke_world.base_model, name, task="text-generation", tags=tags, run_id=run_id,
-                                      keep_last=cfg.registry.keep_last_versions)
+        return registry.register_once(
+            smoke_world.base_model,
+            name,
+            task="text-generation",
+            tags=tags,
+            run_id=run_id,
+            keep_last=cfg.registry.keep_last_versions,
+        )
 
     with tracking.pipeline_run(cfg) as parent, tracking.stage_run(parent, "ppo") as run_id:
         client = MlflowClient()  # after pipeline_run pointed MLflow at the test's store
@@ -57,8 +71,13 @@ def test_old_versions_go_and_aliased_and_kept_ones_stay(cfg, smoke_world):
 def test_prune_versions_keeps_all_without_a_limit_and_refuses_zero(cfg, smoke_world):
     with tracking.pipeline_run(cfg) as parent, tracking.stage_run(parent, "sft") as run_id:
         for step in (1, 2):
-            registry.register_once(smoke_world.base_model, "unit-sft", task="text-generation",
-                                   tags={"stage": "sft", "stage_key": "k", "step": str(step)}, run_id=run_id)
+            registry.register_once(
+                smoke_world.base_model,
+                "unit-sft",
+                task="text-generation",
+                tags={"stage": "sft", "stage_key": "k", "step": str(step)},
+                run_id=run_id,
+            )
     assert registry.prune_versions("unit-sft", None) == []
     with pytest.raises(ValueError):
         registry.prune_versions("unit-sft", 0)

@@ -8,8 +8,10 @@ def test_only_connection_failures_and_timeouts_are_transient():
     assert is_transient(ConnectionError("Connection refused"))
     assert is_transient(TimeoutError())
     assert is_transient(requests.ConnectionError("boom"))
-    wrapped = MlflowException("API request to http://mlflow:5000/api/2.0/mlflow/runs/log-batch failed with exception "
-                              "HTTPConnectionPool(host='mlflow', port=5000): Max retries exceeded with url")
+    wrapped = MlflowException(
+        "API request to http://mlflow:5000/api/2.0/mlflow/runs/log-batch failed with exception "
+        "HTTPConnectionPool(host='mlflow', port=5000): Max retries exceeded with url"
+    )
     assert is_transient(wrapped)
     try:
         try:

@@ -24,8 +24,14 @@ REPO = Path(__file__).resolve().parents[2]
 
 def start_worker(*args: str) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    return subprocess.Popen([sys.executable, str(WORKER), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env, cwd=REPO)
+    return subprocess.Popen(
+        [sys.executable, str(WORKER), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=REPO,
+    )
 
 
 def read_line(proc: subprocess.Popen, timeout_s: float = 60.0) -> str:
@@ -44,8 +50,9 @@ def cfg_for(uri: str, out: Path):
 
 def test_two_processes_register_the_same_checkpoint_into_a_fresh_store_once(tmp_path, smoke_world):
     uri, go = f"sqlite:///{tmp_path / 'fresh.db'}", tmp_path / "go"
-    workers = [start_worker("register", uri, str(tmp_path / f"out{i}"), str(smoke_world.base_model), str(go))
-               for i in range(2)]
+    workers = [
+        start_worker("register", uri, str(tmp_path / f"out{i}"), str(smoke_world.base_model), str(go)) for i in range(2)
+    ]
     assert [read_line(w) for w in workers] == ["waiting", "waiting"]
     go.touch()  # both open the fresh store and register at once
     outs = [w.communicate(timeout=90) for w in workers]
@@ -63,7 +70,9 @@ def test_a_held_run_directory_stops_a_second_run_and_a_killed_holder_is_taken_ov
     assert holder["pid"] == worker.pid
 
     started = time.monotonic()
-    with pytest.raises(RunLockedError, match=rf"is in use by another pipeline run \(host .+, pid {worker.pid}, started .+\)"):
+    with pytest.raises(
+        RunLockedError, match=rf"is in use by another pipeline run \(host .+, pid {worker.pid}, started .+\)"
+    ):
         with run_lock(out):
             pass
     assert time.monotonic() - started < 2  # at once, no waiting

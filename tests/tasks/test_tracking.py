@@ -10,8 +10,9 @@ pytestmark = pytest.mark.filterwarnings("ignore")
 
 @pytest.fixture
 def cfg(tmp_path, mlflow_uri):
-    return load_config(None, [f"tracking.uri={mlflow_uri}", "tracking.experiment=t", f"run.output_dir={tmp_path}",
-                              "run.name=unit"])
+    return load_config(
+        None, [f"tracking.uri={mlflow_uri}", "tracking.experiment=t", f"run.output_dir={tmp_path}", "run.name=unit"]
+    )
 
 
 def test_pipeline_run_logs_flat_params_and_finishes(cfg):
@@ -61,9 +62,12 @@ def test_secrets_never_reach_params(tmp_path):
 def test_register_checkpoint_creates_a_tagged_version_that_loads(cfg, smoke_world):
     with tracking.pipeline_run(cfg) as parent, tracking.stage_run(parent, "sft") as run_id:
         tags = registry.lineage_tags(stage="sft", step=8, config_hash=cfg.config_hash(), data_fingerprint="abc123")
-        first = registry.register_checkpoint(smoke_world.base_model, "unit-policy", task="text-generation", tags=tags, run_id=run_id)
-        second = registry.register_checkpoint(smoke_world.base_model, "unit-policy", task="text-generation",
-                                              tags=dict(tags, step="9"), run_id=run_id)
+        first = registry.register_checkpoint(
+            smoke_world.base_model, "unit-policy", task="text-generation", tags=tags, run_id=run_id
+        )
+        second = registry.register_checkpoint(
+            smoke_world.base_model, "unit-policy", task="text-generation", tags=dict(tags, step="9"), run_id=run_id
+        )
     assert (first["version"], second["version"]) == ("1", "2")
     version = MlflowClient().get_model_version("unit-policy", "1")
     assert version.tags["stage"] == "sft" and version.tags["step"] == "8"
@@ -87,15 +91,25 @@ def test_a_failed_registration_leaves_no_version(cfg, smoke_world, monkeypatch):
     monkeypatch.setattr(registry, "_await_ready", not_ready)
     with pytest.raises(RuntimeError, match="registry went away"):
         with tracking.pipeline_run(cfg) as parent, tracking.stage_run(parent, "sft") as run_id:
-            registry.register_checkpoint(smoke_world.base_model, "unit-policy", task="text-generation",
-                                         tags={"stage": "sft", "step": "1"}, run_id=run_id)
+            registry.register_checkpoint(
+                smoke_world.base_model,
+                "unit-policy",
+                task="text-generation",
+                tags={"stage": "sft", "step": "1"},
+                run_id=run_id,
+            )
     assert MlflowClient().search_model_versions("name = 'unit-policy'") == []
 
 
 def test_materialize_model_round_trips_a_version(cfg, smoke_world, tmp_path):
     with tracking.pipeline_run(cfg) as parent, tracking.stage_run(parent, "sft") as run_id:
-        uri = registry.register_checkpoint(smoke_world.base_model, "unit-policy", task="text-generation",
-                                           tags={"stage": "sft", "step": "1"}, run_id=run_id)["uri"]
+        uri = registry.register_checkpoint(
+            smoke_world.base_model,
+            "unit-policy",
+            task="text-generation",
+            tags={"stage": "sft", "step": "1"},
+            run_id=run_id,
+        )["uri"]
     local = registry.materialize_model(uri, tmp_path / "local")
     assert (local / "config.json").is_file() and (local / "model.safetensors").is_file()
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -108,15 +122,28 @@ def test_registry_sources_follow_the_alias_and_a_missing_version_is_named(cfg, s
     from tasks.data import resolve_model_source
 
     with tracking.pipeline_run(cfg) as parent, tracking.stage_run(parent, "export") as run_id:
-        versions = [registry.register_checkpoint(smoke_world.base_model, "unit-policy", task="text-generation",
-                                                 tags={"stage": "export", "step": str(i)}, run_id=run_id)["version"] for i in (1, 2)]
+        versions = [
+            registry.register_checkpoint(
+                smoke_world.base_model,
+                "unit-policy",
+                task="text-generation",
+                tags={"stage": "export", "step": str(i)},
+                run_id=run_id,
+            )["version"]
+            for i in (1, 2)
+        ]
     registry.set_alias("unit-policy", "candidate", versions[0])
     first = resolve_model_source("models:/unit-policy@candidate", field="grpo.rewards[0].model", cfg=cfg, world=None)
-    assert resolve_model_source("models:/unit-policy/1", field="f", cfg=cfg, world=None) == first  # same version, one copy
+    assert (
+        resolve_model_source("models:/unit-policy/1", field="f", cfg=cfg, world=None) == first
+    )  # same version, one copy
     registry.set_alias("unit-policy", "candidate", versions[1])
     moved = resolve_model_source("models:/unit-policy@candidate", field="grpo.rewards[0].model", cfg=cfg, world=None)
     assert moved != first and "-v2-" in moved
-    with pytest.raises(ModelSourceError, match=r"grpo.rewards\[0\].model: the registry at .* has no model version models:/unit-policy/9"):
+    with pytest.raises(
+        ModelSourceError,
+        match=r"grpo.rewards\[0\].model: the registry at .* has no model version models:/unit-policy/9",
+    ):
         resolve_model_source("models:/unit-policy/9", field="grpo.rewards[0].model", cfg=cfg, world=None)
 
 
@@ -125,8 +152,9 @@ def test_a_local_artifact_store_shares_the_checkpoint_weights_instead_of_copying
 
     with tracking.pipeline_run(cfg) as parent, tracking.stage_run(parent, "sft") as run_id:
         tags = registry.lineage_tags(stage="sft", step=1, config_hash=cfg.config_hash(), data_fingerprint="abc")
-        uri = registry.register_checkpoint(smoke_world.base_model, "unit-policy", task="text-generation", tags=tags,
-                                           run_id=run_id)["uri"]
+        uri = registry.register_checkpoint(
+            smoke_world.base_model, "unit-policy", task="text-generation", tags=tags, run_id=run_id
+        )["uri"]
     weights = smoke_world.base_model / "model.safetensors"
     source = MlflowClient().get_model_version("unit-policy", "1").source  # models:/m-...
     logged = registry._local_artifact_dir(source.removeprefix("models:/"))

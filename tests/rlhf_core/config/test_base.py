@@ -16,8 +16,16 @@ DEMO_YAML = REPO / "configs" / "demo.yaml"
 
 
 def test_an_integer_is_a_fine_float_and_strings_are_paths(tmp_path):
-    cfg = load_config(DEMO_YAML, ["rl.temperature=1", "rl.learning_rate=1", "ppo.kl_coef=0", f"run.output_dir={tmp_path}",
-                                  f"export.output_dir={tmp_path / 'x'}"])
+    cfg = load_config(
+        DEMO_YAML,
+        [
+            "rl.temperature=1",
+            "rl.learning_rate=1",
+            "ppo.kl_coef=0",
+            f"run.output_dir={tmp_path}",
+            f"export.output_dir={tmp_path / 'x'}",
+        ],
+    )
     assert cfg.rl.temperature == 1.0 and isinstance(cfg.rl.temperature, float)
     assert cfg.run.output_dir == tmp_path and cfg.export.output_dir == tmp_path / "x"
 

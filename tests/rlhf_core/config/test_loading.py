@@ -19,8 +19,9 @@ from rlhf_core.config import (
 REPO = Path(__file__).resolve().parents[3]
 
 
-@pytest.mark.parametrize("path", sorted(p for p in (REPO / "configs").rglob("*.yaml") if p.parent.name != "accelerate"),
-                         ids=lambda p: p.name)
+@pytest.mark.parametrize(
+    "path", sorted(p for p in (REPO / "configs").rglob("*.yaml") if p.parent.name != "accelerate"), ids=lambda p: p.name
+)
 def test_shipped_configs_validate(path, monkeypatch):
     monkeypatch.chdir(REPO)  # run.accelerate_config is relative to the working directory, as data paths are
     cfg = load_config(path)
@@ -28,8 +29,10 @@ def test_shipped_configs_validate(path, monkeypatch):
 
 
 def test_overrides_are_parsed_as_yaml_and_applied():
-    cfg = load_config(REPO / "configs" / "demo.yaml", ["ppo.kl_coef=0.1", "rl.algorithm=ppo", "ppo.adaptive_kl=true",
-                                                         "eval.metrics=[a.b:c, d:e]"])
+    cfg = load_config(
+        REPO / "configs" / "demo.yaml",
+        ["ppo.kl_coef=0.1", "rl.algorithm=ppo", "ppo.adaptive_kl=true", "eval.metrics=[a.b:c, d:e]"],
+    )
     assert cfg.ppo.kl_coef == 0.1 and cfg.ppo.adaptive_kl is True
     assert cfg.eval.metrics == ["a.b:c", "d:e"]
     assert parse_override("run.name=x=y") == (["run", "name"], "x=y")
@@ -67,8 +70,10 @@ def test_missing_and_malformed_files(tmp_path):
         validate_config([1])
 
 
-@pytest.mark.parametrize("path", sorted(str(p.relative_to(REPO)) for p in (REPO / "configs").glob("**/*.yaml")
-                                        if "accelerate" not in p.parts))
+@pytest.mark.parametrize(
+    "path",
+    sorted(str(p.relative_to(REPO)) for p in (REPO / "configs").glob("**/*.yaml") if "accelerate" not in p.parts),
+)
 def test_every_shipped_config_loads_and_round_trips_through_json(path):
     cfg = load_config(REPO / path)
     assert PipelineConfig.model_validate(cfg.model_dump(mode="json")) == cfg  # as tasks.distributed does

@@ -32,21 +32,43 @@ def test_config_hash_is_stable_and_sensitive():
 
 def test_grpo_batch_size_is_the_generation_batch():
     # rl.batch_size completions per RL step, split into steps_per_generation micro-batches, GA of them per optimizer step
-    cfg = load_config(REPO / "configs" / "demo.yaml", ["rl.algorithm=grpo", "rl.batch_size=16", "grpo.num_generations=4",
-                                                       "rl.gradient_accumulation_steps=2", "grpo.steps_per_generation=4"])
+    cfg = load_config(
+        REPO / "configs" / "demo.yaml",
+        [
+            "rl.algorithm=grpo",
+            "rl.batch_size=16",
+            "grpo.num_generations=4",
+            "rl.gradient_accumulation_steps=2",
+            "grpo.steps_per_generation=4",
+        ],
+    )
     assert cfg.rl.batch_size == 16 and cfg.grpo.steps_per_generation == 4
     # the micro-batch need not be a multiple of the group any more, only the generation batch is
-    load_config(REPO / "configs" / "demo.yaml", ["rl.algorithm=grpo", "rl.batch_size=16", "grpo.num_generations=8",
-                                                 "rl.gradient_accumulation_steps=2", "grpo.steps_per_generation=4"])
+    load_config(
+        REPO / "configs" / "demo.yaml",
+        [
+            "rl.algorithm=grpo",
+            "rl.batch_size=16",
+            "grpo.num_generations=8",
+            "rl.gradient_accumulation_steps=2",
+            "grpo.steps_per_generation=4",
+        ],
+    )
 
 
 @pytest.mark.parametrize("section", ["rl", "reward"])
 def test_deepspeed_needs_zero_nonfinite_steps_in_a_row(monkeypatch, section):
     monkeypatch.chdir(REPO)
     zero2 = "configs/accelerate/deepspeed_zero2.yaml"
-    both = [f"run.accelerate_config={zero2}", "rl.max_nonfinite_steps_in_a_row=0", "reward.max_nonfinite_steps_in_a_row=0"]
+    both = [
+        f"run.accelerate_config={zero2}",
+        "rl.max_nonfinite_steps_in_a_row=0",
+        "reward.max_nonfinite_steps_in_a_row=0",
+    ]
     assert load_config(REPO / "configs" / "demo.yaml", both).rl.max_nonfinite_steps_in_a_row == 0
     with pytest.raises(ConfigError) as err:
         load_config(REPO / "configs" / "demo.yaml", [*both, f"{section}.max_nonfinite_steps_in_a_row=2"])
     message = str(err.value)
-    assert f"set {section}.max_nonfinite_steps_in_a_row: 0" in message and "DeepSpeed" in message and "\n" not in message
+    assert (
+        f"set {section}.max_nonfinite_steps_in_a_row: 0" in message and "DeepSpeed" in message and "\n" not in message
+    )

@@ -26,7 +26,8 @@ def test_readme_reference_block_is_current():
     readme = (REPO / "README.md").read_text()
     assert START in readme and END in readme, f"README.md lacks the {START} ... {END} markers"
     assert current_block(readme) == render_reference(), (
-        f"README.md's configuration reference is stale: run {WRITE_COMMAND}")
+        f"README.md's configuration reference is stale: run {WRITE_COMMAND}"
+    )
 
 
 def test_every_leaf_field_has_a_description():

@@ -13,7 +13,13 @@ from rlhf_core.config import DEMO, DataConfig, DatasetSpec, DemoModelConfig, Run
 
 def test_run_defaults_and_bounds():
     run = RunConfig()
-    assert (run.name, run.output_dir, run.seed, run.device, run.num_processes) == ("rlhf", Path("outputs/rlhf"), 42, "auto", 1)
+    assert (run.name, run.output_dir, run.seed, run.device, run.num_processes) == (
+        "rlhf",
+        Path("outputs/rlhf"),
+        42,
+        "auto",
+        1,
+    )
     assert RunConfig(output_dir="x").output_dir == Path("x")  # paths take strings
     for bad in ({"seed": -1}, {"num_processes": 0}, {"device": "tpu"}, {"name": ""}):
         with pytest.raises(ValidationError):
@@ -31,4 +37,6 @@ def test_the_data_sources_default_to_the_demo_world():
     assert (data.prompts.path, data.prompts.split, data.eval_prompts.split) == (DEMO, "train", "test")
     with pytest.raises(ValidationError, match="split 'validation' does not exist in the demo world"):
         DatasetSpec(split="validation")
-    assert DatasetSpec(path="data/prefs.jsonl", split="validation").split == "validation"  # only the demo has fixed splits
+    assert (
+        DatasetSpec(path="data/prefs.jsonl", split="validation").split == "validation"
+    )  # only the demo has fixed splits
