@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 # Nothing in the demo, the tests or the benchmarks downloads a model or a data set.
 OFFLINE := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
-.PHONY: venv demo test test-fast chaos bench clean
+.PHONY: venv demo lint test test-fast chaos bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -24,11 +24,18 @@ venv: $(STAMP)
 demo: venv
 	$(OFFLINE) $(BIN)/rlhf run --config configs/demo.yaml
 
+# the layering contracts (flows -> tasks -> rlhf_core, rlhf_core without prefect or mlflow, no import
+# cycles) and ruff's lint and format rules, all configured in pyproject.toml
+lint: venv
+	$(BIN)/lint-imports
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
 # the long chaos test (marked `chaos`) is `make chaos`; its short form runs here
-test: venv
+test: venv lint
 	$(OFFLINE) $(BIN)/python -m pytest -m "not chaos"
 
-test-fast: venv
+test-fast: venv lint
 	$(OFFLINE) $(BIN)/python -m pytest -m "not slow"
 
 # kill -9 the pipeline 9 times across reward training, RL, export and registration, resuming each time

@@ -22,7 +22,7 @@ class OptimSettings(Section):
     max_nonfinite_steps_in_a_row: int = Field(
         3,
         ge=0,
-        description="An optimizer step whose gradient norm is NaN or inf is skipped and counted (perf/skipped_steps); this many in a row stop the run with an error. 0 stops at the first (DeepSpeed needs 0: its engine steps inside backward).",
+        description="An optimizer step whose gradient norm is NaN or inf is skipped and counted (perf/skipped_steps); this many in a row are tolerated and one more stops the run with an error. 0 stops at the first (DeepSpeed needs 0: its engine steps inside backward).",
     )
 
 
