@@ -175,6 +175,17 @@ def _already_judged(name: str, candidate, champion, against: str, logger) -> dic
     return None
 
 
+def _candidate(name: str):
+    """The version with the alias `candidate`, or a one-sentence error saying how to make one."""
+    candidate = registry.version_by_alias(name, CANDIDATE)
+    if candidate is None:
+        raise ValueError(
+            f"registry.policy_model_name {name!r} has no version with the alias '{CANDIDATE}'; "
+            "run the pipeline first (its export sets it)"
+        )
+    return candidate
+
+
 @flow(name="rlhf-promote", log_prints=True)
 def rlhf_promote(config_path: str | None = "configs/demo.yaml", overrides: list[str] | None = None) -> dict:
     """Promote `models:/<policy>@candidate` to `@champion` when it passes the promote.* gates."""
@@ -183,12 +194,7 @@ def rlhf_promote(config_path: str | None = "configs/demo.yaml", overrides: list[
     logger = get_run_logger()
     name = cfg.registry.policy_model_name
     tracking.configure(cfg.tracking_uri())
-    candidate = registry.version_by_alias(name, CANDIDATE)
-    if candidate is None:
-        raise ValueError(
-            f"registry.policy_model_name {name!r} has no version with the alias '{CANDIDATE}'; "
-            "run the pipeline first (its export sets it)"
-        )
+    candidate = _candidate(name)
     champion = registry.version_by_alias(name, CHAMPION)
     against = str(champion.version) if champion is not None else "none"
     judged = _already_judged(name, candidate, champion, against, logger)
@@ -204,16 +210,8 @@ def rlhf_promote(config_path: str | None = "configs/demo.yaml", overrides: list[
         summaries = _evaluate_both(cfg, data, run_id, name, candidate, champion, reference, reward_model)
         candidate_summary = summaries[f"candidate v{candidate.version}"]
         champion_summary = summaries.get(f"champion v{champion.version}") if champion is not None else None
-        decision = decide(
-            candidate_summary,
-            champion_summary,
-            Gates(
-                metric=metric,
-                min_improvement=cfg.promote.min_improvement,
-                max_kl=cfg.promote.max_kl,
-                min_value=cfg.promote.min_value,
-            ),
-        )
+        gates = Gates(metric, cfg.promote.min_improvement, cfg.promote.max_kl, cfg.promote.min_value)
+        decision = decide(candidate_summary, champion_summary, gates)
         tags = _record(run_id, name, candidate, champion, decision, against, metric)
         report = _report(name, candidate, champion, decision, summaries, metric)
         publish_markdown(re.sub(r"[^a-z0-9-]+", "-", f"promotion-{name.lower()}"), report, f"Promotion of {name}")

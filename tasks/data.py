@@ -79,10 +79,56 @@ def tables_to_prepare(cfg: PipelineConfig) -> list[tuple[str, str, DatasetSpec, 
     return tables
 
 
+def check_policy_sources(cfg: PipelineConfig, world: DemoWorld | None) -> tuple[str, str, object]:
+    """(base model path, tokenizer source, tokenizer), with reward.base and the stop tokens checked before any training."""
+    base_model = resolve_model_source(cfg.model.base, field="model.base", cfg=cfg, world=world)
+    if cfg.reward.base not in ("policy", DEMO) and not cfg.reward.base.startswith("models:/"):
+        check_source(cfg.reward.base, "reward.base")  # fail before any training, not after SFT
+    tokenizer_source = cfg.model.tokenizer or base_model
+    tokenizer = load_tokenizer(
+        tokenizer_source, revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code
+    )
+    # the stop tokens against the base model's tokenizer now, before SFT or reward training
+    generation_config = generation_config_of(base_model, trust_remote_code=cfg.model.trust_remote_code)
+    stop_token_ids(tokenizer, generation_config, stop_token=cfg.rl.stop_token, stop_tokens=cfg.rl.stop_tokens)
+    return base_model, tokenizer_source, tokenizer
+
+
+def prepare_table(
+    cfg: PipelineConfig, world: DemoWorld | None, tokenizer, name: str, field_name: str, spec: DatasetSpec, kind: Kind
+) -> dict:
+    """Load, validate and length-check one table and save it under <output_dir>/data; its report row."""
+    resolved = demo_path(world, kind, spec) if spec.path == DEMO else None
+    ds = load_table(spec, kind, field=field_name, resolved_path=resolved)
+    ds, report = apply_length_policy(
+        ds,
+        kind,
+        tokenizer,
+        max_length=cfg.data.max_length,
+        max_prompt_length=cfg.data.max_prompt_length,
+        action=cfg.data.overlong,
+    )
+    source = resolved or spec.path
+    if report.overlong:
+        get_run_logger().warning(report.sentence(source))
+    if report.kept == 0:
+        raise ValueError(f"{field_name}: every row of {source} is over the length limit; raise data.max_length")
+    path = save_table(ds, cfg.run.output_dir / "data" / f"{name}.jsonl")
+    return {
+        "table": name,
+        "source": source,
+        "rows": report.rows,
+        "overlong": report.overlong,
+        "action": report.action,
+        "kept": report.kept,
+        "fingerprint": fingerprint_rows(ds),
+        "path": str(path),
+    }
+
+
 @task(name="prepare-data", cache_policy=NO_CACHE, **IO_RETRIES)
 def prepare_data(cfg: PipelineConfig, parent_run_id: str) -> PreparedData:
     """Build or reuse the demo world, validate every table, write them under <output_dir>/data."""
-    logger = get_run_logger()
     with tracking.stage_run(parent_run_id, "data") as run_id:
         reporter = StageReporter(cfg, "data", run_id)
         world = None
@@ -95,61 +141,21 @@ def prepare_data(cfg: PipelineConfig, parent_run_id: str) -> PreparedData:
                 cfg.model.demo,
                 progress=reporter.advance,
             )
-            logger.info("demo world ready at %s", world.root)
-
-        base_model = resolve_model_source(cfg.model.base, field="model.base", cfg=cfg, world=world)
-        if cfg.reward.base not in ("policy", DEMO) and not cfg.reward.base.startswith("models:/"):
-            check_source(cfg.reward.base, "reward.base")  # fail before any training, not after SFT
-        tokenizer_source = cfg.model.tokenizer or base_model
-        tokenizer = load_tokenizer(
-            tokenizer_source, revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code
-        )
-        # the stop tokens against the base model's tokenizer now, before SFT or reward training
-        stop_token_ids(
-            tokenizer,
-            generation_config_of(base_model, trust_remote_code=cfg.model.trust_remote_code),
-            stop_token=cfg.rl.stop_token,
-            stop_tokens=cfg.rl.stop_tokens,
-        )
-
-        tables, fingerprints, reports = {}, {}, []
+            get_run_logger().info("demo world ready at %s", world.root)
+        base_model, tokenizer_source, tokenizer = check_policy_sources(cfg, world)
+        reports = []
         for name, field_name, spec, kind in tables_to_prepare(cfg):
-            resolved = demo_path(world, kind, spec) if spec.path == DEMO else None
-            ds = load_table(spec, kind, field=field_name, resolved_path=resolved)
-            ds, report = apply_length_policy(
-                ds,
-                kind,
-                tokenizer,
-                max_length=cfg.data.max_length,
-                max_prompt_length=cfg.data.max_prompt_length,
-                action=cfg.data.overlong,
+            reports.append(prepare_table(cfg, world, tokenizer, name, field_name, spec, kind))
+            reporter.log(
+                {f"data/{name}/rows": reports[-1]["kept"], f"data/{name}/overlong": reports[-1]["overlong"]}, 0
             )
-            source = resolved or spec.path
-            if report.overlong:
-                logger.warning(report.sentence(source))
-            if report.kept == 0:
-                raise ValueError(f"{field_name}: every row of {source} is over the length limit; raise data.max_length")
-            tables[name] = str(save_table(ds, cfg.run.output_dir / "data" / f"{name}.jsonl"))
-            fingerprints[name] = fingerprint_rows(ds)
-            reports.append(
-                {
-                    "table": name,
-                    "source": source,
-                    "rows": report.rows,
-                    "overlong": report.overlong,
-                    "action": report.action,
-                    "kept": report.kept,
-                    "fingerprint": fingerprints[name],
-                }
-            )
-            reporter.log({f"data/{name}/rows": report.kept, f"data/{name}/overlong": report.overlong}, 0)
-
+        tables = {r["table"]: r.pop("path") for r in reports}
         reporter.publish_table(
             "data-report", reports, "Validated tables: rows, over-long rows and what was done with them"
         )
         prepared = PreparedData(
             tables=tables,
-            fingerprints=fingerprints,
+            fingerprints={r["table"]: r["fingerprint"] for r in reports},
             base_model=base_model,
             tokenizer=tokenizer_source,
             demo_world=str(world.root.resolve()) if world else None,

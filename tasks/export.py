@@ -45,62 +45,74 @@ def export_info(cfg: PipelineConfig, data: PreparedData, plan: InitPlan, trained
     )
 
 
+def write_export(cfg: PipelineConfig, data: PreparedData, plan: InitPlan, trained: Checkpoint) -> Path:
+    """The export directory from the last RL checkpoint, with the run's stop tokens and sampling settings."""
+    tokenizer = load_tokenizer(trained.path)
+    stops = stop_token_ids(
+        tokenizer, generation_config_of(trained.path), stop_token=cfg.rl.stop_token, stop_tokens=cfg.rl.stop_tokens
+    )
+    generation = generation_settings(
+        tokenizer=tokenizer,
+        max_new_tokens=cfg.rl.response_length,
+        temperature=cfg.rl.temperature,
+        top_k=cfg.rl.top_k,
+        top_p=cfg.rl.top_p,
+        stop_token_ids=stops,
+    )
+    export_policy(
+        trained.path,
+        cfg.export_dir,
+        export_info(cfg, data, plan, trained),
+        generation=generation,
+        merge=cfg.export.merge,
+    )
+    return cfg.export_dir
+
+
+def publish_candidate(reporter: StageReporter, out: Path, uri: str) -> None:
+    """Point `candidate` at the exported version and say where it is."""
+    reporter.alias(CANDIDATE, uri)
+    reporter.logger.info("%s is %s, alias %s", out, uri, CANDIDATE)
+    name = reporter.cfg.registry.policy_model_name
+    reporter.publish_markdown(
+        "policy-export",
+        f"# Exported policy\n\n- directory: `{out.resolve()}`\n"
+        f"- model version: `{uri}` (alias `{CANDIDATE}`: `models:/{name}@{CANDIDATE}`)\n"
+        f'- load: `AutoModelForCausalLM.from_pretrained("{out.resolve()}")`\n',
+        "The exported final policy",
+    )
+
+
 @task(name="export-policy", cache_policy=NO_CACHE, **IO_RETRIES)
 def export_final_policy(
     cfg: PipelineConfig, data: PreparedData, plan: InitPlan, trained: Checkpoint, parent_run_id: str
 ) -> Checkpoint:
     """Write <export dir> from the last RL checkpoint, register it as a version, point `candidate` at it."""
-    out = cfg.export_dir
     with tracking.stage_run(parent_run_id, "export") as run_id:
+        lineage = {
+            "stage_key": trained.key,
+            "algorithm": cfg.rl.algorithm,
+            "reward_model_version": plan.reward_identity,
+            "base_model": plan.policy_identity,
+            "source_checkpoint": trained.model_uri or trained.path,
+        }
         reporter = StageReporter(
             cfg,
             "export",
             run_id,
             data_fingerprint=data.fingerprint,
             model_name=cfg.registry.policy_model_name,
-            lineage={
-                "stage_key": trained.key,
-                "algorithm": cfg.rl.algorithm,
-                "reward_model_version": plan.reward_identity,
-                "base_model": plan.policy_identity,
-                "source_checkpoint": trained.model_uri or trained.path,
-            },
+            lineage=lineage,
         )
-        tokenizer = load_tokenizer(trained.path)
-        stops = stop_token_ids(
-            tokenizer, generation_config_of(trained.path), stop_token=cfg.rl.stop_token, stop_tokens=cfg.rl.stop_tokens
-        )
-        generation = generation_settings(
-            tokenizer=tokenizer,
-            max_new_tokens=cfg.rl.response_length,
-            temperature=cfg.rl.temperature,
-            top_k=cfg.rl.top_k,
-            top_p=cfg.rl.top_p,
-            stop_token_ids=stops,
-        )
-        export_policy(
-            trained.path, out, export_info(cfg, data, plan, trained), generation=generation, merge=cfg.export.merge
-        )
+        out = write_export(cfg, data, plan, trained)
         reporter.artifact(out / "README.md", "model_card")
         reporter.logger.info("exported the %s policy (step %d) to %s", cfg.rl.algorithm, trained.step, out.resolve())
         # an adapter-only export has no full weights to log; the checkpoint it came from has them merged
         full = out if (out / "config.json").is_file() else Path(trained.path)
-        uri = reporter.register(
-            full,
-            trained.step,
-            **{k.replace("/", "_"): f"{v:.4f}" for k, v in trained.extra.get("final_eval", {}).items()},
-        )
+        scores = {k.replace("/", "_"): f"{v:.4f}" for k, v in trained.extra.get("final_eval", {}).items()}
+        uri = reporter.register(full, trained.step, **scores)
         if uri is not None:
-            reporter.alias(CANDIDATE, uri)
-            reporter.logger.info("%s is %s, alias %s", out, uri, CANDIDATE)
-            name = cfg.registry.policy_model_name
-            reporter.publish_markdown(
-                "policy-export",
-                f"# Exported policy\n\n- directory: `{out.resolve()}`\n"
-                f"- model version: `{uri}` (alias `{CANDIDATE}`: `models:/{name}@{CANDIDATE}`)\n"
-                f'- load: `AutoModelForCausalLM.from_pretrained("{out.resolve()}")`\n',
-                "The exported final policy",
-            )
+            publish_candidate(reporter, out, uri)
         return Checkpoint(
             path=str(out.resolve()),
             model_uri=uri,
