@@ -83,7 +83,7 @@ class RLConfig(OptimSettings):
     batch_size: int = Field(
         32,
         ge=1,
-        description="Completions generated per RL step (the rollout or generation batch); PPO splits it into ppo.num_mini_batches optimizer steps, GRPO into grpo.steps_per_generation / rl.gradient_accumulation_steps optimizer steps.",
+        description="Completions generated per RL step (the rollout or generation batch); PPO splits it into ppo.num_mini_batches optimizer steps per PPO epoch, GRPO into grpo.steps_per_generation / rl.gradient_accumulation_steps optimizer steps.",
     )
     gradient_accumulation_steps: int = Field(
         1, ge=1, description="Micro-batches accumulated per optimizer step (PPO and GRPO alike)."
