@@ -22,6 +22,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import socket
 import time
@@ -230,6 +231,18 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+def _unmarked_empty_temp(path: Path) -> bool:
+    """A directory named as `atomic_dir` names its temporaries (`.<name>-` + 8 random characters) that holds
+    nothing, or only a marker file that is empty or cut short: what a kill leaves in the instant between
+    creating the temporary and writing its marker."""
+    if not re.fullmatch(r"\..+-[a-z0-9_]{8}", path.name):
+        return False
+    entries = list(path.iterdir())
+    return not entries or (
+        len(entries) == 1 and entries[0].name == MARKER and entries[0].is_file() and entries[0].stat().st_size < 4096
+    )
+
+
 def remove_orphan_temps(directory: str | Path) -> list[Path]:
     """Delete the temporary directories `atomic_dir` left in `directory` when a run was killed; return them.
 
@@ -246,6 +259,11 @@ def remove_orphan_temps(directory: str | Path) -> list[Path]:
         if not path.name.startswith(".") or path.is_symlink() or not path.is_dir():
             continue
         marker = read_marker(path)
+        if marker is None and _unmarked_empty_temp(path):
+            # killed between creating the directory and finishing its marker: nothing in it to lose
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+            continue
         if marker is None or marker.get("created_by") != ATOMIC_CREATOR or _alive_here(marker):
             continue
         name = marker.get("aside_of")

@@ -152,3 +152,17 @@ def test_a_save_killed_between_its_two_renames_gets_the_previous_directory_back(
 
     assert sorted(remove_orphan_temps(tmp_path)) == sorted([holder, new])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["export"] and tree_hash(previous) == kept
+
+
+def test_a_temporary_killed_before_its_marker_was_written_is_removed_but_unmarked_data_is_not(tmp_path):
+    import tempfile
+
+    bare = Path(tempfile.mkdtemp(prefix=".checkpoint-2-", dir=tmp_path))  # killed right after mkdtemp
+    cut = Path(tempfile.mkdtemp(prefix=".checkpoint-3-", dir=tmp_path))
+    (cut / MARKER).write_text('{"created_by": "rlhf_co')  # killed while writing the marker
+    user = Path(tempfile.mkdtemp(prefix=".checkpoint-4-", dir=tmp_path))
+    (user / "notes.txt").write_text("a user's file")  # same shape of name, but it holds data and no marker
+    hidden = tmp_path / ".cache"
+    hidden.mkdir()  # an empty hidden directory not named like a temporary
+    assert sorted(remove_orphan_temps(tmp_path)) == sorted([bare, cut])
+    assert user.is_dir() and (user / "notes.txt").read_text() == "a user's file" and hidden.is_dir()
