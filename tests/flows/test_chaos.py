@@ -156,6 +156,17 @@ def hidden_dirs(root: Path) -> list[str]:
     return sorted(str(p.relative_to(root)) for p in root.rglob(".*") if p.is_dir())
 
 
+def describe_hidden(root: Path) -> str:
+    """What a leftover hidden directory holds, and its marker (which process wrote it), for the failure message."""
+    lines = []
+    for name in hidden_dirs(root):
+        path = root / name
+        marker = path / ".rlhf-owned"
+        text = marker.read_text()[:300] if marker.is_file() else "no marker"
+        lines.append(f"{name}: {sorted(p.name for p in path.iterdir())} marker={text!r} (this pid {os.getpid()})")
+    return "\n".join(lines)
+
+
 def registered(uri: str) -> dict[str, list[tuple[str, str, str]]]:
     client = MlflowClient(uri, registry_uri=uri)
     found = {}
@@ -263,7 +274,7 @@ def run_chaos(tmp_path: Path, prefect_api_url: str, trials: list[list[str]], see
         statuses = pipeline_run_statuses(uri)
         assert len(statuses) == len(groups) + 1 and set(statuses) <= {"KILLED", "FINISHED"}, statuses
         assert statuses[-1] == "FINISHED" and "KILLED" in statuses, statuses
-        assert hidden_dirs(out) == []
+        assert hidden_dirs(out) == [], describe_hidden(out)
     return hits
 
 
