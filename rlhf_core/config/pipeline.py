@@ -33,6 +33,10 @@ class ExportConfig(Section):
         None, strict=False, description="Where the final policy is exported; null means <run.output_dir>/export."
     )
     merge: bool = Field(False, description="With LoRA, also export the adapter merged into the base weights.")
+    license: str | None = Field(
+        None,
+        description="License in the exported model card's metadata (a hub license id such as apache-2.0); null: the base model card's license when it has one.",
+    )
 
 
 class PromoteConfig(Section):
