@@ -203,6 +203,7 @@ def _run_command(args: argparse.Namespace) -> int:
         return 0
 
     if args.command == "promote":
+        cfg.promotion_gates()  # outside the demo an explicit gate is needed: one sentence before any flow run
         from flows.promote import rlhf_promote
 
         result = rlhf_promote(config_path=args.config, overrides=args.overrides)

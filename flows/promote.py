@@ -21,7 +21,7 @@ from rlhf_core.config import PipelineConfig, load_config
 from rlhf_core.data import read_column
 from rlhf_core.evaluation import evaluate_generations, summarize_rows
 from rlhf_core.loop import seed_everything
-from rlhf_core.promotion import Decision, Gates, decide
+from rlhf_core.promotion import Decision, decide
 from rlhf_core.redaction import refuse_secret_overrides
 from tasks import registry, tracking
 from tasks.data import PreparedData, prepare_data, resolve_model_source
@@ -191,17 +191,19 @@ def rlhf_promote(config_path: str | None = "configs/demo.yaml", overrides: list[
     """Promote `models:/<policy>@candidate` to `@champion` when it passes the promote.* gates."""
     refuse_secret_overrides(overrides)  # Prefect stores parameters: credentials come from MLflow's env variables
     cfg = load_config(config_path, overrides or [])
+    cfg.promotion_gates()  # outside the demo an explicit gate is needed: checked before any registry call
     logger = get_run_logger()
     name = cfg.registry.policy_model_name
     tracking.configure(cfg.tracking_uri())
     candidate = _candidate(name)
     champion = registry.version_by_alias(name, CHAMPION)
+    gates = cfg.promotion_gates(first=champion is None)  # a first champion outside the demo needs min_value
     against = str(champion.version) if champion is not None else "none"
     judged = _already_judged(name, candidate, champion, against, logger)
     if judged is not None:
         return judged
 
-    metric = cfg.promotion_metric()
+    metric = gates.metric
     reference = candidate.tags.get("base_model")
     reward_model = candidate.tags.get("reward_model_version")
     reward_model = reward_model if reward_model and reward_model != "none" else None
@@ -210,7 +212,6 @@ def rlhf_promote(config_path: str | None = "configs/demo.yaml", overrides: list[
         summaries = _evaluate_both(cfg, data, run_id, name, candidate, champion, reference, reward_model)
         candidate_summary = summaries[f"candidate v{candidate.version}"]
         champion_summary = summaries.get(f"champion v{champion.version}") if champion is not None else None
-        gates = Gates(metric, cfg.promote.min_improvement, cfg.promote.max_kl, cfg.promote.min_value)
         decision = decide(candidate_summary, champion_summary, gates)
         tags = _record(run_id, name, candidate, champion, decision, against, metric)
         report = _report(name, candidate, champion, decision, summaries, metric)

@@ -14,8 +14,10 @@ from typing import Literal
 from prefect import flow
 from prefect.logging import get_run_logger
 
-from flows.promote import rlhf_promote
+from flows.promote import CHAMPION, rlhf_promote
 from flows.rlhf_pipeline import rlhf_pipeline
+from rlhf_core.config import load_config
+from tasks import registry, tracking
 
 
 @flow(name="rlhf-retrain", log_prints=True)
@@ -31,6 +33,12 @@ def rlhf_retrain(
     settings = list(overrides or []) + [f"init.policy={start_from}"]
     if preference_path:
         settings.append(f"data.preference.path={preference_path}")
+    if promote:  # a promotion that cannot run (no explicit gate outside the demo) fails before training
+        cfg = load_config(config_path, settings)
+        cfg.promotion_gates()
+        if not cfg.is_demo() and cfg.promote.min_value is None:  # a first champion needs promote.min_value
+            tracking.configure(cfg.tracking_uri())
+            cfg.promotion_gates(first=registry.version_by_alias(cfg.registry.policy_model_name, CHAMPION) is None)
     trained = rlhf_pipeline(config_path=config_path, overrides=settings, only_if_new_data=True)
     result = {"pipeline": trained, "promotion": None}
     if trained.get("skipped"):

@@ -5,7 +5,8 @@ Layout of the export directory:
   files and README.md;
 - LoRA, `merge: false`: the adapter (adapter_config.json, adapter_model.safetensors) at the top,
   with the tokenizer, generation_config.json and README.md. `AutoModelForCausalLM.from_pretrained`
-  loads base + adapter through PEFT; `adapter_config.json` names the base;
+  loads base + adapter through PEFT; `adapter_config.json` names the base by
+  its hub id, or a local base by its path relative to the adapter's directory;
 - LoRA, `merge: true`: the merged full model at the top and the adapter in `adapter/`.
 Only the policy is written: no value head, no reward model, no optimizer state. The directory is
 written to a temporary sibling and renamed into place, so an export is complete or absent.
@@ -13,6 +14,8 @@ written to a temporary sibling and renamed into place, so an export is complete 
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -31,12 +34,16 @@ class ExportInfo:
 
     algorithm: str
     steps: int
-    base_model: str  # the policy's starting point (base model name, SFT checkpoint URI or path)
+    base_model: str  # the root base model's hub id (or local name / "demo"): the card's `base_model`
     reward_model: str  # the reward model version URI, or "none" (GRPO with reward functions only)
-    datasets: list[str]
+    datasets: list[str]  # hub ids, local file names or "demo": never absolute paths
     eval_metrics: dict[str, float]
     hyperparameters: dict[str, Any] = field(default_factory=dict)
     model_name: str = ""  # the registered model the export becomes a version of
+    policy_start: str = ""  # lineage: where RL started (base model, SFT checkpoint URI, champion version URI)
+    source_checkpoint: str = ""  # lineage: the RL checkpoint (model URI or path) the export was written from
+    license: str | None = None  # a hub license id; omitted from the card when None
+    eval_dataset: str = ""  # the held-out prompts the final evaluation ran on (hub id, file name or "demo")
 
 
 def generation_settings(
@@ -61,16 +68,46 @@ def generation_settings(
     return settings
 
 
-def _card_body(info: ExportInfo, *, lora: bool, merged: bool, name: str) -> str:
+def _adapter_base(adapter_dir: Path, final_dir: Path) -> tuple[str | None, bool]:
+    """Point adapter_config.json's base_model_name_or_path at the base as a hub id, or for a local base at its
+    path relative to `final_dir` (where the adapter will live): (the value written, whether it is a local path)."""
+    path = adapter_dir / "adapter_config.json"
+    config = json.loads(path.read_text(encoding="utf-8"))
+    base = config.get("base_model_name_or_path")
+    if not base or not Path(base).expanduser().is_dir():
+        return base, False
+    config["base_model_name_or_path"] = os.path.relpath(Path(base).expanduser().resolve(), final_dir.resolve())
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    return config["base_model_name_or_path"], True
+
+
+def _adapter_load(where: str, directory: str, base: str | None, relative: bool) -> str:
+    """How to load the adapter in `directory` (`where`: 'this directory' or 'adapter/') on its base."""
+    if relative:
+        note = (
+            f"`adapter_config.json` names its base by a relative path: load with the base at `{base}` from {where}. "
+            "`from_pretrained` resolves a relative path against the current directory, so join it with the "
+            "adapter's directory first:"
+        )
+    else:
+        note = f"`adapter_config.json` names its base model, `{base}`:"
+    code = (
+        "```python\nimport os\n\nfrom peft import PeftConfig, PeftModel\nfrom transformers import AutoModelForCausalLM\n\n"
+        f'adapter_dir = "{directory}"\n'
+        "base = PeftConfig.from_pretrained(adapter_dir).base_model_name_or_path\n"
+        + ("base = os.path.join(adapter_dir, base)\n" if relative else "")
+        + "model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), adapter_dir)\n```"
+    )
+    return f"{note}\n\n{code}"
+
+
+def _card_body(
+    info: ExportInfo, *, lora: bool, merged: bool, name: str, adapter_base: tuple[str | None, bool] = (None, False)
+) -> str:
     metrics = "\n".join(f"| {k} | {v:.4f} |" for k, v in info.eval_metrics.items()) or "| (none) | |"
     params = "\n".join(f"- `{k}`: {v}" for k, v in info.hyperparameters.items())
     if lora and not merged:
-        load = (
-            "This directory holds a LoRA adapter; `adapter_config.json` names its base model.\n\n"
-            "```python\nfrom peft import AutoPeftModelForCausalLM\nfrom transformers import AutoTokenizer\n\n"
-            f'model = AutoPeftModelForCausalLM.from_pretrained("{name}")  # or AutoModelForCausalLM with peft installed\n'
-            f'tokenizer = AutoTokenizer.from_pretrained("{name}")\n```'
-        )
+        load = "This directory holds a LoRA adapter. " + _adapter_load("this directory", name, *adapter_base)
     else:
         load = (
             "```python\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n\n"
@@ -79,15 +116,31 @@ def _card_body(info: ExportInfo, *, lora: bool, merged: bool, name: str) -> str:
             "print(tokenizer.decode(model.generate(**inputs)[0], skip_special_tokens=True))\n```"
         )
         if lora:
-            load += "\n\nThe LoRA adapter itself is in `adapter/` (load it with `peft.PeftModel.from_pretrained`)."
+            load += "\n\nThe LoRA adapter itself is in `adapter/`. " + _adapter_load(
+                "adapter/", f"{name}/adapter", *adapter_base
+            )
     reward = f"the reward model `{info.reward_model}`" if info.reward_model != "none" else "Python reward functions"
+    lineage = [
+        f"- base model: `{info.base_model}`",
+        f"- policy start: `{info.policy_start or info.base_model}`",
+        f"- reward model: `{info.reward_model}`",
+    ]
+    if info.source_checkpoint:
+        lineage.append(f"- source checkpoint: `{info.source_checkpoint}`")
+    if info.model_name:
+        lineage.append(f"- registered model: `{info.model_name}`")
+    lineage_text = "\n".join(lineage)
     return f"""This policy was trained with {info.algorithm.upper()} for {info.steps} steps by the RLHF pipeline,
-starting from `{info.base_model}` and optimizing {reward}.
+starting from `{info.policy_start or info.base_model}` and optimizing {reward}.
 `generation_config.json` holds the sampling settings it was trained with.
 
 ## How to load it
 
 {load}
+
+## Lineage
+
+{lineage_text}
 
 ## Final evaluation (held-out prompts, near-greedy generation)
 
@@ -99,6 +152,54 @@ starting from `{info.base_model}` and optimizing {reward}.
 
 {params}
 """
+
+
+def _model_index(info: ExportInfo) -> list[dict[str, Any]] | None:
+    """The eval results in the hub's `model-index` format (None without any)."""
+    if not info.eval_metrics:
+        return None
+    dataset = info.eval_dataset or "held-out prompts"
+    metrics = [
+        {"type": k.removeprefix("eval/").replace("/", "_"), "value": round(float(v), 6), "name": k}
+        for k, v in info.eval_metrics.items()
+    ]
+    return [
+        {
+            "name": info.model_name or "rlhf-policy",
+            "results": [
+                {
+                    "task": {"type": "text-generation", "name": "Text Generation"},
+                    "dataset": {"name": dataset, "type": dataset},
+                    "metrics": metrics,
+                }
+            ],
+        }
+    ]
+
+
+def card_metadata(info: ExportInfo, *, lora: bool, merge: bool) -> dict[str, Any]:
+    """The exported card's YAML metadata, in the fields the Hugging Face hub reads.
+
+    base_model_relation: "adapter" for an adapter-only export, "finetune" for full weights (a LoRA merged into
+    its one base is a fine-tune of it; the hub's "merge" means several models merged into one)."""
+    metadata: dict[str, Any] = {
+        "base_model": info.base_model,
+        "base_model_relation": "adapter" if (lora and not merge) else "finetune",
+    }
+    if info.license:
+        metadata["license"] = info.license
+    metadata.update(
+        {
+            "library_name": "peft" if (lora and not merge) else "transformers",
+            "pipeline_tag": "text-generation",
+            "tags": ["rlhf", info.algorithm] + (["lora"] if lora else []),
+            "datasets": list(info.datasets),
+        }
+    )
+    model_index = _model_index(info)
+    if model_index is not None:
+        metadata["model-index"] = model_index
+    return metadata
 
 
 def export_policy(
@@ -120,7 +221,7 @@ def export_policy(
         adapter_target = tmp / "adapter" if (lora and merge) else tmp
         if lora:
             adapter_target.mkdir(exist_ok=True)
-            # adapter_config.json keeps base_model_name_or_path: where the policy was loaded from
+            # adapter_config.json's base_model_name_or_path: made a hub id or a path relative to the export below
             for name in ADAPTER_FILES:
                 shutil.copy2(policy_dir / "adapter" / name, adapter_target / name)
         if not lora or merge:
@@ -130,20 +231,13 @@ def export_policy(
         if lora and merge:
             tokenizer.save_pretrained(tmp / "adapter")
         GenerationConfig(**generation).save_pretrained(tmp)
-        metadata = {
-            "base_model": info.base_model,
-            "library_name": "peft" if (lora and not merge) else "transformers",
-            "pipeline_tag": "text-generation",
-            "tags": ["rlhf", info.algorithm] + (["lora"] if lora else []),
-            "datasets": info.datasets,
-            "reward_model": info.reward_model,
-            "rlhf": {"algorithm": info.algorithm, "steps": info.steps, "registered_model": info.model_name or None},
-            "eval_results": {k: round(float(v), 6) for k, v in info.eval_metrics.items()},
-        }
+        adapter_base = (
+            _adapter_base(adapter_target, output_dir / adapter_target.relative_to(tmp)) if lora else (None, False)
+        )
         write_model_card(
             tmp,
             title=f"{info.model_name or 'RLHF policy'} ({info.algorithm.upper()})",
-            metadata=metadata,
-            body=_card_body(info, lora=lora, merged=merge, name=str(output_dir)),
+            metadata=card_metadata(info, lora=lora, merge=merge),
+            body=_card_body(info, lora=lora, merged=merge, name=str(output_dir), adapter_base=adapter_base),
         )
     return output_dir

@@ -7,15 +7,16 @@ reward model, metric functions and reference.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
 class Gates:
     metric: str  # eval column: "score" or a metric function's name
-    min_improvement: float
+    min_improvement: float | None  # None: the candidate need only be strictly better than the champion
     max_kl: float | None
-    min_value: float | None  # absolute gate when there is no champion
+    min_value: float | None  # absolute floor, with or without a champion
 
 
 @dataclass(frozen=True)
@@ -32,8 +33,9 @@ def _mean(summary: dict[str, float], column: str) -> float | None:
 
 
 def decide(candidate: dict[str, float], champion: dict[str, float] | None, gates: Gates) -> Decision:
-    """Promote when the candidate's metric beats the champion's by min_improvement (or, with no champion,
-    reaches min_value) and its KL to the reference stays at or under max_kl."""
+    """Promote when the candidate's KL to the reference stays at or under max_kl, its metric reaches
+    min_value (when set) and, with a champion, beats the champion's by at least min_improvement (when
+    set) or is strictly higher (when min_improvement is None)."""
     value = _mean(candidate, gates.metric)
     if value is None:
         raise ValueError(
@@ -48,16 +50,23 @@ def decide(candidate: dict[str, float], champion: dict[str, float] | None, gates
 
     if gates.max_kl is not None and kl is not None and kl > gates.max_kl:
         return verdict(False, f"KL to the reference {kl:.3f} exceeds promote.max_kl {gates.max_kl}")
+    if not math.isfinite(value):
+        return verdict(False, f"{gates.metric} is {value} (not finite)")
+    if gates.min_value is not None and value < gates.min_value:
+        where = "no champion yet" if champion is None else "an absolute floor"
+        return verdict(False, f"{gates.metric} {value:.4f} is below promote.min_value {gates.min_value} ({where})")
     if champion is None:
-        if gates.min_value is not None and value < gates.min_value:
-            return verdict(
-                False, f"{gates.metric} {value:.4f} is below promote.min_value {gates.min_value} (no champion yet)"
-            )
         return verdict(True, f"no champion yet; {gates.metric} {value:.4f} passes the absolute gates")
     if champion_value is None:
         raise ValueError(f"the champion's evaluation has no column {gates.metric!r}")
     gain = value - champion_value
-    if gain < gates.min_improvement:
+    if gates.min_improvement is None and not gain > 0:
+        return verdict(
+            False,
+            f"{gates.metric} {value:.4f} vs champion {champion_value:.4f}: gain {gain:+.4f} is not above 0 "
+            "(promote.min_improvement is null)",
+        )
+    if gates.min_improvement is not None and gain < gates.min_improvement:
         return verdict(
             False,
             f"{gates.metric} {value:.4f} vs champion {champion_value:.4f}: gain {gain:+.4f} is below "

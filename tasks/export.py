@@ -9,6 +9,7 @@ from prefect.cache_policies import NO_CACHE
 
 from rlhf_core.config import PipelineConfig
 from rlhf_core.export import ExportInfo, export_policy, generation_settings
+from rlhf_core.model_card import card_field, card_license, source_name
 from rlhf_core.models import generation_config_of, load_tokenizer, stop_token_ids
 from tasks import tracking
 from tasks.data import PreparedData
@@ -32,17 +33,47 @@ def export_info(cfg: PipelineConfig, data: PreparedData, plan: InitPlan, trained
     )
     if cfg.model.lora.enabled:
         hyper.update({"lora.r": cfg.model.lora.r, "lora.alpha": cfg.model.lora.alpha})
+    specs = {"preference": cfg.data.preference, "prompts": cfg.data.prompts}
     tables = ("preference", "prompts") if plan.reward_path else ("prompts",)
     return ExportInfo(
         algorithm=algorithm,
         steps=trained.step,
-        base_model=plan.policy_identity,
+        base_model=root_base_name(cfg, data),
         reward_model=plan.reward_identity,
-        datasets=[data.source(t) for t in tables],
+        datasets=list(dict.fromkeys(source_name(specs[t].path) for t in tables)),
         eval_metrics=trained.extra.get("final_eval", {}),
         hyperparameters=hyper,
         model_name=cfg.registry.policy_model_name,
+        policy_start=plan.policy_identity,
+        source_checkpoint=trained.model_uri or trained.path,
+        license=cfg.export.license or base_license(cfg, data),
+        eval_dataset=source_name(cfg.data.eval_prompts.path),
     )
+
+
+def root_base_name(cfg: PipelineConfig, data: PreparedData) -> str:
+    """The card's `base_model`: model.base's hub id, a local base's directory name, "demo" for the demo world;
+    for a registered version (models:/name/v), the base its own card names, else the registered model's name."""
+    base = cfg.model.base
+    if base.startswith("models:/"):
+        named = card_field(data.base_model, "base_model")
+        if named and not named.startswith("models:/") and not Path(named).is_absolute():
+            return named
+        return base.removeprefix("models:/").split("/")[0].split("@")[0]
+    return source_name(base)
+
+
+def base_license(cfg: PipelineConfig, data: PreparedData) -> str | None:
+    """The base model card's license: the local base's README.md, or a hub base's card in the local hub cache."""
+    if Path(data.base_model).is_dir():
+        return card_license(data.base_model)
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(cfg.model.base, "README.md", revision=cfg.model.revision)
+    except Exception:  # not a repo id: no hub card to read
+        return None
+    return card_license(Path(cached).parent) if isinstance(cached, str) else None
 
 
 def write_export(cfg: PipelineConfig, data: PreparedData, plan: InitPlan, trained: Checkpoint) -> Path:

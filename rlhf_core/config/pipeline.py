@@ -10,9 +10,12 @@ from pathlib import Path
 
 from pydantic import Field, model_validator
 
-from rlhf_core.config.base import DEMO, Section
+from rlhf_core.config.base import DEMO, ConfigError, Section
 from rlhf_core.config.run_model_data import DataConfig, ModelConfig, RunConfig
 from rlhf_core.config.training import GRPOConfig, InitConfig, PPOConfig, RewardConfig, RLConfig, SFTConfig
+from rlhf_core.promotion import Gates
+
+DEMO_MIN_IMPROVEMENT = 0.01  # the demo's promote.min_improvement when it is null
 
 
 class EvalConfig(Section):
@@ -42,10 +45,11 @@ class ExportConfig(Section):
 class PromoteConfig(Section):
     metric: str | None = Field(
         None,
-        description="Eval column that decides promotion: 'score' (reward model) or a metric function's name; null: the first of eval.metrics, else score.",
+        description="Eval column that decides promotion: 'score' (reward model) or a metric function's name; null: 'score' (the reward model's mean score on the eval prompts), or in the demo (model.base 'demo') the first of eval.metrics.",
     )
-    min_improvement: float = Field(
-        0.01, description="The candidate must beat the champion's metric by at least this much."
+    min_improvement: float | None = Field(
+        None,
+        description="With a champion, the candidate's metric must beat the champion's by at least this much; null: strictly better (in the demo: 0.01). Outside the demo this or min_value must be set.",
     )
     max_kl: float | None = Field(
         20.0,
@@ -53,7 +57,8 @@ class PromoteConfig(Section):
         description="Refuse a candidate whose mean KL to its reference (nats per completion) exceeds this; null: no KL gate.",
     )
     min_value: float | None = Field(
-        None, description="With no champion yet, the candidate's metric must reach this; null: no such gate."
+        None,
+        description="The candidate's metric must reach this, with or without a champion; null: no such floor. Outside the demo the first promotion (no champion yet) needs it.",
     )
     num_prompts: int | None = Field(None, ge=1, description="Held-out prompts evaluated; null: eval.num_prompts.")
 
@@ -205,12 +210,36 @@ class PipelineConfig(Section):
         """Eval column names of eval.metrics ('package.module:function' is named 'function')."""
         return [spec.rsplit(":", 1)[-1] for spec in self.eval.metrics]
 
+    def is_demo(self) -> bool:
+        """The built-in demo: the policy's base is the demo world's model (model.base 'demo')."""
+        return self.model.base == DEMO
+
     def promotion_metric(self) -> str:
-        """The eval column promotion compares: promote.metric, else the first metric function, else score."""
+        """The eval column promotion compares: promote.metric; else in the demo the first metric function
+        (else score); else score, the reward model's mean score on the eval prompts."""
         if self.promote.metric is not None:
             return self.promote.metric
         names = self.metric_names()
-        return names[0] if names else "score"
+        return names[0] if self.is_demo() and names else "score"
+
+    def promotion_gates(self, first: bool = False) -> Gates:
+        """The promote.* gates; `first`: there is no champion yet. Outside the demo promotion needs an
+        explicit gate (and a first promotion promote.min_value), else a one-sentence ConfigError."""
+        metric, promote = self.promotion_metric(), self.promote
+        min_improvement = promote.min_improvement
+        if self.is_demo():
+            min_improvement = DEMO_MIN_IMPROVEMENT if min_improvement is None else min_improvement
+        elif promote.min_value is None and min_improvement is None:
+            raise ConfigError(
+                f"promote.min_value or promote.min_improvement must be set to promote on {metric!r} outside the "
+                f"demo (model.base is {self.model.base!r}), so that no value becomes champion by default"
+            )
+        elif first and promote.min_value is None:
+            raise ConfigError(
+                f"promote.min_value must be set to promote a first champion on {metric!r} outside the demo: "
+                "there is no champion yet for promote.min_improvement to be measured against"
+            )
+        return Gates(metric, min_improvement, promote.max_kl, promote.min_value)
 
     def uses_demo_world(self) -> bool:
         sources = [

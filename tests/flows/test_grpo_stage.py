@@ -1,5 +1,6 @@
 """GRPO inside the pipeline: callable rewards skip the reward stage; versions, Parquet completions, resume."""
 
+from contextlib import chdir
 from pathlib import Path
 
 import pandas as pd
@@ -85,10 +86,13 @@ def test_a_lora_run_exports_adapter_and_merged_model_and_registers_the_merged_on
     shipped = tmp_path / "shipped"
     assert summary["export_dir"] == str(shipped.resolve())
     assert (shipped / "model.safetensors").is_file() and (shipped / "adapter" / "adapter_model.safetensors").is_file()
-    assert read_front_matter(shipped / "README.md")["tags"] == ["rlhf", "grpo", "lora"]
+    card = read_front_matter(shipped / "README.md")
+    assert card["tags"] == ["rlhf", "grpo", "lora"]
+    assert card["base_model"] == "demo" and card["base_model_relation"] == "finetune"
     ids = {"input_ids": torch.tensor([[5, 6, 7]])}
     merged = AutoModelForCausalLM.from_pretrained(shipped)
-    adapter = AutoPeftModelForCausalLM.from_pretrained(str(shipped / "adapter"))
+    with chdir(shipped / "adapter"):  # adapter_config.json names the local base relative to adapter/
+        adapter = AutoPeftModelForCausalLM.from_pretrained(".")
     with torch.no_grad():
         torch.testing.assert_close(merged(**ids).logits, adapter(**ids).logits, atol=1e-4, rtol=1e-4)
     candidate = MlflowClient(mlflow_uri, registry_uri=mlflow_uri).get_model_version_by_alias(

@@ -11,6 +11,7 @@ from mlflow.tracking import MlflowClient
 
 from flows.rlhf_pipeline import rlhf_pipeline
 from rlhf_core.data import DataValidationError
+from rlhf_core.model_card import read_front_matter
 
 REPO = Path(__file__).resolve().parents[2]
 SMOKE = str(REPO / "configs" / "smoke.yaml")
@@ -97,6 +98,9 @@ def test_pipeline_runs_registers_and_reuses_finished_stages(prefect_harness, tmp
     candidate = client.get_model_version_by_alias("smoke-policy", "candidate")
     assert str(candidate.version) == "4" and candidate.tags["stage"] == "export"
     assert candidate.tags["source_checkpoint"] == "models:/smoke-policy/3"
+    card = read_front_matter(out / "export" / "README.md")  # the root base, not the SFT version URI
+    assert card["base_model"] == "demo" and card["base_model_relation"] == "finetune" and card["datasets"] == ["demo"]
+    assert "models:/smoke-policy/3" in (out / "export" / "README.md").read_text()  # the lineage is in the body
     generator = mlflow.transformers.load_model("models:/smoke-policy@candidate")
     generated = generator("the movie was", max_new_tokens=4, do_sample=False)
     assert isinstance(generated[0]["generated_text"], str) and generated[0]["generated_text"].startswith(

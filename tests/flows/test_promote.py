@@ -9,6 +9,7 @@ import torch
 from mlflow.tracking import MlflowClient
 
 from flows.promote import rlhf_promote
+from rlhf_core.config import ConfigError
 from rlhf_core.data import read_column
 from rlhf_core.evaluation import evaluate_generations
 from rlhf_core.models import load_causal_lm, load_tokenizer
@@ -127,3 +128,27 @@ def test_promote_without_a_candidate_says_what_to_do(prefect_harness, tmp_path, 
     assert state.is_failed()
     with pytest.raises(ValueError, match="has no version with the alias 'candidate'; run the pipeline first"):
         state.result()
+
+
+def test_outside_the_demo_promotion_without_a_gate_stops_before_any_work(prefect_harness, tmp_path, mlflow_uri):
+    overrides = [f"run.output_dir={tmp_path / 'out'}", f"tracking.uri={mlflow_uri}", f"model.base={tmp_path}"]
+    state = rlhf_promote(config_path=SMOKE, overrides=overrides, return_state=True)
+    assert state.is_failed()
+    with pytest.raises(
+        ConfigError, match="promote.min_value or promote.min_improvement must be set to promote on 'score'"
+    ):
+        state.result()
+    assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "out").exists()
+
+
+def test_a_retrain_that_cannot_promote_fails_before_training(prefect_harness, tmp_path, mlflow_uri):
+    from flows.retrain import rlhf_retrain
+
+    overrides = [f"run.output_dir={tmp_path / 'out'}", f"tracking.uri={mlflow_uri}", f"model.base={tmp_path}"]
+    state = rlhf_retrain(config_path=SMOKE, overrides=overrides, return_state=True)
+    with pytest.raises(ConfigError, match="promote.min_value or promote.min_improvement must be set"):
+        state.result()
+    first = rlhf_retrain(config_path=SMOKE, overrides=[*overrides, "promote.min_improvement=0.1"], return_state=True)
+    with pytest.raises(ConfigError, match="promote.min_value must be set to promote a first champion"):
+        first.result()  # no champion in the registry yet
+    assert not (tmp_path / "out").exists()

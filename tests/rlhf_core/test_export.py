@@ -1,6 +1,9 @@
 """The exported policy: files, policy-only weights, a model card that parses, and that it loads and generates."""
 
 import json
+import os
+import warnings
+from contextlib import chdir
 
 import pytest
 import torch
@@ -14,13 +17,38 @@ from rlhf_core.saving import save_hf_dir
 INFO = ExportInfo(
     algorithm="ppo",
     steps=60,
-    base_model="models:/demo-policy/1",
+    base_model="demo",
     reward_model="models:/demo-reward-model/2",
     datasets=["prefs.jsonl", "prompts.jsonl"],
     eval_metrics={"eval/vader_compound_mean": 0.5, "eval/kl_mean": 5.7},
     hyperparameters={"rl.learning_rate": 0.002},
     model_name="demo-policy",
+    policy_start="models:/demo-policy/1",
+    source_checkpoint="models:/demo-policy-checkpoints/7",
+    license="apache-2.0",
+    eval_dataset="demo",
 )
+
+
+def load_card(path):
+    """huggingface_hub's parse of an exported card, failing on any warning or log record it emits."""
+    import logging
+
+    from huggingface_hub import ModelCard
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    hub_logger = logging.getLogger("huggingface_hub")
+    hub_logger.addHandler(handler)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            card = ModelCard.load(path)
+    finally:
+        hub_logger.removeHandler(handler)
+    assert [str(w.message) for w in caught] == [] and [r.getMessage() for r in records] == []
+    return card
 
 
 def generation(tok):
@@ -54,14 +82,16 @@ def test_full_export_holds_the_policy_only_with_card_and_generation_config(polic
     saved = tensor_names(out / "model.safetensors")
     assert saved <= set(model.state_dict()) and not any("score" in n or "value" in n for n in saved)
     card = read_front_matter(out / "README.md")
-    assert card["base_model"] == "models:/demo-policy/1" and card["tags"] == ["rlhf", "ppo"]
-    assert card["reward_model"] == "models:/demo-reward-model/2" and card["datasets"] == [
-        "prefs.jsonl",
-        "prompts.jsonl",
-    ]
-    assert card["eval_results"]["eval/vader_compound_mean"] == 0.5
+    assert (
+        card["base_model"] == "demo" and card["base_model_relation"] == "finetune" and card["tags"] == ["rlhf", "ppo"]
+    )
+    assert card["license"] == "apache-2.0" and card["datasets"] == ["prefs.jsonl", "prompts.jsonl"]
+    assert "reward_model" not in card and "eval_results" not in card and "rlhf" not in card
     body = (out / "README.md").read_text()
     assert "AutoModelForCausalLM.from_pretrained" in body and "60 steps" in body
+    # the lineage is in the body, not in base_model
+    assert "`models:/demo-reward-model/2`" in body and "`models:/demo-policy-checkpoints/7`" in body
+    assert "`models:/demo-policy/1`" in body
     gen = json.loads((out / "generation_config.json").read_text())
     assert gen["max_new_tokens"] == 6 and gen["temperature"] == 0.7 and gen["eos_token_id"] == tok.eos_token_id
     loaded = load_causal_lm(str(out))
@@ -85,6 +115,15 @@ def lora_policy_dir(smoke_world, tmp_path):
     return tmp_path / "checkpoint-2" / "policy", model, tok
 
 
+def adapter_on_its_base(adapter_dir):
+    """peft's PeftModel on the base adapter_config.json names, a relative path joined with the adapter's directory."""
+    from peft import PeftConfig, PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = PeftConfig.from_pretrained(str(adapter_dir)).base_model_name_or_path
+    return PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(adapter_dir / base), str(adapter_dir)).eval()
+
+
 def test_lora_export_is_an_adapter_that_loads_on_its_base(lora_policy_dir, tmp_path, smoke_world):
     from peft import AutoPeftModelForCausalLM
 
@@ -93,22 +132,69 @@ def test_lora_export_is_an_adapter_that_loads_on_its_base(lora_policy_dir, tmp_p
     names = {p.name for p in out.iterdir()}
     assert {"adapter_config.json", "adapter_model.safetensors", "generation_config.json", "README.md"} <= names
     assert "model.safetensors" not in names
-    assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == str(
-        smoke_world.base_model
-    )
-    assert read_front_matter(out / "README.md")["tags"] == ["rlhf", "ppo", "lora"]
+    # a local base is named by its path relative to the export directory, never an absolute path
+    relative = json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"]
+    assert relative == os.path.relpath(smoke_world.base_model.resolve(), out.resolve())
+    assert not os.path.isabs(relative)
+    card = read_front_matter(out / "README.md")
+    assert card["tags"] == ["rlhf", "ppo", "lora"] and card["library_name"] == "peft"
+    assert card["base_model"] == "demo" and card["base_model_relation"] == "adapter"
+    assert f"load with the base at `{relative}` from this directory" in (out / "README.md").read_text()
+    load_card(out / "README.md")
     expected = greedy(model, tok)
-    assert torch.equal(greedy(AutoPeftModelForCausalLM.from_pretrained(str(out)), tok), expected)
-    assert torch.equal(greedy(load_causal_lm(str(out)), tok), expected)  # transformers loads base + adapter
+    on_base = adapter_on_its_base(out)
+    assert torch.equal(greedy(on_base, tok), expected)
+    with chdir(out):  # from_pretrained resolves the relative base against the current directory
+        assert torch.equal(greedy(AutoPeftModelForCausalLM.from_pretrained("."), tok), expected)
+        assert torch.equal(greedy(load_causal_lm("."), tok), expected)  # transformers loads base + adapter
 
 
-def test_lora_export_with_merge_has_the_merged_model_and_the_adapter(lora_policy_dir, tmp_path):
+def test_lora_export_with_merge_has_the_merged_model_and_the_adapter(lora_policy_dir, tmp_path, smoke_world):
     src, model, tok = lora_policy_dir
     out = export_policy(src, tmp_path / "export", INFO, generation=generation(tok), merge=True)
     assert (out / "model.safetensors").is_file() and (out / "adapter" / "adapter_model.safetensors").is_file()
     assert not any("lora" in n for n in tensor_names(out / "model.safetensors"))
-    merged = load_causal_lm(str(out))
+    from transformers import AutoModelForCausalLM
+
+    merged = AutoModelForCausalLM.from_pretrained(out).eval()
     assert torch.equal(greedy(merged, tok), greedy(model, tok))
+    card = read_front_matter(out / "README.md")
+    assert card["base_model_relation"] == "finetune" and card["library_name"] == "transformers"
+    assert card["tags"] == ["rlhf", "ppo", "lora"]
+    # the adapter in adapter/ names the base relative to adapter/, and on that base it gives the merged logits
+    relative = json.loads((out / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"]
+    assert not os.path.isabs(relative) and (out / "adapter" / relative).resolve() == smoke_world.base_model.resolve()
+    on_base = adapter_on_its_base(out / "adapter")
     ids = tok(["the food was"], return_tensors="pt")
     with torch.no_grad():
         torch.testing.assert_close(merged(**ids).logits, model(**ids).logits, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(merged(**ids).logits, on_base(**ids).logits, atol=1e-4, rtol=1e-4)
+
+
+def test_the_card_is_one_huggingface_hub_reads_as_written(policy_dir, tmp_path):
+    src, _, tok = policy_dir
+    out = export_policy(src, tmp_path / "export", INFO, generation=generation(tok), merge=False)
+    data = load_card(out / "README.md").data
+    assert data.base_model == "demo" and data.base_model_relation == "finetune" and data.license == "apache-2.0"
+    assert data.datasets == ["prefs.jsonl", "prompts.jsonl"] and data.tags == ["rlhf", "ppo"]
+    assert data.library_name == "transformers" and data.pipeline_tag == "text-generation"
+    assert data.model_name == "demo-policy"
+    results = {r.metric_name: r for r in data.eval_results}
+    assert set(results) == {"eval/vader_compound_mean", "eval/kl_mean"}
+    vader = results["eval/vader_compound_mean"]
+    assert (vader.task_type, vader.dataset_name, vader.dataset_type) == ("text-generation", "demo", "demo")
+    assert (vader.metric_type, vader.metric_value) == ("vader_compound_mean", 0.5)
+    assert results["eval/kl_mean"].metric_value == 5.7
+    # and the metadata round-trips through the hub's own writer
+    assert data.to_dict() == read_front_matter(out / "README.md")
+
+
+def test_a_card_without_license_or_evaluation_omits_them(policy_dir, tmp_path):
+    from dataclasses import replace
+
+    src, _, tok = policy_dir
+    info = replace(INFO, license=None, eval_metrics={})
+    out = export_policy(src, tmp_path / "export", info, generation=generation(tok), merge=False)
+    card = read_front_matter(out / "README.md")
+    assert "license" not in card and "model-index" not in card
+    assert load_card(out / "README.md").data.eval_results is None

@@ -23,3 +23,30 @@ def test_a_card_without_front_matter_is_refused(tmp_path):
         read_front_matter(tmp_path / "README.md")
     (tmp_path / "empty.md").write_text("---\n---\n\n# t\n")
     assert read_front_matter(tmp_path / "empty.md") == {}
+
+
+def test_a_base_card_license_is_read_and_absent_when_unnamed(tmp_path):
+    from rlhf_core.model_card import card_field, card_license
+
+    assert card_license(tmp_path) is None  # no README.md
+    write_model_card(tmp_path, title="base", metadata={"license": "mit", "base_model": "org/root"}, body="b")
+    assert card_license(tmp_path) == "mit" and card_field(tmp_path, "base_model") == "org/root"
+    (tmp_path / "README.md").write_text("---\ntags: [x]\n---\n# no license\n")
+    assert card_license(tmp_path) is None
+    (tmp_path / "README.md").write_text("# no front matter\n")
+    assert card_license(tmp_path) is None
+
+
+def test_sources_are_named_by_hub_id_demo_or_file_name_never_a_local_path(tmp_path):
+    from rlhf_core.model_card import source_name
+
+    (tmp_path / "prefs").mkdir()
+    (tmp_path / "prompts.jsonl").write_text("{}\n")
+    assert source_name("demo") == "demo"
+    assert source_name("stanfordnlp/imdb") == "stanfordnlp/imdb" and source_name("gpt2") == "gpt2"
+    assert source_name(str(tmp_path / "prompts.jsonl")) == "prompts.jsonl"
+    assert (
+        source_name(str(tmp_path / "prefs")) == "prefs" and source_name(str(tmp_path / "prefs" / "*.jsonl")) == "prefs"
+    )
+    assert source_name("data/missing.jsonl") == "missing.jsonl"
+    assert source_name(f"{tmp_path}/base/") == "base"

@@ -31,3 +31,24 @@ def test_the_kl_gate_refuses_even_a_better_candidate():
 def test_a_metric_the_evaluation_lacks_is_named():
     with pytest.raises(ValueError, match="promote.metric 'score'"):
         decide(summary(0.1), None, Gates("score", 0.0, None, None))
+
+
+def test_min_value_is_a_floor_with_or_without_a_champion():
+    gates = Gates("vader", 0.05, None, min_value=0.5)
+    assert not decide(summary(0.4), None, gates).promote
+    below = decide(summary(0.45), summary(0.1), gates)  # +0.35 over the champion, still under the floor
+    assert not below.promote and "min_value" in below.reason
+    assert decide(summary(0.6), summary(0.5), gates).promote
+
+
+def test_without_min_improvement_the_candidate_must_be_strictly_better():
+    gates = Gates("score", None, None, min_value=0.0)
+    assert decide({"eval/score_mean": 0.31}, {"eval/score_mean": 0.30}, gates).promote
+    tie = decide({"eval/score_mean": 0.30}, {"eval/score_mean": 0.30}, gates)
+    assert not tie.promote and "not above 0" in tie.reason
+    assert not decide({"eval/score_mean": 0.2}, {"eval/score_mean": 0.30}, gates).promote
+
+
+def test_a_non_finite_metric_is_never_promoted():
+    d = decide(summary(float("nan")), None, Gates("vader", None, None, None))
+    assert not d.promote and "not finite" in d.reason

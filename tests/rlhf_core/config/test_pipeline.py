@@ -72,3 +72,40 @@ def test_deepspeed_needs_zero_nonfinite_steps_in_a_row(monkeypatch, section):
     assert (
         f"set {section}.max_nonfinite_steps_in_a_row: 0" in message and "DeepSpeed" in message and "\n" not in message
     )
+
+
+def test_the_demo_promotes_on_its_gold_metric_with_an_implicit_gate():
+    cfg = load_config(REPO / "configs" / "demo.yaml")
+    assert cfg.is_demo() and cfg.promote.min_improvement is None
+    gates = cfg.promotion_gates(first=True)
+    assert (gates.metric, gates.min_improvement, gates.min_value) == ("vader_compound", 0.01, None)
+    assert cfg.promotion_gates() == gates
+
+
+def test_outside_the_demo_promotion_is_on_score_and_needs_an_explicit_gate(tmp_path):
+    cfg = load_config(REPO / "configs" / "demo.yaml", [f"model.base={tmp_path}"])
+    assert not cfg.is_demo() and cfg.promotion_metric() == "score"
+    with pytest.raises(ConfigError) as err:
+        cfg.promotion_gates()
+    message = str(err.value)
+    assert message.startswith("promote.min_value or promote.min_improvement must be set to promote on 'score'")
+    assert message.count(". ") == 0 and "\n" not in message  # one sentence
+    explicit = load_config(REPO / "configs" / "demo.yaml", [f"model.base={tmp_path}", "promote.metric=vader_compound"])
+    assert explicit.promotion_metric() == "vader_compound"
+
+
+def test_outside_the_demo_the_first_champion_needs_min_value(tmp_path):
+    only_gain = load_config(REPO / "configs" / "demo.yaml", [f"model.base={tmp_path}", "promote.min_improvement=0.1"])
+    gates = only_gain.promotion_gates()  # with a champion: beat it by 0.1
+    assert (gates.metric, gates.min_improvement, gates.min_value) == ("score", 0.1, None)
+    with pytest.raises(ConfigError, match="promote.min_value must be set to promote a first champion on 'score'"):
+        only_gain.promotion_gates(first=True)
+    floor = load_config(REPO / "configs" / "demo.yaml", [f"model.base={tmp_path}", "promote.min_value=0.5"])
+    gates = floor.promotion_gates(first=True)
+    assert (gates.min_improvement, gates.min_value) == (None, 0.5)  # with a champion: strictly better
+
+
+def test_the_example_configs_promote_explicitly():
+    for name in ("one-gpu", "multi-gpu"):
+        cfg = load_config(REPO / "configs" / "examples" / f"{name}.yaml")
+        assert not cfg.is_demo() and cfg.promotion_gates(first=True).metric == "score"
