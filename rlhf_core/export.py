@@ -46,23 +46,44 @@ class ExportInfo:
     eval_dataset: str = ""  # the held-out prompts the final evaluation ran on (hub id, file name or "demo")
 
 
+SAMPLING_KEYS = ("temperature", "top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff")
+TOKEN_ID_KEYS = ("eos_token_id", "pad_token_id", "bos_token_id", "decoder_start_token_id")
+
+
 def generation_settings(
-    *, tokenizer, max_new_tokens: int, temperature: float, top_k: int, top_p: float, stop_token_ids: Sequence[int] = ()
+    *,
+    tokenizer,
+    max_new_tokens: int,
+    stop_token_ids: Sequence[int] = (),
+    base_defaults: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """generation_config.json: the sampling the policy was trained with, and every id it learned to stop
-    on as eos_token_id (a list when there are several, as instruct models ship; the tokenizer's eos when none)."""
+    """generation_config.json: the base model's own inference defaults, with every id the run stopped on.
+
+    `base_defaults` is what the base model's generation_config sets (`GenerationConfig.to_diff_dict()`;
+    None for the demo world's base, which sets no sampling defaults). Its settings are kept as they are,
+    its token ids replaced: eos_token_id is every id the policy learned to stop on (a list when there are
+    several, as instruct models ship; the tokenizer's eos when none), pad and bos the tokenizer's.
+    Where the base sets no `do_sample`, generation is greedy (do_sample false, no temperature, top_k or
+    top_p). max_new_tokens is the run's response length unless the base sets max_new_tokens or max_length.
+    The RL stage's sampling settings (rl.temperature, rl.top_k, rl.top_p) are never written: they are
+    how the policy explored while training, not how it should be used.
+    """
+    settings: dict[str, Any] = {
+        k: v
+        for k, v in (base_defaults or {}).items()
+        if k not in TOKEN_ID_KEYS and k != "transformers_version" and v is not None
+    }
+    if not settings.get("do_sample"):
+        settings["do_sample"] = False
+        for key in SAMPLING_KEYS:
+            settings.pop(key, None)
+    if "max_new_tokens" not in settings and "max_length" not in settings:
+        settings["max_new_tokens"] = max_new_tokens
     eos: Any = list(stop_token_ids) or tokenizer.eos_token_id
     if isinstance(eos, list) and len(eos) == 1:
         eos = eos[0]
-    settings: dict[str, Any] = {
-        "do_sample": True,
-        "temperature": temperature,
-        "top_k": top_k,
-        "top_p": top_p,
-        "max_new_tokens": max_new_tokens,
-        "eos_token_id": eos,
-        "pad_token_id": tokenizer.pad_token_id,
-    }
+    settings["eos_token_id"] = eos
+    settings["pad_token_id"] = tokenizer.pad_token_id
     if tokenizer.bos_token_id is not None:
         settings["bos_token_id"] = tokenizer.bos_token_id
     return settings
@@ -132,7 +153,8 @@ def _card_body(
     lineage_text = "\n".join(lineage)
     return f"""This policy was trained with {info.algorithm.upper()} for {info.steps} steps by the RLHF pipeline,
 starting from `{info.policy_start or info.base_model}` and optimizing {reward}.
-`generation_config.json` holds the sampling settings it was trained with.
+`generation_config.json` holds the base model's own generation defaults (greedy for the demo world) and the
+run's stop tokens; the sampling settings used during RL are not in it.
 
 ## How to load it
 

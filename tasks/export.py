@@ -76,8 +76,17 @@ def base_license(cfg: PipelineConfig, data: PreparedData) -> str | None:
     return card_license(Path(cached).parent) if isinstance(cached, str) else None
 
 
+def base_generation_defaults(cfg: PipelineConfig, data: PreparedData) -> dict | None:
+    """What the base model's own generation_config sets (None for the demo world's base, which sets no
+    sampling defaults): the exported policy generates the way its base does by default."""
+    if cfg.model.base == "demo":
+        return None
+    return generation_config_of(data.base_model, trust_remote_code=cfg.model.trust_remote_code).to_diff_dict()
+
+
 def write_export(cfg: PipelineConfig, data: PreparedData, plan: InitPlan, trained: Checkpoint) -> Path:
-    """The export directory from the last RL checkpoint, with the run's stop tokens and sampling settings."""
+    """The export directory from the last RL checkpoint, with the run's stop tokens and the base model's
+    generation defaults (never the RL sampling settings)."""
     tokenizer = load_tokenizer(trained.path)
     stops = stop_token_ids(
         tokenizer, generation_config_of(trained.path), stop_token=cfg.rl.stop_token, stop_tokens=cfg.rl.stop_tokens
@@ -85,10 +94,8 @@ def write_export(cfg: PipelineConfig, data: PreparedData, plan: InitPlan, traine
     generation = generation_settings(
         tokenizer=tokenizer,
         max_new_tokens=cfg.rl.response_length,
-        temperature=cfg.rl.temperature,
-        top_k=cfg.rl.top_k,
-        top_p=cfg.rl.top_p,
         stop_token_ids=stops,
+        base_defaults=base_generation_defaults(cfg, data),
     )
     export_policy(
         trained.path,

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import random
 import re
 import time
+from contextlib import contextmanager
 from importlib import metadata
 from pathlib import Path
 
@@ -26,6 +28,32 @@ from tasks.tracking import code_version, store_lock, writes
 # Packages a logged model needs to load again. Listed explicitly because MLflow's inference of
 # default requirements looks for torchvision, which has no CPU build in our registries.
 MODEL_REQUIREMENTS = ("torch", "transformers", "tokenizers", "safetensors", "accelerate")
+
+# A served text-generation version takes max_new_tokens, temperature, top_p and do_sample per request
+# (`params` in an /invocations body); their defaults are the version's own generation_config.
+DEFAULT_MAX_NEW_TOKENS = 32  # when the generation_config sets no max_new_tokens
+INPUT_EXAMPLE = (["Hello"], {"max_new_tokens": 2})  # short: MLflow runs it once when the version is logged
+
+
+def generation_signature(generation_config):
+    """The signature of a text-generation version: strings in, strings out, and GENERATION_PARAMS with the
+    defaults of `generation_config` (greedy, temperature 1.0, top_p 1.0 where it sets none)."""
+    from mlflow.models import ModelSignature
+    from mlflow.types.schema import ColSpec, ParamSchema, ParamSpec, Schema
+
+    def value(name, default):
+        found = getattr(generation_config, name, None)
+        return default if found is None else found
+
+    params = ParamSchema(
+        [
+            ParamSpec("max_new_tokens", "long", int(value("max_new_tokens", DEFAULT_MAX_NEW_TOKENS))),
+            ParamSpec("temperature", "double", float(value("temperature", 1.0))),
+            ParamSpec("top_p", "double", float(value("top_p", 1.0))),
+            ParamSpec("do_sample", "boolean", bool(value("do_sample", False))),
+        ]
+    )
+    return ModelSignature(inputs=Schema([ColSpec("string")]), outputs=Schema([ColSpec("string")]), params=params)
 
 
 def lineage_tags(*, stage: str, step: int, config_hash: str, data_fingerprint: str, **extra: str) -> dict[str, str]:
@@ -58,7 +86,9 @@ def register_checkpoint(
     """Log a Hugging Face checkpoint directory as a new version of `model_name`.
 
     `task` is the transformers pipeline task ("text-generation" for policies,
-    "text-classification" for reward models). The version is created with its tags in one call;
+    "text-classification" for reward models). A text-generation version carries `generation_signature`
+    (per-request params max_new_tokens, temperature, top_p, do_sample; defaults from the checkpoint's
+    generation_config) and a short input example. The version is created with its tags in one call;
     if anything fails after it exists, it is deleted again, so no half-registered version remains.
     Returns {"name", "version", "uri"}.
     """
@@ -76,13 +106,19 @@ def register_checkpoint(
     flavor_log = logging.getLogger("mlflow.transformers")
     level = flavor_log.level
     flavor_log.setLevel(logging.ERROR)  # local checkpoints have no hub model card or license to find
+    serving = {}
+    if task == "text-generation":
+        serving = {"signature": generation_signature(model.generation_config), "input_example": INPUT_EXAMPLE}
     try:
-        info = mlflow.transformers.log_model(
-            transformers_model={"model": model, "tokenizer": tokenizer},
-            name=f"{tags.get('stage', 'model')}-step-{tags.get('step', '0')}",
-            task=task,
-            pip_requirements=requirements,
-        )
+        # MLflow loads the logged model and runs it on the input example: that must not move the run's RNG
+        with _random_state_kept():
+            info = mlflow.transformers.log_model(
+                transformers_model={"model": model, "tokenizer": tokenizer},
+                name=f"{tags.get('stage', 'model')}-step-{tags.get('step', '0')}",
+                task=task,
+                pip_requirements=requirements,
+                **serving,
+            )
     finally:
         flavor_log.setLevel(level)
     link_identical_files(_local_artifact_dir(info.model_id), checkpoint_dir)
@@ -93,6 +129,21 @@ def register_checkpoint(
         MlflowClient().delete_model_version(model_name, version.version)
         raise
     return {"name": model_name, "version": str(version.version), "uri": f"models:/{model_name}/{version.version}"}
+
+
+@contextmanager
+def _random_state_kept():
+    """Restore Python's, NumPy's and torch's (CPU and CUDA) random states on exit."""
+    import numpy as np
+    import torch
+
+    python_state, numpy_state = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=range(torch.cuda.device_count()) if torch.cuda.is_initialized() else []):
+        try:
+            yield
+        finally:
+            random.setstate(python_state)
+            np.random.set_state(numpy_state)
 
 
 def _local_artifact_dir(model_id: str | None) -> Path | None:

@@ -534,8 +534,10 @@ def test_exported_generation_config_keeps_every_stop_id(family_root, name):
 
     tok, model = load(family_root, name)
     stops = stop_token_ids(tok, model.generation_config)
-    settings = generation_settings(
-        tokenizer=tok, max_new_tokens=8, temperature=0.7, top_k=0, top_p=1.0, stop_token_ids=stops
-    )
+    base = model.generation_config.to_diff_dict()
+    settings = generation_settings(tokenizer=tok, max_new_tokens=8, stop_token_ids=stops, base_defaults=base)
     exported = GenerationConfig(**settings)
     assert len(stops) == 2 and set(stop_token_ids(tok, exported)) == set(stops)
+    # the base's own inference defaults, not RL's sampling settings
+    for key in ("do_sample", "temperature", "top_p", "top_k"):
+        assert getattr(exported, key) == getattr(model.generation_config, key)

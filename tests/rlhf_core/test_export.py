@@ -52,7 +52,7 @@ def load_card(path):
 
 
 def generation(tok):
-    return generation_settings(tokenizer=tok, max_new_tokens=6, temperature=0.7, top_k=0, top_p=1.0)
+    return generation_settings(tokenizer=tok, max_new_tokens=6)
 
 
 def tensor_names(path):
@@ -93,7 +93,8 @@ def test_full_export_holds_the_policy_only_with_card_and_generation_config(polic
     assert "`models:/demo-reward-model/2`" in body and "`models:/demo-policy-checkpoints/7`" in body
     assert "`models:/demo-policy/1`" in body
     gen = json.loads((out / "generation_config.json").read_text())
-    assert gen["max_new_tokens"] == 6 and gen["temperature"] == 0.7 and gen["eos_token_id"] == tok.eos_token_id
+    assert gen["max_new_tokens"] == 6 and gen["do_sample"] is False and gen["eos_token_id"] == tok.eos_token_id
+    assert not {"temperature", "top_k", "top_p"} & set(gen)
     loaded = load_causal_lm(str(out))
     assert torch.equal(greedy(loaded, tok), greedy(model, tok))
     assert not list(tmp_path.glob(".export-*"))  # the temporary sibling is gone
@@ -198,3 +199,49 @@ def test_a_card_without_license_or_evaluation_omits_them(policy_dir, tmp_path):
     card = read_front_matter(out / "README.md")
     assert "license" not in card and "model-index" not in card
     assert load_card(out / "README.md").data.eval_results is None
+
+
+class _Tok:
+    eos_token_id, pad_token_id, bos_token_id = 2, 0, 1
+
+
+def test_generation_settings_for_the_demo_are_greedy():
+    """The demo base sets no sampling defaults: greedy, the run's response length, the run's stop ids."""
+    settings = generation_settings(tokenizer=_Tok(), max_new_tokens=12, stop_token_ids=[2, 7])
+    assert settings == {
+        "do_sample": False,
+        "max_new_tokens": 12,
+        "eos_token_id": [2, 7],
+        "pad_token_id": 0,
+        "bos_token_id": 1,
+    }
+    from transformers import GenerationConfig
+
+    GenerationConfig(**settings).validate(strict=True)
+
+
+def test_generation_settings_keep_the_base_defaults_never_the_rl_sampling():
+    base = {
+        "do_sample": True,
+        "temperature": 0.6,
+        "top_p": 0.9,
+        "eos_token_id": [5, 6],
+        "bos_token_id": 9,
+        "transformers_version": "4.40.0",
+    }
+    settings = generation_settings(tokenizer=_Tok(), max_new_tokens=12, stop_token_ids=[2], base_defaults=base)
+    assert settings == {
+        "do_sample": True,
+        "temperature": 0.6,
+        "top_p": 0.9,
+        "max_new_tokens": 12,
+        "eos_token_id": 2,
+        "pad_token_id": 0,
+        "bos_token_id": 1,
+    }
+    # a base that bounds the length keeps its bound; one without do_sample is greedy, its stray sampling keys dropped
+    bounded = generation_settings(
+        tokenizer=_Tok(), max_new_tokens=12, base_defaults={"max_length": 4096, "temperature": 0.2}
+    )
+    assert bounded["max_length"] == 4096 and "max_new_tokens" not in bounded
+    assert bounded["do_sample"] is False and "temperature" not in bounded

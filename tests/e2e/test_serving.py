@@ -1,0 +1,116 @@
+"""Serving the registered policy: `mlflow models serve` on `models:/smoke-policy@candidate`, posts to
+/invocations with and without generation params, and the exported generation_config.
+
+The smoke pipeline trains and registers the policy; the server runs in this environment
+(`--env-manager local`) on a free loopback port and is stopped (its process group) at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from transformers import pipeline
+
+from flows.rlhf_pipeline import rlhf_pipeline
+from rlhf_core.models import load_tokenizer
+
+REPO = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+SMOKE = str(REPO / "configs" / "smoke.yaml")
+PROMPT = "the food was"
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore")]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_ping(proc: subprocess.Popen, url: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"mlflow models serve exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"mlflow models serve did not answer {url} within {timeout_s:.0f} s")
+
+
+def invoke(base: str, body: dict) -> dict:
+    request = urllib.request.Request(
+        f"{base}/invocations", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=60) as response:
+        return json.loads(response.read())
+
+
+def test_the_candidate_is_served_and_obeys_generation_params(prefect_harness, tmp_path, mlflow_uri):
+    overrides = [f"run.output_dir={tmp_path / 'out'}", f"tracking.uri={mlflow_uri}"]
+    summary = rlhf_pipeline(config_path=SMOKE, overrides=overrides)
+    export_dir = Path(summary.get("export_dir") or tmp_path / "out" / "export")
+    generation = json.loads((export_dir / "generation_config.json").read_text())
+    # the demo base sets no sampling defaults: greedy, the run's response length, never RL's sampling
+    assert generation["do_sample"] is False and generation["max_new_tokens"] == 6
+    assert not {"temperature", "top_k", "top_p"} & set(generation)
+    tok = load_tokenizer(str(export_dir))
+
+    def new_tokens(text: str) -> int:
+        assert text.startswith(PROMPT)  # the flavor returns the prompt with its continuation
+        return len(tok(text)["input_ids"]) - len(tok(PROMPT)["input_ids"])
+
+    port = free_port()
+    env = {**os.environ, "MLFLOW_TRACKING_URI": mlflow_uri, "MLFLOW_REGISTRY_URI": mlflow_uri}
+    # the server starts `uvicorn` from PATH: this environment's, also when the venv is not activated
+    env.update({"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PATH": f"{BIN}{os.pathsep}{env.get('PATH', '')}"})
+    log_path = tmp_path / "serve.log"
+    args = [str(BIN / "mlflow"), "models", "serve", "-m", "models:/smoke-policy@candidate"]
+    args += ["--env-manager", "local", "--host", "127.0.0.1", "--port", str(port)]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            args, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_ping(proc, f"{base}/ping", 120)
+        default = invoke(base, {"inputs": [PROMPT]})
+        short = invoke(base, {"inputs": [PROMPT], "params": {"max_new_tokens": 2, "do_sample": False}})
+        print(json.dumps({"default": default, "short": short}))
+        assert set(default) == {"predictions"} and set(short) == {"predictions"}
+        assert all(isinstance(p, str) for p in default["predictions"] + short["predictions"])
+        assert len(default["predictions"]) == len(short["predictions"]) == 1
+        (served_default,), (served_short,) = default["predictions"], short["predictions"]
+        assert new_tokens(served_short) <= 2
+        # without params: the signature's defaults, i.e. the exported generation_config (greedy, 6 new tokens)
+        assert new_tokens(served_short) <= new_tokens(served_default) <= 6
+        assert invoke(base, {"inputs": [PROMPT]}) == default  # greedy: the same text again
+        assert served_default.startswith(served_short)  # greedy: the short one is its first two tokens
+        # and exactly what transformers' own pipeline makes of the export directory
+        local = pipeline("text-generation", model=str(export_dir))
+        assert served_short == local(PROMPT, max_new_tokens=2, do_sample=False)[0]["generated_text"]
+        assert served_default == local(PROMPT)[0]["generated_text"]  # the export's generation_config
+    except BaseException:
+        print(log_path.read_text(errors="replace")[-6000:])
+        raise
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()

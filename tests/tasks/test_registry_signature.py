@@ -1,0 +1,79 @@
+"""A registered text-generation version carries a signature with per-request generation params and an
+input example; pyfunc obeys the params."""
+
+import json
+from pathlib import Path
+
+import mlflow
+import pytest
+import torch
+from transformers import GenerationConfig
+
+from rlhf_core.config import load_config
+from rlhf_core.models import load_causal_lm, load_tokenizer
+from rlhf_core.saving import save_hf_dir
+from tasks import registry, tracking
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+
+@pytest.fixture
+def cfg(tmp_path, mlflow_uri):
+    overrides = [f"tracking.uri={mlflow_uri}", "tracking.experiment=t", f"run.output_dir={tmp_path}", "run.name=unit"]
+    return load_config(None, overrides)
+
+
+def test_a_policy_version_has_the_generation_params_and_an_input_example(cfg, smoke_world, tmp_path):
+    tok = load_tokenizer(str(smoke_world.tokenizer))
+    model = load_causal_lm(str(smoke_world.base_model))
+    model.generation_config = GenerationConfig(
+        max_new_tokens=5, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id
+    )
+    save_hf_dir(model, tok, tmp_path / "policy")
+    tags = {"stage": "export", "stage_key": "k", "step": "1"}
+    torch.manual_seed(0)
+    before = torch.random.get_rng_state()
+    with tracking.pipeline_run(cfg) as parent, tracking.stage_run(parent, "export") as run_id:
+        uri = registry.register_once(
+            tmp_path / "policy", "unit-policy", task="text-generation", tags=tags, run_id=run_id
+        )
+    # MLflow ran the model on the input example; the run's random state is where it was
+    assert torch.equal(torch.random.get_rng_state(), before)
+    info = mlflow.models.get_model_info(uri)
+    params = {p.name: (p.dtype.name, p.default) for p in info.signature.params.params}
+    # the defaults are the checkpoint's generation_config: greedy, its max_new_tokens
+    assert params == {
+        "max_new_tokens": ("long", 5),
+        "temperature": ("double", 1.0),
+        "top_p": ("double", 1.0),
+        "do_sample": ("boolean", False),
+    }
+    assert [c.type.name for c in info.signature.inputs.inputs] == ["string"]
+    assert info.saved_input_example_info is not None
+    local = Path(mlflow.artifacts.download_artifacts(uri))
+    example = json.loads((local / "serving_input_example.json").read_text())
+    assert example["params"] == {"max_new_tokens": 2}
+
+    served = mlflow.pyfunc.load_model(uri)
+    prompt = "the food was"
+    prompt_len = len(tok(prompt)["input_ids"])
+    short = served.predict([prompt], params={"max_new_tokens": 1})
+    default = served.predict([prompt])
+    assert isinstance(short[0], str) and short[0].startswith(prompt)  # the text comes back with its prompt
+    assert len(tok(short[0])["input_ids"]) - prompt_len <= 1
+    assert len(tok(default[0])["input_ids"]) - prompt_len <= 5
+    assert default == served.predict([prompt])  # greedy by default: the same text twice
+
+
+def test_a_reward_model_version_has_no_generation_params(cfg, smoke_world, tmp_path):
+    from transformers import AutoModelForSequenceClassification
+
+    tok = load_tokenizer(str(smoke_world.tokenizer))
+    scorer = AutoModelForSequenceClassification.from_pretrained(smoke_world.base_model, num_labels=1)
+    save_hf_dir(scorer, tok, tmp_path / "reward")
+    tags = {"stage": "reward", "stage_key": "k", "step": "1"}
+    with tracking.pipeline_run(cfg) as parent, tracking.stage_run(parent, "reward") as run_id:
+        uri = registry.register_once(
+            tmp_path / "reward", "unit-reward", task="text-classification", tags=tags, run_id=run_id
+        )
+    assert mlflow.models.get_model_info(uri).signature.params is None
