@@ -18,6 +18,7 @@ from typing import Literal
 
 import torch
 
+from rlhf_core.chat import PROMPT_MESSAGES, assistant_messages
 from rlhf_core.config import GRPOConfig, RLConfig, RunConfig
 from rlhf_core.loop import LoopResult, OnCheckpoint, OnLog, OnStep, TrainingLoop
 from rlhf_core.models import stop_token_ids
@@ -235,10 +236,16 @@ def model_reward(name: str, weight: float, reward_model) -> RewardSourceFn:
 
 
 def function_reward(name: str, weight: float, fn) -> RewardSourceFn:
-    """A Python function called as fn(prompts=, completions=, **dataset_columns), checked for shape and type."""
+    """A Python function called as fn(prompts=, completions=, **dataset_columns), checked for shape and type.
+
+    For conversational prompts (rows with `prompt_messages`) it receives, as TRL hands them, the prompts as
+    message lists and each completion as [{"role": "assistant", "content": text}]."""
 
     def score(prompts, completions, rollout, rows):
-        columns = {k: [row[k] for row in rows] for k in (rows[0] if rows else {}) if k != "prompt"}
+        skip = ("prompt", PROMPT_MESSAGES)
+        columns = {k: [row[k] for row in rows] for k in (rows[0] if rows else {}) if k not in skip}
+        if rows and PROMPT_MESSAGES in rows[0]:
+            prompts, completions = [row[PROMPT_MESSAGES] for row in rows], assistant_messages(completions)
         return call_scoring_function(name, fn, prompts=prompts, completions=completions, **columns)
 
     return RewardSourceFn(name, weight, score)

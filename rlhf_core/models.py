@@ -108,14 +108,24 @@ def stop_token_ids(
 
 
 def load_tokenizer(
-    source: str, *, field: str = "model.tokenizer", revision: str | None = None, trust_remote_code: bool = False
+    source: str,
+    *,
+    field: str = "model.tokenizer",
+    revision: str | None = None,
+    trust_remote_code: bool = False,
+    chat_template: str | None = None,
 ):
+    """The tokenizer of `source`, with a pad token; `chat_template` (model.chat_template: a file or the
+    template itself) when it has none, so that every checkpoint and the export save it."""
     from transformers import AutoTokenizer
+
+    from rlhf_core.chat import supply_chat_template
 
     tokenizer = from_pretrained_checked(
         AutoTokenizer, source, field, revision=revision, trust_remote_code=trust_remote_code
     )
     ensure_pad_token(tokenizer, source)
+    supply_chat_template(tokenizer, chat_template)
     return tokenizer
 
 

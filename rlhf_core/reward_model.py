@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from rlhf_core.chat import encode
 from rlhf_core.config import LoraSettings, RewardConfig, RunConfig
 from rlhf_core.loop import Grouped, LoopResult, LoopSettings, OnCheckpoint, OnLog, OnStep, ShardedBatches, TrainingLoop
 from rlhf_core.model_card import write_model_card
@@ -68,7 +69,8 @@ def tokenize_pairs(tokenizer, rows: list[dict], max_length: int) -> list[dict]:
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
 
     def ids(texts: list[str]) -> list[list[int]]:
-        encoded = tokenizer(texts, max_length=max_length - len(eos), truncation=True)["input_ids"]
+        # a templated conversation (it starts with bos) gets no second bos
+        encoded = encode(tokenizer, texts, max_length=max_length - len(eos), truncation=True)
         return [seq if seq[-1:] == eos else seq + eos for seq in encoded]
 
     chosen = ids([r["prompt"] + r["chosen"] for r in rows])

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rlhf_core.chat import encode
 from rlhf_core.config import RLConfig, RunConfig
 from rlhf_core.loop import LoopSettings, ShardedBatches
 from rlhf_core.rl_math import INVALID_LOGPROB, entropy_from_logits, response_mask, selective_log_softmax
@@ -37,7 +38,7 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 
 def tokenize_prompts(tokenizer, prompts: list[str], max_prompt_length: int) -> list[list[int]]:
     """Prompt token ids, cut from the left when longer than max_prompt_length (the end of a prompt matters)."""
-    ids = tokenizer(prompts)["input_ids"]
+    ids = encode(tokenizer, prompts)  # a templated prompt (it starts with bos) gets no second bos
     return [seq[-max_prompt_length:] for seq in ids]
 
 

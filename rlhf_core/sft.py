@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from rlhf_core.chat import encode
 from rlhf_core.config import RunConfig, SFTConfig
 from rlhf_core.loop import Grouped, LoaderCycle, LoopSettings, OnCheckpoint, OnLog, TrainingLoop
 from rlhf_core.saving import save_pretrained_atomic
@@ -21,8 +22,12 @@ def tokenize_corpus(tokenizer, texts: list[str], max_length: int) -> torch.utils
     eos = tokenizer.eos_token or ""
     # eos right after the text, as TRL does: a space before it would be a token of its own in a
     # byte-level BPE, and the model would learn to stop after a stray space
+    texts = [t if not eos or t.endswith(eos) else t + eos for t in texts]
+    bos = tokenizer.bos_token
+    if bos and any(t.startswith(bos) for t in texts):  # templated conversations: no second bos
+        return _pad_corpus(encode(tokenizer, texts, max_length=max_length, truncation=True), tokenizer.pad_token_id)
     enc = tokenizer(
-        [t if not eos or t.endswith(eos) else t + eos for t in texts],
+        texts,
         max_length=max_length,
         truncation=True,
         padding="longest",
@@ -31,6 +36,18 @@ def tokenize_corpus(tokenizer, texts: list[str], max_length: int) -> torch.utils
     )
     labels = enc["input_ids"].masked_fill(enc["attention_mask"] == 0, -100)  # (N, T) no loss on pads
     return torch.utils.data.TensorDataset(enc["input_ids"], enc["attention_mask"], labels)
+
+
+def _pad_corpus(ids: list[list[int]], pad_id: int) -> torch.utils.data.TensorDataset:
+    """Right-padded (input_ids, attention_mask, labels) of token id lists, as `tokenize_corpus` pads."""
+    width = max(len(s) for s in ids)
+    input_ids = torch.full((len(ids), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(ids), width), dtype=torch.long)
+    for i, seq in enumerate(ids):
+        input_ids[i, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+        mask[i, : len(seq)] = 1
+    labels = input_ids.masked_fill(mask == 0, -100)
+    return torch.utils.data.TensorDataset(input_ids, mask, labels)
 
 
 def train_sft(

@@ -85,8 +85,11 @@ def check_policy_sources(cfg: PipelineConfig, world: DemoWorld | None) -> tuple[
     if cfg.reward.base not in ("policy", DEMO) and not cfg.reward.base.startswith("models:/"):
         check_source(cfg.reward.base, "reward.base")  # fail before any training, not after SFT
     tokenizer_source = cfg.model.tokenizer or base_model
-    tokenizer = load_tokenizer(
-        tokenizer_source, revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code
+    tokenizer = load_tokenizer(  # conversational data is templated at the data stage
+        tokenizer_source,
+        revision=cfg.model.revision,
+        trust_remote_code=cfg.model.trust_remote_code,
+        chat_template=cfg.model.chat_template,
     )
     # the stop tokens against the base model's tokenizer now, before SFT or reward training
     generation_config = generation_config_of(base_model, trust_remote_code=cfg.model.trust_remote_code)
@@ -99,7 +102,14 @@ def prepare_table(
 ) -> dict:
     """Load, validate and length-check one table and save it under <output_dir>/data; its report row."""
     resolved = demo_path(world, kind, spec) if spec.path == DEMO else None
-    ds = load_table(spec, kind, field=field_name, resolved_path=resolved)
+    ds = load_table(
+        spec,
+        kind,
+        field=field_name,
+        resolved_path=resolved,
+        tokenizer=tokenizer,
+        chat_template_kwargs=cfg.data.chat_template_kwargs,
+    )
     ds, report = apply_length_policy(
         ds,
         kind,

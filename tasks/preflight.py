@@ -28,9 +28,10 @@ from rlhf_core.data import (
     Kind,
     _glob_files,
     _local_files,
+    check_first_rows,
     is_glob,
+    is_saved_dataset,
     looks_local,
-    required_columns,
 )
 from rlhf_core.models import ModelSourceError, check_source, looks_like_path
 from rlhf_core.redaction import redact
@@ -195,6 +196,8 @@ def _check_table(field: str, spec: DatasetSpec, kind: Kind) -> str | None:
             return f"{field}.path: '{path}' is neither an existing local file nor a hub dataset name such as 'owner/dataset'"
         return None  # a hub dataset: only the data stage can reach the hub
     local = Path(path).expanduser()
+    if is_saved_dataset(local):
+        return None  # a save_to_disk directory: the data stage reads and checks it with `datasets`
     try:
         if is_glob(path) and not local.exists():
             fmt, files = _glob_files(path, field)
@@ -208,32 +211,7 @@ def _check_table(field: str, spec: DatasetSpec, kind: Kind) -> str | None:
     except (OSError, UnicodeDecodeError, ValueError, csv.Error) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         return f"{field}.path: {files[0]} could not be read as {fmt} ({first})"
-    if not rows:
-        return f"{field}.path: {files[0]} has no rows"
-    mapping = required_columns(kind, spec)
-    for i, row in enumerate(rows, start=1):
-        if not isinstance(row, dict):
-            return f"{files[0]} row {i} is a {type(row).__name__}, not an object with columns"
-        missing = [src for src in mapping.values() if src not in row]
-        if missing:
-            return (
-                f"{files[0]} has no column `{missing[0]}` (row {i} has {sorted(row)}); "
-                f"map it with {field}.columns.{_pipeline_name(mapping, missing[0])}"
-            )
-        for dst, src in mapping.items():
-            value = row[src]
-            if value is None:
-                return f"{files[0]} row {i} column `{src}` is missing a value"
-            if dst == "margin":
-                if isinstance(value, bool) or (not isinstance(value, (int, float)) and fmt != "csv"):
-                    return f"{files[0]} row {i} column `{src}` holds {value!r}, not a number"
-            elif not isinstance(value, str):
-                return f"{files[0]} row {i} column `{src}` holds a {type(value).__name__}, not a string"
-    return None
-
-
-def _pipeline_name(mapping: dict[str, str], source: str) -> str:
-    return next(dst for dst, src in mapping.items() if src == source)
+    return check_first_rows(rows, kind, spec, source=files[0], field=field, file_fmt=fmt)
 
 
 def _check_data(cfg: PipelineConfig) -> list[str]:

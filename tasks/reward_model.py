@@ -179,7 +179,12 @@ def train_reward(cfg: PipelineConfig, data: PreparedData, policy: Checkpoint | N
             )
             reporter.tag({"rlhf.reused": reused.model_uri})
             return reused
-        tokenizer = load_tokenizer(base, revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code)
+        tokenizer = load_tokenizer(
+            base,
+            revision=cfg.model.revision,
+            trust_remote_code=cfg.model.trust_remote_code,
+            chat_template=cfg.model.chat_template,
+        )
         model = load_reward_model(
             base,
             tokenizer,

@@ -236,7 +236,10 @@ def load_models(cfg: PipelineConfig, plan: InitPlan) -> RLModels:
     from transformers import AutoModelForSequenceClassification
 
     tokenizer = load_tokenizer(
-        plan.policy_path, revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code
+        plan.policy_path,
+        revision=cfg.model.revision,
+        trust_remote_code=cfg.model.trust_remote_code,
+        chat_template=cfg.model.chat_template,
     )
     load = dict(
         revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code, torch_dtype=cfg.model.torch_dtype

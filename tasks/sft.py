@@ -50,7 +50,10 @@ def _train(cfg: PipelineConfig, data: PreparedData, reporter: StageReporter, out
     """Train the warm start into out_dir; its metrics. The stage file is written last: a crash before it means
     the next run trains again."""
     tokenizer = load_tokenizer(
-        data.tokenizer, revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code
+        data.tokenizer,
+        revision=cfg.model.revision,
+        trust_remote_code=cfg.model.trust_remote_code,
+        chat_template=cfg.model.chat_template,
     )
     model = load_causal_lm(
         data.base_model,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -83,6 +83,10 @@ class ModelConfig(Section):
     torch_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "float32", description="Dtype the weights are loaded in."
     )
+    chat_template: str | None = Field(
+        None,
+        description="Chat template (a Jinja file path or the template itself) for conversational data when the tokenizer has none.",
+    )
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
     lora: LoraSettings = Field(
         default_factory=LoraSettings, description="LoRA adapter settings shared by the trained models."
@@ -98,15 +102,26 @@ class ColumnMap(Section):
     rejected: str = Field("rejected", min_length=1, description="Source column holding the dispreferred completion.")
     margin: str | None = Field(None, description="Optional source column with a per-pair Bradley-Terry margin.")
     text: str = Field("text", min_length=1, description="Source column holding plain text (SFT corpora).")
+    completion: str = Field(
+        "completion", min_length=1, description="Source column holding the completion of prompt-completion SFT data."
+    )
+    messages: str = Field(
+        "messages", min_length=1, description="Source column holding a whole conversation (conversational SFT data)."
+    )
 
 
 class DatasetSpec(Section):
     path: str = Field(
         DEMO,
         min_length=1,
-        description="'demo', a local json/jsonl/parquet/csv file, directory or glob (data/prefs/*.jsonl), or a hub dataset name.",
+        description="'demo', a local json/jsonl/parquet/csv file, directory or glob (data/prefs/*.jsonl), a save_to_disk directory, or a hub dataset name.",
     )
     split: str = Field("train", min_length=1, description="Split to read (local files are one 'train' split).")
+    revision: str | None = Field(None, description="Hub revision (branch, tag or commit) of a hub dataset.")
+    format: Literal["auto", "standard", "conversational"] = Field(
+        "auto",
+        description="TRL dataset format: 'auto' detects it from the first row as TRL does; conversational rows go through the chat template.",
+    )
     columns: ColumnMap = Field(
         default_factory=ColumnMap, description="Mapping from the pipeline's column names to the source's."
     )
@@ -150,6 +165,10 @@ class DataConfig(Section):
         64, ge=4, description="Longest prompt+completion in tokens; longer rows are handled by `overlong`."
     )
     max_prompt_length: int = Field(16, ge=1, description="Longest prompt in tokens for RL and evaluation prompts.")
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Extra keyword arguments for tokenizer.apply_chat_template on conversational data (e.g. enable_thinking).",
+    )
     overlong: Literal["truncate", "drop"] = Field(
         "truncate", description="What to do with rows longer than the limits."
     )

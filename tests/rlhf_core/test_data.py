@@ -164,3 +164,235 @@ def test_hub_dataset_names_go_to_the_hub_and_fail_in_one_sentence_offline():
         "data.preference.path: hub dataset 'no-such-org/no-such-dataset' (split 'train') could not be loaded"
     )
     assert "\n" not in message
+
+
+# ---- every TRL dataset type and format ------------------------------------------------------------
+
+USER = [{"role": "user", "content": "Hi"}]
+HELLO = [{"role": "assistant", "content": "Hello"}]
+BYE = [{"role": "assistant", "content": "Bye"}]
+CHATML_PROMPT = (
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
+    "<|im_start|>assistant\n"
+)
+
+
+@pytest.fixture(scope="module")
+def chat_tokenizer(tmp_path_factory):
+    from tests.fixtures.real_shapes import build_family
+
+    return load_tokenizer(str(build_family("qwen2.5-instruct", tmp_path_factory.mktemp("fam"))))
+
+
+def write_all(tmp_path, rows, name="d"):
+    """The rows as jsonl, parquet and a save_to_disk directory."""
+    import datasets
+
+    jsonl = write_jsonl(tmp_path / f"{name}.jsonl", rows)
+    pd.DataFrame(rows).to_parquet(tmp_path / f"{name}.parquet")
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / f"{name}_saved"))
+    return [jsonl, tmp_path / f"{name}.parquet", tmp_path / f"{name}_saved"]
+
+
+TRL_ROWS = [
+    # (kind, rows, expected first pipeline row)
+    (
+        "preference",
+        [{"prompt": "The sky is", "chosen": " blue.", "rejected": " green."}],
+        {"prompt": "The sky is", "chosen": " blue.", "rejected": " green."},
+    ),
+    (
+        "preference",
+        [{"chosen": "The sky is blue.", "rejected": "The sky is green."}],
+        {"prompt": "The sky is", "chosen": " blue.", "rejected": " green."},
+    ),
+    (
+        "preference",
+        [{"prompt": USER, "chosen": HELLO, "rejected": BYE}],
+        {"prompt": CHATML_PROMPT, "chosen": "Hello<|im_end|>\n", "rejected": "Bye<|im_end|>\n"},
+    ),
+    (
+        "preference",
+        [{"chosen": USER + HELLO, "rejected": USER + BYE}],
+        {"prompt": CHATML_PROMPT, "chosen": "Hello<|im_end|>\n", "rejected": "Bye<|im_end|>\n"},
+    ),
+    ("prompt", [{"prompt": "The sky is", "solution": "blue"}], {"prompt": "The sky is", "solution": "blue"}),
+    (
+        "prompt",
+        [{"prompt": USER, "solution": "blue"}],
+        {"prompt": CHATML_PROMPT, "prompt_messages": USER, "solution": "blue"},
+    ),
+    ("text", [{"text": "The sky is blue."}], {"text": "The sky is blue."}),
+    ("text", [{"prompt": "The sky is", "completion": " blue."}], {"text": "The sky is blue."}),
+    ("text", [{"messages": USER + HELLO}], {"text": CHATML_PROMPT + "Hello<|im_end|>"}),
+    ("text", [{"prompt": USER, "completion": HELLO}], {"text": CHATML_PROMPT + "Hello<|im_end|>"}),
+]
+
+
+@pytest.mark.parametrize("kind, rows, expected", TRL_ROWS)
+def test_every_trl_type_and_format_loads_from_jsonl_parquet_and_save_to_disk(
+    tmp_path, chat_tokenizer, kind, rows, expected
+):
+    for source in write_all(tmp_path, rows):
+        ds = load_table(DatasetSpec(path=str(source)), kind, field="data.x", tokenizer=chat_tokenizer)
+        assert ds[0] == expected, source
+
+
+def test_a_save_to_disk_dataset_dict_reads_its_split(tmp_path):
+    import datasets
+
+    datasets.DatasetDict(
+        {"train": datasets.Dataset.from_list(GOOD), "test": datasets.Dataset.from_list(GOOD[:1])}
+    ).save_to_disk(str(tmp_path / "dd"))
+    assert len(load(tmp_path / "dd", split="test")) == 1
+    with pytest.raises(DataValidationError, match=r"data.preference.split: .* has no split 'dev'"):
+        load(tmp_path / "dd", split="dev")
+
+
+def test_standard_csv_loads_and_conversational_csv_is_refused(tmp_path, chat_tokenizer):
+    pd.DataFrame([{"chosen": "The sky is blue.", "rejected": "The sky is green."}]).to_csv(
+        tmp_path / "p.csv", index=False
+    )
+    assert load(tmp_path / "p.csv")[0]["prompt"] == "The sky is"
+    with pytest.raises(DataValidationError, match=r"p.csv: a csv file cannot hold lists of messages"):
+        load(tmp_path / "p.csv", format="conversational")
+
+
+def test_format_can_be_forced(tmp_path, chat_tokenizer):
+    path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "plain"}])
+    with pytest.raises(DataValidationError) as err:
+        load_table(
+            DatasetSpec(path=str(path), format="conversational"),
+            "prompt",
+            field="data.prompts",
+            tokenizer=chat_tokenizer,
+        )
+    message = str(err.value)
+    assert str(path) in message and "row 1 column `prompt` holds str, not a non-empty list of messages" in message
+    assert "accepted formats: prompt-only" in message
+
+
+@pytest.mark.parametrize(
+    "rows, message",
+    [
+        (
+            [
+                {"prompt": USER, "chosen": HELLO, "rejected": BYE},
+                {"prompt": USER, "chosen": [{"role": "assistant"}], "rejected": BYE},
+            ],
+            "row 2 column `chosen` message 0 has no string `content`",
+        ),
+        (
+            [{"prompt": USER, "chosen": HELLO, "rejected": BYE}, {"prompt": USER, "chosen": "text", "rejected": BYE}],
+            "row 2 column `chosen` holds str, not a non-empty list of messages",
+        ),
+        ([{"prompt": USER, "chosen": HELLO, "rejected": HELLO}], "row 1: `chosen` is identical to `rejected`"),
+        ([{"chosen": HELLO, "rejected": BYE}], "row 1 column `chosen` shares no leading message with `rejected`"),
+    ],
+)
+def test_bad_conversational_rows_name_file_row_field_and_formats(tmp_path, chat_tokenizer, rows, message):
+    path = write_jsonl(tmp_path / "bad.jsonl", rows)
+    with pytest.raises(DataValidationError) as err:
+        load_table(DatasetSpec(path=str(path)), "preference", field="data.preference", tokenizer=chat_tokenizer)
+    assert str(path) in str(err.value) and message in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_missing_columns_list_the_accepted_formats(tmp_path):
+    path = write_jsonl(tmp_path / "t.jsonl", [{"body": "x"}])
+    with pytest.raises(DataValidationError) as err:
+        load_table(DatasetSpec(path=str(path)), "text", field="sft.dataset")
+    assert "has no column `text`" in str(err.value) and "accepted formats: language modeling" in str(err.value)
+
+
+def test_conversational_data_needs_a_chat_template(tmp_path, smoke_world):
+    tokenizer = load_tokenizer(str(smoke_world.tokenizer))
+    assert not tokenizer.chat_template
+    path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": USER}])
+    with pytest.raises(
+        DataValidationError,
+        match="is conversational .* but the tokenizer has no chat template; set model.chat_template",
+    ):
+        load_table(DatasetSpec(path=str(path)), "prompt", field="data.prompts", tokenizer=tokenizer)
+
+
+def test_conversational_columns_are_mapped_and_kwargs_reach_the_template(tmp_path, chat_tokenizer):
+    path = write_jsonl(tmp_path / "c.jsonl", [{"conv": USER + HELLO}])
+    saved = chat_tokenizer.chat_template
+    chat_tokenizer.chat_template = "{{ tag }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    try:
+        ds = load_table(
+            DatasetSpec(path=str(path), columns=ColumnMap(messages="conv")),
+            "text",
+            field="sft.dataset",
+            tokenizer=chat_tokenizer,
+            chat_template_kwargs={"tag": "#"},
+        )
+    finally:
+        chat_tokenizer.chat_template = saved
+    assert ds[0] == {"text": "#HiHello"}
+
+
+def test_hub_names_pass_split_and_revision(monkeypatch):
+    import datasets
+
+    seen = {}
+
+    def fake_load_dataset(path, **kwargs):
+        seen.update(path=path, **kwargs)
+        return datasets.Dataset.from_list(GOOD)
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    ds = load_table(
+        DatasetSpec(path="org/prefs", split="train_prefs", revision="abc123"), "preference", field="data.preference"
+    )
+    assert seen == {"path": "org/prefs", "split": "train_prefs", "revision": "abc123"} and len(ds) == 3
+
+
+def test_length_policy_measures_the_templated_text(tmp_path, chat_tokenizer):
+    ds = load_table(
+        DatasetSpec(path=str(write_jsonl(tmp_path / "p.jsonl", [{"prompt": USER}]))),
+        "prompt",
+        field="data.prompts",
+        tokenizer=chat_tokenizer,
+    )
+    n = len(chat_tokenizer(CHATML_PROMPT)["input_ids"])
+    _, report = apply_length_policy(ds, "prompt", chat_tokenizer, max_length=64, max_prompt_length=n, action="drop")
+    assert report.overlong == 0
+    _, report = apply_length_policy(ds, "prompt", chat_tokenizer, max_length=64, max_prompt_length=n - 1, action="drop")
+    assert report.overlong == 1
+
+
+def test_check_first_rows_is_trl_aware():
+    from rlhf_core.data import check_first_rows
+
+    def check(rows, kind="preference", **spec):
+        return check_first_rows(
+            rows, kind, DatasetSpec(path="x.jsonl", **spec), source="x.jsonl", field="data.x", file_fmt="json"
+        )
+
+    assert check([{"prompt": USER, "chosen": HELLO, "rejected": BYE}]) is None
+    assert check([{"chosen": USER + HELLO, "rejected": USER + BYE}]) is None
+    assert check([{"messages": USER + HELLO}], "text") is None
+    assert check([{"prompt": USER, "extra": 1}], "prompt") is None
+    assert check(GOOD) is None
+    assert "row 1 column `prompt` holds a int, not a string" in check([{"prompt": 3}], "prompt")
+    assert "row 2 column `chosen` message 0 has no string `content`" in check(
+        [
+            {"prompt": USER, "chosen": HELLO, "rejected": BYE},
+            {"prompt": USER, "chosen": [{"role": "a"}], "rejected": BYE},
+        ]
+    )
+    assert "has no column `text` (row 1 has ['body']); map it with data.x.columns.text" in check(
+        [{"body": "b"}], "text"
+    )
+
+
+def test_is_conversational_table():
+    from rlhf_core.data import is_conversational_table
+
+    spec = DatasetSpec(path="x.jsonl")
+    assert is_conversational_table([{"chosen": USER + HELLO, "rejected": USER + BYE}], "preference", spec)
+    assert is_conversational_table([{"messages": USER + HELLO}], "text", spec)
+    assert not is_conversational_table(GOOD, "preference", spec)
+    assert is_conversational_table(GOOD, "preference", DatasetSpec(path="x.jsonl", format="conversational"))

@@ -87,6 +87,24 @@ def test_bad_reward_functions_are_named():
     ) == [1.0, 0.0]
 
 
+def test_function_rewards_receive_conversational_prompts_and_completions_as_message_lists():
+    seen = {}
+
+    def fn(prompts, completions, answer, **kw):
+        seen.update(prompts=prompts, completions=completions, answer=answer, extra=sorted(kw))
+        return [1.0] * len(completions)
+
+    user = [{"role": "user", "content": "Hi"}]
+    rows = [{"prompt": "<templated>", "prompt_messages": user, "answer": "x"}] * 2
+    assert function_reward("chat", 1.0, fn).score(["<templated>"] * 2, ["Hello", "Bye"], None, rows) == [1.0, 1.0]
+    assert seen == {
+        "prompts": [user, user],
+        "completions": [[{"role": "assistant", "content": "Hello"}], [{"role": "assistant", "content": "Bye"}]],
+        "answer": ["x", "x"],
+        "extra": [],
+    }
+
+
 def setup(world):
     tok = load_tokenizer(str(world.tokenizer))
     return tok, load_causal_lm(str(world.base_model))

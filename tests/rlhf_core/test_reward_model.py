@@ -244,3 +244,19 @@ def test_pairs_are_scored_on_their_closing_eos_when_pad_is_eos(tmp_path, name):
             torch.tensor([len(response) - 1]),
         )
         torch.testing.assert_close(score[0], rc[0])
+
+
+def test_templated_pairs_get_one_bos(tmp_path):
+    from rlhf_core.chat import render_completions
+    from rlhf_core.models import load_tokenizer as load_tok
+    from rlhf_core.reward_model import tokenize_pairs
+    from tests.fixtures.real_shapes import build_family
+
+    tok = load_tok(str(build_family("llama-3-instruct", tmp_path)))
+    user = [{"role": "user", "content": "Hi"}]
+    prompt, (chosen, rejected) = render_completions(
+        tok, user, [[{"role": "assistant", "content": "Hello"}], [{"role": "assistant", "content": "Bye"}]]
+    )
+    (item,) = tokenize_pairs(tok, [{"prompt": prompt, "chosen": chosen, "rejected": rejected}], max_length=64)
+    assert item["chosen"] == tok(prompt + chosen, add_special_tokens=False)["input_ids"]
+    assert item["chosen"].count(tok.bos_token_id) == 1 and item["chosen"][-1] == tok.eos_token_id

@@ -115,3 +115,16 @@ def test_filtering_and_sampling():
         [sample_next(logits.expand(2000, 4), SamplingSettings(response_length=1, top_k=2)) for _ in range(3)]
     )
     assert set(top2.flatten().tolist()) == {1, 2}
+
+
+def test_templated_prompts_get_one_bos(tmp_path):
+    from rlhf_core.chat import render_prompt
+    from rlhf_core.models import load_tokenizer as load_tok
+    from rlhf_core.rollout import tokenize_prompts
+    from tests.fixtures.real_shapes import build_family
+
+    tok = load_tok(str(build_family("llama-3-instruct", tmp_path)))
+    prompt = render_prompt(tok, [{"role": "user", "content": "Hi"}])
+    ids = tokenize_prompts(tok, [prompt, "Tell me about the cat."], max_prompt_length=64)
+    assert ids[0] == tok(prompt, add_special_tokens=False)["input_ids"] and ids[0].count(tok.bos_token_id) == 1
+    assert ids[1] == tok("Tell me about the cat.")["input_ids"] and ids[1][0] == tok.bos_token_id

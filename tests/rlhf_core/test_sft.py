@@ -48,3 +48,20 @@ def test_short_run_changes_every_parameter_lowers_loss_and_saves(tmp_path, smoke
     with torch.no_grad():
         torch.testing.assert_close(reloaded(**batch).logits, model(**batch).logits)
     assert (tmp_path / "sft" / "model.safetensors").is_file() and (tmp_path / "sft" / "tokenizer.json").is_file()
+
+
+def test_templated_conversations_get_one_bos(tmp_path):
+    from rlhf_core.chat import render_messages
+    from rlhf_core.models import load_tokenizer as load_tok
+    from rlhf_core.sft import tokenize_corpus
+    from tests.fixtures.real_shapes import build_family
+
+    tok = load_tok(str(build_family("llama-3-instruct", tmp_path)))
+    text = render_messages(tok, [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}])
+    data = tokenize_corpus(tok, [text, "Tell me about the cat."], max_length=64)
+    ids, mask, labels = data.tensors
+    first = ids[0][mask[0] == 1].tolist()
+    assert first == tok(text, add_special_tokens=False)["input_ids"]  # ends with eos <|eot_id|> already
+    second = ids[1][mask[1] == 1].tolist()
+    assert second == tok("Tell me about the cat." + tok.eos_token)["input_ids"]
+    assert (labels[mask == 0] == -100).all()
