@@ -79,18 +79,24 @@ def tables_to_prepare(cfg: PipelineConfig) -> list[tuple[str, str, DatasetSpec, 
     return tables
 
 
+def stage_tokenizer(cfg: PipelineConfig, source: str):
+    """A stage's tokenizer from `source` with the model.* loading options and model.chat_template (saved with
+    every checkpoint, so the export carries it)."""
+    return load_tokenizer(
+        source,
+        revision=cfg.model.revision,
+        trust_remote_code=cfg.model.trust_remote_code,
+        chat_template=cfg.model.chat_template,
+    )
+
+
 def check_policy_sources(cfg: PipelineConfig, world: DemoWorld | None) -> tuple[str, str, object]:
     """(base model path, tokenizer source, tokenizer), with reward.base and the stop tokens checked before any training."""
     base_model = resolve_model_source(cfg.model.base, field="model.base", cfg=cfg, world=world)
     if cfg.reward.base not in ("policy", DEMO) and not cfg.reward.base.startswith("models:/"):
         check_source(cfg.reward.base, "reward.base")  # fail before any training, not after SFT
     tokenizer_source = cfg.model.tokenizer or base_model
-    tokenizer = load_tokenizer(  # conversational data is templated at the data stage
-        tokenizer_source,
-        revision=cfg.model.revision,
-        trust_remote_code=cfg.model.trust_remote_code,
-        chat_template=cfg.model.chat_template,
-    )
+    tokenizer = stage_tokenizer(cfg, tokenizer_source)  # conversational data is templated at the data stage
     # the stop tokens against the base model's tokenizer now, before SFT or reward training
     generation_config = generation_config_of(base_model, trust_remote_code=cfg.model.trust_remote_code)
     stop_token_ids(tokenizer, generation_config, stop_token=cfg.rl.stop_token, stop_tokens=cfg.rl.stop_tokens)

@@ -17,10 +17,10 @@ from prefect.cache_policies import NO_CACHE
 from rlhf_core.config import PipelineConfig
 from rlhf_core.data import read_rows
 from rlhf_core.demo_world import DemoWorld
-from rlhf_core.models import load_tokenizer, prepare_for_training
+from rlhf_core.models import prepare_for_training
 from rlhf_core.reward_model import load_reward_model, train_reward_model
 from tasks import launcher, registry, tracking
-from tasks.data import PreparedData, resolve_model_source
+from tasks.data import PreparedData, resolve_model_source, stage_tokenizer
 from tasks.reporting import StageReporter
 from tasks.retry import IO_RETRIES
 from tasks.stage_io import Checkpoint, stage_key
@@ -179,12 +179,7 @@ def train_reward(cfg: PipelineConfig, data: PreparedData, policy: Checkpoint | N
             )
             reporter.tag({"rlhf.reused": reused.model_uri})
             return reused
-        tokenizer = load_tokenizer(
-            base,
-            revision=cfg.model.revision,
-            trust_remote_code=cfg.model.trust_remote_code,
-            chat_template=cfg.model.chat_template,
-        )
+        tokenizer = stage_tokenizer(cfg, base)
         model = load_reward_model(
             base,
             tokenizer,

@@ -34,7 +34,7 @@ from rlhf_core.ppo import train_ppo
 from rlhf_core.reward_functions import load_function
 from rlhf_core.reward_model import load_reward_model
 from tasks import launcher, registry, tracking
-from tasks.data import PreparedData, resolve_model_source
+from tasks.data import PreparedData, resolve_model_source, stage_tokenizer
 from tasks.plots import close, curve_figure
 from tasks.progress import print_rows, publish_markdown
 from tasks.reporting import StageReporter
@@ -235,12 +235,7 @@ class RLModels:
 def load_models(cfg: PipelineConfig, plan: InitPlan) -> RLModels:
     from transformers import AutoModelForSequenceClassification
 
-    tokenizer = load_tokenizer(
-        plan.policy_path,
-        revision=cfg.model.revision,
-        trust_remote_code=cfg.model.trust_remote_code,
-        chat_template=cfg.model.chat_template,
-    )
+    tokenizer = stage_tokenizer(cfg, plan.policy_path)
     load = dict(
         revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code, torch_dtype=cfg.model.torch_dtype
     )

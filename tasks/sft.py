@@ -14,10 +14,10 @@ from prefect.cache_policies import NO_CACHE
 
 from rlhf_core.config import PipelineConfig
 from rlhf_core.data import read_column
-from rlhf_core.models import load_causal_lm, load_tokenizer, prepare_for_training
+from rlhf_core.models import load_causal_lm, prepare_for_training
 from rlhf_core.sft import train_sft
 from tasks import tracking
-from tasks.data import PreparedData
+from tasks.data import PreparedData, stage_tokenizer
 from tasks.reporting import StageReporter
 from tasks.retry import IO_RETRIES
 from tasks.stage_io import Checkpoint, stage_key
@@ -49,12 +49,7 @@ def _read_stage_file(path: Path) -> dict:
 def _train(cfg: PipelineConfig, data: PreparedData, reporter: StageReporter, out_dir: Path, key: str) -> dict:
     """Train the warm start into out_dir; its metrics. The stage file is written last: a crash before it means
     the next run trains again."""
-    tokenizer = load_tokenizer(
-        data.tokenizer,
-        revision=cfg.model.revision,
-        trust_remote_code=cfg.model.trust_remote_code,
-        chat_template=cfg.model.chat_template,
-    )
+    tokenizer = stage_tokenizer(cfg, data.tokenizer)
     model = load_causal_lm(
         data.base_model,
         revision=cfg.model.revision,
