@@ -47,7 +47,7 @@ def evaluate_version(
     """Near-greedy completions of the held-out prompts by `model_uri`, scored; (summary, rows)."""
     from transformers import AutoModelForSequenceClassification
 
-    from rlhf_core.models import load_causal_lm, load_tokenizer, stop_token_ids
+    from rlhf_core.models import load_causal_lm, load_tokenizer, run_stop_ids
 
     policy_dir = _model_dir(model_uri, cfg, data, "registry")
     tokenizer = load_tokenizer(policy_dir)
@@ -73,9 +73,7 @@ def evaluate_version(
         metrics=metric_functions(cfg.eval.metrics),
         batch_size=cfg.eval.batch_size,
         greedy=cfg.eval.greedy,
-        stop_token_ids=stop_token_ids(
-            tokenizer, policy.generation_config, stop_token=cfg.rl.stop_token, stop_tokens=cfg.rl.stop_tokens
-        ),
+        stop_token_ids=run_stop_ids(tokenizer, policy.generation_config, cfg.rl),
     )
     return summarize_rows(rows), rows
 

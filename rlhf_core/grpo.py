@@ -21,7 +21,7 @@ import torch
 from rlhf_core.chat import PROMPT_MESSAGES, assistant_messages
 from rlhf_core.config import GRPOConfig, RLConfig, RunConfig
 from rlhf_core.loop import LoopResult, OnCheckpoint, OnLog, OnStep, TrainingLoop
-from rlhf_core.models import stop_token_ids
+from rlhf_core.models import run_stop_ids
 from rlhf_core.reward_functions import call_scoring_function, check_finite
 from rlhf_core.rl_math import masked_mean
 from rlhf_core.rollout import (
@@ -312,9 +312,7 @@ def train_grpo(
     if ref_model is not None:
         ref_model.to(loop.device).eval().requires_grad_(False)
     pad_id = tokenizer.pad_token_id
-    stop_ids = stop_token_ids(
-        tokenizer, getattr(policy, "generation_config", None), stop_token=rl.stop_token, stop_tokens=rl.stop_tokens
-    )
+    stop_ids = run_stop_ids(tokenizer, getattr(policy, "generation_config", None), rl)
     sampling = rl_sampling(rl)
     weights = torch.tensor([s.weight for s in rewards], dtype=torch.float32)
     world, rank = loop.world, loop.rank

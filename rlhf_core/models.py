@@ -7,6 +7,10 @@ the core only sees directories and hub names.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rlhf_core.config import RLConfig
 
 DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16", "auto": "auto"}
 
@@ -105,6 +109,11 @@ def stop_token_ids(
             )
         ids.append(int(encoded[0]))
     return tuple(dict.fromkeys(ids))
+
+
+def run_stop_ids(tokenizer, generation_config, rl: RLConfig) -> tuple[int, ...]:
+    """`stop_token_ids` with the run's rl.stop_token and rl.stop_tokens: what every stage stops on."""
+    return stop_token_ids(tokenizer, generation_config, stop_token=rl.stop_token, stop_tokens=rl.stop_tokens)
 
 
 def load_tokenizer(

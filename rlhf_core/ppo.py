@@ -16,7 +16,7 @@ import torch
 
 from rlhf_core.config import PPOConfig, RLConfig, RunConfig
 from rlhf_core.loop import LoopResult, OnCheckpoint, OnLog, OnStep, TrainingLoop
-from rlhf_core.models import stop_token_ids
+from rlhf_core.models import run_stop_ids
 from rlhf_core.parallel import reduce_metrics
 from rlhf_core.reward_functions import check_finite
 from rlhf_core.rl_math import kl_per_token, masked_mean, masked_whiten
@@ -217,9 +217,7 @@ def train_ppo(
         if frozen is not None:
             frozen.to(loop.device).eval().requires_grad_(False)
     pad_id = tokenizer.pad_token_id
-    stop_ids = stop_token_ids(
-        tokenizer, getattr(policy, "generation_config", None), stop_token=rl.stop_token, stop_tokens=rl.stop_tokens
-    )
+    stop_ids = run_stop_ids(tokenizer, getattr(policy, "generation_config", None), rl)
     sampling = rl_sampling(rl)
     world = loop.world
     all_reduce = loop.global_sum if world > 1 else None  # whitening over every process's rows

@@ -17,7 +17,7 @@ from prefect.logging import get_run_logger
 from rlhf_core.config import DEMO, DatasetSpec, PipelineConfig
 from rlhf_core.data import Kind, apply_length_policy, fingerprint_rows, load_table, save_table
 from rlhf_core.demo_world import DemoWorld, build_demo_world
-from rlhf_core.models import ModelSourceError, check_source, generation_config_of, load_tokenizer, stop_token_ids
+from rlhf_core.models import ModelSourceError, check_source, generation_config_of, load_tokenizer, run_stop_ids
 from tasks import registry, tracking
 from tasks.reporting import StageReporter
 from tasks.retry import IO_RETRIES
@@ -99,7 +99,7 @@ def check_policy_sources(cfg: PipelineConfig, world: DemoWorld | None) -> tuple[
     tokenizer = stage_tokenizer(cfg, tokenizer_source)  # conversational data is templated at the data stage
     # the stop tokens against the base model's tokenizer now, before SFT or reward training
     generation_config = generation_config_of(base_model, trust_remote_code=cfg.model.trust_remote_code)
-    stop_token_ids(tokenizer, generation_config, stop_token=cfg.rl.stop_token, stop_tokens=cfg.rl.stop_tokens)
+    run_stop_ids(tokenizer, generation_config, cfg.rl)
     return base_model, tokenizer_source, tokenizer
 
 

@@ -10,7 +10,7 @@ from prefect.cache_policies import NO_CACHE
 from rlhf_core.config import PipelineConfig
 from rlhf_core.export import ExportInfo, export_policy, generation_settings
 from rlhf_core.model_card import card_field, card_license, source_name
-from rlhf_core.models import generation_config_of, load_tokenizer, stop_token_ids
+from rlhf_core.models import generation_config_of, load_tokenizer, run_stop_ids
 from tasks import tracking
 from tasks.data import PreparedData
 from tasks.reporting import StageReporter
@@ -88,9 +88,7 @@ def write_export(cfg: PipelineConfig, data: PreparedData, plan: InitPlan, traine
     """The export directory from the last RL checkpoint, with the run's stop tokens and the base model's
     generation defaults (never the RL sampling settings)."""
     tokenizer = load_tokenizer(trained.path)
-    stops = stop_token_ids(
-        tokenizer, generation_config_of(trained.path), stop_token=cfg.rl.stop_token, stop_tokens=cfg.rl.stop_tokens
-    )
+    stops = run_stop_ids(tokenizer, generation_config_of(trained.path), cfg.rl)
     generation = generation_settings(
         tokenizer=tokenizer,
         max_new_tokens=cfg.rl.response_length,

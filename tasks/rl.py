@@ -28,7 +28,7 @@ from rlhf_core.models import (
     load_causal_lm,
     load_tokenizer,
     prepare_for_training,
-    stop_token_ids,
+    run_stop_ids,
 )
 from rlhf_core.ppo import train_ppo
 from rlhf_core.reward_functions import load_function
@@ -118,12 +118,7 @@ def _check_sources(cfg: PipelineConfig, data: PreparedData, policy_path: str, re
                 f"the reward model's tokenizer ({directory}) does not match the policy's ({policy_path}): {mismatch}; "
                 "train the reward model from the policy's tokenizer"
             )
-    stop_token_ids(
-        policy_tok,
-        generation_config_of(policy_path, trust_remote_code=cfg.model.trust_remote_code),
-        stop_token=cfg.rl.stop_token,
-        stop_tokens=cfg.rl.stop_tokens,
-    )
+    run_stop_ids(policy_tok, generation_config_of(policy_path, trust_remote_code=cfg.model.trust_remote_code), cfg.rl)
     context = getattr(
         AutoConfig.from_pretrained(policy_path, trust_remote_code=cfg.model.trust_remote_code),
         "max_position_embeddings",
@@ -247,9 +242,7 @@ def load_models(cfg: PipelineConfig, plan: InitPlan) -> RLModels:
 
         policy = get_peft_model(policy, _lora(cfg))
     reward_model = AutoModelForSequenceClassification.from_pretrained(plan.reward_path) if plan.reward_path else None
-    stop_ids = stop_token_ids(
-        tokenizer, policy.generation_config, stop_token=cfg.rl.stop_token, stop_tokens=cfg.rl.stop_tokens
-    )
+    stop_ids = run_stop_ids(tokenizer, policy.generation_config, cfg.rl)
     return RLModels(
         tokenizer=tokenizer, policy=policy, ref_model=ref_model, reward_model=reward_model, stop_ids=stop_ids
     )
