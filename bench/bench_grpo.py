@@ -24,8 +24,7 @@ LEARNING_BETA, LEARNING_STEPS = 0.04, 120
 
 def prepare(root: Path) -> None:
     from rlhf_core.config import DemoModelConfig, DemoWorldConfig, RunConfig, SFTConfig
-    from rlhf_core.data import read_column
-    from rlhf_core.demo_world import build_demo_world
+    from rlhf_core.demo_world import build_demo_world, world_rows
     from rlhf_core.models import load_causal_lm, load_tokenizer
     from rlhf_core.sft import train_sft
 
@@ -34,7 +33,7 @@ def prepare(root: Path) -> None:
     train_sft(
         model,
         tok,
-        read_column(world.corpus, "text"),
+        [r["text"] for r in world_rows(world, "text")],
         SFTConfig(max_steps=300),
         RunConfig(device="cpu", seed=SEED),
         max_length=48,

@@ -32,8 +32,7 @@ OVERRIDES = [
 
 def bare(cfg, root: Path) -> float:
     """The training loops alone, as a user would call them."""
-    from rlhf_core.data import read_column, read_rows
-    from rlhf_core.demo_world import build_demo_world
+    from rlhf_core.demo_world import build_demo_world, world_rows
     from rlhf_core.models import load_causal_lm, load_tokenizer
     from rlhf_core.ppo import train_ppo
     from rlhf_core.reward_model import load_reward_model, train_reward_model
@@ -46,7 +45,7 @@ def bare(cfg, root: Path) -> float:
     train_sft(
         model,
         tok,
-        read_column(world.corpus, "text"),
+        [r["text"] for r in world_rows(world, "text")],
         cfg.sft,
         cfg.run,
         max_length=cfg.data.max_length,
@@ -58,8 +57,8 @@ def bare(cfg, root: Path) -> float:
     result = train_reward_model(
         reward,
         tok,
-        read_rows(world.preferences("train")),
-        read_rows(world.preferences("test")),
+        world_rows(world, "preference", "train"),
+        world_rows(world, "preference", "test"),
         cfg.reward,
         cfg.run,
         max_length=cfg.data.max_length,
@@ -76,7 +75,7 @@ def bare(cfg, root: Path) -> float:
         ref,
         reward_model,
         tok,
-        read_column(world.prompts("train"), "prompt"),
+        [r["prompt"] for r in world_rows(world, "prompt", "train")],
         cfg.rl,
         cfg.ppo,
         cfg.run,

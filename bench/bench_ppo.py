@@ -22,8 +22,7 @@ BATCHES, BATCH, RESPONSE, SEED = 8, 32, 16, 42
 def prepare(root: Path) -> None:
     """World, SFT policy and reward model, shared by every side."""
     from rlhf_core.config import DemoModelConfig, DemoWorldConfig, RewardConfig, RunConfig, SFTConfig
-    from rlhf_core.data import read_column, read_rows
-    from rlhf_core.demo_world import build_demo_world
+    from rlhf_core.demo_world import build_demo_world, world_rows
     from rlhf_core.models import load_causal_lm, load_tokenizer
     from rlhf_core.reward_model import load_reward_model, train_reward_model
     from rlhf_core.sft import train_sft
@@ -34,7 +33,7 @@ def prepare(root: Path) -> None:
     train_sft(
         model,
         tok,
-        read_column(world.corpus, "text"),
+        [r["text"] for r in world_rows(world, "text")],
         SFTConfig(max_steps=300),
         run,
         max_length=48,
@@ -45,8 +44,8 @@ def prepare(root: Path) -> None:
     result = train_reward_model(
         reward,
         tok,
-        read_rows(world.preferences("train")),
-        read_rows(world.preferences("test")),
+        world_rows(world, "preference", "train"),
+        world_rows(world, "preference", "test"),
         RewardConfig(max_steps=200, save_steps=200, eval_steps=200),
         run,
         max_length=48,

@@ -18,8 +18,7 @@ from pathlib import Path
 from anchors import use_anchor
 
 from rlhf_core.config import DemoModelConfig, DemoWorldConfig, RewardConfig, RunConfig, SFTConfig
-from rlhf_core.data import read_column, read_rows
-from rlhf_core.demo_world import build_demo_world
+from rlhf_core.demo_world import build_demo_world, world_rows
 from rlhf_core.models import load_causal_lm, load_tokenizer
 from rlhf_core.reward_model import evaluate_reward_model, load_reward_model, train_reward_model
 from rlhf_core.sft import train_sft
@@ -112,14 +111,14 @@ def main() -> None:
         train_sft(
             model,
             tok,
-            read_column(world.corpus, "text"),
+            [r["text"] for r in world_rows(world, "text")],
             SFTConfig(max_steps=300),
             RunConfig(device="cpu", seed=SEED),
             max_length=MAX_LEN,
             output_dir=tmp / "sft",
             show_progress=False,
         )
-        train, test = read_rows(world.preferences("train")), read_rows(world.preferences("test"))
+        train, test = world_rows(world, "preference", "train"), world_rows(world, "preference", "test")
         anchor, ours = [], []
         for i, side in enumerate("TOOTTO"):  # interleaved, so drifting machine load hits both sides alike
             if side == "T":

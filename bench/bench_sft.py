@@ -14,8 +14,7 @@ import time
 from pathlib import Path
 
 from rlhf_core.config import DemoModelConfig, DemoWorldConfig, RunConfig, SFTConfig
-from rlhf_core.data import read_column
-from rlhf_core.demo_world import build_demo_world
+from rlhf_core.demo_world import build_demo_world, world_rows
 from rlhf_core.models import load_causal_lm, load_tokenizer
 from rlhf_core.sft import tokenize_corpus, train_sft
 
@@ -74,7 +73,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         world = build_demo_world(tmp / "world", 42, DemoWorldConfig(), DemoModelConfig())
-        texts = read_column(world.corpus, "text")
+        texts = [r["text"] for r in world_rows(world, "text")]
         anchor = [run_trainer(world, texts, tmp / "a1")]
         ours = [run_ours(world, texts, tmp / "o1")]
         ours.append(run_ours(world, texts, tmp / "o2"))

@@ -102,11 +102,12 @@ def extract_prompt(chosen, rejected) -> tuple[Any, Any, Any]:
     return chosen[:idx], chosen[idx:], rejected[idx:]
 
 
-def close_with_eos(text: str, eos: str | None) -> str:
-    """A templated conversation that ends with eos plus whitespace (ChatML's '<|im_end|>\\n') ends at the eos,
-    so SFT does not append a second one."""
-    stripped = text.rstrip()
-    return stripped if eos and stripped.endswith(eos) else text
+def end_at_turn_end(text: str) -> str:
+    """A templated conversation or completion without the whitespace a template writes after the last
+    turn's end (ChatML's '<|im_end|>\\n'): generation stops at the end token, so training sequences end
+    there too. The reward model is then read, and SFT's eos appended (or not, when it is the end token),
+    right after it. (TRL keeps the whitespace; it is a token of its own in byte-level vocabularies.)"""
+    return text.rstrip()
 
 
 def encode(tokenizer, texts: list[str], **kwargs) -> list[list[int]]:

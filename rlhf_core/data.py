@@ -16,9 +16,9 @@ from typing import Any, Literal
 from rlhf_core.chat import (
     ACCEPTED,
     PROMPT_MESSAGES,
-    close_with_eos,
     detect_format,
     encode,
+    end_at_turn_end,
     extract_prompt,
     has_chat_template,
     message_problem,
@@ -368,22 +368,22 @@ class _Converter:
                 if conv and not prompt:
                     self.fail(i, "chosen", "shares no leading message with `rejected`, so there is no prompt")
             if conv:
-                prompt, (chosen, rejected) = render_completions(tok, prompt, [chosen, rejected], kw)
+                prompt, completions = render_completions(tok, prompt, [chosen, rejected], kw)
+                chosen, rejected = (end_at_turn_end(c) for c in completions)
             out = {"prompt": prompt, "chosen": chosen, "rejected": rejected}
             if "margin" in self.mapping:
                 out["margin"] = row[self.mapping["margin"]]
             return out
-        eos = getattr(tok, "eos_token", None)
         if "messages" in self.mapping:
             messages = self.value(i, row, "messages")
             if not conv:
                 self.fail(i, "messages", "is not a list of messages")
-            return {"text": close_with_eos(render_messages(tok, messages, kw), eos)}
+            return {"text": end_at_turn_end(render_messages(tok, messages, kw))}
         prompt, completion = self.value(i, row, "prompt"), self.value(i, row, "completion")
         if not conv:
             return {"text": prompt + completion}
         text, (completion,) = render_completions(tok, prompt, [completion], kw)
-        return {"text": close_with_eos(text + completion, eos)}
+        return {"text": end_at_turn_end(text + completion)}
 
 
 def validate_rows(ds, kind: Kind, *, source: str, source_columns: dict[str, str] | None = None) -> None:

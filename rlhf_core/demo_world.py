@@ -4,12 +4,18 @@ Everything is built from the VADER lexicon that the `vaderSentiment` package shi
 from a seed, in a few seconds, with no download. VADER's compound score labels the preference pairs
 and is the demo's gold metric (see :mod:`rlhf_core.reward_functions`).
 
+The world is shaped like the chat models people align: its data is conversational (TRL's message
+lists: the user gives the start of a review, the assistant finishes it), its tokenizer has a
+ChatML-like chat template that ends each turn with `<|im_end|>`, its pad token is its eos
+(`<|endoftext|>`, as Qwen2.5 base), and its model stops on two ids (`<|im_end|>` and `<|endoftext|>`,
+as Qwen2.5-Instruct's generation_config). Decoding puts a space where words meet.
+
 Layout of a built world (all paths relative to its directory)::
 
-    corpus.jsonl                      {"text"}                      SFT warm-start corpus
-    preferences/train.jsonl, test.jsonl  {"prompt", "chosen", "rejected"}
-    prompts/train.jsonl, test.jsonl   {"prompt"}                    held-out prompts in test
-    tokenizer/                        Hugging Face tokenizer files (word level)
+    corpus.jsonl                      {"messages"}                  SFT warm-start corpus
+    preferences/train.jsonl, test.jsonl  {"prompt", "chosen", "rejected"} (message lists)
+    prompts/train.jsonl, test.jsonl   {"prompt"} (message lists)    held-out prompts in test
+    tokenizer/                        Hugging Face tokenizer files (word level, chat template)
     base_model/                       tiny LlamaForCausalLM, random init, safetensors
     manifest.json                     build key and sha256 of every file
 """
@@ -26,13 +32,23 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from rlhf_core.config import DemoModelConfig, DemoWorldConfig
+from rlhf_core.config import DEMO, DemoModelConfig, DemoWorldConfig
+from rlhf_core.data import Kind
 from rlhf_core.reward_functions import vader_analyzer
 from rlhf_core.saving import apply_umask
 
-WORLD_VERSION = 1  # bump when the generator changes, so cached worlds are rebuilt
+WORLD_VERSION = 2  # bump when the generator changes, so cached worlds are rebuilt (2: conversational)
 
-PAD, UNK, BOS, EOS = "<pad>", "<unk>", "<bos>", "<eos>"
+UNK, BOS, EOS = "<unk>", "<bos>", "<|endoftext|>"
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"  # a turn's start and end (the first stop id)
+SPECIAL_TOKENS = [UNK, BOS, EOS, IM_START, IM_END]
+# ChatML with the bos written by the template (as Llama 3's): the policy answers after '<|im_start|>assistant'
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+ROLES = ["system", "user", "assistant"]
 
 NOUNS = [
     "food",
@@ -175,6 +191,14 @@ class _Writer:
         return " " + tail.format(a=self.descriptor(), b=self.descriptor(), m=other)
 
 
+def user_turn(text: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": text}]
+
+
+def assistant_turn(text: str) -> list[dict[str, str]]:
+    return [{"role": "assistant", "content": text.strip()}]
+
+
 def _prompt_key(prompt: str) -> int:
     return int(hashlib.sha256(prompt.encode()).hexdigest()[:8], 16)
 
@@ -211,7 +235,9 @@ def _preference_pairs(writer: _Writer, prefixes: list[tuple[str, str]], min_gap:
             if abs(sa - sb) >= min_gap:
                 break
         chosen, rejected = (a, b) if sa > sb else (b, a)
-        rows.append({"prompt": prompt, "chosen": chosen, "rejected": rejected})
+        rows.append(
+            {"prompt": user_turn(prompt), "chosen": assistant_turn(chosen), "rejected": assistant_turn(rejected)}
+        )
     return rows
 
 
@@ -223,25 +249,38 @@ def _distinct_prompts(writer: _Writer, want_eval: bool, n: int) -> list[dict]:
         attempts += 1
         if _is_eval_prompt(prompt) == want_eval:
             seen.setdefault(prompt)
-    return [{"prompt": p} for p in seen]
+    return [{"prompt": user_turn(p)} for p in seen]
 
 
 def train_word_tokenizer(texts: list[str], max_length: int):
-    """A word-level tokenizer (lower-cased, whitespace split, bos prepended) as a HF fast tokenizer."""
-    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
+    """A word-level chat tokenizer as a HF fast tokenizer: lower-cased, whitespace split, bos prepended to
+    plain text, `<|im_start|>`/`<|im_end|>` special, pad == eos, CHAT_TEMPLATE, and a decoder that joins
+    words with spaces (without one, decoded words run together: "waswas")."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.WordLevel(unk_token=UNK))
     tok.normalizer = normalizers.Lowercase()
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.train_from_iterator(texts, trainer=trainers.WordLevelTrainer(special_tokens=[PAD, UNK, BOS, EOS]))
+    tok.train_from_iterator(texts, trainer=trainers.WordLevelTrainer(special_tokens=SPECIAL_TOKENS))
+    # special tokens are matched in raw text before the split ("<|im_start|>user" is two tokens)
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # " ".join(words); no word starts with ##
     bos_id = tok.token_to_id(BOS)
     tok.post_processor = processors.TemplateProcessing(
         single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, bos_id)]
     )
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD, unk_token=UNK, model_max_length=max_length
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=EOS,
+        unk_token=UNK,
+        model_max_length=max_length,
+        extra_special_tokens=[IM_START, IM_END],
     )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
 
 
 def build_demo_model(tokenizer, cfg: DemoModelConfig, seed: int):
@@ -259,13 +298,17 @@ def build_demo_model(tokenizer, cfg: DemoModelConfig, seed: int):
         max_position_embeddings=cfg.max_position_embeddings,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
+        # no pad id in the model config (as Qwen2.5's): with one, the embedding's padding_idx would start
+        # the eos (== pad) row at zero and give it no gradient, so the token everything ends on would be blank
+        pad_token_id=None,
         tie_word_embeddings=True,
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
+    # two stop ids, the end of turn first, as an instruct model's generation_config
+    stops = [tokenizer.convert_tokens_to_ids(IM_END), tokenizer.eos_token_id]
     model.generation_config = GenerationConfig(
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=stops, pad_token_id=tokenizer.pad_token_id
     )
     return model
 
@@ -323,7 +366,7 @@ def build_demo_world(
         corpus = []
         for _ in range(world.num_sentences):
             prompt, template = writer.prefix()
-            corpus.append({"text": prompt + writer.completion(template)})
+            corpus.append({"messages": user_turn(prompt) + assistant_turn(writer.completion(template))})
         _write_jsonl(out.corpus, corpus)
 
         report(1, len(steps), steps[1])
@@ -345,8 +388,10 @@ def build_demo_world(
         report(3, len(steps), steps[3])
         # every descriptor is in the vocabulary, even ones the sampled corpus happened to miss
         template_words = [re.sub(r"\{\w\}", " ", t) for t in TEMPLATES]
-        vocab_text = [" ".join(writer.positive + writer.negative + writer.neutral + NOUNS + OPENERS + template_words)]
-        texts = [r["text"] for r in corpus] + [r["prompt"] + r["chosen"] + r["rejected"] for r in train_pairs]
+        words = writer.positive + writer.negative + writer.neutral + NOUNS + OPENERS + template_words + ROLES
+        texts = [" ".join(m["content"] for m in r["messages"]) for r in corpus]
+        texts += [" ".join(r[k][0]["content"] for k in ("prompt", "chosen", "rejected")) for r in train_pairs]
+        vocab_text = [" ".join(words)]
         tokenizer = train_word_tokenizer(vocab_text + texts, model.max_position_embeddings)
         tokenizer.save_pretrained(out.tokenizer)
 
@@ -365,3 +410,17 @@ def build_demo_world(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return DemoWorld(root)
+
+
+def world_rows(world: DemoWorld, kind: Kind, split: str = "train") -> list[dict]:
+    """The world's `kind` table ('preference', 'prompt' or 'text' for the corpus) as the pipeline reads it:
+    templated with the world's tokenizer by `rlhf_core.data.load_table`, as the stages receive it."""
+    from rlhf_core.config import DatasetSpec
+    from rlhf_core.data import load_table
+    from rlhf_core.models import load_tokenizer
+
+    files = {"preference": world.preferences(split), "prompt": world.prompts(split), "text": world.corpus}
+    spec = DatasetSpec(path=DEMO, split=split)
+    tokenizer = load_tokenizer(str(world.tokenizer))
+    table = load_table(spec, kind, field="demo", resolved_path=str(files[kind]), tokenizer=tokenizer)
+    return table.to_list()

@@ -8,7 +8,7 @@ resumes from the last one and reaches the same weights.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -60,18 +60,20 @@ def preference_metrics(r_chosen: torch.Tensor, r_rejected: torch.Tensor) -> dict
     return {k: v.item() for k, v in preference_stats(r_chosen, r_rejected).items()}
 
 
-def tokenize_pairs(tokenizer, rows: list[dict], max_length: int) -> list[dict]:
-    """Token ids of prompt+chosen and prompt+rejected per row, each closed with eos, at most max_length long.
+def tokenize_pairs(tokenizer, rows: list[dict], max_length: int, stop_ids: Sequence[int] = ()) -> list[dict]:
+    """Token ids of prompt+chosen and prompt+rejected per row, each closed, at most max_length long.
 
-    The eos (as TRL appends it) gives every sequence the same last token, where the score is read;
-    RL rollouts that stop end on eos too, so the reward model is scored where it was trained.
+    A sequence is closed when it ends with eos or one of `stop_ids` (the ids RL generation stops on:
+    a chat template's end of turn, '<|im_end|>'); any other gets eos appended, as TRL does. Every
+    sequence then ends on the token where RL rollouts that stop end, and the score is read there.
     """
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    closing = set(eos) | {int(i) for i in stop_ids}
 
     def ids(texts: list[str]) -> list[list[int]]:
         # a templated conversation (it starts with bos) gets no second bos
         encoded = encode(tokenizer, texts, max_length=max_length - len(eos), truncation=True)
-        return [seq if seq[-1:] == eos else seq + eos for seq in encoded]
+        return [seq if seq and seq[-1] in closing else seq + eos for seq in encoded]
 
     chosen = ids([r["prompt"] + r["chosen"] for r in rows])
     rejected = ids([r["prompt"] + r["rejected"] for r in rows])
@@ -134,12 +136,13 @@ def evaluate_reward_model(
     max_length: int,
     batch_size: int,
     center_rewards_coefficient: float | None = None,
+    stop_ids: Sequence[int] = (),
     device=None,
 ) -> dict[str, float]:
     """The reference's eval metrics over all `rows`: eval_loss, eval_accuracy, eval_margin, eval_*_reward."""
     return evaluate_encoded(
         model,
-        tokenize_pairs(tokenizer, rows, max_length),
+        tokenize_pairs(tokenizer, rows, max_length, stop_ids),
         tokenizer.pad_token_id,
         batch_size=batch_size,
         center_rewards_coefficient=center_rewards_coefficient,
@@ -232,6 +235,7 @@ def train_reward_model(
     max_length: int,
     output_dir: str | Path,
     card: dict,
+    stop_ids: Sequence[int] = (),
     on_log: OnLog | None = None,
     on_eval: Callable[[dict[str, float], int], None] | None = None,
     on_checkpoint: OnCheckpoint | None = None,
@@ -240,7 +244,7 @@ def train_reward_model(
 ) -> LoopResult:
     """Train for cfg.max_steps optimizer steps, resuming from the newest complete checkpoint in output_dir.
 
-    Each checkpoint is a loadable Hugging Face directory (merged weights with LoRA, the adapter in
+    `stop_ids`: the ids the policy stops on (see `tokenize_pairs`). Each checkpoint is a loadable Hugging Face directory (merged weights with LoRA, the adapter in
     `adapter/`) with a model card from `card` ({"title", "metadata", "body"}) and the eval metrics of
     its step; the result's metrics are the last evaluation's.
     """
@@ -267,8 +271,8 @@ def train_reward_model(
     # the scorer reads each row's last attended token; trained as one module so that DDP and DeepSpeed see the forward
     loop = TrainingLoop(LastTokenScore(model), {"": model}, tokenizer, settings, run, output_dir=output_dir)
     loop.trainable.train()
-    train_items = tokenize_pairs(tokenizer, train_rows, max_length)
-    eval_items = tokenize_pairs(tokenizer, eval_rows, max_length)
+    train_items = tokenize_pairs(tokenizer, train_rows, max_length, stop_ids)
+    eval_items = tokenize_pairs(tokenizer, eval_rows, max_length, stop_ids)
     pad_id = tokenizer.pad_token_id
     # data parallel: every process its own batch of cfg.batch_size pairs per micro-batch
     order = ShardedBatches(

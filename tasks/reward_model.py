@@ -17,7 +17,7 @@ from prefect.cache_policies import NO_CACHE
 from rlhf_core.config import PipelineConfig
 from rlhf_core.data import read_rows
 from rlhf_core.demo_world import DemoWorld
-from rlhf_core.models import prepare_for_training
+from rlhf_core.models import generation_config_of, prepare_for_training, run_stop_ids
 from rlhf_core.reward_model import load_reward_model, train_reward_model
 from tasks import launcher, registry, tracking
 from tasks.data import PreparedData, resolve_model_source, stage_tokenizer
@@ -51,7 +51,14 @@ def reward_base(cfg: PipelineConfig, data: PreparedData, policy: Checkpoint | No
     return resolve_model_source(cfg.reward.base, field="reward.base", cfg=cfg, world=world), cfg.reward.base
 
 
-TRAINER_VERSION = 2  # bump when training changes what a finished stage would contain (2: pairs end with eos)
+TRAINER_VERSION = 3  # bump when training changes what a finished stage would contain (3: pairs end at a stop id)
+
+
+def policy_stop_ids(cfg: PipelineConfig, data: PreparedData, policy: Checkpoint | None, tokenizer) -> tuple[int, ...]:
+    """The ids RL generation will stop on (the policy's generation_config and rl.stop_token[s]): the
+    reward model's pairs end on them, so that it is trained where RL reads it."""
+    source = policy.path if policy is not None else data.base_model
+    return run_stop_ids(tokenizer, generation_config_of(source, trust_remote_code=cfg.model.trust_remote_code), cfg.rl)
 
 
 def reward_key(cfg: PipelineConfig, data: PreparedData, base_identity: str) -> str:
@@ -203,6 +210,7 @@ def train_reward(cfg: PipelineConfig, data: PreparedData, policy: Checkpoint | N
             max_length=cfg.data.max_length,
             output_dir=out_dir,
             card=model_card(cfg, data, base_identity),
+            stop_ids=policy_stop_ids(cfg, data, policy, tokenizer),
             on_log=reporter.log,
             on_eval=reporter.on_eval,
             on_checkpoint=reporter.on_checkpoint,

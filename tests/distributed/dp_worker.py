@@ -13,8 +13,7 @@ from pathlib import Path
 import torch
 
 from rlhf_core.config import GRPOConfig, PPOConfig, RewardConfig, RLConfig, RunConfig, load_config
-from rlhf_core.data import read_column, read_rows
-from rlhf_core.demo_world import build_demo_world
+from rlhf_core.demo_world import build_demo_world, world_rows
 from rlhf_core.grpo import function_reward, train_grpo
 from rlhf_core.models import load_causal_lm, load_tokenizer
 from rlhf_core.ppo import train_ppo
@@ -67,8 +66,8 @@ def main(world_root: str, out: str) -> None:
     train_reward_model(
         reward,
         tok,
-        read_rows(world.preferences("train")),
-        read_rows(world.preferences("test")),
+        world_rows(world, "preference", "train"),
+        world_rows(world, "preference", "test"),
         RewardConfig(max_steps=3, batch_size=4, eval_steps=3, save_steps=3, log_steps=1, learning_rate=1e-3),
         run,
         max_length=40,
@@ -79,7 +78,7 @@ def main(world_root: str, out: str) -> None:
         show_progress=False,
     )
 
-    prompts = read_column(world.prompts("train"), "prompt")
+    prompts = [r["prompt"] for r in world_rows(world, "prompt", "train")]
     policy, ref = load_causal_lm(str(world.base_model)), load_causal_lm(str(world.base_model))
     value = load_reward_model(str(world.base_model), tok, seed=3)
     scorer = load_reward_model(str(world.base_model), tok, seed=4).eval()
@@ -116,7 +115,7 @@ def main(world_root: str, out: str) -> None:
         None,
         [function_reward("vader", 1.0, lambda prompts, completions, **_: vader_compound(completions=completions))],
         tok,
-        read_rows(world.prompts("train")),
+        world_rows(world, "prompt", "train"),
         rl,
         GRPOConfig(num_generations=2, beta=0.0),
         run,

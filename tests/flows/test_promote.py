@@ -10,7 +10,7 @@ from mlflow.tracking import MlflowClient
 
 from flows.promote import rlhf_promote
 from rlhf_core.config import ConfigError
-from rlhf_core.data import read_column
+from rlhf_core.demo_world import world_rows
 from rlhf_core.evaluation import evaluate_generations
 from rlhf_core.models import load_causal_lm, load_tokenizer
 from tasks import registry, tracking
@@ -46,7 +46,7 @@ def register_candidate(model_dir: Path, reference: Path, uri: str) -> str:
 def write_targets(model_dir: Path, world, path: Path) -> None:
     """The greedy completions of `model_dir` on the held-out prompts become the metric's targets."""
     tok = load_tokenizer(str(model_dir))
-    prompts = read_column(world.prompts("test"), "prompt")
+    prompts = [r["prompt"] for r in world_rows(world, "prompt", "test")]
     rows = evaluate_generations(
         load_causal_lm(str(model_dir)),
         None,

@@ -4,9 +4,9 @@ from trl.data_utils import maybe_apply_chat_template
 
 from rlhf_core.chat import (
     assistant_messages,
-    close_with_eos,
     detect_format,
     encode,
+    end_at_turn_end,
     extract_prompt,
     message_problem,
     render_completions,
@@ -73,8 +73,8 @@ def test_preference_completions_are_the_conversation_minus_the_prompt(tokenizers
 def test_messages_render_the_whole_conversation(tokenizers):
     text = render_messages(tokenizers["qwen2.5-instruct"], USER + HELLO)
     assert text == CHATML_SYSTEM + "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello<|im_end|>\n"
-    assert close_with_eos(text, "<|im_end|>") == text.rstrip()
-    assert close_with_eos("plain text\n", "<|im_end|>") == "plain text\n"
+    # training text ends at the turn's end, where generation stops
+    assert end_at_turn_end(text).endswith("Hello<|im_end|>")
 
 
 def test_chat_template_kwargs_reach_the_template(tokenizers):

@@ -29,6 +29,7 @@ from rlhf_core.checkpoint import (
     save_training_state,
 )
 from rlhf_core.config import RewardConfig, RunConfig
+from rlhf_core.demo_world import world_rows
 from rlhf_core.models import load_tokenizer
 from rlhf_core.ownership import ATOMIC_CREATOR, MARKER, host_id, remove_orphan_temps
 from rlhf_core.reward_model import load_reward_model, train_reward_model
@@ -109,8 +110,8 @@ def reward_run(smoke_world, out, keep, on_log=None, accuracy=None):
     result = train_reward_model(
         model,
         tokenizer,
-        read_rows(smoke_world.preferences("train")),
-        read_rows(smoke_world.preferences("test")),
+        world_rows(smoke_world, "preference", "train"),
+        world_rows(smoke_world, "preference", "test"),
         settings,
         RunConfig(device="cpu", seed=3, keep_last_checkpoints=keep),
         max_length=40,
@@ -202,8 +203,8 @@ def test_a_truncated_newest_checkpoint_is_skipped_with_a_warning_naming_it(tmp_p
 
 def test_reward_training_resumes_from_the_previous_good_checkpoint(tmp_path, smoke_world, caplog):
     tokenizer = load_tokenizer(str(smoke_world.tokenizer))
-    rows = [json.loads(line) for line in smoke_world.preferences("train").read_text().splitlines()][:64]
-    eval_rows = [json.loads(line) for line in smoke_world.preferences("test").read_text().splitlines()][:16]
+    rows = world_rows(smoke_world, "preference", "train")[:64]
+    eval_rows = world_rows(smoke_world, "preference", "test")[:16]
     settings = RewardConfig(max_steps=4, batch_size=4, learning_rate=5e-3, eval_steps=4, save_steps=2, log_steps=1)
     out = tmp_path / "rm"
 
@@ -356,7 +357,7 @@ def test_ppo_keeps_the_newest_and_the_best_scoring_and_resumes(tmp_path, smoke_w
     from rlhf_core.ppo import train_ppo
 
     tok = load_tokenizer(str(smoke_world.tokenizer))
-    prompts = [json.loads(line)["prompt"] for line in smoke_world.prompts("train").read_text().splitlines()]
+    prompts = [r["prompt"] for r in world_rows(smoke_world, "prompt", "train")]
     out, scores, seen = tmp_path / "ppo", {}, []
 
     def run(steps, on_log=None):

@@ -195,7 +195,8 @@ def write_all(tmp_path, rows, name="d"):
 
 
 TRL_ROWS = [
-    # (kind, rows, expected first pipeline row)
+    # (kind, rows, expected first pipeline row); TRL's rendering, except that completions end at the
+    # turn's end (no template newline after <|im_end|>: generation stops there)
     (
         "preference",
         [{"prompt": "The sky is", "chosen": " blue.", "rejected": " green."}],
@@ -209,12 +210,12 @@ TRL_ROWS = [
     (
         "preference",
         [{"prompt": USER, "chosen": HELLO, "rejected": BYE}],
-        {"prompt": CHATML_PROMPT, "chosen": "Hello<|im_end|>\n", "rejected": "Bye<|im_end|>\n"},
+        {"prompt": CHATML_PROMPT, "chosen": "Hello<|im_end|>", "rejected": "Bye<|im_end|>"},
     ),
     (
         "preference",
         [{"chosen": USER + HELLO, "rejected": USER + BYE}],
-        {"prompt": CHATML_PROMPT, "chosen": "Hello<|im_end|>\n", "rejected": "Bye<|im_end|>\n"},
+        {"prompt": CHATML_PROMPT, "chosen": "Hello<|im_end|>", "rejected": "Bye<|im_end|>"},
     ),
     ("prompt", [{"prompt": "The sky is", "solution": "blue"}], {"prompt": "The sky is", "solution": "blue"}),
     (
@@ -307,7 +308,7 @@ def test_missing_columns_list_the_accepted_formats(tmp_path):
 
 def test_conversational_data_needs_a_chat_template(tmp_path, smoke_world):
     tokenizer = load_tokenizer(str(smoke_world.tokenizer))
-    assert not tokenizer.chat_template
+    tokenizer.chat_template = None  # the demo's has one; a base model's often has none
     path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": USER}])
     with pytest.raises(
         DataValidationError,

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from rlhf_core.config import GRPOConfig, RLConfig, RunConfig
+from rlhf_core.demo_world import world_rows
 from rlhf_core.grpo import (
     function_reward,
     grpo_advantages,
@@ -116,7 +117,8 @@ def make_reward(tok):
 
     def high_ids(prompts, completions, **_):
         out = []
-        for text in completions:
+        for completion in completions:  # conversational prompts: [{"role": "assistant", "content": text}]
+            text = completion[0]["content"] if isinstance(completion, list) else completion
             ids = tok(text, add_special_tokens=False)["input_ids"]
             out.append(sum(i >= cut for i in ids) / len(ids) if ids else None)
         return out
@@ -125,9 +127,8 @@ def make_reward(tok):
 
 
 def prompt_rows(world):
-    import json
 
-    return [json.loads(line) for line in world.prompts("train").read_text().splitlines()]
+    return world_rows(world, "prompt", "train")
 
 
 RL = dict(batch_size=16, learning_rate=3e-3, response_length=6, temperature=1.0, save_steps=2, log_steps=1)

@@ -30,16 +30,20 @@ def test_pad_token_borrowed_from_eos_or_refused(smoke_world):
     tokenizer.eos_token = None
     with pytest.raises(ModelSourceError, match="has no pad token and no eos token to borrow"):
         ensure_pad_token(tokenizer, "my-tokenizer")
-    assert load_tokenizer(str(smoke_world.tokenizer)).pad_token == "<pad>"
+    assert load_tokenizer(str(smoke_world.tokenizer)).pad_token == "<|endoftext|>"  # the demo's pad is its eos
 
 
 def test_a_stop_token_unknown_to_a_word_level_tokenizer_is_not_taken_for_its_unk(smoke_world):
     from rlhf_core.models import ModelSourceError, load_tokenizer, stop_token_ids
 
     tok = load_tokenizer(str(smoke_world.tokenizer))
-    assert len(tok.encode("<|im_end|>", add_special_tokens=False)) == 1  # the unk id
+    assert len(tok.encode("<|eot_id|>", add_special_tokens=False)) == 1  # the unk id
     with pytest.raises(
-        ModelSourceError, match=r"^rl\.stop_tokens\[0\]: '<\|im_end\|>' is not a token of the policy's tokenizer"
+        ModelSourceError, match=r"^rl\.stop_tokens\[0\]: '<\|eot_id\|>' is not a token of the policy's tokenizer"
     ):
-        stop_token_ids(tok, None, stop_tokens=["<|im_end|>"])
+        stop_token_ids(tok, None, stop_tokens=["<|eot_id|>"])
+    assert stop_token_ids(tok, None, stop_tokens=["<|im_end|>"]) == (
+        tok.eos_token_id,
+        tok.convert_tokens_to_ids("<|im_end|>"),
+    )
     assert stop_token_ids(tok, None, stop_tokens=[tok.eos_token]) == (tok.eos_token_id,)

@@ -1,6 +1,5 @@
 """PPO on the smoke world's tiny Llama: parameters move, the reference does not, resume is exact."""
 
-import json
 from types import SimpleNamespace
 
 import pytest
@@ -8,6 +7,7 @@ import torch
 from safetensors.torch import load_file
 
 from rlhf_core.config import PPOConfig, RLConfig, RunConfig
+from rlhf_core.demo_world import world_rows
 from rlhf_core.models import load_causal_lm, load_tokenizer
 from rlhf_core.ppo import train_ppo
 from rlhf_core.reward_model import load_reward_model
@@ -44,7 +44,7 @@ class HighIdReward(torch.nn.Module):
 
 
 def prompts_of(world):
-    return [json.loads(line)["prompt"] for line in world.prompts("train").read_text().splitlines()]
+    return [r["prompt"] for r in world_rows(world, "prompt", "train")]
 
 
 def setup(world, *, lora=False):

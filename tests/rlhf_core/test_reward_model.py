@@ -10,6 +10,7 @@ import torch
 from transformers import AutoModelForSequenceClassification
 
 from rlhf_core.config import LoraSettings, RewardConfig, RunConfig
+from rlhf_core.demo_world import world_rows
 from rlhf_core.model_card import read_front_matter
 from rlhf_core.models import load_tokenizer
 from rlhf_core.reward_model import (
@@ -60,8 +61,8 @@ def short_run(smoke_world, out, *, lora=None, max_steps=6, on_log=None, **cfg):
     result = train_reward_model(
         model,
         tokenizer,
-        read_rows(smoke_world.preferences("train")),
-        read_rows(smoke_world.preferences("test")),
+        world_rows(smoke_world, "preference", "train"),
+        world_rows(smoke_world, "preference", "test"),
         settings,
         RunConfig(device="cpu", seed=3),
         max_length=40,
@@ -114,6 +115,9 @@ def test_chosen_and_rejected_share_one_forward(smoke_world):
     # every sequence ends with eos, and right padding does not change its score (read at the last real token)
     ids = tokenizer("the food was great .").input_ids + [tokenizer.eos_token_id]
     assert batch["input_ids"][0, : len(ids)].tolist() == ids and batch["attention_mask"][0].sum() == len(ids)
+    # alone, read at its last token (the classifier's own pooling, told of no pad: with pad == eos it
+    # would pool before the closing eos)
+    model.config.pad_token_id = None
     alone = model(input_ids=torch.tensor([ids])).logits.squeeze()
     torch.testing.assert_close(rc[0], alone, atol=1e-5, rtol=1e-5)
     long = encode_pairs(tokenizer, [{"prompt": "a " * 50, "chosen": "b", "rejected": "c"}], max_length=8)
@@ -135,7 +139,7 @@ def test_short_run_trains_every_parameter_evaluates_and_checkpoints(tmp_path, sm
 
     # the checkpoint is a plain HF directory that scores as the trained model does
     loaded = AutoModelForSequenceClassification.from_pretrained(result.checkpoint)
-    batch = encode_pairs(tokenizer, read_rows(smoke_world.preferences("test"))[:4], 40)
+    batch = encode_pairs(tokenizer, world_rows(smoke_world, "preference", "test")[:4], 40)
     with torch.no_grad():
         model.eval()
         torch.testing.assert_close(score_pairs(loaded, batch), score_pairs(model, batch))
@@ -157,7 +161,7 @@ def test_lora_trains_adapters_and_score_head_only(tmp_path, smoke_world):
         assert changed == (name in trainable), f"{name}: trainable={name in trainable} changed={changed}"
     assert (result.checkpoint / "adapter" / "adapter_config.json").is_file()
     merged = AutoModelForSequenceClassification.from_pretrained(result.checkpoint)
-    batch = encode_pairs(tokenizer, read_rows(smoke_world.preferences("test"))[:4], 40)
+    batch = encode_pairs(tokenizer, world_rows(smoke_world, "preference", "test")[:4], 40)
     with torch.no_grad():
         model.eval()
         torch.testing.assert_close(score_pairs(merged, batch), score_pairs(model, batch), atol=1e-5, rtol=1e-4)
@@ -192,7 +196,7 @@ def test_resume_after_a_crash_reaches_the_same_weights(tmp_path, smoke_world):
 def test_evaluate_reward_model_counts_all_rows(smoke_world):
     tokenizer = load_tokenizer(str(smoke_world.tokenizer))
     model = load_reward_model(str(smoke_world.base_model), tokenizer, seed=1)
-    rows = read_rows(smoke_world.preferences("test"))
+    rows = world_rows(smoke_world, "preference", "test")
     a = evaluate_reward_model(model, tokenizer, rows, max_length=40, batch_size=3)
     b = evaluate_reward_model(model, tokenizer, rows, max_length=40, batch_size=len(rows))
     assert a == pytest.approx(b, rel=1e-5)
@@ -260,3 +264,29 @@ def test_templated_pairs_get_one_bos(tmp_path):
     (item,) = tokenize_pairs(tok, [{"prompt": prompt, "chosen": chosen, "rejected": rejected}], max_length=64)
     assert item["chosen"] == tok(prompt + chosen, add_special_tokens=False)["input_ids"]
     assert item["chosen"].count(tok.bos_token_id) == 1 and item["chosen"][-1] == tok.eos_token_id
+
+
+def test_conversational_pairs_end_where_rl_stops(tmp_path):
+    """Qwen2.5 base with its ChatML template: eos (== pad) is <|endoftext|>, turns end with <|im_end|>.
+    With the run's stop ids the pair ends at <|im_end|>, the token RL reads the score at; without them
+    eos is appended (TRL's rule), and a standard pair always gets eos."""
+    from rlhf_core.chat import end_at_turn_end, render_completions
+    from rlhf_core.models import load_tokenizer as load_tok
+    from rlhf_core.reward_model import tokenize_pairs
+    from tests.fixtures.real_shapes import CHATML_TEMPLATE, build_family
+
+    tok = load_tok(str(build_family("qwen2.5", tmp_path)), chat_template=CHATML_TEMPLATE)
+    assert tok.pad_token_id == tok.eos_token_id
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    user = [{"role": "user", "content": "Hi"}]
+    prompt, completions = render_completions(
+        tok, user, [[{"role": "assistant", "content": "Hello"}], [{"role": "assistant", "content": "Bye"}]]
+    )
+    row = {"prompt": prompt, "chosen": end_at_turn_end(completions[0]), "rejected": end_at_turn_end(completions[1])}
+    (item,) = tokenize_pairs(tok, [row], max_length=64, stop_ids=(im_end, tok.eos_token_id))
+    assert item["chosen"][-1] == im_end and item["rejected"][-1] == im_end
+    assert item["chosen"] == tok(prompt + row["chosen"], add_special_tokens=False)["input_ids"]
+    (without,) = tokenize_pairs(tok, [row], max_length=64)
+    assert without["chosen"] == item["chosen"] + [tok.eos_token_id]
+    (plain,) = tokenize_pairs(tok, [{"prompt": "a", "chosen": " b", "rejected": " c"}], 64, (im_end,))
+    assert plain["chosen"][-1] == tok.eos_token_id

@@ -1,8 +1,7 @@
-import json
-
 import pytest
 import torch
 
+from rlhf_core.demo_world import world_rows
 from rlhf_core.models import load_causal_lm, load_tokenizer
 from rlhf_core.rl_math import response_mask
 from rlhf_core.rollout import (
@@ -19,7 +18,7 @@ from rlhf_core.rollout import (
 
 def batch(world, n=6):
     tok = load_tokenizer(str(world.tokenizer))
-    prompts = [json.loads(line)["prompt"] for line in world.prompts("train").read_text().splitlines()][:n]
+    prompts = [r["prompt"] for r in world_rows(world, "prompt", "train")][:n]
     ids, mask = left_pad(tokenize_prompts(tok, prompts, 12), tok.pad_token_id)
     return tok, ids, mask
 

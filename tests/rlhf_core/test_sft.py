@@ -1,9 +1,8 @@
-import json
-
 import torch
 from transformers import AutoModelForCausalLM
 
 from rlhf_core.config import RunConfig, SFTConfig
+from rlhf_core.demo_world import world_rows
 from rlhf_core.models import load_causal_lm, load_tokenizer
 from rlhf_core.sft import tokenize_corpus, train_sft
 
@@ -22,7 +21,7 @@ def test_short_run_changes_every_parameter_lowers_loss_and_saves(tmp_path, smoke
     tokenizer = load_tokenizer(str(smoke_world.tokenizer))
     model = load_causal_lm(str(smoke_world.base_model))
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    texts = [json.loads(line)["text"] for line in smoke_world.corpus.read_text().splitlines()]
+    texts = [r["text"] for r in world_rows(smoke_world, "text")]
     logs, saved = [], []
     # when
     metrics = train_sft(
