@@ -17,8 +17,9 @@ from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 from prefect.logging import get_run_logger
 
+from rlhf_core.chat import prompt_columns
 from rlhf_core.config import PipelineConfig, load_config
-from rlhf_core.data import read_column
+from rlhf_core.data import read_rows
 from rlhf_core.evaluation import evaluate_generations, summarize_rows
 from rlhf_core.loop import seed_everything
 from rlhf_core.promotion import Decision, decide
@@ -60,7 +61,9 @@ def evaluate_version(
         if reward_model
         else None
     )
-    prompts = read_column(data.tables["eval_prompts"], "prompt")[: cfg.promote.num_prompts or cfg.eval.num_prompts]
+    prompts, messages = prompt_columns(
+        read_rows(data.tables["eval_prompts"])[: cfg.promote.num_prompts or cfg.eval.num_prompts]
+    )
     seed_everything(cfg.run.seed)  # near-greedy sampling: the same draws for candidate and champion
     rows = evaluate_generations(
         policy,
@@ -74,6 +77,7 @@ def evaluate_version(
         batch_size=cfg.eval.batch_size,
         greedy=cfg.eval.greedy,
         stop_token_ids=run_stop_ids(tokenizer, policy.generation_config, cfg.rl),
+        prompt_messages=messages,
     )
     return summarize_rows(rows), rows
 

@@ -135,6 +135,20 @@ def assistant_messages(completions: list[str]) -> list[list[dict[str, str]]]:
     return [[{"role": "assistant", "content": c}] for c in completions]
 
 
+def prompt_columns(rows: list[dict]) -> tuple[list[str], list[list[dict]] | None]:
+    """(templated prompts, their message lists or None) of prompt-table rows: what generation reads and what
+    reward and metric functions receive (message lists for a conversational table, as TRL hands them)."""
+    messages = [row[PROMPT_MESSAGES] for row in rows] if rows and PROMPT_MESSAGES in rows[0] else None
+    return [row["prompt"] for row in rows], messages
+
+
+def completion_text(completion: str | list[dict]) -> str:
+    """A completion as text: itself, or the contents of a conversational completion's messages."""
+    if isinstance(completion, str):
+        return completion
+    return " ".join(str(m.get("content", "")) for m in completion)
+
+
 def supply_chat_template(tokenizer, template: str | None) -> None:
     """Give `tokenizer` the template of model.chat_template (a file path or the template itself) when it has none."""
     from pathlib import Path

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
+from rlhf_core.chat import assistant_messages
 from rlhf_core.reward_functions import call_scoring_function
 from rlhf_core.rl_math import kl_per_token, response_mask
 from rlhf_core.rollout import (
@@ -41,9 +42,14 @@ def evaluate_generations(
     batch_size: int,
     greedy: bool = False,
     stop_token_ids: Sequence[int] = (),
+    prompt_messages: Sequence[list[dict]] | None = None,
     device=None,
 ) -> list[dict]:
-    """Rows of near-greedy (or greedy) completions of `prompts`, scored by the reward model and `metrics`."""
+    """Rows of near-greedy (or greedy) completions of `prompts`, scored by the reward model and `metrics`.
+
+    `prompt_messages`: the prompts' message lists when they are conversational; metric functions then
+    receive them and each completion as [{"role": "assistant", "content": text}], as GRPO's reward
+    functions do (TRL's convention)."""
     settings = SamplingSettings(
         response_length=response_length, temperature=NEAR_GREEDY_TEMPERATURE, top_k=0, top_p=1.0, greedy=greedy
     )
@@ -74,8 +80,13 @@ def evaluate_generations(
             else None
         )
         completions = decode_responses(tokenizer, responses, resp_mask)
+        scored = (
+            (chunk, completions)
+            if prompt_messages is None
+            else (list(prompt_messages[start : start + batch_size]), assistant_messages(completions))
+        )
         extra = {
-            name: call_scoring_function(name, fn, prompts=chunk, completions=completions)
+            name: call_scoring_function(name, fn, prompts=scored[0], completions=scored[1])
             for name, fn in metrics.items()
         }
         for i, (prompt, completion) in enumerate(zip(chunk, completions)):

@@ -17,12 +17,15 @@ def vader_analyzer():
     return SentimentIntensityAnalyzer()
 
 
-def vader_compound(prompts: list[str] | None = None, completions: list[str] | None = None, **_: object) -> list[float]:
-    """VADER's compound sentiment of each completion, in [-1, 1]: the demo's gold metric."""
+def vader_compound(prompts: list | None = None, completions: list | None = None, **_: object) -> list[float]:
+    """VADER's compound sentiment of each completion (a string or, for conversational prompts, a message
+    list), in [-1, 1]: the demo's gold metric."""
+    from rlhf_core.chat import completion_text
+
     if completions is None:
         raise ValueError("vader_compound needs completions=")
     analyzer = vader_analyzer()
-    return [float(analyzer.polarity_scores(text)["compound"]) for text in completions]
+    return [float(analyzer.polarity_scores(completion_text(c))["compound"]) for c in completions]
 
 
 class RewardFunctionError(ValueError):

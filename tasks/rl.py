@@ -18,6 +18,7 @@ from typing import Any
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from rlhf_core.chat import prompt_columns
 from rlhf_core.config import PipelineConfig
 from rlhf_core.data import read_column, read_rows
 from rlhf_core.evaluation import evaluate_generations, summarize_rows
@@ -249,15 +250,17 @@ def load_models(cfg: PipelineConfig, plan: InitPlan) -> RLModels:
 
 
 def evaluate_policy(
-    model, step: int, *, cfg: PipelineConfig, models: RLModels, prompts: list[str], metrics: dict
+    model, step: int, *, cfg: PipelineConfig, models: RLModels, prompt_rows: list[dict], metrics: dict
 ) -> list[dict]:
     """Near-greedy completions of the held-out prompts by `model`, scored (the loops' `evaluate`)."""
+    prompts, messages = prompt_columns(prompt_rows)
     return evaluate_generations(
         model,
         models.ref_model,
         models.reward_model,
         models.tokenizer,
         prompts,
+        prompt_messages=messages,
         response_length=cfg.rl.response_length,
         max_prompt_length=cfg.data.max_prompt_length,
         metrics=metrics,
@@ -415,7 +418,7 @@ def train_policy(cfg: PipelineConfig, data: PreparedData, plan: InitPlan, parent
             cfg=cfg,
             models=models,
             metrics=metrics,
-            prompts=read_column(data.tables["eval_prompts"], "prompt")[: cfg.eval.num_prompts],
+            prompt_rows=read_rows(data.tables["eval_prompts"])[: cfg.eval.num_prompts],
         )
         reporter = PolicyReporter(cfg, run_id, data, plan, key, out_dir, gold=next(iter(metrics), None))
         reporter.register_saved(out_dir, "policy")

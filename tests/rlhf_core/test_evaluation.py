@@ -36,3 +36,37 @@ def test_rows_hold_prompt_completion_length_and_the_metric_functions(smoke_world
     for row in rows:
         assert 0 < row["length"] <= 4 and row["chars"] == float(len(row["completion"])) and "kl" not in row
     assert summarize_rows(rows)["eval/length_mean"] == pytest.approx(sum(r["length"] for r in rows) / 2)
+
+
+def test_conversational_prompts_reach_metric_functions_as_messages(smoke_world):
+    """As GRPO's reward functions (TRL's convention): prompts as message lists, completions as assistant turns."""
+    from rlhf_core.chat import prompt_columns
+    from rlhf_core.demo_world import world_rows
+    from rlhf_core.reward_functions import vader_compound
+
+    tok = load_tokenizer(str(smoke_world.tokenizer))
+    policy = load_causal_lm(str(smoke_world.base_model))
+    prompts, messages = prompt_columns(world_rows(smoke_world, "prompt", "test")[:3])
+    assert messages is not None and prompts[0].endswith("<|im_start|>assistant\n")
+    seen = []
+
+    def record(prompts, completions, **_):
+        seen.append((prompts, completions))
+        return [0.0] * len(completions)
+
+    rows = evaluate_generations(
+        policy,
+        None,
+        None,
+        tok,
+        prompts,
+        response_length=4,
+        max_prompt_length=20,
+        batch_size=2,
+        metrics={"record": record, "vader": vader_compound},
+        prompt_messages=messages,
+    )
+    assert [p for batch, _ in seen for p in batch] == messages
+    completions = [c for _, batch in seen for c in batch]
+    assert completions == [[{"role": "assistant", "content": r["completion"]}] for r in rows]
+    assert [r["vader"] for r in rows] == vader_compound(completions=[r["completion"] for r in rows])
