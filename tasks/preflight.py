@@ -29,6 +29,7 @@ from rlhf_core.data import (
     _glob_files,
     _local_files,
     check_first_rows,
+    is_conversational_table,
     is_glob,
     is_saved_dataset,
     looks_local,
@@ -187,35 +188,70 @@ def first_rows(fmt: str, file: str, n: int = FIRST_ROWS) -> list[Any]:
         return rows
 
 
-def _check_table(field: str, spec: DatasetSpec, kind: Kind) -> str | None:
-    path = spec.path
+def _check_table(field: str, spec: DatasetSpec, kind: Kind) -> tuple[str | None, bool]:
+    """(the table's first problem or None, whether it is conversational as far as can be seen offline)."""
+    path, conversational = spec.path, spec.format == "conversational"
     if path == DEMO:
-        return None
+        return None, False  # the demo world's tokenizer has its chat template
     if not looks_local(path):
         if not HUB_NAME.fullmatch(path) or ".." in path or "--" in path:
-            return f"{field}.path: '{path}' is neither an existing local file nor a hub dataset name such as 'owner/dataset'"
-        return None  # a hub dataset: only the data stage can reach the hub
+            return (
+                f"{field}.path: '{path}' is neither an existing local file nor a hub dataset name such as 'owner/dataset'",
+                False,
+            )
+        return None, conversational  # a hub dataset: only the data stage can reach the hub
     local = Path(path).expanduser()
     if is_saved_dataset(local):
-        return None  # a save_to_disk directory: the data stage reads and checks it with `datasets`
+        return None, conversational  # a save_to_disk directory: the data stage reads and checks it with `datasets`
     try:
         if is_glob(path) and not local.exists():
             fmt, files = _glob_files(path, field)
         elif not local.exists():
-            return f"{field}.path: {local} does not exist"
+            return f"{field}.path: {local} does not exist", False
         else:
             fmt, files = _local_files(local)
         rows = first_rows(fmt, files[0])
     except DataValidationError as err:
-        return str(err)
+        return str(err), False
     except (OSError, UnicodeDecodeError, ValueError, csv.Error) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        return f"{field}.path: {files[0]} could not be read as {fmt} ({first})"
-    return check_first_rows(rows, kind, spec, source=files[0], field=field, file_fmt=fmt)
+        return f"{field}.path: {files[0]} could not be read as {fmt} ({first})", False
+    problem = check_first_rows(rows, kind, spec, source=files[0], field=field, file_fmt=fmt)
+    return problem, problem is None and is_conversational_table(rows, kind, spec)
+
+
+def local_chat_template(directory: Path) -> bool:
+    """Whether the tokenizer files in `directory` carry a chat template (read from the files: no transformers)."""
+    if (directory / "chat_template.jinja").is_file() or (directory / "chat_template.json").is_file():
+        return True
+    try:
+        return bool(json.loads((directory / "tokenizer_config.json").read_text(encoding="utf-8")).get("chat_template"))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _chat_template_problem(cfg: PipelineConfig, field: str) -> str | None:
+    """Conversational data needs a chat template: model.chat_template, or one in a local tokenizer directory.
+    (A hub or models:/ tokenizer is checked by the data stage, which loads it.)"""
+    source = cfg.model.tokenizer or cfg.model.base
+    if cfg.model.chat_template or source == DEMO or source.startswith("models:/") or not looks_like_path(source):
+        return None
+    directory = Path(source).expanduser()
+    if not directory.is_dir() or local_chat_template(directory):
+        return None
+    which = "model.tokenizer" if cfg.model.tokenizer else "model.base"
+    return (
+        f"{field} is conversational (lists of messages) but the tokenizer of {which} ({directory.name}) has no "
+        "chat template; set model.chat_template to a template file or string"
+    )
 
 
 def _check_data(cfg: PipelineConfig) -> list[str]:
-    return [p for p in (_check_table(*t) for t in tables_to_check(cfg)) if p]
+    checked = [(field, *_check_table(field, spec, kind)) for field, spec, kind in tables_to_check(cfg)]
+    problems = [problem for _, problem, _ in checked if problem]
+    conversational = [field for field, _, conv in checked if conv]
+    template = _chat_template_problem(cfg, conversational[0]) if conversational else None
+    return problems + ([template] if template else [])
 
 
 # --------------------------------------------------------------------------------------------

@@ -37,7 +37,7 @@ import rlhf_core.rollout as rollout_mod
 from rlhf_core.config import GRPOConfig, PPOConfig, RLConfig, RunConfig
 from rlhf_core.loop import TrainingLoop
 
-FIRST_FREE_ID = 4  # ids 0..3 are the demo tokenizer's pad, unk, bos and eos
+FIRST_FREE_ID = 5  # ids 0..4 are the demo tokenizer's unk, bos, eos (== pad), <|im_start|> and <|im_end|>
 
 
 class Recorder:
@@ -264,10 +264,10 @@ def run_grpo(
 
 
 def train_prompts(world_root: str | Path) -> list[str]:
-    import json
+    """The world's RL prompts as the pipeline reads them (templated)."""
+    from rlhf_core.demo_world import DemoWorld, world_rows
 
-    lines = (Path(world_root) / "prompts" / "train.jsonl").read_text().splitlines()
-    return [json.loads(line)["prompt"] for line in lines]
+    return [row["prompt"] for row in world_rows(DemoWorld(Path(world_root)), "prompt", "train")]
 
 
 def main(world_root: str, out: str, ppo_batch: int, grpo_batch: int) -> None:

@@ -58,7 +58,7 @@ LOGPROB_ATOL = 1e-5
 ENTROPY_ATOL = 2e-5
 
 
-EOS = 3  # the demo tokenizer's eos, the rollouts' stop token
+STOPS = (4, 2)  # the demo's stop ids, <|im_end|> then <|endoftext|> (its eos == pad)
 
 
 def _load_worker():
@@ -110,7 +110,7 @@ def initial(smoke_world) -> dict[str, torch.Tensor]:
 
 def assert_lengths_vary(out: Path, stage: str, tag: str) -> None:
     for step in load_steps(out, stage, tag, 2):
-        lengths = response_mask(step["responses"], (EOS,))[0].sum(1)
+        lengths = response_mask(step["responses"], STOPS)[0].sum(1)
         assert len(set(lengths.tolist())) > 1, lengths
 
 
@@ -154,7 +154,7 @@ def check_data_parallel(out: Path, stage: str, initial: dict[str, torch.Tensor])
         for key in r0.keys() - {"responses"}:
             assert torch.equal(r0[key], r1[key]), f"{stage} step {step}: the processes disagree on {key}"
     # the processes hold different numbers of response tokens: the token normalizations matter
-    tokens = [[int(response_mask(r["responses"], (EOS,))[0].sum()) for r in rank] for rank in ranks]
+    tokens = [[int(response_mask(r["responses"], STOPS)[0].sum()) for r in rank] for rank in ranks]
     assert tokens[0] != tokens[1], tokens
     # the processes' responses, in rank order, are the single process's batch; then the same gradients and weights
     joined = [{**a, "responses": torch.cat([a["responses"], b["responses"]])} for a, b in zip(*ranks)]

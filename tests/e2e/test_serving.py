@@ -26,7 +26,7 @@ from rlhf_core.models import load_tokenizer
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 SMOKE = str(REPO / "configs" / "smoke.yaml")
-PROMPT = "the food was"
+USER = [{"role": "user", "content": "i thought the food was"}]  # the demo's longest answers follow this start
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore")]
 
 
@@ -60,7 +60,8 @@ def invoke(base: str, body: dict) -> dict:
 
 
 def test_the_candidate_is_served_and_obeys_generation_params(prefect_harness, tmp_path, mlflow_uri):
-    overrides = [f"run.output_dir={tmp_path / 'out'}", f"tracking.uri={mlflow_uri}"]
+    # SFT long enough that the smoke policy answers in words rather than in special tokens
+    overrides = [f"run.output_dir={tmp_path / 'out'}", f"tracking.uri={mlflow_uri}", "sft.max_steps=150"]
     summary = rlhf_pipeline(config_path=SMOKE, overrides=overrides)
     export_dir = Path(summary.get("export_dir") or tmp_path / "out" / "export")
     generation = json.loads((export_dir / "generation_config.json").read_text())
@@ -68,10 +69,13 @@ def test_the_candidate_is_served_and_obeys_generation_params(prefect_harness, tm
     assert generation["do_sample"] is False and generation["max_new_tokens"] == 6
     assert not {"temperature", "top_k", "top_p"} & set(generation)
     tok = load_tokenizer(str(export_dir))
+    # the demo policy is a chat model: a served prompt is the chat template's, as a client renders it
+    prompt = tok.apply_chat_template(USER, add_generation_prompt=True, tokenize=False)
+    assert prompt == "<bos><|im_start|>user\ni thought the food was<|im_end|>\n<|im_start|>assistant\n"
 
     def new_tokens(text: str) -> int:
-        assert text.startswith(PROMPT)  # the flavor returns the prompt with its continuation
-        return len(tok(text)["input_ids"]) - len(tok(PROMPT)["input_ids"])
+        assert text.startswith(prompt)  # the flavor returns the prompt with its continuation
+        return len(tok(text)["input_ids"]) - len(tok(prompt)["input_ids"])
 
     port = free_port()
     env = {**os.environ, "MLFLOW_TRACKING_URI": mlflow_uri, "MLFLOW_REGISTRY_URI": mlflow_uri}
@@ -87,8 +91,8 @@ def test_the_candidate_is_served_and_obeys_generation_params(prefect_harness, tm
     base = f"http://127.0.0.1:{port}"
     try:
         wait_ping(proc, f"{base}/ping", 120)
-        default = invoke(base, {"inputs": [PROMPT]})
-        short = invoke(base, {"inputs": [PROMPT], "params": {"max_new_tokens": 2, "do_sample": False}})
+        default = invoke(base, {"inputs": [prompt]})
+        short = invoke(base, {"inputs": [prompt], "params": {"max_new_tokens": 2, "do_sample": False}})
         print(json.dumps({"default": default, "short": short}))
         assert set(default) == {"predictions"} and set(short) == {"predictions"}
         assert all(isinstance(p, str) for p in default["predictions"] + short["predictions"])
@@ -97,12 +101,16 @@ def test_the_candidate_is_served_and_obeys_generation_params(prefect_harness, tm
         assert new_tokens(served_short) <= 2
         # without params: the signature's defaults, i.e. the exported generation_config (greedy, 6 new tokens)
         assert new_tokens(served_short) <= new_tokens(served_default) <= 6
-        assert invoke(base, {"inputs": [PROMPT]}) == default  # greedy: the same text again
+        assert invoke(base, {"inputs": [prompt]}) == default  # greedy: the same text again
         assert served_default.startswith(served_short)  # greedy: the short one is its first two tokens
         # and exactly what transformers' own pipeline makes of the export directory
         local = pipeline("text-generation", model=str(export_dir))
-        assert served_short == local(PROMPT, max_new_tokens=2, do_sample=False)[0]["generated_text"]
-        assert served_default == local(PROMPT)[0]["generated_text"]  # the export's generation_config
+        assert served_short == local(prompt, max_new_tokens=2, do_sample=False)[0]["generated_text"]
+        assert served_default == local(prompt)[0]["generated_text"]  # the export's generation_config
+        # transformers applies the template itself to messages, and the reply stops at <|im_end|>
+        reply = local(USER)[0]["generated_text"][-1]
+        assert reply["role"] == "assistant" and served_default[len(prompt) :].strip() == reply["content"].strip()
+        assert "<|im_end|>" not in reply["content"] and " " in reply["content"]  # words with spaces between
     except BaseException:
         print(log_path.read_text(errors="replace")[-6000:])
         raise

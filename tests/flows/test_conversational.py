@@ -1,6 +1,7 @@
 """The smoke pipeline on conversational (TRL message-list) data: every table templated by model.chat_template."""
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -30,7 +31,17 @@ def write(path, rows):
     return str(path)
 
 
-def test_smoke_pipeline_on_conversational_data(prefect_harness, tmp_path, mlflow_uri):
+def tokenizer_without_template(world, directory: Path) -> str:
+    """The demo world's tokenizer with its chat template taken out (as a base model's often comes)."""
+    shutil.copytree(world.tokenizer, directory)
+    (directory / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    return str(directory)
+
+
+def test_smoke_pipeline_on_conversational_data(prefect_harness, tmp_path, mlflow_uri, smoke_world):
     prefs = [
         {
             "prompt": user(t),
@@ -53,6 +64,7 @@ def test_smoke_pipeline_on_conversational_data(prefect_harness, tmp_path, mlflow
     overrides = [
         f"run.output_dir={tmp_path / 'out'}",
         f"tracking.uri={mlflow_uri}",
+        f"model.tokenizer={tokenizer_without_template(smoke_world, tmp_path / 'tokenizer')}",
         f"model.chat_template={template}",
         f"data.preference.path={write(tmp_path / 'prefs.jsonl', prefs)}",
         f"data.preference_eval.path={write(tmp_path / 'prefs_eval.jsonl', implicit)}",
@@ -81,9 +93,9 @@ def test_smoke_pipeline_on_conversational_data(prefect_harness, tmp_path, mlflow
     [first] = read_rows(data / "prompts.jsonl")[:1]
     assert first["prompt"] == "user : the food was . assistant : "
     assert first["prompt_messages"] == user("food") and first["topic"] == "food"
-    assert read_rows(data / "preference.jsonl")[0]["chosen"] == "great and lovely . "
+    assert read_rows(data / "preference.jsonl")[0]["chosen"] == "great and lovely ."  # ends where generation stops
     assert read_rows(data / "preference_eval.jsonl")[0]["prompt"] == "user : the food was . assistant : "
-    assert read_rows(data / "sft.jsonl")[0]["text"] == "user : the food was . assistant : the food was great . "
+    assert read_rows(data / "sft.jsonl")[0]["text"] == "user : the food was . assistant : the food was great ."
     # the template that model.chat_template supplied travels with every checkpoint into the export
     from transformers import AutoTokenizer
 

@@ -144,13 +144,13 @@ def test_bad_data_fails_the_flow_and_the_mlflow_run_with_nothing_registered(pref
 
 
 def test_an_unknown_stop_token_fails_in_the_data_stage_before_any_training(prefect_harness, tmp_path, mlflow_uri):
-    overrides = [f"run.output_dir={tmp_path / 'out'}", f"tracking.uri={mlflow_uri}", "rl.stop_tokens=['<|im_end|>']"]
+    overrides = [f"run.output_dir={tmp_path / 'out'}", f"tracking.uri={mlflow_uri}", "rl.stop_tokens=['<|eot_id|>']"]
 
     state = rlhf_pipeline(config_path=SMOKE, overrides=overrides, return_state=True)
 
     assert state.is_failed()
     assert state.message.startswith(
-        "stage 'data' failed: ModelSourceError: rl.stop_tokens[0]: '<|im_end|>' is not a "
+        "stage 'data' failed: ModelSourceError: rl.stop_tokens[0]: '<|eot_id|>' is not a "
         "token of the policy's tokenizer"
     )
     assert not list((tmp_path / "out").glob("sft")) and not list((tmp_path / "out").glob("reward"))

@@ -57,7 +57,7 @@ def test_prompts_and_responses_longer_than_the_context_are_refused(prefect_harne
     state = rlhf_pipeline(config_path=SMOKE, overrides=overrides, return_state=True)
     with pytest.raises(
         ValueError,
-        match=r"data.max_prompt_length 16 \+ rl.response_length 60 = 76 tokens exceeds the policy's context of 64",
+        match=r"data.max_prompt_length 20 \+ rl.response_length 60 = 80 tokens exceeds the policy's context of 64",
     ):
         state.result()
     assert ppo_versions(MlflowClient(mlflow_uri, registry_uri=mlflow_uri)) == []

@@ -183,7 +183,7 @@ def test_prompt_and_response_must_fit_the_demo_context(tmp_path, capsys):
     assert_one_sentence(
         code,
         err,
-        "data.max_prompt_length 16 + rl.response_length 60 = 76 tokens exceeds the policy's "
+        "data.max_prompt_length 20 + rl.response_length 60 = 80 tokens exceeds the policy's "
         "context of 64 (model.demo.max_position_embeddings)",
         tmp_path,
     )
@@ -197,9 +197,30 @@ def test_prompt_and_response_must_fit_a_local_models_context(tmp_path, capsys):
     assert_one_sentence(
         code,
         err,
-        f"= 22 tokens exceeds the policy's context of 20 (max_position_embeddings in {model}/config.json)",
+        f"= 26 tokens exceeds the policy's context of 20 (max_position_embeddings in {model}/config.json)",
         tmp_path,
     )
+
+
+def test_conversational_data_without_a_chat_template_is_refused(tmp_path, capsys):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "llama", "max_position_embeddings": 128}))
+    (model / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    prompts = write_jsonl(tmp_path / "chat.jsonl", [{"prompt": [{"role": "user", "content": "Hi"}]}])
+    sets = (f"model.base={model}", "sft.enabled=false", "init.policy=base", f"data.prompts.path={prompts}")
+    code, err = cli("validate", tmp_path, capsys, *sets)
+    assert_one_sentence(
+        code,
+        err,
+        "data.prompts is conversational (lists of messages) but the tokenizer of model.base (model) has no chat "
+        "template; set model.chat_template",
+        tmp_path,
+    )
+    cfg = load_config(SMOKE, [*sets, 'model.chat_template="{{ messages[0].content }}"'])
+    assert not [p for p in preflight(cfg) if "chat template" in p]
+    (model / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
+    assert not [p for p in preflight(load_config(SMOKE, list(sets))) if "chat template" in p]
 
 
 def test_an_unreachable_tracking_server_is_refused(tmp_path, capsys):

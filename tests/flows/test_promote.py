@@ -9,10 +9,11 @@ import torch
 from mlflow.tracking import MlflowClient
 
 from flows.promote import rlhf_promote
+from rlhf_core.chat import prompt_columns
 from rlhf_core.config import ConfigError
 from rlhf_core.demo_world import world_rows
 from rlhf_core.evaluation import evaluate_generations
-from rlhf_core.models import load_causal_lm, load_tokenizer
+from rlhf_core.models import generation_config_of, load_causal_lm, load_tokenizer, stop_token_ids
 from tasks import registry, tracking
 
 SMOKE = str(Path(__file__).resolve().parents[2] / "configs" / "smoke.yaml")
@@ -46,7 +47,7 @@ def register_candidate(model_dir: Path, reference: Path, uri: str) -> str:
 def write_targets(model_dir: Path, world, path: Path) -> None:
     """The greedy completions of `model_dir` on the held-out prompts become the metric's targets."""
     tok = load_tokenizer(str(model_dir))
-    prompts = [r["prompt"] for r in world_rows(world, "prompt", "test")]
+    prompts, messages = prompt_columns(world_rows(world, "prompt", "test"))
     rows = evaluate_generations(
         load_causal_lm(str(model_dir)),
         None,
@@ -54,13 +55,13 @@ def write_targets(model_dir: Path, world, path: Path) -> None:
         tok,
         prompts,
         response_length=6,
-        max_prompt_length=16,
+        max_prompt_length=20,
         metrics={},
         batch_size=64,
         greedy=True,
-        stop_token_ids=[tok.eos_token_id],
+        stop_token_ids=stop_token_ids(tok, generation_config_of(str(model_dir))),  # <|im_end|>, <|endoftext|>
     )
-    path.write_text(json.dumps({r["prompt"]: r["completion"] for r in rows}))
+    path.write_text(json.dumps({m[-1]["content"]: r["completion"] for m, r in zip(messages, rows)}))
 
 
 def test_promotion_first_better_worse_and_idempotent(prefect_harness, tmp_path, mlflow_uri, smoke_world, monkeypatch):
