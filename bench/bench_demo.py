@@ -3,9 +3,10 @@ the trained policy improves on the gold metric (VADER sentiment, which the rewar
 it learns from preference pairs) over the policy it started from, on the same held-out prompts.
 
 "ours" is the final policy's mean gold score, "anchor" the starting (SFT) policy's, both from the
-pipeline's own evaluations in this run; the table shows the gain (ours - anchor) since a ratio of
-scores near zero means nothing. The KL to the reference is reported beside it: a gain bought with
-a large KL would be reward hacking.
+pipeline's own evaluations in this run (sampled at the training temperature); the table shows the
+gain (ours - anchor) since a ratio of scores near zero means nothing. Beside it, what tells learning
+from reward hacking: the exported policy's eval KL to the starting one (k3, nats), its mean
+completion length and distinct-2 as ratios to the starting policy's, and the guard's triggers.
 """
 
 from __future__ import annotations
@@ -31,9 +32,13 @@ def measure(root: Path) -> dict:
     seconds = time.perf_counter() - start
     gold = summary["gold_metric"]
     history = {int(step): row for step, row in summary["eval_history"].items()}
-    first, last = history[min(history)], history[max(history)]
+    step = summary.get("selected_step") if summary.get("selected_step") in history else max(history)
+    first, last = history[min(history)], history[step]
     before, after = first[f"eval/{gold}_mean"], last[f"eval/{gold}_mean"]
-    kl = last.get("eval/kl_mean", float("nan"))
+    kl = last.get("eval/kl_k3_mean", last.get("eval/kl_mean", float("nan")))
+    length = last.get("eval/length_ratio", float("nan"))
+    distinct = last.get("eval/distinct_2_ratio", float("nan"))
+    triggers = len(summary.get("guard_triggers") or [])
     return {
         "metric": f"mean gold score ({gold}) on the held-out prompts",
         "unit": "gold",
@@ -44,10 +49,14 @@ def measure(root: Path) -> dict:
         "ratio": after - before,
         "gain": after - before,
         "kl": kl,
+        "length_ratio": length,
+        "distinct_2_ratio": distinct,
+        "guard_triggers": triggers,
         "seconds": seconds,
         "notes": (
             f"`make demo` end to end in {seconds:.0f} s: gold ({gold}) {before:.2f} -> {after:.2f} "
-            f"({after - before:+.2f}) at KL {kl:.1f} after {max(history)} PPO steps; "
+            f"({after - before:+.2f}) at eval KL {kl:.2f} nats, length x{length:.2f}, distinct-2 x{distinct:.2f}, "
+            f"{triggers} guard triggers; exported step {step} of {max(history)} PPO steps; "
             f"{len(history)} evaluations of {load_config(DEMO).eval.num_prompts} prompts, CPU"
         ),
     }

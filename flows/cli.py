@@ -124,15 +124,7 @@ def print_summary(summary: dict) -> None:
 
         print_rows(summary["final_eval_rows"], "Held-out completions after training (first 5)")
     console.print(table)
-    gold, history = summary.get("gold_metric"), summary.get("eval_history") or {}
-    key = f"eval/{gold}_mean"
-    points = [(int(step), m[key]) for step, m in history.items() if key in m]
-    if len(points) > 1:
-        (first_step, before), (last_step, after) = min(points), max(points)
-        console.print(
-            f"Gold metric {gold}: {before:.3f} at step {first_step} -> {after:.3f} at step {last_step} "
-            f"({after - before:+.3f})"
-        )
+    print_alignment(console, summary)
     if uri.startswith("sqlite"):
         console.print(
             f"Open the MLflow UI: .venv/bin/mlflow ui --backend-store-uri {uri} --port 5000"
@@ -140,6 +132,70 @@ def print_summary(summary: dict) -> None:
         )
     else:
         console.print(f"MLflow UI: {redact(uri)}")
+
+
+ALIGNMENT_ROWS = [
+    ("gold", "eval/{gold}_mean", "{:.3f}"),
+    ("proxy (reward model score)", "eval/score_mean", "{:.3f}"),
+    ("eval KL to the initial policy (k3, nats)", "eval/kl_k3_mean", "{:.3f}"),
+    ("mean completion length (tokens)", "eval/length_mean", "{:.2f}"),
+    ("distinct-2", "eval/distinct_2", "{:.3f}"),
+    ("repeated bigram rate", "eval/repeated_ngram_rate", "{:.3f}"),
+    ("completions that stop", "eval/stop_rate", "{:.2f}"),
+]
+
+
+RATIO_KEYS = ("eval/length_mean", "eval/distinct_2")  # the guard's ratios to the initial policy
+
+
+def print_alignment(console, summary: dict) -> None:
+    """Before (the initial policy, step 0) and after (the exported checkpoint) side by side: the gold and
+    proxy rewards, the KL, length and diversity, the guard's verdict, and three completions of the same
+    prompts; then the one-line gold gain."""
+    from rich.table import Table
+
+    gold, history = summary.get("gold_metric"), {int(k): v for k, v in (summary.get("eval_history") or {}).items()}
+    if 0 not in history or len(history) < 2:
+        return
+    after_step = summary.get("selected_step")
+    after_step = after_step if after_step in history else max(history)
+    before, after = history[0], history[after_step]
+    table = Table(title=f"Alignment: the initial policy (step 0) and the exported one (step {after_step})")
+    for column in ("", "before", "after", "after / before"):
+        table.add_column(column)
+    for label, key, fmt in ALIGNMENT_ROWS:
+        key = key.format(gold=gold)
+        if key in before and key in after:
+            ratio = f"{after[key] / before[key]:.2f}" if key in RATIO_KEYS and before[key] else ""
+            table.add_row(
+                label.replace("gold", f"gold ({gold})"), fmt.format(before[key]), fmt.format(after[key]), ratio
+            )
+    console.print(table)
+    triggers = summary.get("guard_triggers") or []
+    console.print(f"Guard: {len(triggers)} trigger(s)" + "".join(f"\n  {t}" for t in triggers[:10]))
+    pairs = list(zip(summary.get("initial_eval_rows") or [], summary.get("final_eval_rows") or []))[:3]
+    if pairs:
+        samples = Table(title="Three held-out prompts, before and after")
+        for column in ("prompt", "before", "after"):
+            samples.add_column(column, overflow="fold")
+        for first, last in pairs:
+            samples.add_row(_shown_prompt(first["prompt"]), first["completion"], last["completion"])
+        console.print(samples)
+    key = f"eval/{gold}_mean"
+    if key in before and key in after:
+        console.print(
+            f"Gold metric {gold}: {before[key]:.3f} at step 0 -> {after[key]:.3f} at step {after_step} "
+            f"({after[key] - before[key]:+.3f})"
+        )
+
+
+def _shown_prompt(prompt: str) -> str:
+    """A templated prompt as a reader wants it: the text of its turns, without special tokens or role lines."""
+    import re
+
+    text = re.sub(r"<\|[^|>]+\|>|<bos>", "\n", prompt)
+    lines = [line.strip() for line in text.splitlines()]
+    return " ".join(line for line in lines if line and line not in ("user", "assistant", "system"))
 
 
 def user_error_types() -> tuple[type[BaseException], ...]:

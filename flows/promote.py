@@ -2,7 +2,7 @@
 
 Both are evaluated on the same held-out prompts, with the same reward model (the candidate's
 `reward_model_version`), metric functions (`eval.metrics`) and reference (the candidate's
-`base_model`), near-greedy and seeded. `rlhf_core.promotion.decide` applies `promote.*`. The
+`base_model`), sampled as in training and seeded. `rlhf_core.promotion.decide` applies `promote.*`. The
 decision and its numbers become tags of the candidate version and a Prefect markdown artifact.
 A candidate already judged against the current champion (or already champion) is left alone, so a
 second run changes nothing.
@@ -33,6 +33,12 @@ from tasks.rl import metric_functions
 
 CHAMPION = "champion"
 TAG = "promotion."
+PROMOTION_TAGS = {"rlhf.flow": "promote", "rlhf.run_kind": "promotion"}
+
+
+def promotion_run_name(name: str, candidate) -> str:
+    """The promotion's MLflow run name: `promote-<model name>-v<candidate version>`."""
+    return f"promote-{name}-v{candidate.version}"
 
 
 def _model_dir(source: str, cfg: PipelineConfig, data: PreparedData, field: str) -> str:
@@ -45,7 +51,7 @@ def _model_dir(source: str, cfg: PipelineConfig, data: PreparedData, field: str)
 def evaluate_version(
     cfg: PipelineConfig, data: PreparedData, model_uri: str, reference: str | None, reward_model: str | None
 ) -> tuple[dict[str, float], list[dict]]:
-    """Near-greedy completions of the held-out prompts by `model_uri`, scored; (summary, rows)."""
+    """Completions sampled as in training of the held-out prompts by `model_uri`, scored; (summary, rows)."""
     from transformers import AutoModelForSequenceClassification
 
     from rlhf_core.models import load_causal_lm, load_tokenizer, run_stop_ids
@@ -64,7 +70,7 @@ def evaluate_version(
     prompts, messages = prompt_columns(
         read_rows(data.tables["eval_prompts"])[: cfg.promote.num_prompts or cfg.eval.num_prompts]
     )
-    seed_everything(cfg.run.seed)  # near-greedy sampling: the same draws for candidate and champion
+    seed_everything(cfg.run.seed)  # sampled as in training, seeded: the same draws for candidate and champion
     rows = evaluate_generations(
         policy,
         ref,
@@ -76,6 +82,9 @@ def evaluate_version(
         metrics=metric_functions(cfg.eval.metrics),
         batch_size=cfg.eval.batch_size,
         greedy=cfg.eval.greedy,
+        temperature=cfg.eval_temperature(),
+        top_k=cfg.rl.top_k,
+        top_p=cfg.rl.top_p,
         stop_token_ids=run_stop_ids(tokenizer, policy.generation_config, cfg.rl),
         prompt_messages=messages,
     )
@@ -209,12 +218,13 @@ def rlhf_promote(config_path: str | None = "configs/demo.yaml", overrides: list[
     reference = candidate.tags.get("base_model")
     reward_model = candidate.tags.get("reward_model_version")
     reward_model = reward_model if reward_model and reward_model != "none" else None
-    with tracking.pipeline_run(cfg, tags={"rlhf.flow": "promote"}) as run_id:
+    with tracking.pipeline_run(cfg, tags=PROMOTION_TAGS, run_name=promotion_run_name(name, candidate)) as run_id:
         data = prepare_data(cfg, run_id)
         summaries = _evaluate_both(cfg, data, run_id, name, candidate, champion, reference, reward_model)
         candidate_summary = summaries[f"candidate v{candidate.version}"]
         champion_summary = summaries.get(f"champion v{champion.version}") if champion is not None else None
-        decision = decide(candidate_summary, champion_summary, gates)
+        broken = candidate.tags.get("guard.broken", "").split(",")  # the rules its checkpoint broke in training
+        decision = decide(candidate_summary, champion_summary, gates, broken=broken)
         tags = _record(run_id, name, candidate, champion, decision, against, metric)
         report = _report(name, candidate, champion, decision, summaries, metric)
         publish_markdown(re.sub(r"[^a-z0-9-]+", "-", f"promotion-{name.lower()}"), report, f"Promotion of {name}")

@@ -22,7 +22,7 @@ from tasks.data import PreparedData, prepare_data
 from tasks.export import CANDIDATE, export_final_policy
 from tasks.preflight import check as preflight
 from tasks.reward_model import train_reward
-from tasks.rl import initialize_models, train_policy, uses_reward_stage
+from tasks.rl import initialize_models, load_eval_history, train_policy, uses_reward_stage
 from tasks.run_lock import run_lock, terminate_on_sigterm
 from tasks.sft import sft_warm_start
 from tasks.stage_io import Checkpoint
@@ -59,6 +59,45 @@ def _no_new_data(cfg, data: PreparedData, run_id: str, logger) -> dict | None:
     }
 
 
+def _final_metrics(trained: Checkpoint) -> dict[str, float]:
+    """The RL stage's final evaluation: its Checkpoint's metrics over the summary of the last evaluation."""
+    return {**trained.extra.get("final_eval", {}), **trained.metrics}
+
+
+def _final_samples(cfg, trained: Checkpoint) -> list[dict]:
+    """The rows of the held-out evaluation of the exported checkpoint's step (every prompt, from the
+    Parquet file the stage saves), else the first rows its Checkpoint carries."""
+    history = load_eval_history(cfg.run.output_dir / cfg.rl.algorithm / trained.key) if trained.key else {}
+    step = trained.step if trained.step in history else max(history, default=None)
+    if step is not None:
+        return [{"step": step, **row} for row in history[step]]
+    return list(trained.extra.get("final_rows", []))
+
+
+def summary_metrics(cfg, reward: Checkpoint | None, trained: Checkpoint) -> dict[str, float]:
+    """What a reviewer reads first on the pipeline's run: `summary/gold` (cfg.gold_metric()),
+    `summary/proxy` (the reward model's score), `summary/kl` (k3 when evaluated, else the mean KL),
+    `summary/reward_accuracy` (the reward model's eval accuracy) and `summary/guard_triggers` (0 when the
+    stage reports none). Those the stages did not measure are left out."""
+    final = _final_metrics(trained)
+    gold, proxy = cfg.gold_metric(), cfg.guard.divergence.proxy
+    found = {
+        "summary/gold": final.get(f"eval/{gold}_mean") if gold else None,
+        "summary/proxy": final.get("eval/score_mean", final.get(f"eval/{proxy}_mean")),
+        "summary/kl": final.get("eval/kl_k3_mean", final.get("eval/kl_mean")),
+        "summary/reward_accuracy": reward.metrics.get("eval_accuracy") if reward is not None else None,
+        "summary/guard_triggers": final.get("guard/triggers", 0.0),
+    }
+    return {k: float(v) for k, v in found.items() if v is not None}
+
+
+def record_summary(cfg, run_id: str, reward: Checkpoint | None, trained: Checkpoint) -> None:
+    """The summary metrics (at the RL stage's final step) and the final held-out samples
+    (`final_samples.json`, an MLflow table) on the pipeline's run."""
+    tracking.log_metrics(run_id, summary_metrics(cfg, reward, trained), trained.step)
+    tracking.log_table(run_id, _final_samples(cfg, trained), "final_samples.json")
+
+
 def _summary(
     cfg,
     run_id: str,
@@ -84,7 +123,10 @@ def _summary(
         "candidate_alias": f"models:/{cfg.registry.policy_model_name}@candidate" if exported.model_uri else None,
         "gold_metric": trained.extra.get("gold"),
         "eval_history": trained.extra.get("eval_history", {}),
+        "selected_step": trained.step,
+        "initial_eval_rows": trained.extra.get("initial_rows", []),
         "final_eval_rows": trained.extra.get("final_rows", []),
+        "guard_triggers": trained.extra.get("guard_triggers", []),
         "reward_model_path": reward.path if reward else None,
         "reward_model_uri": reward.model_uri if reward else None,
         "metrics": {
@@ -131,6 +173,7 @@ def rlhf_pipeline(
                 trained = train_policy(cfg, data, plan, run_id)
             with stage("export"):
                 exported = export_final_policy(cfg, data, plan, trained, run_id)
+            record_summary(cfg, run_id, reward, trained)
     except Exception as err:  # the MLflow run is FAILED by now; say which stage failed and why
         logger.error("stage %s failed: %s", stage.current, redact(str(err)))
         return Failed(message=redact(f"stage '{stage.current}' failed: {type(err).__name__}: {err}"), data=err)

@@ -142,6 +142,12 @@ def prompt_columns(rows: list[dict]) -> tuple[list[str], list[list[dict]] | None
     return [row["prompt"] for row in rows], messages
 
 
+def extra_columns(rows: list[dict]) -> dict[str, list]:
+    """The prompt rows' other dataset columns, by name: reward and metric functions' keyword arguments."""
+    names = [k for k in (rows[0] if rows else {}) if k not in ("prompt", PROMPT_MESSAGES)]
+    return {k: [row.get(k) for row in rows] for k in names}
+
+
 def completion_text(completion: str | list[dict]) -> str:
     """A completion as text: itself, or the contents of a conversational completion's messages."""
     if isinstance(completion, str):

@@ -1,8 +1,13 @@
-"""Generation evaluation: near-greedy completions of held-out prompts, scored every way we can.
+"""Generation evaluation: the policy's own samples of held-out prompts, scored every way we can.
 
-Each row holds the prompt, the completion, the reward model's score, every metric function's value,
-the KL of the completion under the policy against the reference (sum over its tokens; absent when
-no reference is loaded), and its length. The caller turns rows into MLflow tables, Prefect artifacts and Parquet.
+Completions are sampled as in training (the sampling temperature, top-k, top-p), so that what is
+measured is what the policy does: near-greedy decoding would hide collapse and make the KL estimate
+meaningless. Each row holds the prompt, the completion, the reward model's score, every metric
+function's value, the KL of the completion under the policy against the reference at the sampling
+temperature (k1 `kl` and k3 `kl_k3`, sums over its tokens; absent when no reference is loaded), its
+length in tokens and whether it stopped. `summarize_rows` adds what only the whole set shows:
+distinct-1/2, the repeated n-gram rate and the stop rate. The caller turns rows into MLflow
+tables, Prefect artifacts and Parquet.
 """
 
 from __future__ import annotations
@@ -15,7 +20,6 @@ from rlhf_core.chat import assistant_messages
 from rlhf_core.reward_functions import call_scoring_function
 from rlhf_core.rl_math import kl_per_token, response_mask
 from rlhf_core.rollout import (
-    NEAR_GREEDY_TEMPERATURE,
     SamplingSettings,
     decode_responses,
     generate,
@@ -41,18 +45,26 @@ def evaluate_generations(
     metrics: dict[str, object],
     batch_size: int,
     greedy: bool = False,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
     stop_token_ids: Sequence[int] = (),
     prompt_messages: Sequence[list[dict]] | None = None,
+    columns: dict[str, Sequence] | None = None,
     device=None,
 ) -> list[dict]:
-    """Rows of near-greedy (or greedy) completions of `prompts`, scored by the reward model and `metrics`.
+    """Rows of sampled (temperature, top_k, top_p; or greedy) completions of `prompts`, scored by the reward
+    model and `metrics`. The KL is of the policy's sampling distribution (logits / temperature) to the
+    reference's at the same temperature, on these samples: an estimate only when they are sampled.
 
     `prompt_messages`: the prompts' message lists when they are conversational; metric functions then
     receive them and each completion as [{"role": "assistant", "content": text}], as GRPO's reward
-    functions do (TRL's convention)."""
+    functions do (TRL's convention). `columns`: the prompts' other dataset columns, passed to the metric
+    functions as keyword arguments (TRL's convention)."""
     settings = SamplingSettings(
-        response_length=response_length, temperature=NEAR_GREEDY_TEMPERATURE, top_k=0, top_p=1.0, greedy=greedy
+        response_length=response_length, temperature=temperature, top_k=top_k, top_p=top_p, greedy=greedy
     )
+    kl_temperature = 1.0 if greedy else temperature
     was_training = policy.training
     policy.eval()
     for model in (ref_model, reward_model):
@@ -67,13 +79,11 @@ def evaluate_generations(
         responses = generate(
             policy, query_ids, query_mask, settings, pad_token_id=tokenizer.pad_token_id, stop_token_ids=stop_token_ids
         )
-        resp_mask, last_index, _ = response_mask(responses, stop_token_ids)
-        kl = None
-        if ref_model is not None or is_peft(policy):  # GRPO with beta 0 loads no reference at all
-            logp, _ = response_logprobs(policy, query_ids, query_mask, responses, resp_mask)
-            with reference_context(policy, ref_model):
-                ref_logp, _ = response_logprobs(ref_model or policy, query_ids, query_mask, responses, resp_mask)
-            kl = (kl_per_token(logp, ref_logp, "k1") * resp_mask).sum(1)
+        resp_mask, last_index, has_stop = response_mask(responses, stop_token_ids)
+        kl = kl3 = None
+        if ref_model is not None or is_peft(policy):  # the caller loads a reference even for GRPO with beta 0
+            args = (query_ids, query_mask, responses, resp_mask)
+            kl, kl3 = completion_kl(policy, ref_model, *args, temperature=kl_temperature)
         scores = (
             sequence_scores(reward_model, query_ids, query_mask, responses, resp_mask, last_index)
             if reward_model is not None
@@ -85,8 +95,9 @@ def evaluate_generations(
             if prompt_messages is None
             else (list(prompt_messages[start : start + batch_size]), assistant_messages(completions))
         )
+        kwargs = {k: list(v[start : start + batch_size]) for k, v in (columns or {}).items()}
         extra = {
-            name: call_scoring_function(name, fn, prompts=scored[0], completions=scored[1])
+            name: call_scoring_function(name, fn, prompts=scored[0], completions=scored[1], **kwargs)
             for name, fn in metrics.items()
         }
         for i, (prompt, completion) in enumerate(zip(chunk, completions)):
@@ -96,18 +107,70 @@ def evaluate_generations(
             row.update({name: values[i] for name, values in extra.items()})
             if kl is not None:
                 row["kl"] = float(kl[i])
+                row["kl_k3"] = float(kl3[i])
             row["length"] = int(resp_mask[i].sum())
+            row["stopped"] = bool(has_stop[i])
             rows.append(row)
     policy.train(was_training)
     return rows
 
 
+def completion_kl(
+    policy,
+    ref_model,
+    query_ids: torch.Tensor,
+    query_mask: torch.Tensor,
+    responses: torch.Tensor,
+    resp_mask: torch.Tensor,
+    *,
+    temperature: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(k1, k3) estimates of KL(policy || reference) per completion (B,), summed over its tokens, both
+    distributions at `temperature` (logits / temperature). From the policy's own samples, k1 is unbiased
+    and k3 unbiased and never negative. `ref_model` None: a PEFT policy with its adapters disabled."""
+    args = (query_ids, query_mask, responses, resp_mask)
+    logp, _ = response_logprobs(policy, *args, temperature=temperature)
+    with reference_context(policy, ref_model):
+        ref_logp, _ = response_logprobs(ref_model or policy, *args, temperature=temperature)
+    mask = resp_mask.float()
+    return (kl_per_token(logp, ref_logp, "k1") * mask).sum(1), (kl_per_token(logp, ref_logp, "k3") * mask).sum(1)
+
+
+def ngrams(words: list[str], n: int) -> list[tuple[str, ...]]:
+    return [tuple(words[i : i + n]) for i in range(len(words) - n + 1)]
+
+
+def distinct_n(texts: Sequence[str], n: int) -> float:
+    """Distinct n-grams over all n-grams of all texts (whitespace words; Li et al. 2016); 0.0 with none."""
+    grams = [g for text in texts for g in ngrams(text.split(), n)]
+    return len(set(grams)) / len(grams) if grams else 0.0
+
+
+def repeated_ngram_rate(texts: Sequence[str], n: int = 2) -> float:
+    """The share of n-grams that repeat an n-gram earlier in the same text ("was good was good": 1 of 3
+    bigrams); degenerate repetition drives it up. 0.0 with no n-grams."""
+    total = repeats = 0
+    for text in texts:
+        grams = ngrams(text.split(), n)
+        total += len(grams)
+        repeats += len(grams) - len(set(grams))
+    return repeats / total if total else 0.0
+
+
 def summarize_rows(rows: list[dict]) -> dict[str, float]:
-    """Means of every numeric column: eval/<column>_mean."""
+    """Means of every numeric column (eval/<column>_mean), and over the completions: eval/distinct_1,
+    eval/distinct_2, eval/repeated_ngram_rate (bigrams) and eval/stop_rate."""
     keys = [k for k, v in rows[0].items() if isinstance(v, (int, float)) and not isinstance(v, bool)] if rows else []
     out = {}
     for key in keys:
         values = [r[key] for r in rows if r.get(key) is not None]
         if values:
             out[f"eval/{key}_mean"] = sum(values) / len(values)
+    if rows and "completion" in rows[0]:
+        texts = [str(r["completion"]) for r in rows]
+        out["eval/distinct_1"] = distinct_n(texts, 1)
+        out["eval/distinct_2"] = distinct_n(texts, 2)
+        out["eval/repeated_ngram_rate"] = repeated_ngram_rate(texts)
+        if "stopped" in rows[0]:
+            out["eval/stop_rate"] = sum(bool(r["stopped"]) for r in rows) / len(rows)
     return out

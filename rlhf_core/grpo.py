@@ -18,7 +18,7 @@ from typing import Literal
 
 import torch
 
-from rlhf_core.chat import PROMPT_MESSAGES, assistant_messages
+from rlhf_core.chat import PROMPT_MESSAGES, assistant_messages, extra_columns
 from rlhf_core.config import GRPOConfig, RLConfig, RunConfig
 from rlhf_core.loop import LoopResult, OnCheckpoint, OnLog, OnStep, TrainingLoop
 from rlhf_core.models import run_stop_ids
@@ -242,8 +242,7 @@ def function_reward(name: str, weight: float, fn) -> RewardSourceFn:
     message lists and each completion as [{"role": "assistant", "content": text}]."""
 
     def score(prompts, completions, rollout, rows):
-        skip = ("prompt", PROMPT_MESSAGES)
-        columns = {k: [row[k] for row in rows] for k in (rows[0] if rows else {}) if k not in skip}
+        columns = extra_columns(rows)
         if rows and PROMPT_MESSAGES in rows[0]:
             prompts, completions = [row[PROMPT_MESSAGES] for row in rows], assistant_messages(completions)
         return call_scoring_function(name, fn, prompts=prompts, completions=completions, **columns)

@@ -422,45 +422,49 @@ class TrainingLoop:
         self._batches = batches
         window: list[dict[str, Any]] = []
         bar = tqdm(total=s.total_steps, initial=self.step, desc=s.name, disable=not show_progress or not self.is_main)
-        while self.step < s.total_steps:
-            started = time.perf_counter()
-            metrics = step(batches.next())
-            self.epoch, self.position = getattr(batches, "epoch", 0), getattr(batches, "position", 0)
-            if s.log_window == "last":  # every process's numbers, one all-reduce per step
-                metrics = self._reduce(metrics)
-            else:
-                window.append(metrics)
-            self.scheduler.step()
-            self.step += 1
-            bar.update(1)
-            if s.log_window == "last":
-                self.metrics = self._loop_metrics(metrics, time.perf_counter() - started)
-                self._show(bar, self.metrics)
-            if on_step is not None:
-                on_step(self.step)
-            if self._due(s.log_every):
-                if s.log_window == "mean":  # the window's means over the global batch, one all-reduce
-                    means = {k: torch.stack([torch.as_tensor(w[k]) for w in window]).float().mean() for k in window[0]}
-                    logged = self._loop_metrics(self._reduce(means), time.perf_counter() - started)
-                    window = []
-                    if s.checkpoint_metrics == "train":
-                        self.metrics = logged
-                    self._show(bar, logged)
+        try:
+            while self.step < s.total_steps:
+                started = time.perf_counter()
+                metrics = step(batches.next())
+                self.epoch, self.position = getattr(batches, "epoch", 0), getattr(batches, "position", 0)
+                if s.log_window == "last":  # every process's numbers, one all-reduce per step
+                    metrics = self._reduce(metrics)
                 else:
-                    logged = self.metrics
-                if self.is_main and on_log is not None:
-                    on_log({k: v for k, v in logged.items() if math.isfinite(v)}, self.step)
-            if evaluate is not None and self._due(s.eval_every):
-                with self.full_parameters():  # every process gathers; the main one evaluates
-                    if self.is_main:
-                        result = evaluate(self.step)
-                        if s.checkpoint_metrics == "eval":
-                            self.metrics = result
-                        if on_eval is not None:
-                            on_eval(result, self.step)
-            if self._due(s.save_every):
-                self._save(on_checkpoint, extra_files)
-        bar.close()
+                    window.append(metrics)
+                self.scheduler.step()
+                self.step += 1
+                bar.update(1)
+                if s.log_window == "last":
+                    self.metrics = self._loop_metrics(metrics, time.perf_counter() - started)
+                    self._show(bar, self.metrics)
+                if on_step is not None:
+                    on_step(self.step)
+                if self._due(s.log_every):
+                    if s.log_window == "mean":  # the window's means over the global batch, one all-reduce
+                        means = {
+                            k: torch.stack([torch.as_tensor(w[k]) for w in window]).float().mean() for k in window[0]
+                        }
+                        logged = self._loop_metrics(self._reduce(means), time.perf_counter() - started)
+                        window = []
+                        if s.checkpoint_metrics == "train":
+                            self.metrics = logged
+                        self._show(bar, logged)
+                    else:
+                        logged = self.metrics
+                    if self.is_main and on_log is not None:
+                        on_log({k: v for k, v in logged.items() if math.isfinite(v)}, self.step)
+                if evaluate is not None and self._due(s.eval_every):
+                    with self.full_parameters():  # every process gathers; the main one evaluates
+                        if self.is_main:
+                            result = evaluate(self.step)
+                            if s.checkpoint_metrics == "eval":
+                                self.metrics = result
+                            if on_eval is not None:
+                                on_eval(result, self.step)
+                if self._due(s.save_every):
+                    self._save(on_checkpoint, extra_files)
+        finally:  # a callback that raises (the guard's stop or rollback) leaves no bar behind
+            bar.close()
         final = self.output_dir / f"checkpoint-{self.step}" if s.save_every else None
         return LoopResult(
             checkpoint=final,

@@ -183,10 +183,12 @@ def train_ppo(
     evaluate: Callable[[torch.nn.Module, int], list[dict]] | None = None,
     eval_every: int | None = None,
     show_progress: bool = True,
+    kl_scale: float = 1.0,
 ) -> LoopResult:
     """Train `policy` and `value_model` with PPO for rl.total_steps iterations; resume from output_dir.
 
     ref_model None means the policy is a PEFT model whose disabled adapters are the reference.
+    `kl_scale` multiplies the KL coefficient (the guard's rollbacks): the saved one on resume, once.
     `evaluate(policy, step)` returns eval rows; it runs every `eval_every` steps and at the end.
     """
     kl_ctl = make_kl_controller(ppo)
@@ -207,9 +209,11 @@ def train_ppo(
         settings,
         run,
         output_dir=output_dir,
-        state={"kl_coef": ppo.kl_coef},
+        state={"kl_coef": ppo.kl_coef, "kl_scale": 1.0},
     )
-    kl_ctl.value = loop.state["kl_coef"]
+    # the coefficient a checkpoint saved, rescaled to this run's kl_scale (idempotent across resumes)
+    kl_ctl.value = loop.state["kl_coef"] * kl_scale / loop.state.get("kl_scale", 1.0)
+    loop.state.update(kl_coef=kl_ctl.value, kl_scale=kl_scale)
     batches = PromptBatches(
         tokenizer, prompts, max_prompt_length=max_prompt_length, per_step=rl.batch_size, seed=run.seed, loop=loop
     )

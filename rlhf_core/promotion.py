@@ -8,6 +8,7 @@ reward model, metric functions and reference.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 
@@ -32,22 +33,33 @@ def _mean(summary: dict[str, float], column: str) -> float | None:
     return summary.get(f"eval/{column}_mean")
 
 
-def decide(candidate: dict[str, float], champion: dict[str, float] | None, gates: Gates) -> Decision:
-    """Promote when the candidate's KL to the reference stays at or under max_kl, its metric reaches
-    min_value (when set) and, with a champion, beats the champion's by at least min_improvement (when
-    set) or is strictly higher (when min_improvement is None)."""
+def decide(
+    candidate: dict[str, float], champion: dict[str, float] | None, gates: Gates, broken: Sequence[str] = ()
+) -> Decision:
+    """Promote when the candidate broke no guard rule during training (`broken`: the rules its checkpoint's
+    evaluation broke), its KL to the reference (k3 when measured, else k1) stays at or under max_kl, its
+    metric reaches min_value (when set) and, with a champion, beats the champion's by at least
+    min_improvement (when set) or is strictly higher (when min_improvement is None)."""
     value = _mean(candidate, gates.metric)
     if value is None:
         raise ValueError(
             f"promote.metric {gates.metric!r}: the evaluation has no column {gates.metric!r} "
             f"(it has {', '.join(sorted(candidate)) or 'nothing'})"
         )
-    kl = _mean(candidate, "kl")
+    kl = _mean(candidate, "kl_k3")
+    kl = _mean(candidate, "kl") if kl is None else kl
     champion_value = _mean(champion, gates.metric) if champion is not None else None
 
     def verdict(promote: bool, reason: str) -> Decision:
         return Decision(promote, reason, value, champion_value, kl)
 
+    rules = [rule for rule in broken if rule]
+    if rules:
+        return verdict(
+            False,
+            f"the candidate broke guard rule{'s' if len(rules) > 1 else ''} {', '.join(rules)} at its evaluation "
+            "during training (its version's guard.broken tag); export a checkpoint that passed, or loosen guard.*",
+        )
     if gates.max_kl is not None and kl is not None and kl > gates.max_kl:
         return verdict(False, f"KL to the reference {kl:.3f} exceeds promote.max_kl {gates.max_kl}")
     if not math.isfinite(value):

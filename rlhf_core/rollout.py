@@ -19,8 +19,6 @@ from rlhf_core.config import RLConfig, RunConfig
 from rlhf_core.loop import LoopSettings, ShardedBatches
 from rlhf_core.rl_math import INVALID_LOGPROB, entropy_from_logits, response_mask, selective_log_softmax
 
-NEAR_GREEDY_TEMPERATURE = 0.01 + 1e-7  # the reference's evaluation setting
-
 
 @dataclass(frozen=True)
 class SamplingSettings:

@@ -142,6 +142,31 @@ def prepare_table(
     }
 
 
+EVALUATION_TABLES = ("preference_eval", "eval_prompts")
+
+
+def dataset_inputs(cfg: PipelineConfig, reports: list[dict]) -> list[dict]:
+    """The prepared tables as MLflow dataset inputs: name (the config field), source (the configured path,
+    hub name or 'demo'), digest (the table's fingerprint), context (training or evaluation), split, rows."""
+    by_table = {r["table"]: r for r in reports}
+    inputs = []
+    for name, field_name, spec, _ in tables_to_prepare(cfg):
+        if name not in by_table:
+            continue
+        inputs.append(
+            {
+                "name": field_name,
+                "source": spec.path,
+                "digest": by_table[name]["fingerprint"],
+                "context": "evaluation" if name in EVALUATION_TABLES else "training",
+                "split": spec.split,
+                "revision": spec.revision,
+                "rows": by_table[name]["kept"],
+            }
+        )
+    return inputs
+
+
 @task(name="prepare-data", cache_policy=NO_CACHE, **IO_RETRIES)
 def prepare_data(cfg: PipelineConfig, parent_run_id: str) -> PreparedData:
     """Build or reuse the demo world, validate every table, write them under <output_dir>/data."""
@@ -178,4 +203,5 @@ def prepare_data(cfg: PipelineConfig, parent_run_id: str) -> PreparedData:
             reports=reports,
         )
         reporter.tag({"data_fingerprint": prepared.fingerprint})
+        tracking.log_datasets(run_id, dataset_inputs(cfg, reports))
         return prepared

@@ -105,6 +105,16 @@ def write_export(cfg: PipelineConfig, data: PreparedData, plan: InitPlan, traine
     return cfg.export_dir
 
 
+def guard_tags(trained: Checkpoint) -> dict[str, str]:
+    """The guard's verdict on the exported checkpoint, as version tags promotion reads."""
+    broken = trained.extra.get("guard_broken", [])
+    return {
+        "guard.passed": str(not broken).lower(),
+        "guard.broken": ",".join(broken),
+        "guard.selected": f"{trained.extra.get('selected', 'last')} (step {trained.step})",
+    }
+
+
 def publish_candidate(reporter: StageReporter, out: Path, uri: str) -> None:
     """Point `candidate` at the exported version and say where it is."""
     reporter.alias(CANDIDATE, uri)
@@ -123,7 +133,8 @@ def publish_candidate(reporter: StageReporter, out: Path, uri: str) -> None:
 def export_final_policy(
     cfg: PipelineConfig, data: PreparedData, plan: InitPlan, trained: Checkpoint, parent_run_id: str
 ) -> Checkpoint:
-    """Write <export dir> from the last RL checkpoint, register it as a version, point `candidate` at it."""
+    """Write <export dir> from the RL checkpoint export.select picked, register it as a version (tagged with
+    the guard's verdict), point `candidate` at it."""
     with tracking.stage_run(parent_run_id, "export") as run_id:
         lineage = {
             "stage_key": trained.key,
@@ -146,7 +157,7 @@ def export_final_policy(
         # an adapter-only export has no full weights to log; the checkpoint it came from has them merged
         full = out if (out / "config.json").is_file() else Path(trained.path)
         scores = {k.replace("/", "_"): f"{v:.4f}" for k, v in trained.extra.get("final_eval", {}).items()}
-        uri = reporter.register(full, trained.step, **scores)
+        uri = reporter.register(full, trained.step, **scores, **guard_tags(trained))
         if uri is not None:
             publish_candidate(reporter, out, uri)
         return Checkpoint(

@@ -88,7 +88,8 @@ def register_checkpoint(
     `task` is the transformers pipeline task ("text-generation" for policies,
     "text-classification" for reward models). A text-generation version carries `generation_signature`
     (per-request params max_new_tokens, temperature, top_p, do_sample; defaults from the checkpoint's
-    generation_config) and a short input example. The version is created with its tags in one call;
+    generation_config) and a short input example. The logged model carries the run's metrics of the
+    checkpoint's own step (tag `step`; MLflow would take step 0). The version is created with its tags in one call;
     if anything fails after it exists, it is deleted again, so no half-registered version remains.
     Returns {"name", "version", "uri"}.
     """
@@ -117,6 +118,7 @@ def register_checkpoint(
                 name=f"{tags.get('stage', 'model')}-step-{tags.get('step', '0')}",
                 task=task,
                 pip_requirements=requirements,
+                step=_step_of(tags),  # the run's metrics of this step become the logged model's (MLflow: 0)
                 **serving,
             )
     finally:
@@ -129,6 +131,12 @@ def register_checkpoint(
         MlflowClient().delete_model_version(model_name, version.version)
         raise
     return {"name": model_name, "version": str(version.version), "uri": f"models:/{model_name}/{version.version}"}
+
+
+def _step_of(tags: dict[str, str]) -> int:
+    """The training step a checkpoint's tags name (0 when none)."""
+    step = str(tags.get("step", "0"))
+    return int(step) if step.isdigit() else 0
 
 
 @contextmanager

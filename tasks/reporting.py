@@ -46,6 +46,7 @@ class StageReporter:
         self.history: dict[str, list[tuple[int, float]]] = {name: [] for name in self.sources}
         self.model_name, self.task, self.lineage = model_name, task, dict(lineage or {})
         self.registered: dict[int, str] = {}
+        self.step_metrics: dict[int, dict[str, float]] = {}  # what `record` saw per step (a version's own step)
         self.logger = stage_logger()
         self.progress: StageProgress | None = None
         self.total_steps = 0
@@ -63,7 +64,8 @@ class StageReporter:
             self.progress.update(done, total)
 
     def record(self, metrics: dict[str, float], step: int) -> None:
-        """Add the curves' points found in `metrics`."""
+        """Add the curves' points found in `metrics`, and keep them as the metrics of `step` (see `eval_tags`)."""
+        self.step_metrics.setdefault(step, {}).update(metrics)
         for name, keys in self.sources.items():
             key = next((k for k in keys if k in metrics), None)
             if key is not None:
@@ -92,8 +94,16 @@ class StageReporter:
         tracking.log_artifact(self.run_id, path, artifact_path)
 
     # the registry
+    def eval_tags(self, step: int) -> dict[str, str]:
+        """The held-out evaluation of `step` (its `eval/...` metrics seen by `record`) as version tags
+        `eval_<name>` (the export's naming), so each version carries its own step's evaluation."""
+        metrics = self.step_metrics.get(step, {})
+        return {k.replace("/", "_"): f"{v:.4f}" for k, v in metrics.items() if k.startswith("eval/")}
+
     def register(self, path: str | Path, step: int, **tags) -> str | None:
-        """Register the checkpoint at `path` once, as a version of model_name with the lineage tags.
+        """Register the checkpoint at `path` once, as a version of model_name with the lineage tags, the
+        evaluation of its own step (`eval_tags`) and `tags`. The logged model carries the stage run's
+        metrics of that step (tasks/registry.py).
 
         None when registration is off (tracking.register_models: false); "" on ranks other than 0.
         """
@@ -105,7 +115,7 @@ class StageReporter:
             config_hash=self.cfg.config_hash(),
             data_fingerprint=self.data_fingerprint,
             **self.lineage,
-            **tags,
+            **{**self.eval_tags(step), **tags},
         )
         self.registered[step] = registry.register_once(
             path,

@@ -18,11 +18,22 @@ from typing import Any
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from rlhf_core.chat import prompt_columns
+from rlhf_core.chat import extra_columns, prompt_columns
+from rlhf_core.checkpoint import checkpoint_step, has_training_state
 from rlhf_core.config import PipelineConfig
 from rlhf_core.data import read_column, read_rows
 from rlhf_core.evaluation import evaluate_generations, summarize_rows
 from rlhf_core.grpo import train_grpo
+from rlhf_core.guard import (
+    GuardLedger,
+    GuardRollback,
+    GuardStop,
+    GuardStopError,
+    Trigger,
+    set_aside,
+    strongest,
+)
+from rlhf_core.loop import LoopResult
 from rlhf_core.models import (
     ModelSourceError,
     generation_config_of,
@@ -41,6 +52,8 @@ from tasks.progress import print_rows, publish_markdown
 from tasks.reporting import StageReporter
 from tasks.retry import IO_RETRIES
 from tasks.stage_io import Checkpoint, stage_key
+
+GUARD_FILE = "guard.json"  # the guard's ledger, next to the RL stage's checkpoints
 
 
 @dataclass(frozen=True)
@@ -174,6 +187,17 @@ def metric_functions(specs: list[str]) -> dict:
     return {spec.rsplit(":", 1)[1]: load_function(spec, field="eval.metrics") for spec in specs}
 
 
+def eval_functions(cfg: PipelineConfig) -> dict:
+    """What evaluation scores besides the reward model: eval.metrics, and GRPO's reward functions (the proxy
+    reward's other parts) as columns `reward_<name>`."""
+    functions = metric_functions(cfg.eval.metrics)
+    if cfg.rl.algorithm == "grpo":
+        for i, source in enumerate(cfg.grpo.rewards):
+            if source.function is not None:
+                functions[f"reward_{source.name}"] = load_function(source.function, field=f"grpo.rewards[{i}].function")
+    return functions
+
+
 def reward_sources(cfg: PipelineConfig, plan: InitPlan, stage_reward_model) -> list:
     """GRPO's reward sources, loaded: reward models (this run's, a directory, hub name or URI) and functions.
 
@@ -226,6 +250,7 @@ class RLModels:
     ref_model: Any  # None when the reference is the policy with its adapters disabled, or there is none
     reward_model: Any  # this run's reward model, or None
     stop_ids: list[int]
+    eval_ref: Any = None  # the reference evaluation measures the KL to (a frozen copy also for GRPO with beta 0)
 
 
 def load_models(cfg: PipelineConfig, plan: InitPlan) -> RLModels:
@@ -244,28 +269,39 @@ def load_models(cfg: PipelineConfig, plan: InitPlan) -> RLModels:
         policy = get_peft_model(policy, _lora(cfg))
     reward_model = AutoModelForSequenceClassification.from_pretrained(plan.reward_path) if plan.reward_path else None
     stop_ids = run_stop_ids(tokenizer, policy.generation_config, cfg.rl)
+    # GRPO with beta 0 trains without a reference, but the eval KL to the initial policy is measured all the same
+    eval_ref = load_causal_lm(plan.policy_path, **load).eval() if plan.reference == "none" else ref_model
     return RLModels(
-        tokenizer=tokenizer, policy=policy, ref_model=ref_model, reward_model=reward_model, stop_ids=stop_ids
+        tokenizer=tokenizer,
+        policy=policy,
+        ref_model=ref_model,
+        reward_model=reward_model,
+        stop_ids=stop_ids,
+        eval_ref=eval_ref,
     )
 
 
 def evaluate_policy(
     model, step: int, *, cfg: PipelineConfig, models: RLModels, prompt_rows: list[dict], metrics: dict
 ) -> list[dict]:
-    """Near-greedy completions of the held-out prompts by `model`, scored (the loops' `evaluate`)."""
+    """Completions of the held-out prompts sampled from `model` as in training, scored (the loops' `evaluate`)."""
     prompts, messages = prompt_columns(prompt_rows)
     return evaluate_generations(
         model,
-        models.ref_model,
+        models.eval_ref,
         models.reward_model,
         models.tokenizer,
         prompts,
         prompt_messages=messages,
+        columns=extra_columns(prompt_rows),
         response_length=cfg.rl.response_length,
         max_prompt_length=cfg.data.max_prompt_length,
         metrics=metrics,
         batch_size=cfg.eval.batch_size,
         greedy=cfg.eval.greedy,
+        temperature=cfg.eval_temperature(),
+        top_k=cfg.rl.top_k,
+        top_p=cfg.rl.top_p,
         stop_token_ids=models.stop_ids,
         device=next(model.parameters()).device,
     )
@@ -305,14 +341,23 @@ class PolicyReporter(StageReporter):
             },
         )
         self.key, self.out_dir, self.gold = key, out_dir, gold
+        self.ledger = GuardLedger.load(out_dir / GUARD_FILE)
+        for step, summary in sorted(self.ledger.evals.items()):  # a resumed attempt's checkpoints carry them too
+            self.step_metrics[step] = summary
 
     def checkpoint_tags(self, path: Path, step: int) -> dict[str, str]:
         saved = json.loads((path.parent / "metrics.json").read_text())
         kl = saved.get("objective/kl", saved.get("kl"))
-        return {"kl": f"{kl:.4f}"} if kl is not None else {}
+        tags = {"kl": f"{kl:.4f}"} if kl is not None else {}
+        if step in self.ledger.evals:  # the guard's verdict on this step's evaluation
+            broken = self.ledger.broken(step)
+            tags.update({"guard.passed": str(not broken).lower(), "guard.broken": ",".join(broken)})
+        return tags
 
     def on_eval(self, rows: list[dict], step: int) -> None:
-        summary = summarize_rows(rows)
+        triggers = self.ledger.observe(step, summarize_rows(rows), self.cfg.guard, self.cfg.gold_metric())
+        summary = self.ledger.evals[step]  # with the ratios to the initial policy
+        self.ledger.save(self.out_dir / GUARD_FILE)
         tracking.log_metrics(self.run_id, summary, step)
         # one MLflow table and one Parquet file per evaluation step: nothing is overwritten
         tracking.log_table(self.run_id, [{"step": step, **r} for r in rows], f"eval/completions_step_{step:06d}.json")
@@ -321,6 +366,24 @@ class PolicyReporter(StageReporter):
         self.publish_table(f"{self.stage}-eval-step-{step}", rows[:20], f"Held-out completions at step {step}")
         print_rows(rows[:5], f"{self.stage.upper()} held-out completions at step {step} (first 5 of {len(rows)})")
         self.logger.info("eval at step %d: %s", step, ", ".join(f"{k}={v:.3f}" for k, v in summary.items()))
+        self.report_triggers(triggers, step)
+        trigger = strongest(triggers)
+        if trigger is not None and trigger.action == "stop":
+            raise GuardStop(trigger)
+        if trigger is not None and trigger.action == "rollback":
+            raise GuardRollback(trigger)
+
+    def report_triggers(self, triggers: list[Trigger], step: int) -> None:
+        """Each breach as a metric, a run tag, a console line and one Prefect artifact per evaluation."""
+        if not triggers:
+            return
+        tracking.log_metrics(self.run_id, {f"guard/{t.rule}": t.value for t in triggers}, step)
+        tracking.log_metrics(self.run_id, {"guard/triggers": float(len(self.ledger.all_triggers))}, step)
+        self.tag({f"guard.{t.rule}": t.message[:250] for t in triggers})
+        for t in triggers:
+            self.logger.warning("%s", t.message)
+        lines = [f"- **{t.rule}** ({t.action}): {t.message}" for t in triggers]
+        self.publish_markdown(f"{self.stage}-guard-step-{step}", "\n".join(lines), f"Guard rules broken at step {step}")
 
     def on_completions(self, rows: list[dict], step: int) -> None:
         """GRPO's sampled completions of one step as <out_dir>/completions/completions_step_NNNNNN.parquet."""
@@ -331,38 +394,88 @@ class PolicyReporter(StageReporter):
         pd.DataFrame(rows).to_parquet(path)
         self.artifact(path, "completions")
 
-    def finish(self, result) -> Checkpoint:
-        """The progress completed, curves and the evaluation report published; the stage's Checkpoint."""
+    def finish(self, result: LoopResult | None) -> Checkpoint:
+        """The progress completed, curves and the evaluation report published; the stage's Checkpoint: the
+        one export.select picks (result None: the guard stopped RL)."""
         self.done()
-        if result.skipped_steps:
+        if result is not None and result.skipped_steps:
             self.logger.warning("%d optimizer steps were skipped because a loss was not finite", result.skipped_steps)
         if next(iter(self.history.values())):
             self.plot(f"{self.stage}_curves.png", self.stage.upper(), {k: v for k, v in self.history.items() if v})
-        evals = load_eval_history(self.out_dir)  # every evaluation of this stage key, resumed attempts included
+        evals = {s: r for s, r in load_eval_history(self.out_dir).items() if s in self.ledger.evals}
         if launcher.is_main():
             report_evaluations(self.run_id, self.stage, evals, self.gold)
-        final_step = max(evals) if evals else None
+        step = self.select_step(result)
+        metrics = {
+            **(result.metrics if result is not None and result.step == step else {}),
+            **self.ledger.evals.get(step, {}),
+        }
+        triggers = self.ledger.all_triggers
         return Checkpoint(
-            path=str((result.checkpoint / "policy").resolve()),
-            model_uri=self.registered.get(result.step),
-            step=result.step,
-            metrics=result.metrics,
+            path=str((self.out_dir / f"checkpoint-{step}" / "policy").resolve()),
+            model_uri=self.registered.get(step),
+            step=step,
+            metrics={**metrics, "guard/triggers": float(len(triggers))},
             key=self.key,
             extra={
-                "resumed_from": result.resumed_from,
-                "skipped_steps": result.skipped_steps,
+                "resumed_from": result.resumed_from if result is not None else None,
+                "skipped_steps": result.skipped_steps if result is not None else 0,
                 "gold": self.gold,
-                "eval_history": {s: summarize_rows(r) for s, r in evals.items()},
-                "final_eval": summarize_rows(evals[final_step]) if evals else {},
-                "final_rows": evals[final_step][:5] if evals else [],
+                "eval_history": dict(sorted(self.ledger.evals.items())),
+                "final_eval": self.ledger.evals.get(step, {}),
+                "final_rows": evals.get(step, [])[:5],
+                "initial_rows": evals.get(0, [])[:5],
+                "selected": self.cfg.export.select,
+                "guard_broken": self.ledger.broken(step),
+                "guard_triggers": [t.message for t in triggers],
+                "guard_stopped_at": self.ledger.stopped_at,
+                "rollbacks": self.ledger.rollbacks,
             },
         )
 
+    def select_step(self, result: LoopResult | None) -> int:
+        """The checkpoint step export.select picks: 'last', or 'best' (the highest promotion metric among
+        checkpoints whose evaluation passed every guard rule; the last passed, then the last, when none is
+        scored). Raises a sentence when the guard stopped RL before any checkpoint was saved."""
+        steps = checkpoint_steps(self.out_dir)
+        if not steps:
+            raise GuardStopError(
+                f"the guard stopped {self.stage} at step {self.ledger.stopped_at} before any checkpoint was saved, "
+                f"so there is no policy to export; see the guard triggers of the {self.stage} run "
+                "(lower rl.save_steps, or loosen guard.*)"
+            )
+        last = max(steps)
+        if self.cfg.export.select == "last":
+            return last
+        metric_key = f"eval/{self.cfg.promotion_metric()}_mean"
+        chosen = self.ledger.best(steps, metric_key) or self.ledger.last_passed(steps)
+        if chosen is None or chosen == 0:
+            self.logger.warning(
+                "no %s checkpoint passed every guard rule: exporting the last one (step %d)", self.stage, last
+            )
+            return last
+        if chosen != last:
+            self.logger.info(
+                "export.select best: step %d (%s %.3f), not the last step %d",
+                chosen,
+                metric_key,
+                self.ledger.evals[chosen].get(metric_key, float("nan")),
+                last,
+            )
+        return chosen
+
 
 def _train(
-    cfg: PipelineConfig, data: PreparedData, plan: InitPlan, models: RLModels, reporter: PolicyReporter, evaluate
+    cfg: PipelineConfig,
+    data: PreparedData,
+    plan: InitPlan,
+    models: RLModels,
+    reporter: PolicyReporter,
+    evaluate,
+    kl_scale: float = 1.0,
 ):
-    """PPO or GRPO with the reporter's callbacks; the loop's result."""
+    """PPO or GRPO with the reporter's callbacks, the KL coefficient (or GRPO's beta) times `kl_scale` (the
+    guard's rollbacks); the loop's result."""
     prompt_rows = read_rows(data.tables["prompts"])
     common = dict(
         max_prompt_length=cfg.data.max_prompt_length,
@@ -387,6 +500,7 @@ def _train(
             cfg.rl,
             cfg.ppo,
             cfg.run,
+            kl_scale=kl_scale,
             **common,
         )
     return train_grpo(
@@ -396,7 +510,7 @@ def _train(
         models.tokenizer,
         prompt_rows,
         cfg.rl,
-        cfg.grpo,
+        cfg.grpo.model_copy(update={"beta": cfg.grpo.beta * kl_scale}),
         cfg.run,
         on_completions=reporter.on_completions,
         **common,
@@ -411,21 +525,55 @@ def train_policy(cfg: PipelineConfig, data: PreparedData, plan: InitPlan, parent
     key = rl_key(cfg, data, plan)
     out_dir = cfg.run.output_dir / cfg.rl.algorithm / key
     with tracking.stage_run(parent_run_id, cfg.rl.algorithm) as run_id:
-        models = load_models(cfg, plan)
-        metrics = metric_functions(cfg.eval.metrics)
-        evaluate = partial(
-            evaluate_policy,
-            cfg=cfg,
-            models=models,
-            metrics=metrics,
-            prompt_rows=read_rows(data.tables["eval_prompts"])[: cfg.eval.num_prompts],
-        )
-        reporter = PolicyReporter(cfg, run_id, data, plan, key, out_dir, gold=next(iter(metrics), None))
+        reporter = PolicyReporter(cfg, run_id, data, plan, key, out_dir, gold=cfg.gold_metric())
         reporter.register_saved(out_dir, "policy")
         reporter.start(cfg.rl.total_steps, f"{cfg.rl.algorithm.upper()}: {cfg.rl.total_steps} steps")
-        if launcher.is_main() and not (out_dir.exists() and any(out_dir.glob("checkpoint-*"))):
+        return reporter.finish(guarded_training(cfg, data, plan, reporter))
+
+
+def guarded_training(cfg: PipelineConfig, data: PreparedData, plan: InitPlan, reporter: PolicyReporter):
+    """Train under the guard: the initial policy evaluated first (step 0), then PPO or GRPO until the end or a
+    breach whose action is 'stop' (None is returned) or 'rollback': the checkpoints after the last one that
+    passed every rule are set aside, the KL coefficient multiplied by guard.kl_coef_factor, and training
+    resumes from that checkpoint (or from the start) with freshly loaded models; a breach beyond
+    guard.max_rollbacks stops. The ledger (<out_dir>/guard.json) carries all of it across attempts."""
+    ledger, out_dir, guard = reporter.ledger, reporter.out_dir, cfg.guard
+    functions = eval_functions(cfg)
+    eval_rows = read_rows(data.tables["eval_prompts"])[: cfg.eval.num_prompts]
+    while ledger.stopped_at is None:
+        models = load_models(cfg, plan)
+        evaluate = partial(evaluate_policy, cfg=cfg, models=models, metrics=functions, prompt_rows=eval_rows)
+        if launcher.is_main() and 0 not in ledger.evals and not checkpoint_steps(out_dir):
             reporter.on_eval(evaluate(models.policy, 0), 0)  # the starting point, for the before/after comparison
-        return reporter.finish(_train(cfg, data, plan, models, reporter, evaluate))
+        try:
+            return _train(cfg, data, plan, models, reporter, evaluate, guard.kl_coef_factor**ledger.rollbacks)
+        except GuardStop as stop:
+            ledger.stopped_at = stop.trigger.step
+        except GuardRollback as rollback:
+            if ledger.rollbacks >= guard.max_rollbacks:
+                reporter.logger.warning("guard: %d rollbacks done (guard.max_rollbacks): stopping", ledger.rollbacks)
+                ledger.stopped_at = rollback.trigger.step
+            else:
+                to_step = ledger.last_passed([0, *checkpoint_steps(out_dir)]) or 0
+                moved = set_aside(out_dir, to_step, ledger.rollbacks + 1)
+                ledger.rolled_back(to_step)
+                reporter.logger.warning(
+                    "guard: rolled back to step %d (%d checkpoints set aside under %s); the KL coefficient is "
+                    "now %gx the configured one",
+                    to_step,
+                    len(moved),
+                    out_dir / "rolled_back",
+                    guard.kl_coef_factor**ledger.rollbacks,
+                )
+        ledger.save(out_dir / GUARD_FILE)
+        del models
+    return None
+
+
+def checkpoint_steps(out_dir: Path) -> list[int]:
+    """Steps of the complete checkpoints under out_dir."""
+    found = [checkpoint_step(p) for p in Path(out_dir).glob("checkpoint-*") if p.is_dir() and has_training_state(p)]
+    return sorted(s for s in found if s is not None)
 
 
 def save_eval_rows(out_dir: Path, rows: list[dict], step: int) -> Path:

@@ -32,6 +32,9 @@ from rlhf_core.config import PipelineConfig
 from rlhf_core.ownership import pid_alive
 from rlhf_core.redaction import flatten_config, has_secret, install_log_redaction, redact, split_credentials
 
+RUN_KIND = "rlhf.run_kind"  # pipeline, stage or promotion
+FLOW_RUN_ID, FLOW_RUN_URL = "prefect.flow_run_id", "prefect.flow_run_url"
+
 
 @lru_cache(maxsize=1)
 def code_version() -> str:
@@ -229,12 +232,31 @@ def end_abandoned_runs(experiment_id: str, output_dir: str) -> list[str]:
     return ended
 
 
+def prefect_tags() -> dict[str, str]:
+    """The Prefect flow run this process works for: `prefect.flow_run_id` and, when a UI URL is known
+    (PREFECT_UI_URL, or one derived from PREFECT_API_URL), `prefect.flow_run_url` (credentials masked).
+    Empty outside a flow run."""
+    try:
+        from prefect.runtime import flow_run
+        from prefect.utilities.urls import url_for
+
+        run_id = flow_run.get_id()
+        if not run_id:
+            return {}
+        url = url_for("flow-run", obj_id=run_id)
+    except Exception:  # no Prefect context or settings to read: nothing to link to
+        return {}
+    return {FLOW_RUN_ID: str(run_id), **({FLOW_RUN_URL: redact(url)} if url else {})}
+
+
 @contextmanager
-def pipeline_run(cfg: PipelineConfig, tags: dict[str, str] | None = None) -> Iterator[str]:
+def pipeline_run(cfg: PipelineConfig, tags: dict[str, str] | None = None, run_name: str | None = None) -> Iterator[str]:
     """Start the pipeline's MLflow run (config as params), yield its id, end it FINISHED, FAILED or KILLED.
 
-    KILLED: interrupted (Ctrl-C, SIGTERM). The run is tagged with its run directory, host and pid, and
-    RUNNING runs of the same directory whose process is gone are marked KILLED first (see end_abandoned_runs).
+    KILLED: interrupted (Ctrl-C, SIGTERM). The run is tagged with its run directory, host and pid, the
+    Prefect flow run (`prefect_tags`) and `rlhf.run_kind=pipeline` (`tags` may override it), and RUNNING
+    runs of the same directory whose process is gone are marked KILLED first (see end_abandoned_runs).
+    `run_name` defaults to run.name.
     """
     uri = cfg.tracking_uri()
     configure(uri)
@@ -247,9 +269,11 @@ def pipeline_run(cfg: PipelineConfig, tags: dict[str, str] | None = None) -> Ite
         "rlhf.output_dir": output_dir,
         "rlhf.host": socket.gethostname(),
         "rlhf.pid": str(os.getpid()),
+        RUN_KIND: "pipeline",
+        **prefect_tags(),
         **(tags or {}),
     }
-    run = mlflow.start_run(experiment_id=experiment_id, run_name=cfg.run.name, tags=run_tags)
+    run = mlflow.start_run(experiment_id=experiment_id, run_name=run_name or cfg.run.name, tags=run_tags)
     run_id = run.info.run_id
     try:
         _log_params(run_id, flatten_config(cfg))
@@ -261,19 +285,55 @@ def pipeline_run(cfg: PipelineConfig, tags: dict[str, str] | None = None) -> Ite
         mlflow.end_run(RunStatus.to_string(RunStatus.FINISHED))
 
 
+def run_is_empty(run_id: str) -> bool:
+    """True when the run recorded nothing a reviewer could read: no metrics, params, artifacts, datasets or models."""
+    client = MlflowClient()
+    run = client.get_run(run_id)
+    if run.data.metrics or run.data.params:
+        return False
+    if run.inputs is not None and (run.inputs.dataset_inputs or run.inputs.model_inputs):
+        return False
+    if run.outputs is not None and run.outputs.model_outputs:
+        return False
+    return not client.list_artifacts(run_id)
+
+
+_SYSTEM_TAGS = ("mlflow.", "prefect.", "rlhf.stage", RUN_KIND)
+
+
+def _drop_empty_stage_run(run_id: str, parent_run_id: str, stage: str) -> None:
+    """Delete a finished stage run that recorded nothing (a stage reused whole on a re-run), so a resumed
+    pipeline adds no empty nested runs; the parent says so (`rlhf.stage.<stage>`) and keeps the stage's
+    own tags (a reused model's URI) as `rlhf.<stage>.<tag>`."""
+    client = MlflowClient()
+    run = client.get_run(run_id)
+    kept = {k: v for k, v in run.data.tags.items() if not k.startswith(_SYSTEM_TAGS)}
+    tags = {f"rlhf.stage.{stage}": "reused: nothing new to record, see the previous attempt's stage run"}
+    tags.update({f"rlhf.{stage}.{k.removeprefix('rlhf.')}": v for k, v in kept.items()})
+    for key, value in tags.items():
+        client.set_tag(parent_run_id, key, value)
+    client.delete_run(run_id)
+
+
 @contextmanager
 def stage_run(parent_run_id: str, stage: str) -> Iterator[str]:
-    """A nested run for one stage under the pipeline run; FAILED if the stage raises."""
+    """A nested run for one stage under the pipeline run; FAILED if the stage raises.
+
+    Tagged `rlhf.stage`, `rlhf.run_kind=stage` and with the Prefect flow run (this process's, else the
+    parent's: a launched worker process has no Prefect context). A run that ends FINISHED with nothing
+    recorded is deleted again (see _drop_empty_stage_run).
+    """
     if not writes():
         yield ""
         return
     parent = MlflowClient().get_run(parent_run_id)
+    inherited = {k: v for k, v in parent.data.tags.items() if k in (FLOW_RUN_ID, FLOW_RUN_URL)}
     run = mlflow.start_run(
         experiment_id=parent.info.experiment_id,
         run_name=stage,
         nested=True,
         parent_run_id=parent_run_id,
-        tags={"rlhf.stage": stage},
+        tags={"rlhf.stage": stage, RUN_KIND: "stage", **inherited, **prefect_tags()},
     )
     try:
         yield run.info.run_id
@@ -282,6 +342,8 @@ def stage_run(parent_run_id: str, stage: str) -> Iterator[str]:
         raise
     else:
         mlflow.end_run(RunStatus.to_string(RunStatus.FINISHED))
+        if run_is_empty(run.info.run_id):
+            _drop_empty_stage_run(run.info.run_id, parent_run_id, stage)
 
 
 def log_metrics(run_id: str, metrics: dict[str, float], step: int) -> None:
@@ -312,6 +374,49 @@ def log_table(run_id: str, rows: list[dict], artifact_file: str) -> None:
     if rows:
         columns = {key: [row.get(key) for row in rows] for key in rows[0]}
         MlflowClient().log_table(run_id, data=columns, artifact_file=artifact_file)
+
+
+def _dataset_source(source: str, split: str | None, revision: str | None):
+    """An MLflow DatasetSource for a data.* path: 'demo' (made by code), a URL, a local path or glob, or a hub name."""
+    from mlflow.data.code_dataset_source import CodeDatasetSource
+    from mlflow.data.dataset_source_registry import resolve_dataset_source
+    from mlflow.data.http_dataset_source import HTTPDatasetSource
+    from mlflow.data.huggingface_dataset_source import HuggingFaceDatasetSource
+
+    if source == "demo":
+        return CodeDatasetSource(tags={"rlhf.source": "demo"})
+    if source.startswith(("http://", "https://")):
+        return HTTPDatasetSource(url=source)
+    local = Path(source).expanduser()
+    if "://" in source or local.exists() or local.parent.is_dir() and any(c in source for c in "*?["):
+        try:
+            return resolve_dataset_source(source if "://" in source else str(local.resolve()))
+        except mlflow.exceptions.MlflowException:
+            return CodeDatasetSource(tags={"rlhf.source": source})
+    return HuggingFaceDatasetSource(path=source, split=split, revision=revision)
+
+
+def log_datasets(run_id: str, datasets: list[dict]) -> None:
+    """Log each prepared table as an MLflow dataset input of the run.
+
+    Each entry: name (the config field, e.g. data.preference), source (the user's path, hub name or
+    'demo'; credentials are masked here), digest (the table's fingerprint), context (training or
+    evaluation), and optionally split, revision and rows (recorded as input tags).
+    """
+    if not writes() or not datasets:
+        return
+    from mlflow.data.meta_dataset import MetaDataset
+    from mlflow.entities import DatasetInput, InputTag
+    from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
+
+    inputs = []
+    for entry in datasets:
+        source = _dataset_source(redact(str(entry["source"])), entry.get("split"), entry.get("revision"))
+        dataset = MetaDataset(source, name=entry["name"], digest=entry["digest"])
+        tags = [InputTag(MLFLOW_DATASET_CONTEXT, entry["context"])]
+        tags += [InputTag(f"rlhf.{k}", str(entry[k])) for k in ("rows", "split") if entry.get(k) is not None]
+        inputs.append(DatasetInput(dataset=dataset._to_mlflow_entity(), tags=tags))
+    MlflowClient().log_inputs(run_id, datasets=inputs)
 
 
 def set_run_tags(run_id: str, tags: dict[str, str]) -> None:

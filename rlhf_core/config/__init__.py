@@ -26,8 +26,11 @@ from rlhf_core.config.errors import (
 )
 from rlhf_core.config.loading import apply_overrides, load_config, parse_override, validate_config
 from rlhf_core.config.pipeline import (
+    DivergenceRule,
     EvalConfig,
     ExportConfig,
+    GuardConfig,
+    GuardRule,
     PipelineConfig,
     PromoteConfig,
     RegistryConfig,
@@ -70,8 +73,11 @@ __all__ = [
     "load_config",
     "parse_override",
     "validate_config",
+    "DivergenceRule",
     "EvalConfig",
     "ExportConfig",
+    "GuardConfig",
+    "GuardRule",
     "PipelineConfig",
     "PromoteConfig",
     "RegistryConfig",

@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, model_validator
 
@@ -23,11 +24,63 @@ class EvalConfig(Section):
     num_prompts: int = Field(64, ge=1, description="Held-out prompts evaluated each time.")
     batch_size: int = Field(64, ge=1, description="Prompts per generation batch.")
     greedy: bool = Field(
-        False, description="Plain greedy decoding instead of near-greedy sampling (temperature 0.01+1e-7)."
+        False,
+        description="Greedy decoding instead of sampling as in training; the KL and diversity are then of greedy completions, not estimates.",
+    )
+    temperature: float | None = Field(
+        None,
+        gt=0.0,
+        description="Sampling temperature of evaluation (top_k and top_p are rl's); null: rl.temperature, so that the KL is measured on the policy's own samples.",
     )
     metrics: list[str] = Field(
         default_factory=lambda: ["rlhf_core.reward_functions:vader_compound"],
         description="Extra metric functions 'module:function' scored on each completion.",
+    )
+
+
+GuardAction = Literal["warn", "stop", "rollback"]
+
+
+class GuardRule(Section):
+    limit: float | None = Field(None, ge=0.0, description="The rule's threshold; null: the rule is off.")
+    action: GuardAction = Field(
+        "warn",
+        description="On a breach: 'warn' (log it; the checkpoint is marked), 'stop' (end RL), 'rollback' (restore the last checkpoint that passed every rule, strengthen the KL coefficient and go on).",
+    )
+
+
+class DivergenceRule(Section):
+    evals: int | None = Field(
+        3,
+        ge=1,
+        description="Fires when the proxy reward rose and the gold metric fell at each of this many evaluations in a row; null: off.",
+    )
+    gold: str | None = Field(None, description="The gold eval column; null: the first of eval.metrics.")
+    proxy: str = Field("score", description="The proxy eval column: 'score' (the reward model) or a reward function's.")
+    action: GuardAction = Field("warn", description="On a breach: warn, stop or rollback (as the other rules).")
+
+
+class GuardConfig(Section):
+    kl_budget: GuardRule = Field(
+        default_factory=GuardRule,
+        description="Eval KL to the initial policy (k3, nats per completion) above `limit`.",
+    )
+    min_distinct_ratio: GuardRule = Field(
+        default_factory=lambda: GuardRule(limit=0.5),
+        description="distinct-2 of the eval completions over the initial policy's below `limit` (collapse).",
+    )
+    max_length_change: GuardRule = Field(
+        default_factory=lambda: GuardRule(limit=0.5),
+        description="|mean completion length / the initial policy's - 1| above `limit`.",
+    )
+    divergence: DivergenceRule = Field(
+        default_factory=DivergenceRule, description="Over-optimization: the proxy reward keeps rising while gold falls."
+    )
+    kl_coef_factor: float = Field(
+        2.0, gt=1.0, description="A rollback multiplies ppo.kl_coef (or grpo.beta, when above 0) by this."
+    )
+    max_rollbacks: int = Field(
+        2, ge=0, description="Rollbacks allowed in a run; one more breach that asks for one stops RL."
     )
 
 
@@ -39,6 +92,10 @@ class ExportConfig(Section):
     license: str | None = Field(
         None,
         description="License in the exported model card's metadata (a hub license id such as apache-2.0); null: the base model card's license when it has one.",
+    )
+    select: Literal["best", "last"] = Field(
+        "best",
+        description="Which RL checkpoint is exported: 'best' (the highest promotion metric among checkpoints that passed every guard rule) or 'last'.",
     )
 
 
@@ -96,6 +153,10 @@ class PipelineConfig(Section):
     ppo: PPOConfig = Field(default_factory=PPOConfig, description="PPO hyper-parameters.")
     grpo: GRPOConfig = Field(default_factory=GRPOConfig, description="GRPO hyper-parameters.")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Periodic generation evaluation.")
+    guard: GuardConfig = Field(
+        default_factory=GuardConfig,
+        description="Rules against over-optimization and collapse, checked at every evaluation.",
+    )
     export: ExportConfig = Field(default_factory=ExportConfig, description="Export of the final policy.")
     promote: PromoteConfig = Field(default_factory=PromoteConfig, description="Promotion of the candidate to champion.")
     tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="MLflow tracking.")
@@ -150,10 +211,29 @@ class PipelineConfig(Section):
         if self.init.policy == "sft" and not self.sft.enabled:
             raise ValueError("init.policy is 'sft' but sft.enabled is false; set init.policy to 'base' or enable sft")
         names = self.metric_names()
+        self._guard_checks(names)
         if self.promote.metric is not None and self.promote.metric not in ("score", *names):
             allowed = ", ".join(repr(n) for n in ("score", *names))
             raise ValueError(f"promote.metric {self.promote.metric!r} is not an eval column; allowed: {allowed}")
         return self
+
+    def _guard_checks(self, names: list[str]) -> None:
+        guard = self.guard
+        acting = [
+            f"guard.{name}.action"
+            for name in ("kl_budget", "min_distinct_ratio", "max_length_change", "divergence")
+            if getattr(guard, name).action != "warn"
+        ]
+        if acting and self.run.num_processes > 1:
+            raise ValueError(
+                f"{acting[0]} '{getattr(guard, acting[0].split('.')[1]).action}' ends or rewinds training from the "
+                f"evaluating process, which run.num_processes {self.run.num_processes} does not support yet; use 'warn'"
+            )
+        if guard.divergence.gold is not None and guard.divergence.gold not in names:
+            allowed = ", ".join(repr(n) for n in names) or "none (eval.metrics is empty)"
+            raise ValueError(
+                f"guard.divergence.gold {guard.divergence.gold!r} is not an eval metric; allowed: {allowed}"
+            )
 
     def _grpo_checks(self) -> None:
         grpo, rl = self.grpo, self.rl
@@ -213,6 +293,14 @@ class PipelineConfig(Section):
     def is_demo(self) -> bool:
         """The built-in demo: the policy's base is the demo world's model (model.base 'demo')."""
         return self.model.base == DEMO
+
+    def gold_metric(self) -> str | None:
+        """guard.divergence.gold, else the first of eval.metrics (the demo's VADER), else None."""
+        names = self.metric_names()
+        return self.guard.divergence.gold or (names[0] if names else None)
+
+    def eval_temperature(self) -> float:
+        return self.eval.temperature or self.rl.temperature
 
     def promotion_metric(self) -> str:
         """The eval column promotion compares: promote.metric; else in the demo the first metric function

@@ -52,3 +52,23 @@ def test_without_min_improvement_the_candidate_must_be_strictly_better():
 def test_a_non_finite_metric_is_never_promoted():
     d = decide(summary(float("nan")), None, Gates("vader", None, None, None))
     assert not d.promote and "not finite" in d.reason
+
+
+def test_a_candidate_that_broke_a_guard_rule_is_refused_whatever_its_metric():
+    from rlhf_core.promotion import Gates, decide
+
+    gates = Gates("vader_compound", None, 20.0, None)
+    good = {"eval/vader_compound_mean": 0.9, "eval/kl_mean": 1.0}
+    decision = decide(good, None, gates, broken=["kl_budget", "min_distinct_ratio"])
+    assert not decision.promote
+    assert decision.reason.startswith("the candidate broke guard rules kl_budget, min_distinct_ratio")
+    assert decide(good, None, gates, broken=[""]).promote  # an empty guard.broken tag: it passed
+
+
+def test_the_kl_gate_reads_k3_when_it_was_measured():
+    from rlhf_core.promotion import Gates, decide
+
+    gates = Gates("vader_compound", None, 3.0, None)
+    # k1 can read low (or negative) on few samples; k3 is never negative and is preferred
+    decision = decide({"eval/vader_compound_mean": 0.9, "eval/kl_mean": 1.0, "eval/kl_k3_mean": 4.0}, None, gates)
+    assert not decision.promote and decision.candidate_kl == 4.0 and "exceeds promote.max_kl 3.0" in decision.reason

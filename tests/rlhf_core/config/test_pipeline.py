@@ -109,3 +109,18 @@ def test_the_example_configs_promote_explicitly():
     for name in ("one-gpu", "multi-gpu"):
         cfg = load_config(REPO / "configs" / "examples" / f"{name}.yaml")
         assert not cfg.is_demo() and cfg.promotion_gates(first=True).metric == "score"
+
+
+def test_guard_section_defaults_and_checks():
+    from rlhf_core.config import ConfigError, load_config
+
+    smoke = str(Path(__file__).resolve().parents[3] / "configs" / "smoke.yaml")
+    cfg = load_config(smoke)
+    assert cfg.guard.kl_budget.limit is None and cfg.guard.min_distinct_ratio.limit == 0.5
+    assert cfg.export.select == "best" and cfg.gold_metric() == "vader_compound"
+    assert cfg.eval_temperature() == cfg.rl.temperature
+    assert load_config(smoke, ["eval.temperature=0.5"]).eval_temperature() == 0.5
+    with pytest.raises(ConfigError, match="guard.kl_budget.action 'rollback' ends or rewinds training"):
+        load_config(smoke, ["guard.kl_budget.action=rollback", "run.num_processes=2"])
+    with pytest.raises(ConfigError, match="guard.divergence.gold 'bleu' is not an eval metric"):
+        load_config(smoke, ["guard.divergence.gold=bleu"])
