@@ -122,7 +122,8 @@ def print_summary(summary: dict) -> None:
     if summary.get("final_eval_rows"):
         from tasks.progress import print_rows
 
-        print_rows(summary["final_eval_rows"], "Held-out completions after training (first 5)")
+        rows = [{**row, "prompt": _shown_prompt(row["prompt"])} for row in summary["final_eval_rows"]]
+        print_rows(rows, "Held-out completions of the exported policy (first 5)")
     console.print(table)
     print_alignment(console, summary)
     if uri.startswith("sqlite"):

@@ -449,6 +449,11 @@ class PolicyReporter(StageReporter):
             return last
         metric_key = f"eval/{self.cfg.promotion_metric()}_mean"
         chosen = self.ledger.best(steps, metric_key) or self.ledger.last_passed(steps)
+        if not any(s in self.ledger.evals for s in steps):
+            self.logger.warning(
+                "no %s checkpoint step had an evaluation: exporting the last one (step %d)", self.stage, last
+            )
+            return last
         if chosen is None or chosen == 0:
             self.logger.warning(
                 "no %s checkpoint passed every guard rule: exporting the last one (step %d)", self.stage, last
