@@ -17,6 +17,8 @@ from pathlib import Path
 
 from anchors import interleaved, side_process_main
 
+from rlhf_core.demo_world import DemoWorld, world_rows
+
 HERE = Path(__file__).resolve().parent
 STEPS, PROMPTS, G, TOKENS, SEED, LR = 30, 4, 8, 16, 42, 2e-3
 LEARNING_BETA, LEARNING_STEPS = 0.04, 120
@@ -50,13 +52,12 @@ def vader_reward(prompts, completions, **kwargs):
 
 def side_ours(root: Path) -> dict:
     from rlhf_core.config import GRPOConfig, RLConfig, RunConfig
-    from rlhf_core.data import read_rows
     from rlhf_core.grpo import function_reward, train_grpo
     from rlhf_core.models import load_causal_lm, load_tokenizer
 
     tok = load_tokenizer(str(root / "sft"))
     policy, ref = load_causal_lm(str(root / "sft")), load_causal_lm(str(root / "sft"))
-    rows = read_rows(root / "world" / "prompts" / "train.jsonl")
+    rows = world_rows(DemoWorld(root / "world"), "prompt", "train")
     rl = RLConfig(
         algorithm="grpo",
         total_steps=STEPS,
@@ -98,12 +99,11 @@ def side_trl(root: Path) -> dict:
     from trl import GRPOConfig as TRLGRPOConfig
     from trl import GRPOTrainer
 
-    from rlhf_core.data import read_column
     from rlhf_core.models import load_tokenizer
 
     tok = load_tokenizer(str(root / "sft"))
     tok.padding_side = "left"
-    prompts = read_column(root / "world" / "prompts" / "train.jsonl", "prompt")
+    prompts = [r["prompt"] for r in world_rows(DemoWorld(root / "world"), "prompt", "train")]
     rewards, lengths = [], []
 
     class Rewards(TrainerCallback):
@@ -150,7 +150,6 @@ def side_trl(root: Path) -> dict:
 def learning(root: Path) -> dict:
     """Part B: GRPO on the demo world with VADER as the reward function; gold and KL before and after."""
     from rlhf_core.config import GRPOConfig, RLConfig, load_config
-    from rlhf_core.data import read_column, read_rows
     from rlhf_core.evaluation import evaluate_generations, summarize_rows
     from rlhf_core.grpo import function_reward, train_grpo
     from rlhf_core.models import load_causal_lm, load_tokenizer
@@ -159,8 +158,10 @@ def learning(root: Path) -> dict:
     cfg = load_config(HERE.parent / "configs" / "demo.yaml")
     tok = load_tokenizer(str(root / "sft"))
     policy, ref = load_causal_lm(str(root / "sft")), load_causal_lm(str(root / "sft"))
-    rows = read_rows(root / "world" / "prompts" / "train.jsonl")
-    eval_prompts = read_column(root / "world" / "prompts" / "test.jsonl", "prompt")[: cfg.eval.num_prompts]
+    rows = world_rows(DemoWorld(root / "world"), "prompt", "train")
+    eval_prompts = [r["prompt"] for r in world_rows(DemoWorld(root / "world"), "prompt", "test")][
+        : cfg.eval.num_prompts
+    ]
 
     def evaluate(model):
         out = evaluate_generations(

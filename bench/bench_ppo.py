@@ -15,6 +15,8 @@ from pathlib import Path
 
 from anchors import interleaved, side_process_main
 
+from rlhf_core.demo_world import DemoWorld, world_rows
+
 HERE = Path(__file__).resolve().parent
 BATCHES, BATCH, RESPONSE, SEED = 8, 32, 16, 42
 
@@ -72,11 +74,10 @@ def load_models(root: Path):
 
 def side_ours(root: Path) -> dict:
     from rlhf_core.config import PPOConfig, RLConfig, RunConfig
-    from rlhf_core.data import read_column
     from rlhf_core.ppo import train_ppo
 
     tok, policy, ref, value, reward = load_models(root)
-    prompts = read_column(root / "world" / "prompts" / "train.jsonl", "prompt")
+    prompts = [r["prompt"] for r in world_rows(DemoWorld(root / "world"), "prompt", "train")]
     rl = RLConfig(
         total_steps=BATCHES,
         batch_size=BATCH,
@@ -110,13 +111,12 @@ def side_trl(root: Path) -> dict:
     from trl.experimental.ppo import PPOConfig as TRLPPOConfig
     from trl.experimental.ppo import PPOTrainer
 
-    from rlhf_core.data import read_column
     from rlhf_core.models import load_tokenizer
 
     reward_dir = (root / "reward_dir").read_text()
     tok = load_tokenizer(str(root / "sft"))
     tok.padding_side = "left"
-    prompts = read_column(root / "world" / "prompts" / "train.jsonl", "prompt")
+    prompts = [r["prompt"] for r in world_rows(DemoWorld(root / "world"), "prompt", "train")]
     ids = [seq[-16:] for seq in tok(prompts)["input_ids"]]
     train = datasets.Dataset.from_dict({"input_ids": ids})
     args = TRLPPOConfig(
@@ -159,15 +159,16 @@ def side_trl(root: Path) -> dict:
 def learning(root: Path) -> dict:
     """Part B: demo-config PPO, gold (VADER) and KL of near-greedy held-out completions before and after."""
     from rlhf_core.config import load_config
-    from rlhf_core.data import read_column
     from rlhf_core.evaluation import evaluate_generations, summarize_rows
     from rlhf_core.ppo import train_ppo
     from rlhf_core.reward_functions import vader_compound
 
     cfg = load_config(HERE.parent / "configs" / "demo.yaml")
     tok, policy, ref, value, reward = load_models(root)
-    prompts = read_column(root / "world" / "prompts" / "train.jsonl", "prompt")
-    eval_prompts = read_column(root / "world" / "prompts" / "test.jsonl", "prompt")[: cfg.eval.num_prompts]
+    prompts = [r["prompt"] for r in world_rows(DemoWorld(root / "world"), "prompt", "train")]
+    eval_prompts = [r["prompt"] for r in world_rows(DemoWorld(root / "world"), "prompt", "test")][
+        : cfg.eval.num_prompts
+    ]
 
     def evaluate(model):
         rows = evaluate_generations(

@@ -35,6 +35,7 @@ from rlhf_core.rollout import (
     rl_sampling,
     sequence_scores,
 )
+from rlhf_core.timing import PhaseTimer
 
 LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"]
 STD_EPS = 1e-4  # TRL's: advantages are divided by std + 1e-4
@@ -324,6 +325,8 @@ def train_grpo(
         pooled = loop.accelerator.gather(padded)
         return pooled[pooled != -1e9]
 
+    timer = PhaseTimer(loop.device)
+
     def step(batch: tuple[torch.Tensor, torch.Tensor, list[int]]) -> dict[str, torch.Tensor]:
         query_ids, query_mask, indices = batch
         # 1. sample G completions per prompt
@@ -340,6 +343,7 @@ def train_grpo(
                 need_reference=grpo.beta > 0,
                 need_logprobs=per_iteration > 1,
                 prompt_repeats=G,
+                timer=timer,
             )
         rows = [prompt_rows[i] for i in indices]
         prompts = [r["prompt"] for r in rows]
@@ -347,10 +351,11 @@ def train_grpo(
 
         # 2. rewards from every source, NaN where a source returned None; a NaN or inf stops the step
         scored = []
-        for source in rewards:
-            values = source.score(prompts, completions, rollout, rows)
-            check_finite(f"reward {source.name}", values)
-            scored.append([float("nan") if v is None else v for v in values])
+        with timer("reward"):
+            for source in rewards:
+                values = source.score(prompts, completions, rollout, rows)
+                check_finite(f"reward {source.name}", values)
+                scored.append([float("nan") if v is None else v for v in values])
         per_source = torch.tensor(scored, dtype=torch.float32).T.to(loop.device)  # (B, F)
         penalty = None
         if rl.missing_eos_penalty is not None:
@@ -378,60 +383,63 @@ def train_grpo(
             k: [] for k in ("loss", "low", "high", "region", "cispo", "kl", "entropy")
         }
         policy.train()
-        for j in range(per_iteration):
-            base = (j % steps_per_gen) * step_batch
-            step_loss = torch.zeros((), device=loop.device)
-            for start in range(base, base + step_batch, micro):
-                idx = slice(start, min(start + micro, base + step_batch))
-                m = mask[idx]
-                with loop.micro_batch():
-                    logp, entropy = response_logprobs(
-                        loop.trainable,
-                        rollout.query_ids[idx],
-                        rollout.query_mask[idx],
-                        rollout.responses[idx],
-                        rollout.resp_mask[idx],
-                        rl.temperature,
-                        with_entropy=True,
-                    )
-                    old_logp = rollout.logprobs[idx] if rollout.logprobs is not None else logp.detach()
-                    entropy_mask = None
-                    if grpo.top_entropy_quantile < 1.0:
-                        entropy_mask = high_entropy_mask(entropy, m, grpo.top_entropy_quantile, gather_tokens)
-                    per_token, tstats = grpo_token_loss(
-                        logp,
-                        old_logp,
-                        advantages[idx],
-                        m,
-                        grpo,
-                        entropy_mask=entropy_mask,
-                        ref_logp=rollout.ref_logprobs[idx] if rollout.ref_logprobs is not None else None,
-                    )
-                    loss = reduce_loss(
-                        per_token,
-                        m,
-                        grpo.loss_type,
-                        max_completion_length=rl.response_length,
-                        total_tokens=total_tokens,
-                    )
-                    if grpo.loss_type not in ("dapo", "cispo"):
-                        loss = loss * (m.shape[0] / step_batch)  # mean over micro-batches
-                    loop.backward(loss)
-                step_loss = step_loss + loss.detach()
-                if "cispo_clipped" in tstats:
-                    stats["cispo"].append(stat_mean(tstats["cispo_clipped"], m))
-                else:
-                    stats["low"].append(stat_mean(tstats["low_clipped"], m))
-                    stats["high"].append(stat_mean(tstats["high_clipped"], m))
-                    stats["region"].append(stat_mean(torch.maximum(tstats["low_clipped"], tstats["high_clipped"]), m))
-                stats["entropy"].append(masked_mean(entropy.detach(), m))
-                if "kl" in tstats:
-                    stats["kl"].append(masked_mean(tstats["kl"].detach(), m))
-            loop.optimizer_step()
-            stats["loss"].append(step_loss)  # the optimizer step's whole loss, not a micro-batch's share
-            done = loop.step * per_iteration + j + 1  # optimizer steps so far (TRL's global_step)
-            if grpo.sync_ref_model and ref_model is not None and done % grpo.ref_model_sync_steps == 0:
-                mix_into_reference(ref_model, loop.unwrapped(), grpo.ref_model_mixup_alpha)
+        with timer("optimize"):
+            for j in range(per_iteration):
+                base = (j % steps_per_gen) * step_batch
+                step_loss = torch.zeros((), device=loop.device)
+                for start in range(base, base + step_batch, micro):
+                    idx = slice(start, min(start + micro, base + step_batch))
+                    m = mask[idx]
+                    with loop.micro_batch():
+                        logp, entropy = response_logprobs(
+                            loop.trainable,
+                            rollout.query_ids[idx],
+                            rollout.query_mask[idx],
+                            rollout.responses[idx],
+                            rollout.resp_mask[idx],
+                            rl.temperature,
+                            with_entropy=True,
+                        )
+                        old_logp = rollout.logprobs[idx] if rollout.logprobs is not None else logp.detach()
+                        entropy_mask = None
+                        if grpo.top_entropy_quantile < 1.0:
+                            entropy_mask = high_entropy_mask(entropy, m, grpo.top_entropy_quantile, gather_tokens)
+                        per_token, tstats = grpo_token_loss(
+                            logp,
+                            old_logp,
+                            advantages[idx],
+                            m,
+                            grpo,
+                            entropy_mask=entropy_mask,
+                            ref_logp=rollout.ref_logprobs[idx] if rollout.ref_logprobs is not None else None,
+                        )
+                        loss = reduce_loss(
+                            per_token,
+                            m,
+                            grpo.loss_type,
+                            max_completion_length=rl.response_length,
+                            total_tokens=total_tokens,
+                        )
+                        if grpo.loss_type not in ("dapo", "cispo"):
+                            loss = loss * (m.shape[0] / step_batch)  # mean over micro-batches
+                        loop.backward(loss)
+                    step_loss = step_loss + loss.detach()
+                    if "cispo_clipped" in tstats:
+                        stats["cispo"].append(stat_mean(tstats["cispo_clipped"], m))
+                    else:
+                        stats["low"].append(stat_mean(tstats["low_clipped"], m))
+                        stats["high"].append(stat_mean(tstats["high_clipped"], m))
+                        stats["region"].append(
+                            stat_mean(torch.maximum(tstats["low_clipped"], tstats["high_clipped"]), m)
+                        )
+                    stats["entropy"].append(masked_mean(entropy.detach(), m))
+                    if "kl" in tstats:
+                        stats["kl"].append(masked_mean(tstats["kl"].detach(), m))
+                loop.optimizer_step()
+                stats["loss"].append(step_loss)  # the optimizer step's whole loss, not a micro-batch's share
+                done = loop.step * per_iteration + j + 1  # optimizer steps so far (TRL's global_step)
+                if grpo.sync_ref_model and ref_model is not None and done % grpo.ref_model_sync_steps == 0:
+                    mix_into_reference(ref_model, loop.unwrapped(), grpo.ref_model_mixup_alpha)
 
         step = loop.step + 1
         if (
@@ -459,6 +467,7 @@ def train_grpo(
         # reward statistics come from every process's rows already: the loop's averaging leaves them as they are
         everyone_sources = loop.gather(per_source)
         metrics = {
+            **timer.pop(),
             "reward": torch.nanmean(everyone.rewards),
             "reward_std": nanstd(everyone.rewards),
             "frac_reward_zero_std": torch.isclose(everyone.std, torch.zeros_like(everyone.std)).float().mean(),

@@ -31,6 +31,7 @@ from rlhf_core.rollout import (
     sequence_scores,
     token_values,
 )
+from rlhf_core.timing import PhaseTimer
 
 # -- PPO's math: KL-penalized rewards, GAE, the clipped losses, KL controllers --------------------------
 
@@ -152,15 +153,20 @@ def make_kl_controller(ppo: PPOConfig):
 
 @torch.no_grad()
 def score_rollout(
-    rollout: Rollout, value_model, reward_model, *, missing_eos_penalty: float | None
+    rollout: Rollout, value_model, reward_model, *, missing_eos_penalty: float | None, timer: PhaseTimer | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(scores (B,), values (B, R)) of a rollout; responses without the stop token lose the penalty."""
+    """(scores (B,), values (B, R)) of a rollout; responses without the stop token lose the penalty.
+    `timer` times the phases reward and value."""
+    timer = timer or PhaseTimer(enabled=False)
     args = (rollout.query_ids, rollout.query_mask, rollout.responses, rollout.resp_mask)
-    scores = sequence_scores(reward_model, *args, rollout.last_index)
+    with timer("reward"):
+        scores = sequence_scores(reward_model, *args, rollout.last_index)
     check_finite("the reward model", scores)
     if missing_eos_penalty is not None:
         scores = scores - missing_eos_penalty * (~rollout.has_stop).float()
-    return scores, token_values(value_model, *args)
+    with timer("value"):
+        values = token_values(value_model, *args)
+    return scores, values
 
 
 def train_ppo(
@@ -226,16 +232,25 @@ def train_ppo(
     world = loop.world
     all_reduce = loop.global_sum if world > 1 else None  # whitening over every process's rows
 
+    timer = PhaseTimer(loop.device)
+
     def step(batch: tuple[torch.Tensor, torch.Tensor, list[int]]) -> dict[str, torch.Tensor | float]:
         query_ids, query_mask, _ = batch
         # 1. generate  2. score
         models = loop.unwrapped()
         with loop.full_parameters():
             rollout = collect_rollout(
-                models.policy, ref_model, query_ids, query_mask, sampling, pad_token_id=pad_id, stop_token_ids=stop_ids
+                models.policy,
+                ref_model,
+                query_ids,
+                query_mask,
+                sampling,
+                pad_token_id=pad_id,
+                stop_token_ids=stop_ids,
+                timer=timer,
             )
             scores, values = score_rollout(
-                rollout, models.value_model, reward_model, missing_eos_penalty=rl.missing_eos_penalty
+                rollout, models.value_model, reward_model, missing_eos_penalty=rl.missing_eos_penalty, timer=timer
             )
         mask = rollout.resp_mask
 
@@ -258,32 +273,39 @@ def train_ppo(
         stats: dict[str, list[torch.Tensor]] = {
             k: [] for k in ("pg_loss", "vf_loss", "pg_clipfrac", "vf_clipfrac", "approxkl", "ratio", "entropy")
         }
-        for _ in range(ppo.num_ppo_epochs):
-            order = torch.randperm(rl.batch_size, device=loop.device)
-            for mini_start in range(0, rl.batch_size, mini_size):
-                mini = order[mini_start : mini_start + mini_size]
-                mini_tokens = loop.global_sum(mask[mini].sum().float()) / world
-                for micro_start in range(0, mini_size, micro_size):
-                    idx = mini[micro_start : micro_start + micro_size]
-                    m = mask[idx]
-                    with loop.micro_batch():
-                        new_logp, entropy, vpred = loop.trainable(
-                            rollout.query_ids[idx], rollout.query_mask[idx], rollout.responses[idx], m, rl.temperature
-                        )
-                        pg, pg_stats = policy_loss(new_logp, rollout.logprobs[idx], advantages[idx], m, ppo.cliprange)
-                        vf, vf_stats = value_loss(vpred, values[idx], returns[idx], m, ppo.cliprange_value)
-                        loop.backward((pg + ppo.vf_coef * vf) * m.sum() / mini_tokens)
-                    for key, value in (
-                        ("pg_loss", pg),
-                        ("vf_loss", vf),
-                        ("pg_clipfrac", pg_stats["clipfrac"]),
-                        ("vf_clipfrac", vf_stats["clipfrac"]),
-                        ("approxkl", pg_stats["approxkl"]),
-                        ("ratio", pg_stats["ratio"]),
-                        ("entropy", masked_mean(entropy, m)),
-                    ):
-                        stats[key].append(value.detach())
-                loop.optimizer_step()
+        with timer("optimize"):
+            for _ in range(ppo.num_ppo_epochs):
+                order = torch.randperm(rl.batch_size, device=loop.device)
+                for mini_start in range(0, rl.batch_size, mini_size):
+                    mini = order[mini_start : mini_start + mini_size]
+                    mini_tokens = loop.global_sum(mask[mini].sum().float()) / world
+                    for micro_start in range(0, mini_size, micro_size):
+                        idx = mini[micro_start : micro_start + micro_size]
+                        m = mask[idx]
+                        with loop.micro_batch():
+                            new_logp, entropy, vpred = loop.trainable(
+                                rollout.query_ids[idx],
+                                rollout.query_mask[idx],
+                                rollout.responses[idx],
+                                m,
+                                rl.temperature,
+                            )
+                            pg, pg_stats = policy_loss(
+                                new_logp, rollout.logprobs[idx], advantages[idx], m, ppo.cliprange
+                            )
+                            vf, vf_stats = value_loss(vpred, values[idx], returns[idx], m, ppo.cliprange_value)
+                            loop.backward((pg + ppo.vf_coef * vf) * m.sum() / mini_tokens)
+                        for key, value in (
+                            ("pg_loss", pg),
+                            ("vf_loss", vf),
+                            ("pg_clipfrac", pg_stats["clipfrac"]),
+                            ("vf_clipfrac", vf_stats["clipfrac"]),
+                            ("approxkl", pg_stats["approxkl"]),
+                            ("ratio", pg_stats["ratio"]),
+                            ("entropy", masked_mean(entropy, m)),
+                        ):
+                            stats[key].append(value.detach())
+                    loop.optimizer_step()
 
         # the adaptive controller needs the KL of the whole global batch now, not at logging time
         mean_kl = reduce_metrics(loop.accelerator, {"kl": kl.sum(1).mean()})["kl"]
@@ -294,6 +316,7 @@ def train_ppo(
             return torch.stack(stats[key]).float().mean() if stats[key] else float("nan")
 
         return {
+            **timer.pop(),
             "objective/kl": mean_kl,
             "objective/entropy": (-rollout.logprobs * mask).sum(1).mean(),
             "objective/non_score_reward": non_score.sum(1).mean(),

@@ -18,6 +18,7 @@ from rlhf_core.chat import encode
 from rlhf_core.config import RLConfig, RunConfig
 from rlhf_core.loop import LoopSettings, ShardedBatches
 from rlhf_core.rl_math import INVALID_LOGPROB, entropy_from_logits, response_mask, selective_log_softmax
+from rlhf_core.timing import PhaseTimer
 
 
 @dataclass(frozen=True)
@@ -271,30 +272,34 @@ def collect_rollout(
     need_reference: bool = True,
     need_logprobs: bool = True,
     prompt_repeats: int = 1,
+    timer: PhaseTimer | None = None,
 ) -> Rollout:
     """Generate responses and score them under the policy and, when asked, the reference.
 
     need_logprobs=False skips the policy's forward pass: with one update per batch the "old"
     log-probabilities equal the first update's own, detached (GRPO with num_iterations 1, as TRL).
-    prompt_repeats: see `generate`.
+    prompt_repeats: see `generate`. `timer` times the phases generate, policy_logprobs and reference.
     """
+    timer = timer or PhaseTimer(enabled=False)
     policy.eval()
-    responses = generate(
-        policy,
-        query_ids,
-        query_mask,
-        settings,
-        pad_token_id=pad_token_id,
-        stop_token_ids=stop_token_ids,
-        prompt_repeats=prompt_repeats,
-    )
+    with timer("generate"):
+        responses = generate(
+            policy,
+            query_ids,
+            query_mask,
+            settings,
+            pad_token_id=pad_token_id,
+            stop_token_ids=stop_token_ids,
+            prompt_repeats=prompt_repeats,
+        )
     resp_mask, last_index, has_stop = response_mask(responses, stop_token_ids)
     logprobs = None
     if need_logprobs:
-        logprobs, _ = response_logprobs(policy, query_ids, query_mask, responses, resp_mask, settings.temperature)
+        with timer("policy_logprobs"):
+            logprobs, _ = response_logprobs(policy, query_ids, query_mask, responses, resp_mask, settings.temperature)
     ref_logprobs = None
     if need_reference:
-        with reference_context(policy, ref_model):
+        with timer("reference"), reference_context(policy, ref_model):
             ref_logprobs, _ = response_logprobs(
                 ref_model or policy, query_ids, query_mask, responses, resp_mask, settings.temperature
             )

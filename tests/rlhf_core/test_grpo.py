@@ -182,6 +182,7 @@ def test_short_run_changes_parameters_logs_trl_metrics_and_completions(tmp_path,
         "perf/step_seconds",
     } <= names
     assert "kl" not in names  # beta 0: no reference at all
+    assert {"time/generate_s", "time/reward_s", "time/optimize_s"} <= names and "time/reference_s" not in names
     assert ckpts == [2, 4] and not (result.checkpoint / "value").exists()
     assert [s for s, _ in completions] == [2, 4]
     row = completions[0][1][0]

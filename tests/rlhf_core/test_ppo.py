@@ -120,6 +120,10 @@ def test_policy_and_value_train_reference_stays_and_checkpoints_hold_the_policy_
         "perf/step_seconds",
         "perf/tokens_per_second",
     } <= metric_names
+    # where the step's time went, phase by phase, within the step's own time
+    phases = {f"time/{p}_s" for p in ("generate", "policy_logprobs", "reference", "reward", "value", "optimize")}
+    assert phases <= metric_names and all(logs[-1][1][k] > 0 for k in phases)
+    assert sum(logs[-1][1][k] for k in phases) <= logs[-1][1]["perf/step_seconds"] * 1.05
     assert [s for _, s in ckpts] == [2, 4] and ckpts[-1][0] == tmp_path / "ppo" / "checkpoint-4" / "policy"
     weights = load_file(str(result.checkpoint / "policy" / "model.safetensors"))
     assert not [k for k in weights if "score" in k]  # no value head in the policy
