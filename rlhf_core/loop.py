@@ -31,6 +31,7 @@ from rlhf_core.config import OptimSettings, RunConfig
 from rlhf_core.ownership import remove_orphan_temps
 from rlhf_core.parallel import full_parameters, gathered_state_dicts, reduce_metrics, shards_optimizer
 from rlhf_core.saving import assert_finite, atomic_dir, restore_weights, save_hf_dir
+from rlhf_core.timing import PhaseTimer
 
 
 class OnLog(Protocol):
@@ -422,6 +423,8 @@ class TrainingLoop:
         self._batches = batches
         window: list[dict[str, Any]] = []
         bar = tqdm(total=s.total_steps, initial=self.step, desc=s.name, disable=not show_progress or not self.is_main)
+        # what the loop does around the steps (logging, evaluation, checkpoints), logged at the next log step
+        around = PhaseTimer(self.device, enabled=s.timing)
         try:
             while self.step < s.total_steps:
                 started = time.perf_counter()
@@ -452,9 +455,10 @@ class TrainingLoop:
                     else:
                         logged = self.metrics
                     if self.is_main and on_log is not None:
-                        on_log({k: v for k, v in logged.items() if math.isfinite(v)}, self.step)
+                        with around("log"):
+                            on_log({**{k: v for k, v in logged.items() if math.isfinite(v)}, **around.pop()}, self.step)
                 if evaluate is not None and self._due(s.eval_every):
-                    with self.full_parameters():  # every process gathers; the main one evaluates
+                    with around("eval"), self.full_parameters():  # every process gathers; the main one evaluates
                         if self.is_main:
                             result = evaluate(self.step)
                             if s.checkpoint_metrics == "eval":
@@ -462,7 +466,8 @@ class TrainingLoop:
                             if on_eval is not None:
                                 on_eval(result, self.step)
                 if self._due(s.save_every):
-                    self._save(on_checkpoint, extra_files)
+                    with around("checkpoint"):
+                        self._save(on_checkpoint, extra_files)
         finally:  # a callback that raises (the guard's stop or rollback) leaves no bar behind
             bar.close()
         final = self.output_dir / f"checkpoint-{self.step}" if s.save_every else None

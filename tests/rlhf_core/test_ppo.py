@@ -124,6 +124,9 @@ def test_policy_and_value_train_reference_stays_and_checkpoints_hold_the_policy_
     phases = {f"time/{p}_s" for p in ("generate", "policy_logprobs", "reference", "reward", "value", "optimize")}
     assert phases <= metric_names and all(logs[-1][1][k] > 0 for k in phases)
     assert sum(logs[-1][1][k] for k in phases) <= logs[-1][1]["perf/step_seconds"] * 1.05
+    # and around the steps: the previous log call and the checkpoint of step 2, reported at the next log
+    assert logs[2][0] == 3 and logs[2][1]["time/checkpoint_s"] > 0 and logs[2][1]["time/log_s"] >= 0
+    assert "time/checkpoint_s" not in logs[1][1]  # step 2's log comes before step 2's checkpoint
     assert [s for _, s in ckpts] == [2, 4] and ckpts[-1][0] == tmp_path / "ppo" / "checkpoint-4" / "policy"
     weights = load_file(str(result.checkpoint / "policy" / "model.safetensors"))
     assert not [k for k in weights if "score" in k]  # no value head in the policy
