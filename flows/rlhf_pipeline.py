@@ -20,9 +20,10 @@ from rlhf_core.redaction import redact, refuse_secret_overrides
 from tasks import registry, tracking
 from tasks.data import PreparedData, prepare_data
 from tasks.export import CANDIDATE, export_final_policy
+from tasks.initialization import initialize_models, uses_reward_stage
 from tasks.preflight import check as preflight
 from tasks.reward_model import train_reward
-from tasks.rl import initialize_models, load_eval_history, train_policy, uses_reward_stage
+from tasks.rl import load_eval_history, train_policy
 from tasks.run_lock import run_lock, terminate_on_sigterm
 from tasks.sft import sft_warm_start
 from tasks.stage_io import Checkpoint

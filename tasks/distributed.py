@@ -16,9 +16,10 @@ from pathlib import Path
 from rlhf_core.config import PipelineConfig
 from tasks import tracking
 from tasks.data import PreparedData
+from tasks.initialization import InitPlan
 from tasks.launcher import is_main
 from tasks.reward_model import train_reward
-from tasks.rl import InitPlan, train_policy
+from tasks.rl import train_policy
 from tasks.stage_io import Checkpoint
 
 

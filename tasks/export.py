@@ -13,9 +13,9 @@ from rlhf_core.model_card import card_field, card_license, source_name
 from rlhf_core.models import generation_config_of, load_tokenizer, run_stop_ids
 from tasks import tracking
 from tasks.data import PreparedData
+from tasks.initialization import InitPlan
 from tasks.reporting import StageReporter
 from tasks.retry import IO_RETRIES
-from tasks.rl import InitPlan
 from tasks.stage_io import Checkpoint
 
 CANDIDATE = "candidate"

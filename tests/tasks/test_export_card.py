@@ -8,7 +8,7 @@ from rlhf_core.config import load_config
 from rlhf_core.model_card import write_model_card
 from tasks.data import PreparedData
 from tasks.export import base_license, export_info, root_base_name
-from tasks.rl import InitPlan
+from tasks.initialization import InitPlan
 from tasks.stage_io import Checkpoint
 
 
