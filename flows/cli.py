@@ -146,7 +146,8 @@ ALIGNMENT_ROWS = [
 ]
 
 
-RATIO_KEYS = ("eval/length_mean", "eval/distinct_2")  # the guard's ratios to the initial policy
+# the guard's ratios to the initial policy, which the RL stage's evaluations already carry
+RATIOS = {"eval/length_mean": "eval/length_ratio", "eval/distinct_2": "eval/distinct_2_ratio"}
 
 
 def print_alignment(console, summary: dict) -> None:
@@ -167,7 +168,7 @@ def print_alignment(console, summary: dict) -> None:
     for label, key, fmt in ALIGNMENT_ROWS:
         key = key.format(gold=gold)
         if key in before and key in after:
-            ratio = f"{after[key] / before[key]:.2f}" if key in RATIO_KEYS and before[key] else ""
+            ratio = f"{after[RATIOS[key]]:.2f}" if RATIOS.get(key) in after else ""
             table.add_row(
                 label.replace("gold", f"gold ({gold})"), fmt.format(before[key]), fmt.format(after[key]), ratio
             )

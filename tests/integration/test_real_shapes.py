@@ -541,3 +541,47 @@ def test_exported_generation_config_keeps_every_stop_id(family_root, name):
     # the base's own inference defaults, not RL's sampling settings
     for key in ("do_sample", "temperature", "top_p", "top_k"):
         assert getattr(exported, key) == getattr(model.generation_config, key)
+
+
+END_OF_TURN = {"qwen2.5": "<|im_end|>", "qwen2.5-instruct": "<|im_end|>", "llama-3-instruct": "<|eot_id|>"}
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_conversational_reward_pairs_end_on_the_token_a_rollout_stops_on(family_root, tmp_path, name):
+    """A conversational preference pair, read as the data stage reads it and tokenized for the reward model
+    with the family's stop ids, ends where a rollout that stops ends: on the end-of-turn token when it is a
+    stop id (Qwen2.5-Instruct, Llama-3-Instruct; no template newline after it, no eos added), else on the
+    eos appended right after it (Qwen2.5 base, whose generation_config stops on <|endoftext|> only; GPT-2,
+    which has no template and borrows eos as pad, with model.chat_template supplying ChatML)."""
+    import json
+
+    from rlhf_core.config import DatasetSpec
+    from rlhf_core.data import load_table
+    from rlhf_core.models import generation_config_of
+    from rlhf_core.reward_model import tokenize_pairs
+    from tests.fixtures.real_shapes import CHATML_TEMPLATE
+
+    path = str(build_family(name, family_root))
+    tok = load_tokenizer(path, chat_template=CHATML_TEMPLATE)  # a template only where the family has none
+    stops = stop_token_ids(tok, generation_config_of(path))
+    user = [{"role": "user", "content": "Tell me about the cat."}]
+    row = {
+        "prompt": user,
+        "chosen": [{"role": "assistant", "content": "the cat sleeps."}],
+        "rejected": [{"role": "assistant", "content": "no."}],
+    }
+    data = tmp_path / "prefs.jsonl"
+    data.write_text(json.dumps(row) + "\n")
+    table = load_table(DatasetSpec(path=str(data)), "preference", field="data.preference", tokenizer=tok)
+    (item,) = tokenize_pairs(tok, table.to_list(), 256, stops)
+    end = tok.convert_tokens_to_ids(END_OF_TURN[name]) if name in END_OF_TURN else None
+    for seq in (item["chosen"], item["rejected"]):
+        assert seq[-1] in stops  # the reward model is trained where RL reads it
+        if end in stops:
+            assert seq[-1] == end and seq.count(tok.eos_token_id) <= seq.count(end)
+        else:
+            assert seq[-1] == tok.eos_token_id
+            if end is not None:
+                assert seq[-2] == end  # eos right after the turn's end: the template's newline is dropped
+        if tok.bos_token_id is not None and tok.bos_token_id != tok.eos_token_id:
+            assert seq.count(tok.bos_token_id) <= 1  # a template that writes bos gets no second one
