@@ -49,8 +49,3 @@ class PhaseTimer:
         out = {f"{PREFIX}{phase}_s": seconds for phase, seconds in self.totals.items()}
         self.totals = defaultdict(float)
         return out
-
-
-def without_timings(metrics: dict) -> dict:
-    """`metrics` without its `time/` entries (they differ from run to run)."""
-    return {k: v for k, v in metrics.items() if not k.startswith(PREFIX)}

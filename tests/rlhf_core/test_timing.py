@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from rlhf_core.timing import PhaseTimer, without_timings
+from rlhf_core.timing import PhaseTimer
 
 
 def test_phases_add_up_until_pop_and_reset():
@@ -32,7 +32,3 @@ def test_a_phase_that_raises_is_still_timed_and_a_disabled_timer_records_nothing
     with off("generate"):
         pass
     assert off.pop() == {}
-
-
-def test_without_timings():
-    assert without_timings({"time/generate_s": 1.0, "objective/kl": 2.0}) == {"objective/kl": 2.0}
