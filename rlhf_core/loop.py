@@ -20,6 +20,7 @@ import math
 import random
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -45,7 +46,12 @@ class OnStep(Protocol):
 
 
 class OnCheckpoint(Protocol):
-    def __call__(self, path: Path, step: int) -> None: ...
+    """Called with each saved checkpoint. It returns None when it is done with the checkpoint's files, or a
+    Future that completes when it is (a registration running in the background): the loop prunes old
+    checkpoints (run.keep_last_checkpoints) only then, and not at all when the Future fails, so a
+    checkpoint is never deleted before it was registered."""
+
+    def __call__(self, path: Path, step: int) -> Future | None: ...
 
 
 def seed_everything(seed: int) -> None:
@@ -100,12 +106,20 @@ def disable_dropout(*models) -> None:
                     setattr(module, attr, 0.0)
 
 
+_FUSED_DEVICES = ("cpu", "cuda", "mps", "xpu")
+
+
 def build_optimizer(model, settings: OptimSettings, max_steps: int):
     """AdamW over the trainable parameters and the configured warm-up + schedule."""
     from transformers import get_scheduler
 
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=settings.learning_rate, weight_decay=settings.weight_decay)
+    # the fused kernel (one pass over each parameter's state instead of a dozen elementwise ops), as
+    # transformers.Trainer's default "adamw_torch_fused"; the same update rule
+    fused = bool(params) and all(p.is_floating_point() and p.device.type in _FUSED_DEVICES for p in params)
+    optimizer = torch.optim.AdamW(
+        params, lr=settings.learning_rate, weight_decay=settings.weight_decay, fused=fused or None
+    )
     scheduler = get_scheduler(
         settings.lr_scheduler, optimizer, num_warmup_steps=settings.warmup_steps, num_training_steps=max_steps
     )
@@ -388,11 +402,20 @@ class TrainingLoop:
                         "state": self.state,
                     },
                 )
+            pending = None
             if on_checkpoint is not None:
-                on_checkpoint(path / self.settings.registered if self.settings.registered else path, self.step)
+                pending = on_checkpoint(
+                    path / self.settings.registered if self.settings.registered else path, self.step
+                )
             # after registering: the newest N and the best by `best_metric` stay; the newest, which resume reads, always does
-            prune_checkpoints(self.output_dir, self.settings.keep_last, self.settings.best_metric or None)
+            if pending is None:
+                self._prune()
+            else:
+                pending.add_done_callback(lambda done: None if done.cancelled() or done.exception() else self._prune())
         self.accelerator.wait_for_everyone()
+
+    def _prune(self) -> None:
+        prune_checkpoints(self.output_dir, self.settings.keep_last, self.settings.best_metric or None)
 
     def _due(self, every: int | None) -> bool:
         return bool(every) and (self.step % every == 0 or self.step == self.settings.total_steps)

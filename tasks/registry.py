@@ -13,7 +13,7 @@ import logging
 import random
 import re
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from importlib import metadata
 from pathlib import Path
 
@@ -32,7 +32,11 @@ MODEL_REQUIREMENTS = ("torch", "transformers", "tokenizers", "safetensors", "acc
 # A served text-generation version takes max_new_tokens, temperature, top_p and do_sample per request
 # (`params` in an /invocations body); their defaults are the version's own generation_config.
 DEFAULT_MAX_NEW_TOKENS = 32  # when the generation_config sets no max_new_tokens
-INPUT_EXAMPLE = (["Hello"], {"max_new_tokens": 2})  # short: MLflow runs it once when the version is logged
+# MLflow runs the example once when the version is logged (short). That run goes through a transformers
+# pipeline, whose DataLoader draws a seed from torch's global generator; the caller's random state is
+# restored afterwards, which is only right on the thread that trains: a registration on the background
+# thread (tasks/reporting.py) logs no example.
+INPUT_EXAMPLE = (["Hello"], {"max_new_tokens": 2})
 
 
 def generation_signature(generation_config):
@@ -81,17 +85,25 @@ def find_version(model_name: str, tags: dict[str, str]):
 
 
 def register_checkpoint(
-    checkpoint_dir: str | Path, model_name: str, *, task: str, tags: dict[str, str], run_id: str
+    checkpoint_dir: str | Path,
+    model_name: str,
+    *,
+    task: str,
+    tags: dict[str, str],
+    run_id: str,
+    input_example: bool = True,
 ) -> dict[str, str]:
     """Log a Hugging Face checkpoint directory as a new version of `model_name`.
 
     `task` is the transformers pipeline task ("text-generation" for policies,
     "text-classification" for reward models). A text-generation version carries `generation_signature`
     (per-request params max_new_tokens, temperature, top_p, do_sample; defaults from the checkpoint's
-    generation_config) and a short input example. The logged model carries the run's metrics of the
-    checkpoint's own step (tag `step`; MLflow would take step 0). The version is created with its tags in one call;
-    if anything fails after it exists, it is deleted again, so no half-registered version remains.
-    Returns {"name", "version", "uri"}.
+    generation_config) and, with input_example, a short input example whose run leaves the random
+    state as it was (without one, nothing here draws from the global random generators). The logged model
+    belongs to the run `run_id` (active or not: this may run on a background thread) and carries its
+    metrics of the checkpoint's own step (tag `step`; MLflow would take step 0). The version is created
+    with its tags in one call; if anything fails after it exists, it is deleted again, so no
+    half-registered version remains. Returns {"name", "version", "uri"}.
     """
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
@@ -101,24 +113,23 @@ def register_checkpoint(
     tokenizer = AutoTokenizer.from_pretrained(checkpoint_dir)
     requirements = [f"{pkg}=={metadata.version(pkg)}" for pkg in MODEL_REQUIREMENTS]
 
-    active = mlflow.active_run()
-    if active is None or active.info.run_id != run_id:
-        raise RuntimeError(f"register_checkpoint must run inside the stage run {run_id}")
     flavor_log = logging.getLogger("mlflow.transformers")
     level = flavor_log.level
     flavor_log.setLevel(logging.ERROR)  # local checkpoints have no hub model card or license to find
     serving = {}
     if task == "text-generation":
-        serving = {"signature": generation_signature(model.generation_config), "input_example": INPUT_EXAMPLE}
+        serving = {"signature": generation_signature(model.generation_config)}
+        if input_example:
+            serving["input_example"] = INPUT_EXAMPLE
     try:
-        # MLflow loads the logged model and runs it on the input example: that must not move the run's RNG
-        with _random_state_kept():
+        with _random_state_kept() if input_example else nullcontext():
             info = mlflow.transformers.log_model(
                 transformers_model={"model": model, "tokenizer": tokenizer},
                 name=f"{tags.get('stage', 'model')}-step-{tags.get('step', '0')}",
                 task=task,
                 pip_requirements=requirements,
                 step=_step_of(tags),  # the run's metrics of this step become the logged model's (MLflow: 0)
+                run_id=run_id,  # passed on to mlflow.models.Model.log
                 **serving,
             )
     finally:
@@ -175,6 +186,7 @@ def register_once(
     run_id: str,
     identity: tuple[str, ...] = ("stage", "stage_key", "step"),
     keep_last: int | None = None,
+    input_example: bool = True,
 ) -> str:
     """URI of the version whose `identity` tags match `tags`, registering the checkpoint only if none does.
 
@@ -182,7 +194,7 @@ def register_once(
     register the same checkpoint at once: the look-up and the registration hold `store_lock(uri,
     "register")` (the limits are that lock's). Returns "" on the processes of a data-parallel stage
     other than rank 0. keep_last (registry.keep_last_versions): after a new version is registered,
-    `prune_versions(model_name, keep_last)`.
+    `prune_versions(model_name, keep_last)`. input_example: see `register_checkpoint`.
     """
     if not writes():
         return ""
@@ -202,7 +214,9 @@ def register_once(
         existing = find_version(model_name, identity_tags)  # registered by another process while we waited
         if existing is not None:
             return f"models:/{model_name}/{existing.version}"
-        uri = register_checkpoint(checkpoint_dir, model_name, task=task, tags=tags, run_id=run_id)["uri"]
+        uri = register_checkpoint(
+            checkpoint_dir, model_name, task=task, tags=tags, run_id=run_id, input_example=input_example
+        )["uri"]
         prune_versions(model_name, keep_last)
         return uri
     finally:

@@ -5,14 +5,23 @@ rlhf_core loops take (`log` as on_log, `on_checkpoint` as on_checkpoint): a stag
 sequence of calls, and what a stage reports beyond that lives in a small subclass next to the task.
 Every write goes through tasks/tracking.py and tasks/registry.py, so the processes of a
 data-parallel stage other than rank 0 write nothing.
+
+Checkpoints are registered off the training path: `on_checkpoint` reads the checkpoint's tags and
+hands the registration to a background thread (tasks/background.py), in step order, and training goes
+on. Used as a context manager, the reporter waits for them when the stage ends (a failed one fails the
+stage); when the stage fails, the registrations not started are dropped, the running one finishes,
+and the next run registers what is left (`register_saved`).
 """
 
 from __future__ import annotations
 
+from concurrent.futures import Future
+from functools import partial
 from pathlib import Path
 
 from rlhf_core.config import PipelineConfig
 from tasks import registry, tracking
+from tasks.background import BackgroundJobs
 from tasks.launcher import stage_logger
 from tasks.plots import close, curve_figure
 from tasks.progress import StageProgress, publish_markdown, publish_table
@@ -45,11 +54,24 @@ class StageReporter:
         self.sources = dict(curves or {})
         self.history: dict[str, list[tuple[int, float]]] = {name: [] for name in self.sources}
         self.model_name, self.task, self.lineage = model_name, task, dict(lineage or {})
-        self.registered: dict[int, str] = {}
+        self.registered: dict[int, str] = {}  # filled by the registration thread: read it through `version_of`
+        self.registrations = BackgroundJobs(f"{stage}-registration")
         self.step_metrics: dict[int, dict[str, float]] = {}  # what `record` saw per step (a version's own step)
         self.logger = stage_logger()
         self.progress: StageProgress | None = None
         self.total_steps = 0
+
+    def __enter__(self) -> StageReporter:
+        return self
+
+    def __exit__(self, error_type, error, traceback) -> None:
+        try:
+            if error is None:
+                self.wait_registrations()
+            else:
+                self.registrations.cancel()
+        finally:
+            self.registrations.close()
 
     # metrics and curves
     def start(self, total_steps: int, description: str, key: str | None = None) -> None:
@@ -100,16 +122,9 @@ class StageReporter:
         metrics = self.step_metrics.get(step, {})
         return {k.replace("/", "_"): f"{v:.4f}" for k, v in metrics.items() if k.startswith("eval/")}
 
-    def register(self, path: str | Path, step: int, **tags) -> str | None:
-        """Register the checkpoint at `path` once, as a version of model_name with the lineage tags, the
-        evaluation of its own step (`eval_tags`) and `tags`. The logged model carries the stage run's
-        metrics of that step (tasks/registry.py).
-
-        None when registration is off (tracking.register_models: false); "" on ranks other than 0.
-        """
-        if not self.cfg.tracking.register_models:
-            return None
-        lineage = registry.lineage_tags(
+    def lineage_tags(self, step: int, **tags) -> dict[str, str]:
+        """A version's tags: the stage's lineage, the evaluation of its own step (`eval_tags`) and `tags`."""
+        return registry.lineage_tags(
             stage=self.stage,
             step=step,
             config_hash=self.cfg.config_hash(),
@@ -117,25 +132,61 @@ class StageReporter:
             **self.lineage,
             **{**self.eval_tags(step), **tags},
         )
+
+    def register(self, path: str | Path, step: int, **tags) -> str | None:
+        """Register the checkpoint at `path` once, now, as a version of model_name with `lineage_tags`. The
+        logged model carries the stage run's metrics of that step (tasks/registry.py).
+
+        None when registration is off (tracking.register_models: false); "" on ranks other than 0.
+        """
+        if not self.cfg.tracking.register_models:
+            return None
+        return self._register(Path(path), step, self.lineage_tags(step, **tags))
+
+    def _register(self, path: Path, step: int, tags: dict[str, str], input_example: bool = True) -> str:
         self.registered[step] = registry.register_once(
             path,
             self.model_name,
             task=self.task,
-            tags=lineage,
+            tags=tags,
             run_id=self.run_id,
             keep_last=self.cfg.registry.keep_last_versions,
+            input_example=input_example,
         )
+        if self.registered[step]:
+            self.logger.info("%s checkpoint %d is %s", self.stage, step, self.registered[step])
         return self.registered[step]
 
     def checkpoint_tags(self, path: Path, step: int) -> dict[str, str]:
         """The tags of one checkpoint beyond the stage's lineage (read from its metrics.json in subclasses)."""
         return {}
 
-    def on_checkpoint(self, path: Path, step: int) -> None:
-        """on_checkpoint: register a saved checkpoint and say which version it is."""
-        uri = self.register(path, step, **self.checkpoint_tags(path, step))
-        if uri is not None:
-            self.logger.info("%s checkpoint %d is %s", self.stage, step, uri)
+    def on_checkpoint(self, path: Path, step: int) -> Future | None:
+        """on_checkpoint: register a saved checkpoint, with the tags it has now, in the background
+        (tracking.register_in_background; else before training goes on). The Future completes once the
+        version exists; it raises an earlier registration's failure. A version registered in the background
+        has its signature but no input example (registry.INPUT_EXAMPLE says why)."""
+        if not self.cfg.tracking.register_models:
+            return None
+        tags = self.lineage_tags(step, **self.checkpoint_tags(path, step))
+        if not self.cfg.tracking.register_in_background:
+            self._register(path, step, tags)
+            return None
+        return self.registrations.submit(
+            partial(self._register, path, step, tags, input_example=False),
+            f"the registration of {self.stage} checkpoint {step}",
+        )
+
+    def wait_registrations(self) -> None:
+        """Block until every checkpoint handed to the background is registered; raise the first failure."""
+        if self.registrations.pending:
+            self.logger.info("waiting for %d %s checkpoint registration(s)", self.registrations.pending, self.stage)
+        self.registrations.wait()
+
+    def version_of(self, step: int) -> str | None:
+        """The registered version (models:/ URI) of the checkpoint of `step`, once registrations are done."""
+        self.wait_registrations()
+        return self.registered.get(step)
 
     def register_saved(self, out_dir: Path, subdir: str = "") -> None:
         """Register every complete checkpoint already under out_dir (a crashed attempt's included), oldest first."""

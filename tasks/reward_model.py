@@ -145,7 +145,7 @@ class RewardReporter(StageReporter):
         tracking.log_metrics(self.run_id, {f"final/{k}": v for k, v in result.metrics.items()}, result.step)
         return Checkpoint(
             path=str(result.checkpoint.resolve()),
-            model_uri=self.registered.get(result.step),
+            model_uri=self.version_of(result.step),
             step=result.step,
             metrics=result.metrics,
             key=self.lineage["stage_key"],
@@ -175,8 +175,10 @@ def train_reward(cfg: PipelineConfig, data: PreparedData, policy: Checkpoint | N
     base, base_identity = reward_base(cfg, data, policy)
     key = reward_key(cfg, data, base_identity)
     out_dir = cfg.run.output_dir / "reward" / key
-    with tracking.stage_run(parent_run_id, "reward") as run_id:
-        reporter = RewardReporter(cfg, run_id, data, key, base_identity)
+    with (
+        tracking.stage_run(parent_run_id, "reward") as run_id,
+        RewardReporter(cfg, run_id, data, key, base_identity) as reporter,
+    ):
         reused = reuse_registered(cfg, key, out_dir)
         if reused is not None:
             reporter.logger.info(

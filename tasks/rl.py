@@ -296,7 +296,7 @@ class PolicyReporter(StageReporter):
         triggers = self.ledger.all_triggers
         return Checkpoint(
             path=str((self.out_dir / f"checkpoint-{step}" / "policy").resolve()),
-            model_uri=self.registered.get(step),
+            model_uri=self.version_of(step),
             step=step,
             metrics={**metrics, "guard/triggers": float(len(triggers))},
             key=self.key,
@@ -412,8 +412,10 @@ def train_policy(cfg: PipelineConfig, data: PreparedData, plan: InitPlan, parent
         return launcher.launch("rl", cfg, data=data, plan=plan, parent_run_id=parent_run_id)
     key = rl_key(cfg, data, plan)
     out_dir = cfg.run.output_dir / cfg.rl.algorithm / key
-    with tracking.stage_run(parent_run_id, cfg.rl.algorithm) as run_id:
-        reporter = PolicyReporter(cfg, run_id, data, plan, key, out_dir, gold=cfg.gold_metric())
+    with (
+        tracking.stage_run(parent_run_id, cfg.rl.algorithm) as run_id,
+        PolicyReporter(cfg, run_id, data, plan, key, out_dir, gold=cfg.gold_metric()) as reporter,
+    ):
         reporter.register_saved(out_dir, "policy")
         reporter.start(cfg.rl.total_steps, f"{cfg.rl.algorithm.upper()}: {cfg.rl.total_steps} steps")
         return reporter.finish(guarded_training(cfg, data, plan, reporter))
@@ -442,6 +444,7 @@ def guarded_training(cfg: PipelineConfig, data: PreparedData, plan: InitPlan, re
                 reporter.logger.warning("guard: %d rollbacks done (guard.max_rollbacks): stopping", ledger.rollbacks)
                 ledger.stopped_at = rollback.trigger.step
             else:
+                reporter.wait_registrations()  # the checkpoints set aside keep their versions
                 to_step = ledger.last_passed([0, *checkpoint_steps(out_dir)]) or 0
                 moved = set_aside(out_dir, to_step, ledger.rollbacks + 1)
                 ledger.rolled_back(to_step)

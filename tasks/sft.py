@@ -99,6 +99,4 @@ def sft_warm_start(cfg: PipelineConfig, data: PreparedData, parent_run_id: str) 
             metrics = _train(cfg, data, reporter, out_dir, key)
         step = int(metrics["sft/steps"])
         model_uri = reporter.register(out_dir, step)
-        if model_uri is not None:
-            reporter.logger.info("SFT checkpoint is %s", model_uri)
         return Checkpoint(path=str(out_dir.resolve()), model_uri=model_uri, step=step, metrics=metrics, key=key)

@@ -126,6 +126,10 @@ class TrackingConfig(Section):
     )
     experiment: str = Field("rlhf", min_length=1, description="MLflow experiment name.")
     register_models: bool = Field(True, description="Log every checkpoint as a version of a registered model.")
+    register_in_background: bool = Field(
+        True,
+        description="Register checkpoints on a background thread, in step order, while training goes on; the stage waits for them at its end. false: training waits for each registration.",
+    )
 
 
 class RegistryConfig(Section):

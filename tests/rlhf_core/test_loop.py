@@ -8,6 +8,7 @@ and LoopSettings, as a stage plugs in.
 from __future__ import annotations
 
 import json
+from concurrent.futures import Future
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -200,6 +201,30 @@ def test_logs_evaluations_and_checkpoints_come_at_their_multiples_and_the_last_s
         recorded = json.loads((ckpt / "metrics.json").read_text())
         assert log_step == step and recorded["loss"] == pytest.approx(metrics["loss"])  # "train": the step's metrics
     assert result.checkpoint == tmp_path / "checkpoint-7" and result.step == 7
+
+
+def test_old_checkpoints_are_pruned_only_once_their_background_registration_succeeded(tmp_path):
+    # given on_checkpoint handing each checkpoint to a registration that finishes later
+    loop, _ = make_loop(settings(4, save_every=1, keep_last=1), output_dir=tmp_path)
+    pending: dict[int, Future] = {}
+
+    def on_checkpoint(path, step):
+        pending[step] = Future()
+        return pending[step]
+
+    loop.run(regression_step(loop), batches(loop), on_checkpoint=on_checkpoint, show_progress=False)
+
+    def names():
+        return sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("checkpoint-"))
+
+    # then nothing was pruned while the registrations were running
+    assert names() == ["checkpoint-1", "checkpoint-2", "checkpoint-3", "checkpoint-4"]
+    # a failed registration prunes nothing (the next run registers what is left)
+    pending[1].set_exception(ConnectionError("registry down"))
+    assert len(names()) == 4
+    # one that succeeded prunes what keep_last allows: the newest stays
+    pending[2].set_result("models:/p/2")
+    assert names() == ["checkpoint-4"]
 
 
 def test_without_save_every_nothing_is_written_and_eval_metrics_can_be_what_a_checkpoint_records(tmp_path):

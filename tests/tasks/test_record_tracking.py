@@ -141,7 +141,7 @@ def test_datasets_are_logged_with_name_source_digest_and_context(cfg, tmp_path):
 def test_a_registered_checkpoint_carries_the_evaluation_recorded_for_its_step(cfg, monkeypatch):
     seen = []
 
-    def register_once(path, model_name, *, task, tags, run_id, keep_last=None):
+    def register_once(path, model_name, *, task, tags, run_id, keep_last=None, input_example=True):
         seen.append(tags)
         return f"models:/{model_name}/{len(seen)}"
 
@@ -149,7 +149,7 @@ def test_a_registered_checkpoint_carries_the_evaluation_recorded_for_its_step(cf
     reporter = StageReporter(cfg, "ppo", "run-id", model_name="p", curves={"gold": ("eval/gold_mean",)})
     reporter.record({"eval/gold_mean": 0.25, "eval/score_mean": 1.5}, 0)
     reporter.record({"eval/gold_mean": 0.75, "eval/score_mean": 2.5, "loss": 3.0}, 1)
-    reporter.on_checkpoint(cfg.run.output_dir, 1)
+    reporter.on_checkpoint(cfg.run.output_dir, 1).result()  # registered in the background
     reporter.register(cfg.run.output_dir, 2)  # no evaluation at step 2: no eval tags
     assert seen[0]["step"] == "1"
     assert seen[0]["eval_gold_mean"] == "0.7500" and seen[0]["eval_score_mean"] == "2.5000"

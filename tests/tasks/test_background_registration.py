@@ -1,0 +1,99 @@
+"""Checkpoints registered off the training path: a registration on another thread draws no randomness and
+belongs to its stage run; the reporter hands checkpoints over, waits for them at the stage's end, and
+fails the stage with the registration's own error."""
+
+import random
+import shutil
+import threading
+
+import numpy as np
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+from transformers import GenerationConfig
+
+from rlhf_core.config import load_config
+from tasks import registry, tracking
+from tasks.reporting import StageReporter
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+
+@pytest.fixture
+def cfg(tmp_path, mlflow_uri):
+    return load_config(
+        None, [f"tracking.uri={mlflow_uri}", "tracking.experiment=t", f"run.output_dir={tmp_path}", "run.name=unit"]
+    )
+
+
+def rng_states():
+    return random.getstate(), np.random.get_state()[1].tolist(), torch.random.get_rng_state().tolist()
+
+
+def test_a_registration_on_another_thread_draws_no_randomness_and_belongs_to_its_run(cfg, smoke_world, tmp_path):
+    # given a checkpoint whose own generation_config samples (as many base models' do)
+    checkpoint = tmp_path / "checkpoint-3"
+    shutil.copytree(smoke_world.base_model, checkpoint)
+    GenerationConfig(do_sample=True, temperature=0.9, top_k=5).save_pretrained(checkpoint)
+    torch.manual_seed(123)
+    before = rng_states()
+    with tracking.pipeline_run(cfg) as parent, tracking.stage_run(parent, "ppo") as run_id:
+        outcome = {}
+        tags = registry.lineage_tags(stage="ppo", step=3, config_hash="h", data_fingerprint="d")
+
+        def register():  # no active MLflow run on this thread
+            outcome["uri"] = registry.register_checkpoint(
+                checkpoint, "unit-policy", task="text-generation", tags=tags, run_id=run_id, input_example=False
+            )["uri"]
+
+        worker = threading.Thread(target=register)
+        worker.start()
+        worker.join()
+    # then the global generators are where they were (training on the other thread keeps its random stream)
+    assert rng_states() == before
+    version = MlflowClient().get_model_version("unit-policy", "1")
+    assert outcome["uri"] == "models:/unit-policy/1" and version.run_id == run_id
+    assert version.tags["step"] == "3"
+
+
+def test_the_reporter_registers_in_step_order_while_training_goes_on_and_waits_at_the_stage_end(cfg, monkeypatch):
+    gate, order = threading.Event(), []
+
+    def register_once(path, model_name, *, task, tags, run_id, keep_last=None, input_example=True):
+        assert not input_example  # its validation would draw from torch's generator beside training
+        gate.wait(5)
+        order.append(tags["step"])
+        return f"models:/{model_name}/{len(order)}"
+
+    monkeypatch.setattr(registry, "register_once", register_once)
+    with StageReporter(cfg, "ppo", "run-id", model_name="p") as reporter:
+        futures = [reporter.on_checkpoint(cfg.run.output_dir, step) for step in (2, 4, 6)]
+        assert order == [] and not any(f.done() for f in futures)  # training went on
+        gate.set()
+        assert reporter.version_of(4) == "models:/p/2"  # waits for the registrations
+    assert order == ["2", "4", "6"]
+
+
+def test_a_failed_background_registration_fails_the_stage_with_its_own_error(cfg, monkeypatch):
+    monkeypatch.setattr("tasks.background.BackgroundJobs.backoff_s", 0.01)
+    tried = []
+
+    def register_once(path, model_name, *, task, tags, run_id, keep_last=None, input_example=True):
+        tried.append(tags["step"])
+        raise ConnectionError("tracking server unreachable")
+
+    monkeypatch.setattr(registry, "register_once", register_once)
+    with pytest.raises(ConnectionError, match="unreachable"):
+        with StageReporter(cfg, "reward", "run-id", model_name="r") as reporter:
+            reporter.on_checkpoint(cfg.run.output_dir, 2)
+            reporter.registrations.wait()
+    assert tried == ["2"] * 4  # retried as a transient failure, then given up
+
+
+def test_training_waits_for_each_registration_when_the_background_is_off(tmp_path, mlflow_uri, monkeypatch):
+    cfg = load_config(
+        None, [f"tracking.uri={mlflow_uri}", f"run.output_dir={tmp_path}", "tracking.register_in_background=false"]
+    )
+    monkeypatch.setattr(registry, "register_once", lambda path, name, **kw: f"models:/{name}/1")
+    reporter = StageReporter(cfg, "ppo", "run-id", model_name="p")
+    assert reporter.on_checkpoint(tmp_path, 2) is None and reporter.registered == {2: "models:/p/1"}
