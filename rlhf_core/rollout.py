@@ -86,6 +86,28 @@ def sample_next(logits: torch.Tensor, settings: SamplingSettings) -> torch.Tenso
     return torch.searchsorted(cdf, u, right=True).squeeze(1)
 
 
+def _takes_ready_sdpa_mask(model) -> bool:
+    """True when `model` is a transformers model (or a PEFT model around one) that attends through SDPA with
+    full (causal) attention in every layer: a ready 4-D boolean mask then means to it exactly what its own
+    mask construction makes of the 2-D one. Any other module (a wrapper) gets the 2-D mask."""
+    from transformers import PreTrainedModel
+
+    base = model.get_base_model() if hasattr(model, "peft_config") else model
+    return isinstance(base, PreTrainedModel) and _full_attention_sdpa(base.config)
+
+
+def _full_attention_sdpa(config) -> bool:
+    """SDPA in every layer, none of them sliding-window: eager attention wants an additive mask, flash
+    attention a 2-D one, and sliding-window layers a mask of their own."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if getattr(config, "_attn_implementation", None) != "sdpa":
+        return False
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return all(kind == "full_attention" for kind in layer_types)
+    return getattr(config, "sliding_window", None) is None
+
+
 @torch.no_grad()
 def generate(
     policy,
@@ -113,6 +135,10 @@ def generate(
     done = torch.zeros(batch, dtype=torch.bool, device=device)
     mask = torch.zeros((batch, context + settings.response_length), dtype=torch.long, device=device)
     mask[:, :context] = query_mask
+    # one new token attends to every attended position before it: the (B, 1, 1, K) boolean mask the model
+    # would build from `mask` for SDPA, passed ready-made (the model's mask construction costs more than
+    # the attention itself at one query per row)
+    bool_mask = mask.bool() if _takes_ready_sdpa_mask(policy) else None
     shared = (
         prompt_repeats > 1
         and batch % prompt_repeats == 0
@@ -147,9 +173,11 @@ def generate(
         mask[:, context + t] = alive.long()  # the stop token itself is attended to; what follows it is not
         step_mask = mask[:, : context + t + 1]
         positions = (step_mask.sum(1, keepdim=True) - 1).clamp(min=0)
+        if bool_mask is not None:
+            bool_mask[:, context + t] = alive
         out = policy(
             input_ids=token.unsqueeze(1),
-            attention_mask=step_mask,
+            attention_mask=step_mask if bool_mask is None else bool_mask[:, None, None, : context + t + 1],
             position_ids=positions,
             past_key_values=cache,
             use_cache=True,

@@ -40,12 +40,12 @@ def tokenize_corpus(tokenizer, texts: list[str], max_length: int) -> torch.utils
 
 def _pad_corpus(ids: list[list[int]], pad_id: int) -> torch.utils.data.TensorDataset:
     """Right-padded (input_ids, attention_mask, labels) of token id lists, as `tokenize_corpus` pads."""
-    width = max(len(s) for s in ids)
+    lengths = torch.tensor([len(s) for s in ids], dtype=torch.long)
+    width = int(lengths.max())
+    mask = (torch.arange(width)[None, :] < lengths[:, None]).long()  # (N, T)
     input_ids = torch.full((len(ids), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(ids), width), dtype=torch.long)
-    for i, seq in enumerate(ids):
-        input_ids[i, : len(seq)] = torch.tensor(seq, dtype=torch.long)
-        mask[i, : len(seq)] = 1
+    # one tensor of every token, written row by row into the attended positions (row-major order)
+    input_ids[mask.bool()] = torch.tensor([t for seq in ids for t in seq], dtype=torch.long)
     labels = input_ids.masked_fill(mask == 0, -100)
     return torch.utils.data.TensorDataset(input_ids, mask, labels)
 

@@ -303,3 +303,21 @@ def test_the_mean_window_averages_the_steps_since_the_last_log(window, expected)
 
     loop.run(step, batches(loop), on_log=lambda m, s: logged.append((s, m["value"])), show_progress=False)
     assert logged == list(zip([2, 4, 5], expected))
+
+
+@pytest.mark.parametrize("name", ["linear", "cosine", "constant", "constant_with_warmup"])
+@pytest.mark.parametrize("warmup", [0, 3])
+def test_the_loops_schedules_are_transformers_schedules(name, warmup):
+    # every stage's loop builds its schedule without importing transformers.optimization: the same values and state
+    from transformers import get_scheduler
+
+    from rlhf_core.loop import lr_schedule
+
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    theirs_opt, ours_opt = torch.optim.AdamW(params, lr=1e-3), torch.optim.AdamW(params, lr=1e-3)
+    theirs = get_scheduler(name, theirs_opt, num_warmup_steps=warmup, num_training_steps=11)
+    ours = lr_schedule(ours_opt, name, num_warmup_steps=warmup, num_training_steps=11)
+    for _ in range(14):
+        assert ours.get_last_lr() == theirs.get_last_lr()
+        theirs_opt.step(), ours_opt.step(), theirs.step(), ours.step()
+    assert ours.state_dict() == theirs.state_dict()

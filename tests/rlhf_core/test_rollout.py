@@ -127,3 +127,53 @@ def test_templated_prompts_get_one_bos(tmp_path):
     ids = tokenize_prompts(tok, [prompt, "Tell me about the cat."], max_prompt_length=64)
     assert ids[0] == tok(prompt, add_special_tokens=False)["input_ids"] and ids[0].count(tok.bos_token_id) == 1
     assert ids[1] == tok("Tell me about the cat.")["input_ids"] and ids[1][0] == tok.bos_token_id
+
+
+def test_ready_sdpa_mask_samples_exactly_what_the_model_built_mask_samples(smoke_world, monkeypatch):
+    import rlhf_core.rollout as rollout
+
+    tok, ids, mask = batch(smoke_world, n=4)
+    ids, mask = ids.repeat_interleave(3, dim=0), mask.repeat_interleave(3, dim=0)
+    model = load_causal_lm(str(smoke_world.base_model)).eval()
+    assert rollout._takes_ready_sdpa_mask(model)  # the demo's tiny Llama attends through SDPA
+    settings = SamplingSettings(response_length=10, temperature=1.3, min_tokens=2)
+
+    def sample():
+        torch.manual_seed(3)
+        return generate(
+            model,
+            ids,
+            mask,
+            settings,
+            pad_token_id=tok.pad_token_id,
+            stop_token_ids=[tok.eos_token_id],
+            prompt_repeats=3,
+        )
+
+    ready = sample()
+    monkeypatch.setattr(rollout, "_takes_ready_sdpa_mask", lambda model: False)
+    assert torch.equal(ready, sample())
+
+
+def test_only_full_attention_sdpa_transformers_models_take_a_ready_mask(smoke_world):
+    from types import SimpleNamespace
+
+    from rlhf_core.rollout import _full_attention_sdpa, _takes_ready_sdpa_mask
+
+    def config(**fields):
+        return SimpleNamespace(**fields)
+
+    assert _full_attention_sdpa(config(_attn_implementation="sdpa"))
+    assert _full_attention_sdpa(config(_attn_implementation="sdpa", layer_types=["full_attention"] * 2))
+    assert not _full_attention_sdpa(config(_attn_implementation="eager"))  # an additive mask
+    assert not _full_attention_sdpa(config(_attn_implementation="flash_attention_2"))
+    assert not _full_attention_sdpa(config(_attn_implementation="sdpa", sliding_window=4096))
+    assert not _full_attention_sdpa(config(_attn_implementation="sdpa", layer_types=["sliding_attention"] * 2))
+    model = load_causal_lm(str(smoke_world.base_model))
+
+    class Wrapper(torch.nn.Module):  # a module around a model may read the 2-D mask itself
+        def __init__(self):
+            super().__init__()
+            self.model, self.config = model, model.config
+
+    assert _takes_ready_sdpa_mask(model) and not _takes_ready_sdpa_mask(Wrapper())

@@ -64,3 +64,12 @@ def test_templated_conversations_get_one_bos(tmp_path):
     second = ids[1][mask[1] == 1].tolist()
     assert second == tok("Tell me about the cat." + tok.eos_token)["input_ids"]
     assert (labels[mask == 0] == -100).all()
+
+
+def test_templated_corpus_is_right_padded_row_by_row():
+    from rlhf_core.sft import _pad_corpus
+
+    ids, mask, labels = _pad_corpus([[5, 6, 7], [8], [9, 10]], pad_id=0).tensors
+    assert ids.tolist() == [[5, 6, 7], [8, 0, 0], [9, 10, 0]]
+    assert mask.tolist() == [[1, 1, 1], [1, 0, 0], [1, 1, 0]]
+    assert labels.tolist() == [[5, 6, 7], [8, -100, -100], [9, 10, -100]]
