@@ -4,7 +4,8 @@ Part A: the same SFT-initialized tiny Llama, 4 prompts x 8 generations per step,
 tokens (eos suppressed before that on both sides, min_new_tokens = 16: with eos stopping, the tokens generated per step follow what
 each policy happens to learn, e.g. 14.7 vs 3.3 mean tokens in one run, and the timing compares
 different work), temperature 1.0, beta 0.04 with the bias-corrected KL (TRL 1.16's default and ours), loss dapo, scale_rewards group, the VADER compound score of the
-completion as the only reward, the same learning rate and steps. Each side in its own process; order
+completion as the only reward, the same learning rate and steps, one checkpoint (weights and optimizer
+state) saved at the end on both sides. Each side in its own process (peak RSS beside the time); order
 TRL, ours, ours, TRL, TRL, ours; best of three; the reward curve is the mean reward over the steps and runs.
 Part B: our GRPO with the demo world's reward function (VADER) at demo sizes; gold (VADER) and KL of
 near-greedy held-out completions before and after.
@@ -126,7 +127,9 @@ def side_trl(root: Path) -> dict:
         gradient_checkpointing=False,
         logging_steps=1,
         report_to=[],
-        save_strategy="no",
+        # one checkpoint (weights, optimizer state) at the end, as ours writes (save_steps=STEPS)
+        save_strategy="steps",
+        save_steps=STEPS,
         seed=SEED,
         disable_tqdm=True,
         loss_type="dapo",
@@ -242,9 +245,12 @@ def measure(run_side) -> dict:
         "learning": learned,
         "ours_mean_length": ours_len,
         "anchor_mean_length": anchor_len,
+        "ours_peak_rss_mb": max(r["peak_rss_mb"] for r in ours),
+        "anchor_peak_rss_mb": max(r["peak_rss_mb"] for r in anchor),
         "all_ours": [r["seconds_per_step"] for r in ours],
         "all_anchor": [r["seconds_per_step"] for r in anchor],
         "notes": (
+            f"peak RSS ours {max(r['peak_rss_mb'] for r in ours):.0f} MB vs TRL {max(r['peak_rss_mb'] for r in anchor):.0f} MB; "
             f"mean reward over {STEPS} steps x {len(ours)} runs ours {ours_curve:.3f} vs TRL {anchor_curve:.3f}; "
             f"completion length ours {ours_len:.1f} vs TRL {anchor_len:.1f} tokens; "
             f"demo gold (VADER) {learned['gold_before']:.2f} -> {learned['gold_after']:.2f}, KL {learned['kl_after']:.2f}, "

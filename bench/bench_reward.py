@@ -3,27 +3,25 @@
 Same SFT-initialized tiny Llama, same VADER-labelled pairs, batch size, learning rate, schedule,
 max length and steps; each side trains, evaluates once and saves one checkpoint with its optimizer
 state at the end. TRL 1.16's RewardTrainer runs with gradient checkpointing off (ours is off by
-default; TRL's default is on) and on the CPU. Order: TRL, ours, ours, TRL, TRL, ours; best of three.
+default; TRL's default is on) and on the CPU. Each run in its own process (so the peak RSS reported
+beside the time is that side's own); order TRL, ours, ours, TRL, TRL, ours; best of three.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import tempfile
 import time
-import warnings
+from collections.abc import Callable
 from pathlib import Path
 
-from anchors import use_anchor
+from anchors import interleaved, side_process_main
 
-from rlhf_core.config import DemoModelConfig, DemoWorldConfig, RewardConfig, RunConfig, SFTConfig
-from rlhf_core.demo_world import build_demo_world, world_rows
-from rlhf_core.models import load_causal_lm, load_tokenizer
+from rlhf_core.config import RewardConfig, RunConfig
+from rlhf_core.demo_world import DemoWorld, world_rows
+from rlhf_core.models import load_tokenizer
 from rlhf_core.reward_model import evaluate_reward_model, load_reward_model, train_reward_model
-from rlhf_core.sft import train_sft
 
 STEPS, BATCH, MAX_LEN, LR, SEED = 200, 32, 48, 1e-3, 42
+TRL_VERSION = "1.16.0"
 CARD = {"title": "bench", "metadata": {}, "body": "bench"}
 
 
@@ -96,56 +94,68 @@ def run_trl(sft_dir: Path, train, test, out: Path) -> tuple[float, dict]:
     return seconds, metrics
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
-    warnings.filterwarnings("ignore")
-    use_anchor("trl", "1.16.0")
-    import trl
+def prepare(root: Path) -> None:
+    """The world and the SFT model every side starts from."""
+    from rlhf_core.config import DemoModelConfig, DemoWorldConfig, RunConfig, SFTConfig
+    from rlhf_core.demo_world import build_demo_world
+    from rlhf_core.models import load_causal_lm, load_tokenizer
+    from rlhf_core.sft import train_sft
 
-    with tempfile.TemporaryDirectory() as tmp:
-        tmp = Path(tmp)
-        world = build_demo_world(tmp / "world", SEED, DemoWorldConfig(), DemoModelConfig())
-        model, tok = load_causal_lm(str(world.base_model)), load_tokenizer(str(world.tokenizer))
-        train_sft(
-            model,
-            tok,
-            [r["text"] for r in world_rows(world, "text")],
-            SFTConfig(max_steps=300),
-            RunConfig(device="cpu", seed=SEED),
-            max_length=MAX_LEN,
-            output_dir=tmp / "sft",
-            show_progress=False,
-        )
+    world = build_demo_world(root / "world", SEED, DemoWorldConfig(), DemoModelConfig())
+    model, tok = load_causal_lm(str(world.base_model)), load_tokenizer(str(world.tokenizer))
+    train_sft(
+        model,
+        tok,
+        [r["text"] for r in world_rows(world, "text")],
+        SFTConfig(max_steps=300),
+        RunConfig(device="cpu", seed=SEED),
+        max_length=MAX_LEN,
+        output_dir=root / "sft",
+        show_progress=False,
+    )
+
+
+def _side(run) -> Callable[[Path], dict]:
+    def side(root: Path) -> dict:
+        world = DemoWorld(root / "world")
         train, test = world_rows(world, "preference", "train"), world_rows(world, "preference", "test")
-        anchor, ours = [], []
-        for i, side in enumerate("TOOTTO"):  # interleaved, so drifting machine load hits both sides alike
-            if side == "T":
-                anchor.append(run_trl(tmp / "sft", train, test, tmp / f"trl{i}"))
-            else:
-                ours.append(run_ours(tmp / "sft", train, test, tmp / f"ours{i}"))
+        seconds, metrics = run(root / "sft", train, test, root / f"out-{time.time_ns()}")
+        return {"seconds": seconds, "eval": metrics}
 
-    best_ours, best_anchor = min(s for s, _ in ours), min(s for s, _ in anchor)
-    result = {
+    return side
+
+
+def measure(run_side) -> dict:
+    anchor, ours = interleaved(run_side)
+    best_ours, best_anchor = min(r["seconds"] for r in ours), min(r["seconds"] for r in anchor)
+    ours_rss, anchor_rss = max(r["peak_rss_mb"] for r in ours), max(r["peak_rss_mb"] for r in anchor)
+    return {
         "metric": "seconds per reward-model optimizer step",
         "unit": "s/step",
         "ours": best_ours / STEPS,
         "anchor": best_anchor / STEPS,
-        "anchor_name": f"trl {trl.__version__} RewardTrainer",
+        "anchor_name": f"trl {TRL_VERSION} RewardTrainer",
         "ratio": best_ours / best_anchor,
         "ours_wall_s": best_ours,
         "anchor_wall_s": best_anchor,
-        "ours_eval": ours[0][1],
-        "anchor_eval": anchor[0][1],
+        "ours_peak_rss_mb": ours_rss,
+        "anchor_peak_rss_mb": anchor_rss,
+        "all_ours": [r["seconds"] / STEPS for r in ours],
+        "all_anchor": [r["seconds"] / STEPS for r in anchor],
+        "ours_eval": ours[0]["eval"],
+        "anchor_eval": anchor[0]["eval"],
         "notes": (
-            f"held-out accuracy ours {ours[0][1]['eval_accuracy']:.3f} vs TRL {anchor[0][1]['eval_accuracy']:.3f}; "
-            f"{STEPS} steps, batch {BATCH} pairs, length {MAX_LEN}, demo world, CPU, best of 3"
+            f"peak RSS ours {ours_rss:.0f} MB vs TRL {anchor_rss:.0f} MB; held-out accuracy ours "
+            f"{ours[0]['eval']['eval_accuracy']:.3f} vs TRL {anchor[0]['eval']['eval_accuracy']:.3f}; "
+            f"{STEPS} steps, batch {BATCH} pairs, length {MAX_LEN}, demo world, CPU, best of 3, each side in its own process"
         ),
     }
-    Path(args.out).write_text(json.dumps(result, indent=2))
-    print(json.dumps(result, indent=2))
 
 
 if __name__ == "__main__":
-    main()
+    side_process_main(
+        __file__,
+        {"prepare": prepare, "ours": _side(run_ours), "trl": _side(run_trl)},
+        ("trl", TRL_VERSION),
+        measure,
+    )

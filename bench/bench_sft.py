@@ -1,27 +1,43 @@
 """SFT warm start: seconds per optimizer step of rlhf_core.sft.train_sft against transformers.Trainer.
 
 Same tiny Llama (the demo world's), same corpus, batch size, sequence length, learning rate and
-steps; both on the CPU in this process, the anchor first and ours second, then once more in the
-other order, so warm-up effects do not favour either side.
+steps; both on the CPU, each run in its own process (so the peak RSS reported beside the time is
+that side's own); order Trainer, ours, ours, Trainer, Trainer, ours, so drifting load and warm-up
+hit both sides alike; best of three. Each side's timing covers turning the corpus into token ids,
+training and saving the model: train_sft tokenizes inside, so the Trainer's run times
+`tokenize_corpus` (the same tensors) too.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import tempfile
 import time
 from pathlib import Path
 
-from rlhf_core.config import DemoModelConfig, DemoWorldConfig, RunConfig, SFTConfig
-from rlhf_core.demo_world import build_demo_world, world_rows
-from rlhf_core.models import load_causal_lm, load_tokenizer
-from rlhf_core.sft import tokenize_corpus, train_sft
+from anchors import side_process_main
 
 STEPS, BATCH, MAX_LEN, LR = 60, 32, 48, 3e-3
 
 
-def run_ours(world, texts, out: Path) -> float:
+def prepare(root: Path) -> None:
+    from rlhf_core.config import DemoModelConfig, DemoWorldConfig
+    from rlhf_core.demo_world import build_demo_world
+
+    build_demo_world(root / "world", 42, DemoWorldConfig(), DemoModelConfig())
+
+
+def _world_texts(root: Path):
+    from rlhf_core.demo_world import DemoWorld, world_rows
+
+    world = DemoWorld(root / "world")
+    return world, [r["text"] for r in world_rows(world, "text")]
+
+
+def side_ours(root: Path) -> dict:
+    from rlhf_core.config import RunConfig, SFTConfig
+    from rlhf_core.models import load_causal_lm, load_tokenizer
+    from rlhf_core.sft import train_sft
+
+    world, texts = _world_texts(root)
     model, tok = load_causal_lm(str(world.base_model)), load_tokenizer(str(world.tokenizer))
     cfg = SFTConfig(max_steps=STEPS, batch_size=BATCH, learning_rate=LR, log_steps=STEPS)
     start = time.perf_counter()
@@ -32,20 +48,23 @@ def run_ours(world, texts, out: Path) -> float:
         cfg,
         RunConfig(device="cpu"),
         max_length=MAX_LEN,
-        output_dir=out / "ours",
+        output_dir=root / f"ours-{time.time_ns()}",
         show_progress=False,
     )
-    return (time.perf_counter() - start) / STEPS
+    return {"seconds_per_step": (time.perf_counter() - start) / STEPS}
 
 
-def run_trainer(world, texts, out: Path) -> float:
+def side_trainer(root: Path) -> dict:
     from transformers import Trainer, TrainingArguments
 
+    from rlhf_core.models import load_causal_lm, load_tokenizer
+    from rlhf_core.sft import tokenize_corpus
+
+    world, texts = _world_texts(root)
+    out = root / f"trainer-{time.time_ns()}"
     model, tok = load_causal_lm(str(world.base_model)), load_tokenizer(str(world.tokenizer))
-    ids, mask, labels = tokenize_corpus(tok, texts, MAX_LEN).tensors
-    rows = [{"input_ids": i, "attention_mask": m, "labels": y} for i, m, y in zip(ids, mask, labels)]
     args = TrainingArguments(
-        output_dir=str(out / "trainer"),
+        output_dir=str(out),
         max_steps=STEPS,
         per_device_train_batch_size=BATCH,
         learning_rate=LR,
@@ -59,37 +78,45 @@ def run_trainer(world, texts, out: Path) -> float:
         seed=42,
         dataloader_drop_last=True,
     )
+    start = time.perf_counter()
+    ids, mask, labels = tokenize_corpus(tok, texts, MAX_LEN).tensors
+    rows = [{"input_ids": i, "attention_mask": m, "labels": y} for i, m, y in zip(ids, mask, labels)]
+    tokenized = time.perf_counter() - start
     trainer = Trainer(model=model, args=args, train_dataset=rows)
     start = time.perf_counter()
     trainer.train()
-    trainer.save_model(str(out / "trainer" / "final"))
-    return (time.perf_counter() - start) / STEPS
+    trainer.save_model(str(out / "final"))
+    return {"seconds_per_step": (time.perf_counter() - start + tokenized) / STEPS}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        tmp = Path(tmp)
-        world = build_demo_world(tmp / "world", 42, DemoWorldConfig(), DemoModelConfig())
-        texts = [r["text"] for r in world_rows(world, "text")]
-        anchor = [run_trainer(world, texts, tmp / "a1")]
-        ours = [run_ours(world, texts, tmp / "o1")]
-        ours.append(run_ours(world, texts, tmp / "o2"))
-        anchor.append(run_trainer(world, texts, tmp / "a2"))
-    result = {
+def measure(run_side) -> dict:
+    anchor, ours = [], []
+    for side in "TOOTTO":  # as anchors.interleaved, so drifting machine load hits both sides alike
+        (anchor if side == "T" else ours).append(run_side("trainer" if side == "T" else "ours"))
+    best_ours = min(r["seconds_per_step"] for r in ours)
+    best_anchor = min(r["seconds_per_step"] for r in anchor)
+    ours_rss, anchor_rss = max(r["peak_rss_mb"] for r in ours), max(r["peak_rss_mb"] for r in anchor)
+    return {
         "metric": "seconds per SFT optimizer step",
         "unit": "s/step",
-        "ours": min(ours),
-        "anchor": min(anchor),
+        "ours": best_ours,
+        "anchor": best_anchor,
         "anchor_name": "transformers.Trainer",
-        "ratio": min(ours) / min(anchor),
-        "notes": f"best of 2, {STEPS} steps, batch {BATCH}, length {MAX_LEN}, demo tiny Llama, CPU",
+        "ratio": best_ours / best_anchor,
+        "ours_peak_rss_mb": ours_rss,
+        "anchor_peak_rss_mb": anchor_rss,
+        "all_ours": [r["seconds_per_step"] for r in ours],
+        "all_anchor": [r["seconds_per_step"] for r in anchor],
+        "notes": (
+            f"peak RSS ours {ours_rss:.0f} MB vs Trainer {anchor_rss:.0f} MB; best of 3, each side in its own "
+            f"process, {STEPS} steps, batch {BATCH}, length {MAX_LEN}, tokenization timed on both sides, "
+            "demo tiny Llama, CPU"
+        ),
     }
-    Path(args.out).write_text(json.dumps(result, indent=2))
-    print(json.dumps(result, indent=2))
 
 
 if __name__ == "__main__":
-    main()
+    # the anchor is transformers itself (the project's pin): no anchor package goes on sys.path
+    side_process_main(
+        __file__, {"prepare": prepare, "ours": side_ours, "trainer": side_trainer}, ("trl", "1.16.0"), measure
+    )

@@ -57,6 +57,9 @@ def main(selected: list[str]) -> int:
             f"| {name} | {r['ours']:.4g} {r['unit']} | {r['anchor']:.4g} {r['unit']} ({r['anchor_name']}) | "
             f"{compared} | {r.get('notes', '')} |"
         )
+    for name, r in results.items():  # a benchmark's own table (e.g. a grid) goes in a section after the main one
+        if r.get("table_md"):
+            lines += ["", f"## {name}", "", r["table_md"]]
     (HERE / "results.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     if failed:
