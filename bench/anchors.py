@@ -88,13 +88,14 @@ def interleaved(run_side: Callable[[str], dict]) -> tuple[list[dict], list[dict]
     return anchor, ours
 
 
-def pipeline_main(measure: Callable[[Path], dict]) -> None:
-    """main() of a benchmark that runs the Prefect flow: `measure(root)` runs inside a fresh temporary
-    directory with a Prefect server up (not timed) and returns the result written to --out."""
+def pipeline_main(measure: Callable[[Path, float], dict]) -> None:
+    """main() of a benchmark that runs the Prefect flow: `measure(root, server_startup_s)` runs inside a fresh
+    temporary directory with a Prefect server up (its start-up timed apart) and returns the result written to --out."""
     import argparse
     import json
     import os
     import tempfile
+    import time
     import warnings
 
     from prefect.testing.utilities import prefect_test_harness
@@ -104,7 +105,32 @@ def pipeline_main(measure: Callable[[Path], dict]) -> None:
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp, prefect_test_harness(server_startup_timeout=180):
-        result = measure(Path(tmp))
+        result = measure(Path(tmp), time.perf_counter() - start)
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2))
+
+
+# the phases of one RL step (rlhf_core/timing.py), in the order a step runs them
+STEP_PHASES = ("generate", "policy_logprobs", "reference", "reward", "value", "optimize")
+
+
+def phase_means(logged: list[dict[str, float]]) -> dict[str, float]:
+    """The mean of every `time/<phase>_s` and of `perf/step_seconds` over the metric dicts a run logged."""
+    keys = [f"time/{p}_s" for p in STEP_PHASES] + ["perf/step_seconds"]
+    return {k: sum(m[k] for m in logged if k in m) / n for k in keys if (n := sum(k in m for m in logged))}
+
+
+def phase_table(algorithm: str, means: dict[str, float]) -> str:
+    """Markdown: where one RL step's time goes, per phase, in seconds and as a share of the whole step."""
+    step = means.get("perf/step_seconds", float("nan"))
+    rows = [f"| {algorithm} step phase | mean s/step | share of the step |", "|---|---|---|"]
+    for phase in STEP_PHASES:
+        if f"time/{phase}_s" in means:
+            seconds = means[f"time/{phase}_s"]
+            rows.append(f"| `time/{phase}_s` | {seconds:.4f} | {seconds / step:.0%} |")
+    timed = sum(means.get(f"time/{p}_s", 0.0) for p in STEP_PHASES)
+    rows.append(f"| the rest of the step (batching, metrics) | {step - timed:.4f} | {(step - timed) / step:.0%} |")
+    rows.append(f"| `perf/step_seconds` (whole step) | {step:.4f} | 100% |")
+    return "\n".join(rows)

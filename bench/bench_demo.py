@@ -22,7 +22,7 @@ sys.path.insert(0, str(HERE.parent))
 from anchors import pipeline_main  # noqa: E402  (after the repository root is on sys.path)
 
 
-def measure(root: Path) -> dict:
+def measure(root: Path, server_startup_s: float) -> dict:
     from flows.rlhf_pipeline import rlhf_pipeline
     from rlhf_core.config import load_config
 
@@ -53,6 +53,7 @@ def measure(root: Path) -> dict:
         "distinct_2_ratio": distinct,
         "guard_triggers": triggers,
         "seconds": seconds,
+        "server_startup_s": server_startup_s,  # the Prefect server, started before the flow (not in `seconds`)
         "notes": (
             f"`make demo` end to end in {seconds:.0f} s: gold ({gold}) {before:.2f} -> {after:.2f} "
             f"({after - before:+.2f}) at eval KL {kl:.2f} nats, length x{length:.2f}, distinct-2 x{distinct:.2f}, "

@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from anchors import interleaved, side_process_main
+from anchors import interleaved, phase_means, phase_table, side_process_main
 
 from rlhf_core.demo_world import DemoWorld, world_rows
 
@@ -70,11 +70,12 @@ def side_ours(root: Path) -> dict:
         log_steps=1,
         min_response_length=TOKENS,
     )
-    rewards, lengths = [], []
+    rewards, lengths, logged = [], [], []
 
     def on_log(metrics, step):
         rewards.append(metrics["reward"])
         lengths.append(metrics["completions/mean_length"])
+        logged.append(metrics)
 
     start = time.perf_counter()
     train_grpo(
@@ -91,7 +92,8 @@ def side_ours(root: Path) -> dict:
         on_log=on_log,
         show_progress=False,
     )
-    return {"seconds_per_step": (time.perf_counter() - start) / STEPS, "rewards": rewards, "lengths": lengths}
+    seconds = (time.perf_counter() - start) / STEPS
+    return {"seconds_per_step": seconds, "rewards": rewards, "lengths": lengths, "phases": phase_means(logged)}
 
 
 def side_trl(root: Path) -> dict:
@@ -147,7 +149,8 @@ def side_trl(root: Path) -> dict:
     )
     start = time.perf_counter()
     trainer.train()
-    return {"seconds_per_step": (time.perf_counter() - start) / STEPS, "rewards": rewards, "lengths": lengths}
+    seconds = (time.perf_counter() - start) / STEPS
+    return {"seconds_per_step": seconds, "rewards": rewards, "lengths": lengths}
 
 
 def learning(root: Path) -> dict:
@@ -249,6 +252,9 @@ def measure(run_side) -> dict:
         "anchor_peak_rss_mb": max(r["peak_rss_mb"] for r in anchor),
         "all_ours": [r["seconds_per_step"] for r in ours],
         "all_anchor": [r["seconds_per_step"] for r in anchor],
+        "phase_s": best_ours["phases"],
+        "table_md": phase_table("GRPO", best_ours["phases"])
+        + f"\n\nOur fastest timing run ({PROMPTS}x{G} completions x {TOKENS} tokens).",
         "notes": (
             f"peak RSS ours {max(r['peak_rss_mb'] for r in ours):.0f} MB vs TRL {max(r['peak_rss_mb'] for r in anchor):.0f} MB; "
             f"mean reward over {STEPS} steps x {len(ours)} runs ours {ours_curve:.3f} vs TRL {anchor_curve:.3f}; "

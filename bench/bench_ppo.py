@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from anchors import interleaved, side_process_main
+from anchors import interleaved, phase_means, phase_table, side_process_main
 
 from rlhf_core.demo_world import DemoWorld, world_rows
 
@@ -87,6 +87,7 @@ def side_ours(root: Path) -> dict:
         save_steps=BATCHES,
         log_steps=BATCHES,
     )
+    logged = []
     start = time.perf_counter()
     train_ppo(
         policy,
@@ -100,9 +101,10 @@ def side_ours(root: Path) -> dict:
         RunConfig(device="cpu", seed=SEED),
         max_prompt_length=16,
         output_dir=root / f"ours-{time.time_ns()}",
+        on_log=lambda metrics, step: logged.append(metrics),
         show_progress=False,
     )
-    return {"seconds_per_batch": (time.perf_counter() - start) / BATCHES}
+    return {"seconds_per_batch": (time.perf_counter() - start) / BATCHES, "phases": phase_means(logged)}
 
 
 def side_trl(root: Path) -> dict:
@@ -230,6 +232,9 @@ def measure(run_side) -> dict:
         "ours_peak_rss_mb": max(r["peak_rss_mb"] for r in ours),
         "anchor_peak_rss_mb": max(r["peak_rss_mb"] for r in anchor),
         "learning": learned,
+        "phase_s": best_ours["phases"],
+        "table_md": phase_table("PPO", best_ours["phases"])
+        + f"\n\nOur fastest timing run ({BATCH} prompts x {RESPONSE} tokens, 4 PPO epochs; the step's time is the mean over the {BATCHES} batches).",
         "notes": (
             f"peak RSS ours {max(r['peak_rss_mb'] for r in ours):.0f} MB vs TRL {max(r['peak_rss_mb'] for r in anchor):.0f} MB; "
             f"demo gold (VADER) {learned['gold_before']:.2f} -> {learned['gold_after']:.2f}, KL {learned['kl_after']:.2f}, "

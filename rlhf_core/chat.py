@@ -69,6 +69,8 @@ def render_prompt(tokenizer, prompt: list[dict], kwargs: dict | None = None) -> 
 
 
 def _common_prefix(a: str, b: str) -> str:
+    if b.startswith(a):  # the usual case (the prompt's template is a prefix of the conversation's), in C
+        return a
     return "".join(x for x, _ in takewhile(lambda x: x[0] == x[1], zip(a, b)))
 
 

@@ -1,8 +1,8 @@
 """Work that runs beside training: one thread, jobs in the order they were given, transient failures retried.
 
-Checkpoint registration is the user (tasks/reporting.py): the training loop saves a checkpoint and
-goes on while a `BackgroundJobs` logs and registers it. Jobs run one at a time in submission order, so
-versions are created in step order. A transient failure (tasks/retry.py `is_transient`) is retried
+A stage's reporter (tasks/reporting.py) has two: one writes the metrics and progress each step logs,
+one logs and registers each checkpoint the training loop saves, while training goes on. Jobs run one
+at a time in submission order, so metrics are written and versions created in step order. A transient failure (tasks/retry.py `is_transient`) is retried
 with exponential back-off; the first failure that stays stops the rest: the later jobs are not run,
 and the next `submit` and `wait` raise that failure in the caller's thread, as it was raised.
 
@@ -49,9 +49,20 @@ class BackgroundJobs:
         self.raise_failure()
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=self.name)
+        self._futures = [f for f in self._futures if not f.done()]  # a finished job's failure is kept by _run
         future = self._pool.submit(contextvars.copy_context().run, self._run, job, what)
         self._futures.append(future)
         return future
+
+    def submitted(self) -> list[Future]:
+        """The Futures of the jobs submitted so far and not yet seen finished (for `wait_for` on another thread)."""
+        return list(self._futures)
+
+    @staticmethod
+    def wait_for(futures: list[Future]) -> None:
+        """Block until `futures` are done; raise the first failure among them."""
+        for future in futures:
+            future.result()
 
     @property
     def pending(self) -> int:

@@ -143,23 +143,25 @@ def export_final_policy(
             "base_model": plan.policy_identity,
             "source_checkpoint": trained.model_uri or trained.path,
         }
-        reporter = StageReporter(
+        with StageReporter(
             cfg,
             "export",
             run_id,
             data_fingerprint=data.fingerprint,
             model_name=cfg.registry.policy_model_name,
             lineage=lineage,
-        )
-        out = write_export(cfg, data, plan, trained)
-        reporter.artifact(out / "README.md", "model_card")
-        reporter.logger.info("exported the %s policy (step %d) to %s", cfg.rl.algorithm, trained.step, out.resolve())
-        # an adapter-only export has no full weights to log; the checkpoint it came from has them merged
-        full = out if (out / "config.json").is_file() else Path(trained.path)
-        scores = {k.replace("/", "_"): f"{v:.4f}" for k, v in trained.extra.get("final_eval", {}).items()}
-        uri = reporter.register(full, trained.step, **scores, **guard_tags(trained))
-        if uri is not None:
-            publish_candidate(reporter, out, uri)
+        ) as reporter:
+            out = write_export(cfg, data, plan, trained)
+            reporter.artifact(out / "README.md", "model_card")
+            reporter.logger.info(
+                "exported the %s policy (step %d) to %s", cfg.rl.algorithm, trained.step, out.resolve()
+            )
+            # an adapter-only export has no full weights to log; the checkpoint it came from has them merged
+            full = out if (out / "config.json").is_file() else Path(trained.path)
+            scores = {k.replace("/", "_"): f"{v:.4f}" for k, v in trained.extra.get("final_eval", {}).items()}
+            uri = reporter.register(full, trained.step, **scores, **guard_tags(trained))
+            if uri is not None:
+                publish_candidate(reporter, out, uri)
         return Checkpoint(
             path=str(out.resolve()),
             model_uri=uri,

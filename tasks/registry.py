@@ -14,6 +14,7 @@ import random
 import re
 import time
 from contextlib import contextmanager, nullcontext
+from functools import lru_cache
 from importlib import metadata
 from pathlib import Path
 
@@ -111,7 +112,7 @@ def register_checkpoint(
     loader = AutoModelForSequenceClassification if task == "text-classification" else AutoModelForCausalLM
     model = loader.from_pretrained(checkpoint_dir)
     tokenizer = AutoTokenizer.from_pretrained(checkpoint_dir)
-    requirements = [f"{pkg}=={metadata.version(pkg)}" for pkg in MODEL_REQUIREMENTS]
+    requirements = model_requirements()
 
     flavor_log = logging.getLogger("mlflow.transformers")
     level = flavor_log.level
@@ -142,6 +143,28 @@ def register_checkpoint(
         MlflowClient().delete_model_version(model_name, version.version)
         raise
     return {"name": model_name, "version": str(version.version), "uri": f"models:/{model_name}/{version.version}"}
+
+
+def model_requirements() -> list[str]:
+    """MODEL_REQUIREMENTS pinned to the installed versions: what every logged model lists."""
+    return [f"{pkg}=={metadata.version(pkg)}" for pkg in MODEL_REQUIREMENTS]
+
+
+@lru_cache(maxsize=1)
+def warm_up() -> None:
+    """Pay a process's one-time costs of its first registration ahead of it (about a second on 2 cores:
+    importing MLflow's transformers flavor and PEFT, which the flavor checks for, and MLflow's map of every
+    installed package, which it builds to compare a model's requirements with the environment). A stage runs
+    this on its registration thread while it trains (tasks/reporting.py). Never raises: a failure here only
+    means the first registration pays the cost itself."""
+    try:
+        import mlflow.transformers  # noqa: F401
+        import peft  # noqa: F401
+        from mlflow.utils.requirements_utils import warn_dependency_requirement_mismatches
+
+        warn_dependency_requirement_mismatches(model_requirements())
+    except Exception as err:  # noqa: BLE001
+        logging.getLogger(__name__).debug("registry warm-up skipped: %s", err)
 
 
 def _step_of(tags: dict[str, str]) -> int:

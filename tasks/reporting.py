@@ -6,10 +6,14 @@ sequence of calls, and what a stage reports beyond that lives in a small subclas
 Every write goes through tasks/tracking.py and tasks/registry.py, so the processes of a
 data-parallel stage other than rank 0 write nothing.
 
-Checkpoints are registered off the training path: `on_checkpoint` reads the checkpoint's tags and
-hands the registration to a background thread (tasks/background.py), in step order, and training goes
-on. Used as a context manager, the reporter waits for them when the stage ends (a failed one fails the
-stage); when the stage fails, the registrations not started are dropped, the running one finishes,
+Tracking is off the training path. `log` hands the progress artifact's update, and the step's metrics
+when the store is a server (tracking.log_in_background), to a writer thread and training goes on (a local
+store's write is Python work: on a thread of its own it would hold the GIL beside the rollout's decode
+loop, and costs more there than inline); `on_checkpoint` reads the checkpoint's tags and hands its
+registration to a second thread, in step order, which first waits for the metrics logged before it (a
+logged model carries its step's metrics). Both are tasks/background.py's `BackgroundJobs`. The reporter
+is a context manager: when the stage ends it waits for both (a failure fails the stage); when the stage
+fails, the metrics still go out, the registrations not started are dropped, the running one finishes,
 and the next run registers what is left (`register_saved`).
 """
 
@@ -55,6 +59,11 @@ class StageReporter:
         self.history: dict[str, list[tuple[int, float]]] = {name: [] for name in self.sources}
         self.model_name, self.task, self.lineage = model_name, task, dict(lineage or {})
         self.registered: dict[int, str] = {}  # filled by the registration thread: read it through `version_of`
+        self.writes = BackgroundJobs(f"{stage}-tracking")  # progress, and metrics when metrics_in_background
+        in_background = cfg.tracking.log_in_background
+        self.metrics_in_background = (
+            not tracking.is_local_store(cfg.tracking_uri()) if in_background is None else in_background
+        )
         self.registrations = BackgroundJobs(f"{stage}-registration")
         self.step_metrics: dict[int, dict[str, float]] = {}  # what `record` saw per step (a version's own step)
         self.logger = stage_logger()
@@ -67,11 +76,22 @@ class StageReporter:
     def __exit__(self, error_type, error, traceback) -> None:
         try:
             if error is None:
+                self.writes.wait()
                 self.wait_registrations()
             else:
+                self.flush_quietly()  # the metrics up to a failure are what explains it
                 self.registrations.cancel()
         finally:
+            self.writes.close()
             self.registrations.close()
+
+    def flush_quietly(self) -> None:
+        """Wait for the metrics handed to the writer; a failure of theirs is logged, not raised (the stage
+        is failing already with its own error)."""
+        try:
+            self.writes.wait()
+        except Exception as err:  # noqa: BLE001 (the stage's own error is the one to raise)
+            self.logger.warning("%s metrics not all logged: %s", self.stage, err)
 
     # metrics and curves
     def start(self, total_steps: int, description: str, key: str | None = None) -> None:
@@ -79,11 +99,15 @@ class StageReporter:
         completes it, else `advance` does."""
         self.total_steps = total_steps
         self.progress = StageProgress(key or f"{self.stage}-progress", description)
+        if self.model_name and self.cfg.tracking.register_models and tracking.writes():
+            # the first registration's one-time costs, paid on the registration thread while the stage trains
+            self.registrations.submit(registry.warm_up, "the registry's warm-up")
 
     def advance(self, done: int, total: int, *_) -> None:
-        """Move the progress artifact to done of total (a progress callback: extra arguments are ignored)."""
+        """Move the progress artifact to done of total, on the writer thread (a progress callback: extra
+        arguments are ignored)."""
         if self.progress is not None:
-            self.progress.update(done, total)
+            self.writes.submit(partial(self.progress.update, done, total), f"the {self.stage} progress")
 
     def record(self, metrics: dict[str, float], step: int) -> None:
         """Add the curves' points found in `metrics`, and keep them as the metrics of `step` (see `eval_tags`)."""
@@ -94,8 +118,13 @@ class StageReporter:
                 self.history[name].append((step, metrics[key]))
 
     def log(self, metrics: dict[str, float], step: int) -> None:
-        """on_log: the metrics to MLflow at `step`, their curve points kept, the progress artifact moved."""
-        tracking.log_metrics(self.run_id, metrics, step)
+        """on_log: the metrics to MLflow at `step` (on the writer thread when metrics_in_background), their curve
+        points kept, the progress artifact moved (on the writer thread)."""
+        metrics = dict(metrics)
+        if self.metrics_in_background:
+            self.writes.submit(partial(tracking.log_metrics, self.run_id, metrics, step), f"the {self.stage} metrics")
+        else:
+            tracking.log_metrics(self.run_id, metrics, step)
         self.record(metrics, step)
         if self.total_steps:
             self.advance(step, self.total_steps)
@@ -141,6 +170,7 @@ class StageReporter:
         """
         if not self.cfg.tracking.register_models:
             return None
+        self.writes.wait()  # the version carries its step's metrics
         return self._register(Path(path), step, self.lineage_tags(step, **tags))
 
     def _register(self, path: Path, step: int, tags: dict[str, str], input_example: bool = True) -> str:
@@ -170,12 +200,18 @@ class StageReporter:
             return None
         tags = self.lineage_tags(step, **self.checkpoint_tags(path, step))
         if not self.cfg.tracking.register_in_background:
+            self.writes.wait()
             self._register(path, step, tags)
             return None
+        logged = self.writes.submitted()  # the metrics logged so far go out before the version is made
         return self.registrations.submit(
-            partial(self._register, path, step, tags, input_example=False),
+            partial(self._register_after, logged, path, step, tags),
             f"the registration of {self.stage} checkpoint {step}",
         )
+
+    def _register_after(self, logged: list[Future], path: Path, step: int, tags: dict[str, str]) -> str:
+        BackgroundJobs.wait_for(logged)
+        return self._register(path, step, tags, input_example=False)
 
     def wait_registrations(self) -> None:
         """Block until every checkpoint handed to the background is registered; raise the first failure."""

@@ -81,16 +81,19 @@ def sft_warm_start(cfg: PipelineConfig, data: PreparedData, parent_run_id: str) 
     """Fine-tune the base policy on the text corpus; reuse a finished run with the same key."""
     out_dir = cfg.run.output_dir / "sft"
     key = sft_key(cfg, data)
-    with tracking.stage_run(parent_run_id, "sft") as run_id:
-        reporter = StageReporter(
+    lineage, curves = {"stage_key": key}, {"sft/loss": ("sft/loss",)}
+    with (
+        tracking.stage_run(parent_run_id, "sft") as run_id,
+        StageReporter(
             cfg,
             "sft",
             run_id,
             data_fingerprint=data.fingerprint,
-            curves={"sft/loss": ("sft/loss",)},
+            curves=curves,
             model_name=cfg.registry.policy_model_name,
-            lineage={"stage_key": key},
-        )
+            lineage=lineage,
+        ) as reporter,
+    ):
         done = _read_stage_file(out_dir)
         if done.get("key") == key:
             reporter.logger.info("SFT warm start with key %s already in %s; reusing it", key, out_dir)

@@ -13,12 +13,14 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import shutil
 import socket
+import sqlite3
 import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from functools import lru_cache
 from importlib import metadata
 from pathlib import Path
@@ -83,6 +85,15 @@ def credentials_to_env(tracking_uri: str) -> str:
     return clean
 
 
+def is_local_store(uri: str) -> bool:
+    """True for a store this process writes itself (sqlite:, file:, a plain path), False for a tracking server
+    (http(s)://, databricks, ...)."""
+    if uri.startswith("databricks"):
+        return False
+    scheme = uri.split("://", 1)[0] if "://" in uri else ""
+    return scheme in ("", "sqlite", "file")
+
+
 def _sqlite_path(uri: str) -> Path | None:
     return Path(uri.removeprefix("sqlite:///")) if uri.startswith("sqlite:///") else None
 
@@ -106,16 +117,71 @@ def store_lock(uri: str, purpose: str, timeout_s: float = 900.0) -> FileLock:
 
 
 _prepared_stores: set[str] = set()
+CACHE_ENV = "RLHF_CACHE_DIR"
+
+
+def cache_dir() -> Path:
+    """Where the pipeline keeps what it can make again (RLHF_CACHE_DIR, else $XDG_CACHE_HOME/rlhf-pipeline)."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV]).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "rlhf-pipeline"
+
+
+def empty_store_template() -> Path | None:
+    """An empty SQLite MLflow store at this MLflow version's schema head, made once per machine and version.
+
+    MLflow makes a new SQLite store by running every schema migration since its first release (one to two
+    seconds, paid by every new run directory, test and demo); a copy of an empty store made that way is the
+    same database in milliseconds. The template has no default experiment: MLflow creates experiment 0 when
+    it opens a store without one, with the artifact location of that store's own context. None when the
+    cache directory cannot be written (the caller lets MLflow migrate instead)."""
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+    template = cache_dir() / f"mlflow-{metadata.version('mlflow')}-empty-store.db"
+    if template.is_file():
+        return template
+    try:
+        template.parent.mkdir(parents=True, exist_ok=True)
+        with FileLock(f"{template}.lock", timeout=900):
+            if template.is_file():
+                return template
+            tmp = template.with_name(f".{template.name}.{os.getpid()}.tmp")
+            tmp.unlink(missing_ok=True)
+            store = SqlAlchemyStore(f"sqlite:///{tmp}", str(tmp.parent / "unused-artifacts"))
+            store.engine.dispose()
+            with closing(sqlite3.connect(tmp)) as con, con:
+                con.execute("DELETE FROM experiments WHERE experiment_id = 0")
+            os.replace(tmp, template)
+    except OSError:
+        return None
+    return template
+
+
+def _copy_template(template: Path, db: Path) -> None:
+    """`db` as a copy of `template`, made under a temporary name and linked into place: never a half-written
+    store, and never over a file that appeared meanwhile (then that file stays as it is)."""
+    tmp = db.with_name(f".{db.name}.{os.getpid()}.tmp")
+    try:
+        shutil.copyfile(template, tmp)
+        os.link(tmp, db)  # FileExistsError when db exists: it is not ours to replace
+    except OSError:
+        pass  # MLflow creates the tables itself
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _prepare_sqlite_store(uri: str) -> None:
-    """Create a fresh SQLite store's tables under a lock: two processes creating them at once fail
-    ("table ... already exists")."""
+    """Create a fresh SQLite store under a lock (two processes creating its tables at once fail, "table ...
+    already exists"): a copy of `empty_store_template` when there is one, else MLflow's migrations."""
     db = _sqlite_path(uri)
     if db is None or uri in _prepared_stores:
         return
     db.parent.mkdir(parents=True, exist_ok=True)
     with store_lock(uri, "create"):
+        if not db.exists():
+            template = empty_store_template()
+            if template is not None:
+                _copy_template(template, db)
         client = MlflowClient(uri, registry_uri=uri)
         client.search_experiments(max_results=1)  # the tracking store's tables
         client.search_registered_models(max_results=1)  # the registry's

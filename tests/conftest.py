@@ -12,6 +12,8 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix="rlhf-tests-prefect-")
 os.environ.pop("MLFLOW_TRACKING_URI", None)
+# the empty MLflow store template (tasks/tracking.py) is made once per test session, not in the user's cache
+os.environ.setdefault("RLHF_CACHE_DIR", tempfile.mkdtemp(prefix="rlhf-tests-cache-"))
 
 import pytest  # noqa: E402
 

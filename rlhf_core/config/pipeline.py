@@ -130,6 +130,10 @@ class TrackingConfig(Section):
         True,
         description="Register checkpoints on a background thread, in step order, while training goes on; the stage waits for them at its end. false: training waits for each registration.",
     )
+    log_in_background: bool | None = Field(
+        None,
+        description="Write each logged step's metrics on a background thread while training goes on. null: on one when the tracking URI is a server (a write waits on the network), inline for a local store (sqlite:, file:, a path: a write is Python work that would hold the GIL beside the rollout's decode loop).",
+    )
 
 
 class RegistryConfig(Section):

@@ -5,6 +5,7 @@ fails the stage with the registration's own error."""
 import random
 import shutil
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -97,3 +98,103 @@ def test_training_waits_for_each_registration_when_the_background_is_off(tmp_pat
     monkeypatch.setattr(registry, "register_once", lambda path, name, **kw: f"models:/{name}/1")
     reporter = StageReporter(cfg, "ppo", "run-id", model_name="p")
     assert reporter.on_checkpoint(tmp_path, 2) is None and reporter.registered == {2: "models:/p/1"}
+
+
+def test_metrics_are_written_beside_training_and_before_the_version_of_their_step(cfg, monkeypatch):
+    # given: a slow tracking store, and the order in which metrics and registrations reach it
+    gate, events = threading.Event(), []
+
+    def log_metrics(run_id, metrics, step):
+        gate.wait(5)
+        events.append(("metrics", step))
+
+    def register_once(path, model_name, *, task, tags, run_id, keep_last=None, input_example=True):
+        events.append(("version", int(tags["step"])))
+        return f"models:/{model_name}/1"
+
+    monkeypatch.setattr(tracking, "log_metrics", log_metrics)
+    monkeypatch.setattr(registry, "register_once", register_once)
+    with StageReporter(cfg, "ppo", "run-id", model_name="p", curves={"kl": ("kl",)}) as reporter:
+        reporter.metrics_in_background = True  # as for a tracking server
+        # when: two steps log and the second one's checkpoint is saved
+        reporter.log({"kl": 0.5}, 1)
+        reporter.log({"kl": 0.25}, 2)
+        future = reporter.on_checkpoint(cfg.run.output_dir, 2)
+        # then: training went on (nothing written yet), the curve points are kept at once
+        assert events == [] and not future.done()
+        assert reporter.history["kl"] == [(1, 0.5), (2, 0.25)]
+        gate.set()
+    # and the stage's end waited for all of it, the version after the metrics of its step
+    assert events == [("metrics", 1), ("metrics", 2), ("version", 2)]
+
+
+def test_a_failing_stage_still_writes_the_metrics_it_logged(cfg, monkeypatch):
+    written = []
+
+    def log_metrics(run_id, metrics, step):
+        time.sleep(0.05)
+        written.append(step)
+
+    monkeypatch.setattr(tracking, "log_metrics", log_metrics)
+    with pytest.raises(ValueError, match="loss is nan"):
+        with StageReporter(cfg, "sft", "run-id") as reporter:
+            reporter.metrics_in_background = True
+            for step in (1, 2, 3):
+                reporter.log({"loss": float(step)}, step)
+            raise ValueError("loss is nan")
+    assert written == [1, 2, 3]  # what explains the failure is in MLflow
+
+
+def test_a_metrics_write_that_fails_fails_the_stage(cfg, monkeypatch):
+    from mlflow.exceptions import MlflowException
+
+    def log_metrics(run_id, metrics, step):
+        raise MlflowException("INVALID_PARAMETER_VALUE: metric value is not a number")
+
+    monkeypatch.setattr(tracking, "log_metrics", log_metrics)
+    with pytest.raises(MlflowException, match="not a number"):
+        with StageReporter(cfg, "sft", "run-id") as reporter:
+            reporter.metrics_in_background = True
+            reporter.log({"loss": 1.0}, 1)
+
+
+@pytest.mark.parametrize(
+    ("uri", "setting", "in_background"),
+    [
+        ("sqlite:///m.db", None, False),
+        ("file:///tmp/mlruns", None, False),
+        ("./mlruns", None, False),
+        ("https://mlflow.example.org", None, True),
+        ("databricks", None, True),
+        ("http://127.0.0.1:5000", False, False),
+        ("sqlite:///m.db", True, True),
+    ],
+)
+def test_metrics_go_to_the_writer_thread_for_a_server_and_inline_for_a_local_store(
+    tmp_path, uri, setting, in_background
+):
+    overrides = [f"tracking.uri={uri}", f"run.output_dir={tmp_path}"]
+    if setting is not None:
+        overrides.append(f"tracking.log_in_background={str(setting).lower()}")
+    with StageReporter(load_config(None, overrides), "sft", "run-id") as reporter:
+        assert reporter.metrics_in_background is in_background
+
+
+def test_a_stage_that_registers_warms_the_registry_up_on_its_registration_thread(cfg, monkeypatch):
+    threads = []
+    monkeypatch.setattr(registry, "warm_up", lambda: threads.append(threading.current_thread().name))
+    with StageReporter(cfg, "sft", "run-id", model_name="p") as reporter:
+        reporter.start(10, "SFT")
+    with StageReporter(cfg, "data", "run-id") as reporter:  # registers nothing: no warm-up
+        reporter.start(0, "data")
+    assert len(threads) == 1 and threads[0].startswith("sft-registration")
+
+
+def test_the_registry_warm_up_never_fails_a_stage(monkeypatch):
+    import mlflow.utils.requirements_utils as requirements_utils
+
+    def broken(requirements):
+        raise RuntimeError("a changed MLflow")
+
+    monkeypatch.setattr(requirements_utils, "warn_dependency_requirement_mismatches", broken)
+    assert registry.warm_up.__wrapped__() is None

@@ -162,3 +162,59 @@ def test_a_local_artifact_store_shares_the_checkpoint_weights_instead_of_copying
     assert os.path.samefile(artifact, weights)  # one copy on disk, two names
     generator = mlflow.transformers.load_model(uri)  # and the version still loads
     assert generator("the food was", max_new_tokens=2, do_sample=False)[0]["generated_text"].startswith("the food was")
+
+
+def _schema(db) -> tuple[dict, list]:
+    """Tables with their columns, indexes, the schema revision (not the CREATE text: MLflow's own migrations
+    write a table's constraints in varying order from one run to the next)."""
+    import sqlite3
+    from contextlib import closing
+
+    with closing(sqlite3.connect(db)) as con:
+        names = con.execute("SELECT type, name FROM sqlite_master WHERE name NOT LIKE 'sqlite_%'").fetchall()
+        schema = {
+            (kind, name): con.execute(f"PRAGMA table_info('{name}')").fetchall() if kind == "table" else None
+            for kind, name in names
+        }
+        return schema, con.execute("SELECT version_num FROM alembic_version").fetchall()
+
+
+def test_a_new_store_is_a_copy_of_the_migrated_empty_schema(tmp_path, monkeypatch):
+    # given: a private cache and a store MLflow migrates itself
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+    monkeypatch.setenv(tracking.CACHE_ENV, str(tmp_path / "cache"))
+    migrated = tmp_path / "migrated.db"
+    SqlAlchemyStore(f"sqlite:///{migrated}", str(tmp_path / "artifacts")).engine.dispose()
+    # when: two new stores are configured (the first makes the template)
+    for name in ("first", "second"):
+        (tmp_path / name).mkdir()
+        monkeypatch.chdir(tmp_path / name)
+        uri = f"sqlite:///{tmp_path / name / 'mlflow.db'}"
+        tracking.configure(uri)
+        tracking.ensure_experiment("demo", uri)
+        # then: the same tables, indexes and schema revision; experiment 0 made in this store's own context
+        assert _schema(tmp_path / name / "mlflow.db") == _schema(migrated)
+        default = MlflowClient(uri).get_experiment("0")
+        assert default.name == "Default" and str(tmp_path / name / "mlruns") in default.artifact_location
+    assert (tmp_path / "cache" / f"mlflow-{mlflow.__version__}-empty-store.db").is_file()
+    assert not list((tmp_path / "first").glob(".*.tmp"))  # the copy's temporary name is gone
+
+
+def test_a_file_at_the_store_path_is_never_replaced_by_the_template(tmp_path, monkeypatch):
+    monkeypatch.setenv(tracking.CACHE_ENV, str(tmp_path / "cache"))
+    db = tmp_path / "mlflow.db"
+    db.write_text("a user's file")
+    template = tracking.empty_store_template()
+    tracking._copy_template(template, db)
+    assert db.read_text() == "a user's file" and not list(tmp_path.glob(".*.tmp"))
+
+
+def test_an_unwritable_cache_leaves_the_store_to_mlflow(tmp_path, monkeypatch):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    monkeypatch.setenv(tracking.CACHE_ENV, str(blocker / "cache"))
+    assert tracking.empty_store_template() is None
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    tracking.configure(uri)
+    assert tracking.ensure_experiment("demo", uri)
