@@ -54,7 +54,8 @@ SIZES = {
     "50M": {"hidden_size": 512, "num_hidden_layers": 12, "num_attention_heads": 8, "intermediate_size": 2048},
 }
 MAX_POSITIONS = 512  # room for a prompt and 256 new tokens
-DP_SIZE, DP_LENGTH, DP_BATCH, DP_STEPS = "10M", 64, 16, 4  # 1 warm-up + 3 timed; 16 prompts: enough work per process that halving it shows
+# 1 warm-up + 3 timed steps; 16 prompts: enough work per process that halving it shows in the step time
+DP_SIZE, DP_LENGTH, DP_BATCH, DP_STEPS = "10M", 64, 16, 4
 DP_SHAPES = ((1, 2), (2, 1), (1, 1))  # (processes, torch threads each): 1 x 2 against 2 x 1 is the comparison
 # torch threads of every grid run. On a shared 2-core machine 2 OpenMP threads stall whenever another job takes a
 # core (10M/64 PPO: 12.7 s/step with 2 threads, 1.2 s/step with 1, the same minute); 1 thread is slower but stable
