@@ -121,6 +121,14 @@ class Stopwatch:
 WATCH = Stopwatch()
 
 
+def children_cpu_s() -> float:
+    """CPU seconds used so far by this process's children: the Prefect server the harness started, which
+    shares the machine's cores with training."""
+    import psutil
+
+    return sum(sum(child.cpu_times()[:2]) for child in psutil.Process().children(recursive=True))
+
+
 def flow(root: Path, out: Path, store: str) -> tuple[float, dict, dict[str, float]]:
     """The pipeline's wall time into `out` and `store`, its summary, and the seconds of its evaluations and
     registrations."""
@@ -237,7 +245,9 @@ def breakdown_table(bare_s: dict[str, float], tasks_s: dict[str, float], flow_s:
         f"store {parts['store_startup_s']:.2f} s (a copy of the empty schema; the first on a machine and MLflow "
         f"version runs MLflow's migrations: {parts['store_first_s']:.2f} s), config validation and preflight "
         f"{parts['validation_s']:.3f} s, the Prefect server's start-up {parts['server_startup_s']:.1f} s "
-        "(before the flow, as a deployment's server or `prefect server start` is).",
+        "(before the flow, as a deployment's server or `prefect server start` is). The Prefect server process, on "
+        f"the same 2 cores, used {parts['server_cpu_s']['flow']:.1f} CPU-seconds per flow run and "
+        f"{parts['server_cpu_s']['bare']:.1f} per bare run (its own idle loops).",
     ]
     return "\n".join(rows)
 
@@ -255,10 +265,12 @@ def measure(root: Path, server_startup_s: float) -> dict:
     world = build_demo_world(root / "demo_world", cfg.run.seed, cfg.data.demo, cfg.model.demo)
     # first: the flows' new stores are then copies of the empty schema, as on every run but a machine's first
     fixed = fixed_costs(root)
-    bares, flows = [], []
+    bares, flows, server_cpu = [], [], {"bare": 0.0, "flow": 0.0}
     for i, side in enumerate(ORDER):
+        before = children_cpu_s()
         if side == "bare":
             bares.append(bare(cfg, root, root / f"bare-{i}"))
+            server_cpu["bare"] += children_cpu_s() - before
             continue
         # each flow starts with the world built: its output directory is marked as a pipeline run's, as an
         # earlier run that built the world would have left it (an unmarked non-empty one is refused)
@@ -266,6 +278,7 @@ def measure(root: Path, server_startup_s: float) -> dict:
         claim_dir(out, "bench/bench_overhead.py")
         shutil.copytree(world.root, out / "demo_world")
         flows.append((*flow(root, out, store), store))
+        server_cpu["flow"] += children_cpu_s() - before
     bare_parts, bare_phases = min(bares, key=lambda b: sum(b[0].values()))
     bare_s = sum(bare_parts.values())
     flow_s, summary, watched, store = min(flows, key=lambda f: f[0])
@@ -273,6 +286,7 @@ def measure(root: Path, server_startup_s: float) -> dict:
     versions = sum(len(client.search_model_versions(f"name = '{n}'")) for n in ("demo-policy", "demo-reward-model"))
     evaluations = len(summary.get("eval_history", {}))
     parts = {"eval_s": 0.0, "registration_s": 0.0, **watched, **fixed, "server_startup_s": server_startup_s}
+    parts["server_cpu_s"] = {side: seconds / ORDER.count(side) for side, seconds in server_cpu.items()}
     tasks_s = task_seconds(client, summary)
     phases, loop_totals = phase_seconds(client, summary)
     without_eval = (flow_s - parts["eval_s"]) / bare_s

@@ -4,7 +4,9 @@ Same SFT-initialized tiny Llama, same VADER-labelled pairs, batch size, learning
 max length and steps; each side trains, evaluates once and saves one checkpoint with its optimizer
 state at the end. TRL 1.16's RewardTrainer runs with gradient checkpointing off (ours is off by
 default; TRL's default is on) and on the CPU. Each run in its own process (so the peak RSS reported
-beside the time is that side's own); order TRL, ours, ours, TRL, TRL, ours; best of three.
+beside the time is that side's own); order TRL, ours, ours, TRL, TRL, ours; best of three. Both sides
+are timed from the same rows of pairs to the saved checkpoint: tokenization included (TRL's happens when
+the RewardTrainer is made, ours inside train_reward_model), as the SFT benchmark times it on both sides.
 """
 
 from __future__ import annotations
@@ -78,6 +80,9 @@ def run_trl(sft_dir: Path, train, test, out: Path) -> tuple[float, dict]:
         seed=SEED,
         dataloader_drop_last=True,
     )
+    # timed from the same rows as ours: RewardTrainer tokenizes its datasets when it is made, train_reward_model
+    # inside its call
+    start = time.perf_counter()
     trainer = RewardTrainer(
         model=model,
         args=args,
@@ -85,7 +90,6 @@ def run_trl(sft_dir: Path, train, test, out: Path) -> tuple[float, dict]:
         train_dataset=datasets.Dataset.from_list(train),
         eval_dataset=datasets.Dataset.from_list(test),
     )
-    start = time.perf_counter()
     trainer.train()
     seconds = time.perf_counter() - start
     # TRL appends eos to every completion it trains on; score its model the same way
@@ -147,7 +151,7 @@ def measure(run_side) -> dict:
         "notes": (
             f"peak RSS ours {ours_rss:.0f} MB vs TRL {anchor_rss:.0f} MB; held-out accuracy ours "
             f"{ours[0]['eval']['eval_accuracy']:.3f} vs TRL {anchor[0]['eval']['eval_accuracy']:.3f}; "
-            f"{STEPS} steps, batch {BATCH} pairs, length {MAX_LEN}, demo world, CPU, best of 3, each side in its own process"
+            f"{STEPS} steps, batch {BATCH} pairs, length {MAX_LEN}, demo world, CPU, best of 3, each side in its own process, tokenization timed on both sides"
         ),
     }
 

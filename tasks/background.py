@@ -2,9 +2,10 @@
 
 A stage's reporter (tasks/reporting.py) has two: one writes the metrics and progress each step logs,
 one logs and registers each checkpoint the training loop saves, while training goes on. Jobs run one
-at a time in submission order, so metrics are written and versions created in step order. A transient failure (tasks/retry.py `is_transient`) is retried
-with exponential back-off; the first failure that stays stops the rest: the later jobs are not run,
-and the next `submit` and `wait` raise that failure in the caller's thread, as it was raised.
+at a time in submission order, so metrics are written and versions created in step order. A transient
+failure (tasks/retry.py `is_transient`) is retried with exponential back-off; the first failure that
+stays stops the rest: the later jobs are not run, and the next `submit` and `wait` raise that failure
+in the caller's thread, as it was raised.
 
 Each job runs in a copy of the submitting thread's context (Prefect's run context with it, so its
 logger works there).
