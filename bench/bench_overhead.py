@@ -11,7 +11,9 @@ goes: each Prefect task's wall time beside the bare stage it wraps (from Prefect
 registrations (their total time on the background thread, and how long stages waited for them), and,
 measured apart, config validation with preflight, a new MLflow store's start-up (the first on a machine
 runs MLflow's migrations and keeps the empty schema; every later one is a copy of it, as the flow's
-is here) and the Prefect server's.
+is here) and the Prefect server's. Bare loops and flows run three times each, interleaved (bare, flow,
+flow, bare, bare, flow), and the fastest of each side counts; the PPO steps' phases of the two are set side
+by side, and the Prefect server's CPU seconds during each are read from its process.
 """
 
 from __future__ import annotations
@@ -183,8 +185,9 @@ def fixed_costs(root: Path) -> dict[str, float]:
     return seconds
 
 
-# bare loops and flows alternate, so that drifting load hits both alike; the faster run of each side counts
-ORDER = ("bare", "flow", "flow", "bare")
+# bare loops and flows alternate, so that drifting load hits both alike; the fastest run of each side counts
+# (these machines are shared: one side's run has moved by 5% between repeats)
+ORDER = ("bare", "flow", "flow", "bare", "bare", "flow")
 LOOP_PHASES = ("log", "eval", "checkpoint")  # the loop's own time around the steps, summed between logs
 
 
@@ -313,8 +316,8 @@ def measure(root: Path, server_startup_s: float) -> dict:
         + step_table(bare_phases, phases)
         + "\n\nThe PPO loop's own time around its steps, over the stage: "
         + ", ".join(f"`time/{p}_s` {s:.2f} s" for p, s in loop_totals.items())
-        + " (handing metrics to the writer thread, the evaluations, writing checkpoints; MLflow writes and "
-        "registrations are on background threads). Prefect's flow engine joins its heartbeat thread at the flow's "
+        + " (logging the metrics, inline for this local store; the evaluations; writing checkpoints, whose "
+        "registration is on the background thread). Prefect's flow engine joins its heartbeat thread at the flow's "
         "end, which sleeps in 1 s steps: up to 1 s of the flow outside its tasks.",
         "notes": (
             f"flow + tracking {flow_s:.1f} s vs bare SFT/reward/PPO loops {bare_s:.1f} s; without the {evaluations} "
@@ -323,8 +326,8 @@ def measure(root: Path, server_startup_s: float) -> dict:
             f"{parts.get('registration_wait_s', 0.0):.1f} s); new MLflow store {parts['store_startup_s']:.2f} s "
             f"({parts['store_first_s']:.1f} s the first on a machine), validation and preflight "
             f"{parts['validation_s']:.2f} s; per-task split below; configs/demo.yaml (sft {cfg.sft.max_steps}, reward "
-            f"{cfg.reward.max_steps}, ppo {cfg.rl.total_steps} steps, guard actions warn); bare, flow, flow, bare, the "
-            f"faster of each (bare {', '.join(f'{sum(b[0].values()):.1f}' for b in bares)} s, flow "
+            f"{cfg.reward.max_steps}, ppo {cfg.rl.total_steps} steps, guard actions warn); bare, flow, flow, bare, bare, "
+            f"flow, the fastest of each (bare {', '.join(f'{sum(b[0].values()):.1f}' for b in bares)} s, flow "
             f"{', '.join(f'{f[0]:.1f}' for f in flows)} s), CPU"
         ),
     }
