@@ -133,8 +133,8 @@ def empty_store_template() -> Path | None:
     MLflow makes a new SQLite store by running every schema migration since its first release (one to two
     seconds, paid by every new run directory, test and demo); a copy of an empty store made that way is the
     same database in milliseconds. The template has no default experiment: MLflow creates experiment 0 when
-    it opens a store without one, with the artifact location of that store's own context. None when the
-    cache directory cannot be written (the caller lets MLflow migrate instead)."""
+    it opens a store without one, with the artifact location of that store's own context. None when it
+    cannot be made (an unwritable cache directory, a full disk): the caller lets MLflow migrate instead."""
     from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
 
     template = cache_dir() / f"mlflow-{metadata.version('mlflow')}-empty-store.db"
@@ -152,7 +152,8 @@ def empty_store_template() -> Path | None:
             with closing(sqlite3.connect(tmp)) as con, con:
                 con.execute("DELETE FROM experiments WHERE experiment_id = 0")
             os.replace(tmp, template)
-    except OSError:
+    except Exception as err:  # noqa: BLE001 (an unwritable cache, a full disk: MLflow's migrations instead)
+        logging.getLogger(__name__).debug("no empty-store template in %s: %s", template.parent, err)
         return None
     return template
 
