@@ -13,9 +13,8 @@ kwargs are fixed; `stop_token=None` leaves the policy no eos id, so generation n
 new-token counts each side saw are recorded and shown. Each measured run is a fresh process (so its
 peak RSS, ru_maxrss, is its own); 1 warm-up step, then TIMED steps; the step time is the wall time
 between consecutive step-end callbacks (ours `on_step`, TRL `TrainerCallback.on_step_end`), averaged.
-Best of REPEATS runs per point and side, in the order TRL, ours, ours, TRL (mirrored at every other point).
-Every grid process runs 1 torch thread (GRID_THREADS: on a shared 2-core machine two OpenMP threads
-stall whenever another job holds a core, and the times swing tenfold).
+Best of REPEATS runs per point and side, in the order TRL, ours, ours, TRL (mirrored at every other point),
+each process with GRID_THREADS torch threads.
 
 Grid: `--grid sweep` (the default) measures two sweeps through a centre point, sizes at 64 tokens and
 lengths at 10M; `--grid full` the whole 3 x 3 grid (over 15 minutes on a 2-core CPU). The exponent
@@ -54,8 +53,7 @@ SIZES = {
     "50M": {"hidden_size": 512, "num_hidden_layers": 12, "num_attention_heads": 8, "intermediate_size": 2048},
 }
 MAX_POSITIONS = 512  # room for a prompt and 256 new tokens
-# 1 warm-up + 3 timed steps; 16 prompts: enough work per process that halving it shows in the step time
-DP_SIZE, DP_LENGTH, DP_BATCH, DP_STEPS = "10M", 64, 16, 4
+DP_SIZE, DP_LENGTH, DP_BATCH, DP_STEPS = "10M", 64, 16, 4  # 1 warm-up + 3 timed; 16 prompts: halving them shows
 DP_SHAPES = ((1, 2), (2, 1), (1, 1))  # (processes, torch threads each): 1 x 2 against 2 x 1 is the comparison
 # torch threads of every grid run. On a shared 2-core machine 2 OpenMP threads stall whenever another job takes a
 # core (10M/64 PPO: 12.7 s/step with 2 threads, 1.2 s/step with 1, the same minute); 1 thread is slower but stable
