@@ -54,15 +54,15 @@ def evaluate_version(
     """Completions sampled as in training of the held-out prompts by `model_uri`, scored; (summary, rows)."""
     from transformers import AutoModelForSequenceClassification
 
-    from rlhf_core.models import load_causal_lm, load_tokenizer, run_stop_ids
+    from rlhf_core.models import load_causal_lm, load_pretrained, load_tokenizer, run_stop_ids
 
     policy_dir = _model_dir(model_uri, cfg, data, "registry")
     tokenizer = load_tokenizer(policy_dir)
     policy = load_causal_lm(policy_dir).eval()
     ref = load_causal_lm(_model_dir(reference, cfg, data, "base_model tag")).eval() if reference else None
     reward = (
-        AutoModelForSequenceClassification.from_pretrained(
-            _model_dir(reward_model, cfg, data, "reward_model_version tag")
+        load_pretrained(
+            AutoModelForSequenceClassification, _model_dir(reward_model, cfg, data, "reward_model_version tag")
         ).eval()
         if reward_model
         else None

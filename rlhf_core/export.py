@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_core.model_card import write_model_card
+from rlhf_core.models import load_pretrained
 from rlhf_core.saving import atomic_dir
 
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
@@ -247,7 +248,7 @@ def export_policy(
             for name in ADAPTER_FILES:
                 shutil.copy2(policy_dir / "adapter" / name, adapter_target / name)
         if not lora or merge:
-            model = AutoModelForCausalLM.from_pretrained(policy_dir)
+            model = load_pretrained(AutoModelForCausalLM, policy_dir)
             model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         if lora and merge:

@@ -6,6 +6,7 @@ the core only sees directories and hub names.
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -34,11 +35,25 @@ def check_source(source: str, field: str) -> None:
         raise ModelSourceError(f"{field}: {path} is not a Hugging Face model directory (no config.json)")
 
 
+# transformers' from_pretrained changes process-wide state while it builds a model (torch's default dtype,
+# torch.nn.init patched to do nothing, weight tying switched off until the weights are in): a model built on
+# another thread meanwhile (the registration thread loads each checkpoint it logs) can come out with its tied
+# weights left on the meta device, or a new layer left uninitialized. Every model the pipeline builds, on any
+# thread, is built under this lock.
+MODEL_BUILDING = threading.RLock()
+
+
+def load_pretrained(loader, source, **kwargs):
+    """`loader.from_pretrained(source, **kwargs)` under MODEL_BUILDING."""
+    with MODEL_BUILDING:
+        return loader.from_pretrained(source, **kwargs)
+
+
 def from_pretrained_checked(loader, source: str, field: str, **kwargs):
     """`loader.from_pretrained(source)` with the source checked first and any failure as one sentence naming `field`."""
     check_source(source, field)
     try:
-        return loader.from_pretrained(str(Path(source).expanduser()) if looks_like_path(source) else source, **kwargs)
+        return load_pretrained(loader, str(Path(source).expanduser()) if looks_like_path(source) else source, **kwargs)
     except (OSError, ValueError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ModelSourceError(f"{field}: could not load '{source}' ({first})") from None

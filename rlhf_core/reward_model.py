@@ -194,33 +194,35 @@ def load_reward_model(
     """
     from transformers import AutoModelForSequenceClassification
 
-    from rlhf_core.models import from_pretrained_checked
+    from rlhf_core.models import MODEL_BUILDING, from_pretrained_checked
 
-    torch.manual_seed(seed)
-    model = from_pretrained_checked(
-        AutoModelForSequenceClassification,
-        source,
-        "reward.base",
-        num_labels=1,
-        dtype=torch_dtype,
-        trust_remote_code=trust_remote_code,
-        revision=revision,
-    )
+    with MODEL_BUILDING:  # the seed and the draws of the new head's initialization, with no other model built between
+        torch.manual_seed(seed)
+        model = from_pretrained_checked(
+            AutoModelForSequenceClassification,
+            source,
+            "reward.base",
+            num_labels=1,
+            dtype=torch_dtype,
+            trust_remote_code=trust_remote_code,
+            revision=revision,
+        )
     model.config.pad_token_id = tokenizer.pad_token_id
     if lora is not None:
         from peft import LoraConfig, TaskType, get_peft_model
 
-        model = get_peft_model(
-            model,
-            LoraConfig(
-                task_type=TaskType.SEQ_CLS,
-                r=lora.r,
-                lora_alpha=lora.alpha,
-                lora_dropout=lora.dropout,
-                target_modules=list(lora.target_modules),
-                modules_to_save=["score"],
-            ),
-        )
+        with MODEL_BUILDING:
+            model = get_peft_model(
+                model,
+                LoraConfig(
+                    task_type=TaskType.SEQ_CLS,
+                    r=lora.r,
+                    lora_alpha=lora.alpha,
+                    lora_dropout=lora.dropout,
+                    target_modules=list(lora.target_modules),
+                    modules_to_save=["score"],
+                ),
+            )
     return model
 
 

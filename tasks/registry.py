@@ -23,6 +23,7 @@ from filelock import Timeout
 from mlflow.tracking import MlflowClient
 
 from rlhf_core.checkpoint import link_identical_files
+from rlhf_core.models import load_pretrained
 from rlhf_core.redaction import redact
 from tasks.tracking import code_version, store_lock, writes
 
@@ -110,7 +111,7 @@ def register_checkpoint(
 
     checkpoint_dir = Path(checkpoint_dir)
     loader = AutoModelForSequenceClassification if task == "text-classification" else AutoModelForCausalLM
-    model = loader.from_pretrained(checkpoint_dir)
+    model = load_pretrained(loader, checkpoint_dir)  # beside training: under MODEL_BUILDING
     tokenizer = AutoTokenizer.from_pretrained(checkpoint_dir)
     requirements = model_requirements()
 

@@ -33,7 +33,9 @@ from rlhf_core.guard import (
 )
 from rlhf_core.loop import LoopResult
 from rlhf_core.models import (
+    MODEL_BUILDING,
     load_causal_lm,
+    load_pretrained,
     prepare_for_training,
     run_stop_ids,
 )
@@ -101,7 +103,7 @@ def reward_sources(cfg: PipelineConfig, plan: InitPlan, stage_reward_model) -> l
             model = stage_reward_model
         else:
             path = resolve_model_source(r.model, field=f"grpo.rewards[{i}].model", cfg=cfg, world=None)
-            model = AutoModelForSequenceClassification.from_pretrained(path)
+            model = load_pretrained(AutoModelForSequenceClassification, path)
         sources.append(model_reward(r.name, r.weight, model.eval().requires_grad_(False)))
     return sources
 
@@ -149,8 +151,9 @@ def load_models(cfg: PipelineConfig, plan: InitPlan) -> RLModels:
     if cfg.model.lora.enabled:
         from peft import get_peft_model
 
-        policy = get_peft_model(policy, _lora(cfg))
-    reward_model = AutoModelForSequenceClassification.from_pretrained(plan.reward_path) if plan.reward_path else None
+        with MODEL_BUILDING:
+            policy = get_peft_model(policy, _lora(cfg))
+    reward_model = load_pretrained(AutoModelForSequenceClassification, plan.reward_path) if plan.reward_path else None
     stop_ids = run_stop_ids(tokenizer, policy.generation_config, cfg.rl)
     # GRPO with beta 0 trains without a reference, but the eval KL to the initial policy is measured all the same
     eval_ref = load_causal_lm(plan.policy_path, **load).eval() if plan.reference == "none" else ref_model

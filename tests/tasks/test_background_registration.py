@@ -198,3 +198,31 @@ def test_the_registry_warm_up_never_fails_a_stage(monkeypatch):
 
     monkeypatch.setattr(requirements_utils, "warn_dependency_requirement_mismatches", broken)
     assert registry.warm_up.__wrapped__() is None
+
+
+def test_a_registration_builds_its_model_only_while_no_other_thread_builds_one(cfg, smoke_world, tmp_path):
+    # transformers' from_pretrained changes process-wide state while it builds a model: a model built on the
+    # registration thread beside one built by training came out with its tied weights on the meta device
+    from rlhf_core.models import MODEL_BUILDING
+
+    with tracking.pipeline_run(cfg) as parent, tracking.stage_run(parent, "ppo") as run_id:
+        tags = registry.lineage_tags(stage="ppo", step=1, config_hash="h", data_fingerprint="d")
+        done = threading.Event()
+
+        def register():
+            registry.register_checkpoint(
+                smoke_world.base_model,
+                "unit-policy",
+                task="text-generation",
+                tags=tags,
+                run_id=run_id,
+                input_example=False,
+            )
+            done.set()
+
+        with MODEL_BUILDING:  # training is building a model
+            worker = threading.Thread(target=register)
+            worker.start()
+            assert not done.wait(1.5)  # the registration waits for it
+        worker.join(60)
+    assert done.is_set() and MlflowClient().get_model_version("unit-policy", "1").tags["step"] == "1"
