@@ -585,3 +585,30 @@ def test_conversational_reward_pairs_end_on_the_token_a_rollout_stops_on(family_
                 assert seq[-2] == end  # eos right after the turn's end: the template's newline is dropped
         if tok.bos_token_id is not None and tok.bos_token_id != tok.eos_token_id:
             assert seq.count(tok.bos_token_id) <= 1  # a template that writes bos gets no second one
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_the_decode_loops_ready_sdpa_mask_samples_what_the_models_own_mask_samples(family_root, name, monkeypatch):
+    # the rollout hands SDPA models a ready 4-D boolean mask instead of the 2-D one: on every family's layout
+    # (pad == eos, two stop ids, no pad with bos, GPT-2's learned positions) the samples must not change
+    import rlhf_core.rollout as rollout
+
+    tok, model = load(family_root, name)
+    spec = family(name)
+    assert rollout._takes_ready_sdpa_mask(model)  # the path under test is the one these models take
+    questions = [q for q, _ in prompts_and_answers()[:3]] + ["Hi."]
+    prompts = [render_prompt(tok, spec, q) for q in questions]
+    ids, mask = left_pad(tokenize_prompts(tok, prompts, 32), tok.pad_token_id)
+    ids, mask = ids.repeat_interleave(2, dim=0), mask.repeat_interleave(2, dim=0)  # GRPO's groups share a prompt
+    stops = stop_token_ids(tok, model.generation_config)
+    settings = SamplingSettings(response_length=R, temperature=1.3, min_tokens=2)
+
+    def sample():
+        torch.manual_seed(5)
+        return rollout.generate(
+            model, ids, mask, settings, pad_token_id=tok.pad_token_id, stop_token_ids=stops, prompt_repeats=2
+        )
+
+    ready = sample()
+    monkeypatch.setattr(rollout, "_takes_ready_sdpa_mask", lambda model: False)
+    assert torch.equal(ready, sample())
