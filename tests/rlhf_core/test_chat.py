@@ -164,3 +164,22 @@ def test_message_problems(value, problem):
 
 def test_assistant_messages():
     assert assistant_messages(["a"]) == [[{"role": "assistant", "content": "a"}]]
+
+
+@pytest.mark.parametrize(
+    ("prompt", "full", "shared"),
+    [
+        (
+            "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n",
+            "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello<|im_end|>\n",
+            "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n",
+        ),
+        # a template that renders the generation prompt differently from the finished turn (DeepSeek-R1's <think>)
+        ("User: Hi\nAssistant: <think>\n", "User: Hi\nAssistant: Hello", "User: Hi\nAssistant: "),
+        ("abc", "", ""),
+    ],
+)
+def test_the_shared_prefix_of_a_prompt_and_its_conversation(prompt, full, shared):
+    from rlhf_core.chat import _common_prefix
+
+    assert _common_prefix(prompt, full) == shared
