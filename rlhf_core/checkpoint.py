@@ -80,11 +80,20 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_training_state(directory: str | Path, *, optimizer, scheduler, progress: dict[str, Any]) -> Path:
+def save_training_state(
+    directory: str | Path,
+    *,
+    optimizer,
+    scheduler,
+    progress: dict[str, Any],
+    process_rngs: list[dict[str, Any]] | None = None,
+) -> Path:
     """Write <directory>/training_state/ atomically: tensors.safetensors + state.json.
 
     optimizer None: its state is not saved (DeepSpeed and FSDP split it across processes); a resume
-    then restarts the optimizer's moments and keeps everything else.
+    then restarts the optimizer's moments and keeps everything else. `process_rngs`: every process's
+    `rng_state()` in rank order (data parallel: each process samples from its own stream), which
+    `restore_process_rng` gives back to each of them on resume.
     """
     target = Path(directory) / STATE_DIR
     tensors: dict[str, torch.Tensor] = {}
@@ -94,6 +103,8 @@ def save_training_state(directory: str | Path, *, optimizer, scheduler, progress
         "rng": encode(rng_state(), tensors, "rng"),
         "progress": encode(progress, tensors, "progress"),
     }
+    if process_rngs is not None and len(process_rngs) > 1:
+        payload["process_rngs"] = encode(process_rngs, tensors, "process_rngs")
     with atomic_dir(target) as tmp:
         save_file(tensors, str(tmp / TENSORS))
         (tmp / STATE_JSON).write_text(json.dumps(payload))
@@ -110,6 +121,18 @@ def load_training_state(directory: str | Path, *, optimizer, scheduler) -> dict[
     scheduler.load_state_dict(decode(payload["scheduler"], tensors))
     set_rng_state(decode(payload["rng"], tensors))
     return decode(payload["progress"], tensors)
+
+
+def restore_process_rng(directory: str | Path, rank: int, world: int) -> bool:
+    """Set this process's RNG to what it was when the checkpoint was saved by `world` processes; False (and
+    nothing set) when the checkpoint holds no such state (one process, another process count, an older save)."""
+    source = Path(directory) / STATE_DIR
+    payload = json.loads((source / STATE_JSON).read_text())
+    saved = payload.get("process_rngs")
+    if saved is None or len(saved) != world:
+        return False
+    set_rng_state(decode(saved[rank], load_file(str(source / TENSORS))))
+    return True
 
 
 def has_training_state(directory: str | Path) -> bool:

@@ -39,20 +39,23 @@ class GuardStopError(ValueError):
     """The guard ended RL in a way the pipeline cannot go on from (no checkpoint to export); one sentence."""
 
 
-class GuardStop(Exception):
-    """Raised from an evaluation callback to end RL at a breach whose action is 'stop'."""
+class GuardBreach(Exception):
+    """Raised from an evaluation callback at a breach whose action ends or rewinds training."""
 
     def __init__(self, trigger: Trigger):
         super().__init__(trigger.message)
         self.trigger = trigger
 
+    def __reduce__(self):  # pickled with its trigger: every process raises the evaluating one's decision
+        return type(self), (self.trigger,)
 
-class GuardRollback(Exception):
-    """Raised from an evaluation callback at a breach whose action is 'rollback'."""
 
-    def __init__(self, trigger: Trigger):
-        super().__init__(trigger.message)
-        self.trigger = trigger
+class GuardStop(GuardBreach):
+    """The breach's action is 'stop'."""
+
+
+class GuardRollback(GuardBreach):
+    """The breach's action is 'rollback'."""
 
 
 def eval_kl(summary: dict[str, float]) -> float | None:

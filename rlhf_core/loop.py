@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import pickle
 import random
 import time
 from collections.abc import Callable
@@ -27,10 +28,24 @@ from typing import Any, Literal, Protocol
 
 import torch
 
-from rlhf_core.checkpoint import latest_checkpoint, load_training_state, prune_checkpoints, save_training_state
+from rlhf_core.checkpoint import (
+    latest_checkpoint,
+    load_training_state,
+    prune_checkpoints,
+    restore_process_rng,
+    rng_state,
+    save_training_state,
+)
 from rlhf_core.config import OptimSettings, RunConfig
 from rlhf_core.ownership import remove_orphan_temps
-from rlhf_core.parallel import full_parameters, gathered_state_dicts, reduce_metrics, shards_optimizer
+from rlhf_core.parallel import (
+    all_gather_objects,
+    from_main,
+    full_parameters,
+    gathered_state_dicts,
+    reduce_metrics,
+    shards_optimizer,
+)
 from rlhf_core.saving import assert_finite, atomic_dir, restore_weights, save_hf_dir
 from rlhf_core.timing import PhaseTimer
 
@@ -324,9 +339,10 @@ class TrainingLoop:
         self.device = self.accelerator.device
         self.world, self.rank = self.accelerator.num_processes, self.accelerator.process_index
         self.is_main = self.accelerator.is_main_process
-        if self.world > 1:
-            # the weights are identical (loaded, then broadcast by prepare); the samples must not be: seed + rank,
-            # and on resume (every process restored the main one's saved RNG) seed + rank + the step reached
+        if self.world > 1 and not (resume is not None and restore_process_rng(resume, self.rank, self.world)):
+            # the weights are identical (loaded, then broadcast by prepare); the samples must not be: seed + rank.
+            # A resume restores each process's own saved RNG (the run goes on as if never stopped); from a
+            # checkpoint of another process count, seed + rank + the step reached
             seed_everything(run.seed + self.rank + 100_003 * self.step)
 
     def _resume(self) -> Path | None:
@@ -421,6 +437,7 @@ class TrainingLoop:
 
     def _save(self, on_checkpoint: OnCheckpoint | None, extra_files: Callable[[Path, dict], None] | None) -> None:
         gathered = gathered_state_dicts(self.accelerator, self.trainable, self.models)  # collective; None unsharded
+        process_rngs = all_gather_objects(rng_state()) if self.world > 1 else None  # collective
         if self.is_main:
             path = self.output_dir / f"checkpoint-{self.step}"
             for sub, model in self.models.items():
@@ -443,6 +460,7 @@ class TrainingLoop:
                         "skipped_steps": self.skipped,
                         "state": self.state,
                     },
+                    process_rngs=process_rngs,
                 )
             pending = None
             if on_checkpoint is not None:
@@ -524,12 +542,7 @@ class TrainingLoop:
                             on_log({**{k: v for k, v in logged.items() if math.isfinite(v)}, **around.pop()}, self.step)
                 if evaluate is not None and self._due(s.eval_every):
                     with around("eval"), self.full_parameters():  # every process gathers; the main one evaluates
-                        if self.is_main:
-                            result = evaluate(self.step)
-                            if s.checkpoint_metrics == "eval":
-                                self.metrics = result
-                            if on_eval is not None:
-                                on_eval(result, self.step)
+                        self._evaluate(evaluate, on_eval)
                 if self._due(s.save_every):
                     with around("checkpoint"):
                         self._save(on_checkpoint, extra_files)
@@ -544,7 +557,41 @@ class TrainingLoop:
             skipped_steps=self.skipped,
         )
 
+    def _evaluate(self, evaluate: Callable[[int], Any], on_eval: Callable[[Any, int], None] | None) -> None:
+        """`evaluate` and `on_eval` on the main process. What they raise (the guard's stop or rollback, a
+        failure) is raised on every process at this same point: a decision taken where the evaluation ran
+        is acted on everywhere, and no process waits in a collective for one that has left the loop."""
+        error: Exception | None = None
+        if self.is_main:
+            try:
+                result = evaluate(self.step)
+                if self.settings.checkpoint_metrics == "eval":
+                    self.metrics = result
+                if on_eval is not None:
+                    on_eval(result, self.step)
+            except Exception as err:  # noqa: BLE001 (re-raised below, here and on the other processes)
+                error = err
+        if self.world > 1:
+            shared = from_main(_portable(error))
+            if error is None and shared is not None:
+                raise shared
+        if error is not None:
+            raise error
+
     def _show(self, bar, metrics: dict[str, float]) -> None:
         shown = {k.split("/")[-1]: f"{metrics[k]:.3f}" for k in self.settings.shown if k in metrics}
         if shown:
             bar.set_postfix(shown)
+
+
+def _portable(error: Exception | None) -> Exception | None:
+    """`error` when it survives a pickle round trip (what a broadcast does to it), else a RuntimeError that
+    says what the main process raised."""
+    if error is None:
+        return None
+    try:
+        if type(pickle.loads(pickle.dumps(error))) is type(error):
+            return error
+    except Exception:  # noqa: BLE001 (an exception that does not pickle is described instead)
+        pass
+    return RuntimeError(f"the evaluating process (rank 0) failed: {type(error).__name__}: {error}")

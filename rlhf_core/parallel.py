@@ -5,6 +5,8 @@
   outside the prepared module's training forward (ZeRO-3 and FSDP keep one shard per process).
 - `gathered_state_dicts`: the full weights of the trained models for a checkpoint, gathered on
   every process (a collective) and written by the main one.
+- `from_main`, `all_gather_objects`: Python objects across processes (a decision taken where the
+  evaluation ran, acted on everywhere; what each process sees of the shared storage).
 
 Under DDP (and on one process) each of these is a no-op or a plain `state_dict()`. All of them are
 collective: every process must call them at the same point of the loop.
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 
@@ -146,6 +149,33 @@ def gathered_state_dicts(
     if not accelerator.is_main_process:
         return {name: {} for name in models}
     return {name: {k[len(p) :]: v for k, v in full.items() if k.startswith(p)} for name, p in prefixes.items()}
+
+
+def from_main(obj: Any) -> Any:
+    """`obj` as the main process (rank 0) holds it, on every process: a broadcast of its pickle.
+
+    Collective when torch.distributed is initialized with more than one process (every process calls it
+    at the same point; the others' `obj` is ignored); otherwise `obj` itself. Works after the Accelerator
+    that set up the process group is gone (the group outlives it).
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return obj
+    box = [obj if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def all_gather_objects(obj: Any) -> list[Any]:
+    """Every process's `obj`, in rank order, on every process (`[obj]` on one process); a collective."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [obj]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered
 
 
 def accelerate_strategy(path) -> str:

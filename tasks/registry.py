@@ -22,8 +22,13 @@ import mlflow
 from filelock import Timeout
 from mlflow.tracking import MlflowClient
 
+# imported here, on the importing (main) thread: resolved first on the registration thread while the training
+# thread loads its models, transformers' lazy modules imported each other half-way and failed with
+# "cannot import name 'AutoModelForCausalLM'" (a stage resumed by a fresh process registers at once)
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
 from rlhf_core.checkpoint import link_identical_files
-from rlhf_core.models import load_pretrained
+from rlhf_core.models import MODEL_BUILDING, load_pretrained
 from rlhf_core.redaction import redact
 from tasks.tracking import code_version, store_lock, writes
 
@@ -107,12 +112,11 @@ def register_checkpoint(
     with its tags in one call; if anything fails after it exists, it is deleted again, so no
     half-registered version remains. Returns {"name", "version", "uri"}.
     """
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
-
     checkpoint_dir = Path(checkpoint_dir)
     loader = AutoModelForSequenceClassification if task == "text-classification" else AutoModelForCausalLM
-    model = load_pretrained(loader, checkpoint_dir)  # beside training: under MODEL_BUILDING
-    tokenizer = AutoTokenizer.from_pretrained(checkpoint_dir)
+    with MODEL_BUILDING:  # beside training, whose model loading imports transformers' lazy modules too
+        model = load_pretrained(loader, checkpoint_dir)
+        tokenizer = AutoTokenizer.from_pretrained(checkpoint_dir)
     requirements = model_requirements()
 
     flavor_log = logging.getLogger("mlflow.transformers")

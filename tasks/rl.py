@@ -23,6 +23,7 @@ from rlhf_core.data import read_rows
 from rlhf_core.evaluation import evaluate_generations, summarize_rows
 from rlhf_core.grpo import train_grpo
 from rlhf_core.guard import (
+    GuardBreach,
     GuardLedger,
     GuardRollback,
     GuardStop,
@@ -39,6 +40,7 @@ from rlhf_core.models import (
     prepare_for_training,
     run_stop_ids,
 )
+from rlhf_core.parallel import from_main
 from rlhf_core.ppo import train_ppo
 from rlhf_core.reward_functions import load_function
 from rlhf_core.reward_model import load_reward_model
@@ -331,7 +333,7 @@ class PolicyReporter(StageReporter):
                 "(lower rl.save_steps, or loosen guard.*)"
             )
         last = max(steps)
-        if self.cfg.export.select == "last":
+        if self.cfg.export.select == "last" or not launcher.is_main():  # the others' ledgers hold no evaluations
             return last
         metric_key = f"eval/{self.cfg.promotion_metric()}_mean"
         chosen = self.ledger.best(steps, metric_key) or self.ledger.last_passed(steps)
@@ -429,39 +431,53 @@ def guarded_training(cfg: PipelineConfig, data: PreparedData, plan: InitPlan, re
     breach whose action is 'stop' (None is returned) or 'rollback': the checkpoints after the last one that
     passed every rule are set aside, the KL coefficient multiplied by guard.kl_coef_factor, and training
     resumes from that checkpoint (or from the start) with freshly loaded models; a breach beyond
-    guard.max_rollbacks stops. The ledger (<out_dir>/guard.json) carries all of it across attempts."""
-    ledger, out_dir, guard = reporter.ledger, reporter.out_dir, cfg.guard
+    guard.max_rollbacks stops. The ledger (<out_dir>/guard.json) carries all of it across attempts.
+
+    With N processes the evaluating one (rank 0) decides: the loop raises its breach on every process, rank 0
+    alone sets checkpoints aside and updates the ledger, and every process then goes on with rank 0's ledger."""
+    out_dir = reporter.out_dir
     functions = eval_functions(cfg)
     eval_rows = read_rows(data.tables["eval_prompts"])[: cfg.eval.num_prompts]
-    while ledger.stopped_at is None:
+    while reporter.ledger.stopped_at is None:
         models = load_models(cfg, plan)
         evaluate = partial(evaluate_policy, cfg=cfg, models=models, metrics=functions, prompt_rows=eval_rows)
-        if launcher.is_main() and 0 not in ledger.evals and not checkpoint_steps(out_dir):
+        if launcher.is_main() and 0 not in reporter.ledger.evals and not checkpoint_steps(out_dir):
             reporter.on_eval(evaluate(models.policy, 0), 0)  # the starting point, for the before/after comparison
         try:
-            return _train(cfg, data, plan, models, reporter, evaluate, guard.kl_coef_factor**ledger.rollbacks)
-        except GuardStop as stop:
-            ledger.stopped_at = stop.trigger.step
-        except GuardRollback as rollback:
-            if ledger.rollbacks >= guard.max_rollbacks:
-                reporter.logger.warning("guard: %d rollbacks done (guard.max_rollbacks): stopping", ledger.rollbacks)
-                ledger.stopped_at = rollback.trigger.step
-            else:
-                reporter.wait_registrations()  # the checkpoints set aside keep their versions
-                to_step = ledger.last_passed([0, *checkpoint_steps(out_dir)]) or 0
-                moved = set_aside(out_dir, to_step, ledger.rollbacks + 1)
-                ledger.rolled_back(to_step)
-                reporter.logger.warning(
-                    "guard: rolled back to step %d (%d checkpoints set aside under %s); the KL coefficient is "
-                    "now %gx the configured one",
-                    to_step,
-                    len(moved),
-                    out_dir / "rolled_back",
-                    guard.kl_coef_factor**ledger.rollbacks,
-                )
-        ledger.save(out_dir / GUARD_FILE)
+            return _train(
+                cfg, data, plan, models, reporter, evaluate, cfg.guard.kl_coef_factor**reporter.ledger.rollbacks
+            )
+        except GuardBreach as breach:
+            if launcher.is_main():
+                act_on_breach(breach, cfg, reporter)
+        reporter.ledger = from_main(reporter.ledger)
         del models
     return None
+
+
+def act_on_breach(breach: GuardBreach, cfg: PipelineConfig, reporter: PolicyReporter) -> None:
+    """Rank 0's part of a breach: stop, or set the checkpoints after the last passed one aside (a rollback
+    beyond guard.max_rollbacks stops); the ledger records it and is saved."""
+    ledger, out_dir, guard = reporter.ledger, reporter.out_dir, cfg.guard
+    if isinstance(breach, GuardStop):
+        ledger.stopped_at = breach.trigger.step
+    elif ledger.rollbacks >= guard.max_rollbacks:
+        reporter.logger.warning("guard: %d rollbacks done (guard.max_rollbacks): stopping", ledger.rollbacks)
+        ledger.stopped_at = breach.trigger.step
+    else:
+        reporter.wait_registrations()  # the checkpoints set aside keep their versions
+        to_step = ledger.last_passed([0, *checkpoint_steps(out_dir)]) or 0
+        moved = set_aside(out_dir, to_step, ledger.rollbacks + 1)
+        ledger.rolled_back(to_step)
+        reporter.logger.warning(
+            "guard: rolled back to step %d (%d checkpoints set aside under %s); the KL coefficient is "
+            "now %gx the configured one",
+            to_step,
+            len(moved),
+            out_dir / "rolled_back",
+            guard.kl_coef_factor**ledger.rollbacks,
+        )
+    ledger.save(out_dir / GUARD_FILE)
 
 
 def checkpoint_steps(out_dir: Path) -> list[int]:

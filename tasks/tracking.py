@@ -299,6 +299,28 @@ def end_abandoned_runs(experiment_id: str, output_dir: str) -> list[str]:
     return ended
 
 
+def end_orphan_stage_runs(parent_run_id: str) -> list[str]:
+    """Mark KILLED the stage runs under `parent_run_id` still RUNNING, and FAILED their PENDING logged models;
+    return their ids. Called by the launcher once a stage's processes have ended: a worker that was killed
+    (and restarted by torchrun or Ray, or not) could not end the run it had started."""
+    if not writes():
+        return []
+    client = MlflowClient()
+    parent = client.get_run(parent_run_id)
+    experiment_id = parent.info.experiment_id
+    running = client.search_runs(
+        [experiment_id],
+        f"attributes.status = 'RUNNING' and tags.mlflow.parentRunId = '{parent_run_id}'",
+        max_results=1000,
+    )
+    ended = [run.info.run_id for run in running if run.data.tags.get(RUN_KIND) == "stage"]
+    fail_pending_models(experiment_id, ended)
+    for run_id in ended:
+        client.set_terminated(run_id, RunStatus.to_string(RunStatus.KILLED))
+        client.set_tag(run_id, "rlhf.ended_by", "the stage's launcher: the process that ran it had ended")
+    return ended
+
+
 def prefect_tags() -> dict[str, str]:
     """The Prefect flow run this process works for: `prefect.flow_run_id` and, when a UI URL is known
     (PREFECT_UI_URL, or one derived from PREFECT_API_URL), `prefect.flow_run_url` (credentials masked).

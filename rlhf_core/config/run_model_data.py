@@ -29,7 +29,29 @@ class RunConfig(Section):
     num_processes: int = Field(
         1,
         ge=1,
-        description="Data-parallel processes for the reward, PPO and GRPO stages; >1 launches torchrun (CPU, gloo) or accelerate launch (CUDA).",
+        description="Data-parallel processes for the reward, PPO and GRPO stages; >1 launches them as run.launcher says.",
+    )
+    launcher: Literal["local", "ray"] = Field(
+        "local",
+        description="How the reward, PPO and GRPO stages start their processes: 'local' runs torchrun (CPU, gloo) or accelerate launch (CUDA) on this machine when num_processes > 1; 'ray' runs them as a Ray Train TorchTrainer of num_processes workers, on the nodes of a Ray cluster.",
+    )
+    ray_address: str | None = Field(
+        None,
+        description="With launcher 'ray': null starts a private local Ray instance for the run and stops it after; 'auto' or 'host:port' joins an existing cluster (its nodes must share run.output_dir).",
+    )
+    ray_cpus_per_worker: float = Field(
+        1.0,
+        gt=0,
+        description="With launcher 'ray': CPUs reserved for each training worker (plus one GPU when run.device is cuda).",
+    )
+    ray_placement_strategy: Literal["SPREAD", "PACK", "STRICT_SPREAD", "STRICT_PACK"] = Field(
+        "SPREAD",
+        description="With launcher 'ray': how the workers are placed on the cluster's nodes (Ray placement group strategy).",
+    )
+    max_failures: int = Field(
+        0,
+        ge=0,
+        description="Restarts of a stage's processes after one of them dies (Ray Train's FailureConfig.max_failures; torchrun's --max-restarts with launcher 'local'); each restart resumes from the stage's newest complete checkpoint.",
     )
     accelerate_config: Path | None = Field(
         None, strict=False, description="accelerate launch config file (DeepSpeed, FSDP) for num_processes > 1 on CUDA."

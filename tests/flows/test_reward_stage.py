@@ -6,6 +6,8 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
+import flows.rlhf_pipeline
+import tasks.background
 import tasks.registry
 import tasks.reward_model
 from flows.rlhf_pipeline import rlhf_pipeline
@@ -67,6 +69,11 @@ def test_a_checkpoint_saved_but_not_registered_is_registered_on_the_next_run(
         return real(path, name, tags=tags, **kwargs)
 
     monkeypatch.setattr(tasks.registry, "register_once", registry_down_at_step_4)
+    # the task's three retries (tasks/retry.py) and the registration thread's fail the same way: no back-off
+    monkeypatch.setattr(
+        flows.rlhf_pipeline, "train_reward", tasks.reward_model.train_reward.with_options(retry_delay_seconds=0)
+    )
+    monkeypatch.setattr(tasks.background.BackgroundJobs, "backoff_s", 0.0)
     assert rlhf_pipeline(config_path=SMOKE, overrides=overrides, return_state=True).is_failed()
     client = MlflowClient(mlflow_uri, registry_uri=mlflow_uri)
     assert reward_versions(client) == [(1, "2")]

@@ -11,84 +11,26 @@ API's flow runs (parameters, state messages), task runs, logs and artifacts.
 from __future__ import annotations
 
 import os
-import signal
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
+
+from tests.fixtures.servers import MLFLOW_ENV, running_mlflow_server
 
 REPO = Path(__file__).resolve().parents[2]
 SMOKE = str(REPO / "configs" / "smoke.yaml")
 BIN = Path(sys.executable).parent
 SENTINEL = "Sentinel-9f3b2c7e"
-MLFLOW_ENV = (
-    "MLFLOW_TRACKING_URI",
-    "MLFLOW_TRACKING_USERNAME",
-    "MLFLOW_TRACKING_PASSWORD",
-    "MLFLOW_TRACKING_TOKEN",
-    "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT",
-)
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore")]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture
 def mlflow_server(tmp_path):
-    """`mlflow server` on a free loopback port, storing into tmp_path/server; yields (url, store dir)."""
-    store = tmp_path / "server"
-    store.mkdir()
-    port = free_port()
-    log = open(store / "server.log", "w")
-    env = {k: v for k, v in os.environ.items() if k not in MLFLOW_ENV}
-    proc = subprocess.Popen(
-        [
-            str(BIN / "mlflow"),
-            "server",
-            "--backend-store-uri",
-            f"sqlite:///{store / 'mlflow.db'}",
-            "--artifacts-destination",
-            str(store / "artifacts"),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--workers",
-            "1",
-        ],
-        cwd=tmp_path,
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, (store / "server.log").read_text()[-3000:]
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
-                    if response.status == 200:
-                        break
-            except OSError:
-                assert time.monotonic() < deadline, "mlflow server did not start"
-                time.sleep(0.5)
-        yield f"127.0.0.1:{port}", store
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-        log.close()
+    """`mlflow server` on a free loopback port, storing into tmp_path/server; yields (host:port, store dir)."""
+    with running_mlflow_server(tmp_path / "server") as server:
+        yield server
 
 
 @pytest.fixture

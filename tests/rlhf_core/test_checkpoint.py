@@ -400,3 +400,33 @@ def test_ppo_keeps_the_newest_and_the_best_scoring_and_resumes(tmp_path, smoke_w
     best = max((v, s) for s, v in scores.items())[1]
     assert sorted(int(p.name.split("-")[1]) for p in out.glob("checkpoint-*")) == sorted({best, 5})
     assert (result.checkpoint / "policy" / "model.safetensors").is_file()
+
+
+def test_each_process_gets_its_own_random_stream_back_and_only_for_the_same_process_count(tmp_path):
+    from rlhf_core.checkpoint import restore_process_rng, rng_state
+
+    model, optimizer, scheduler = _setup()
+    streams = []
+    for seed in (1, 2):  # what two data-parallel processes hold when the checkpoint is written
+        torch.manual_seed(seed)
+        random.seed(seed)
+        streams.append(rng_state())
+    expected = []
+    for state in streams:
+        torch.set_rng_state(state["torch"])
+        random.setstate(state["python"])
+        expected.append((torch.rand(3), random.random()))
+    save_training_state(tmp_path, optimizer=optimizer, scheduler=scheduler, progress={}, process_rngs=streams)
+
+    for rank in (1, 0):
+        torch.manual_seed(99)
+        assert restore_process_rng(tmp_path, rank, 2)
+        drawn = (torch.rand(3), random.random())
+        assert torch.equal(drawn[0], expected[rank][0]) and drawn[1] == expected[rank][1]
+    # resumed on another number of processes, or from a one-process save: nothing is restored
+    torch.manual_seed(99)
+    before = torch.get_rng_state()
+    assert not restore_process_rng(tmp_path, 0, 3)
+    save_training_state(tmp_path / "one", optimizer=optimizer, scheduler=scheduler, progress={})
+    assert not restore_process_rng(tmp_path / "one", 0, 2)
+    assert torch.equal(torch.get_rng_state(), before)

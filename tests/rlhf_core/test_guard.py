@@ -135,3 +135,15 @@ def test_actions_are_validated(action):
             GuardRule(limit=1.0, action=action)
     else:
         assert GuardRule(limit=1.0, action=action).action == action
+
+
+def test_a_breach_crosses_processes_as_the_same_decision():
+    import pickle
+
+    from rlhf_core.guard import GuardBreach, GuardRollback, GuardStop, Trigger
+
+    trigger = Trigger("kl_budget", "rollback", 4, 5.0, 1.0, "eval KL 5.000 nats > 1")
+    for cls in (GuardStop, GuardRollback):
+        copy = pickle.loads(pickle.dumps(cls(trigger)))  # what the broadcast from the evaluating process does
+        assert type(copy) is cls and isinstance(copy, GuardBreach)
+        assert copy.trigger == trigger and str(copy) == trigger.message

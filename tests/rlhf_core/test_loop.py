@@ -321,3 +321,31 @@ def test_the_loops_schedules_are_transformers_schedules(name, warmup):
         assert ours.get_last_lr() == theirs.get_last_lr()
         theirs_opt.step(), ours_opt.step(), theirs.step(), ours.step()
     assert ours.state_dict() == theirs.state_dict()
+
+
+def test_what_the_evaluation_raises_ends_the_loop_at_that_step_and_crosses_processes_intact(tmp_path):
+    from rlhf_core.guard import GuardStop, Trigger
+    from rlhf_core.loop import _portable
+
+    loop, _ = make_loop(settings(6, eval_every=2, save_every=2), output_dir=tmp_path)
+    trigger = Trigger("kl_budget", "stop", 4, 5.0, 1.0, "eval KL 5.000 nats > 1")
+
+    def on_eval(result, step):
+        if step == 4:
+            raise GuardStop(trigger)
+
+    with pytest.raises(GuardStop, match="eval KL 5.000 nats > 1"):
+        loop.run(regression_step(loop), batches(loop), evaluate=lambda s: {}, on_eval=on_eval, show_progress=False)
+    assert loop.step == 4 and sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-2"]
+
+    # what is broadcast to the other processes: the exception itself when it pickles, else a description
+    stop = GuardStop(trigger)
+    assert _portable(stop) is stop and _portable(None) is None
+
+    class Unpicklable(Exception):
+        def __reduce__(self):
+            raise TypeError("no")
+
+    described = _portable(Unpicklable("lost the store"))
+    assert type(described) is RuntimeError
+    assert str(described) == "the evaluating process (rank 0) failed: Unpicklable: lost the store"

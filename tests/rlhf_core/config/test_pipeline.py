@@ -120,7 +120,18 @@ def test_guard_section_defaults_and_checks():
     assert cfg.export.select == "best" and cfg.gold_metric() == "vader_compound"
     assert cfg.eval_temperature() == cfg.rl.temperature
     assert load_config(smoke, ["eval.temperature=0.5"]).eval_temperature() == 0.5
-    with pytest.raises(ConfigError, match="guard.kl_budget.action 'rollback' ends or rewinds training"):
-        load_config(smoke, ["guard.kl_budget.action=rollback", "run.num_processes=2"])
+    # the evaluating process decides and every process acts (tests/ray/test_guard_processes.py)
+    assert load_config(smoke, ["guard.kl_budget.action=rollback", "run.num_processes=2"]).run.num_processes == 2
     with pytest.raises(ConfigError, match="guard.divergence.gold 'bleu' is not an eval metric"):
         load_config(smoke, ["guard.divergence.gold=bleu"])
+
+
+def test_the_ray_launcher_takes_no_accelerate_launch_file():
+    from rlhf_core.config import ConfigError, load_config
+
+    example = REPO / "configs" / "examples" / "multi-gpu.yaml"
+    with pytest.raises(
+        ConfigError, match="run.accelerate_config .* is read by `accelerate launch`, which run.launcher 'ray'"
+    ):
+        load_config(example, ["run.launcher=ray"])
+    assert load_config(example, ["run.launcher=ray", "run.accelerate_config=null"]).run.launcher == "ray"

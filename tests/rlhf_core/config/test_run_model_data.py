@@ -21,7 +21,16 @@ def test_run_defaults_and_bounds():
         1,
     )
     assert RunConfig(output_dir="x").output_dir == Path("x")  # paths take strings
-    for bad in ({"seed": -1}, {"num_processes": 0}, {"device": "tpu"}, {"name": ""}):
+    assert (run.launcher, run.ray_address, run.ray_cpus_per_worker, run.ray_placement_strategy, run.max_failures) == (
+        "local",
+        None,
+        1.0,
+        "SPREAD",
+        0,
+    )
+    bad_values = [{"seed": -1}, {"num_processes": 0}, {"device": "tpu"}, {"name": ""}, {"launcher": "slurm"}]
+    bad_values += [{"ray_cpus_per_worker": 0}, {"ray_placement_strategy": "spread"}, {"max_failures": -1}]
+    for bad in bad_values:
         with pytest.raises(ValidationError):
             RunConfig(**bad)
 

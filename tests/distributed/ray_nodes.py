@@ -1,0 +1,118 @@
+"""A Ray cluster of several nodes on this machine, for the tests (one CPU per node), and a node that
+does not share the run directory.
+
+`start_cluster` is `ray.cluster_utils.Cluster`: a head node (with the dashboard, which serves the state
+API) and more worker nodes, each a raylet of its own, all on 127.0.0.1. What differs from a real cluster:
+the nodes share this machine's file system, environment and host address.
+
+`blind_node(...)` starts one more node in a mount namespace of its own (`unshare --mount`) with an empty
+tmpfs mounted over a given directory: processes on that node see their own, private directory at the
+same path, as a node of a real cluster does when the run directory is not on shared storage. Run as a
+script, this module is that node: `python ray_nodes.py <gcs address> <temp dir> <private dir>`; it runs
+until its standard input closes. Needs root or CAP_SYS_ADMIN (skipped elsewhere).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+OBJECT_STORE = 150 * 1024**2  # bytes per node; the tests move only small objects
+
+
+def start_cluster(temp_dir: Path, nodes: int = 2):
+    """A cluster of `nodes` nodes of one CPU each; the caller shuts it down (`cluster.shutdown()`)."""
+    from ray.cluster_utils import Cluster
+
+    common = {"num_cpus": 1, "object_store_memory": OBJECT_STORE}
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={**common, "include_dashboard": True, "temp_dir": str(temp_dir)},
+    )
+    for _ in range(nodes - 1):
+        cluster.add_node(**common)
+    cluster.wait_for_nodes()
+    return cluster
+
+
+def alive_nodes(address: str) -> list[dict]:
+    """`ray.nodes()` of the cluster at `address`, alive ones only, read from a fresh process."""
+    import json
+
+    code = "import json, ray; ray.init(address=%r, logging_level='ERROR'); print(json.dumps(ray.nodes()))"
+    done = subprocess.run(
+        [sys.executable, "-c", code % address], capture_output=True, text=True, timeout=60, check=True
+    )
+    return [n for n in json.loads(done.stdout.strip().splitlines()[-1]) if n["Alive"]]
+
+
+def can_unshare() -> bool:
+    if shutil.which("unshare") is None:
+        return False
+    return subprocess.run(["unshare", "--mount", "true"], capture_output=True).returncode == 0
+
+
+@contextmanager
+def blind_node(gcs_address: str, temp_dir: Path, private: Path, timeout_s: float = 60.0):
+    """One more node whose processes see an empty, private `private` directory; yields its node id."""
+    before = {n["NodeID"] for n in alive_nodes(gcs_address)}
+    proc = subprocess.Popen(
+        [sys.executable, __file__, gcs_address, str(temp_dir), str(private)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            new = [n["NodeID"] for n in alive_nodes(gcs_address) if n["NodeID"] not in before]
+            if new:
+                break
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() < deadline, "the blind node did not join the cluster"
+            time.sleep(0.5)
+        yield new[0]
+    finally:
+        proc.stdin.close()  # the node shuts down when its standard input closes
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def _run_node(gcs_address: str, temp_dir: str, private: str) -> None:
+    """Inside the namespace: the tmpfs over `private`, then a Ray node that lives until stdin closes."""
+    import ray._private.node
+    from ray._private.parameter import RayParams
+
+    Path(private).mkdir(parents=True, exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", private], check=True)
+    params = RayParams(
+        gcs_address=gcs_address,
+        num_cpus=1,
+        node_ip_address="127.0.0.1",
+        temp_dir=temp_dir,
+        object_store_memory=OBJECT_STORE,
+        min_worker_port=0,
+        max_worker_port=0,
+        include_log_monitor=False,
+        node_manager_port=0,
+        dashboard_agent_listen_port=None,
+    )
+    node = ray._private.node.Node(params, head=False, shutdown_at_exit=True, spawn_reaper=True)
+    print("joined", flush=True)
+    sys.stdin.read()
+    node.kill_all_processes(check_alive=False, allow_graceful=True)
+
+
+if __name__ == "__main__":
+    if os.environ.get("RLHF_BLIND_NODE") != "1":  # re-run this script in a mount namespace of its own
+        env = {**os.environ, "RLHF_BLIND_NODE": "1"}
+        os.execvpe("unshare", ["unshare", "--mount", "--propagation", "private", sys.executable, *sys.argv], env)
+    _run_node(*sys.argv[1:4])

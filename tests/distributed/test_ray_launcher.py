@@ -1,0 +1,340 @@
+"""run.launcher 'ray': the training stages as a Ray Train TorchTrainer on a cluster of two nodes simulated
+on this machine (tests/distributed/ray_nodes.py: one CPU per node, so the two workers land on both).
+
+One pipeline (a reward model, then GRPO scored by it) runs on 2 Ray workers. Just after GRPO's first
+checkpoint one worker (rank 0, the one that talks to MLflow) is killed with SIGKILL; Ray restarts the
+worker group (run.max_failures 1) and GRPO resumes from that checkpoint. It is compared with the same
+pipeline under torchrun, uninterrupted: the reward model and the exported policy must be the same
+weights. (torchrun's 2 processes are 1 process with the joined batch: tests/distributed/test_equivalence.py.)
+The Ray run also has a password and a hub token planted in the environment, where the nodes take
+credentials from: they must be nowhere in a spec file, Ray's state API (jobs, actors), Ray's logs,
+the MLflow server's store or the run directory.
+
+Then, before any training: an output directory that one node does not share, and a credential that the
+nodes lack, each fail the stage in one sentence. What was not run here: nodes on separate hosts, GPUs
+and NCCL (docs/ray.md).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import tempfile
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+from safetensors.torch import load_file
+
+import tasks.launcher
+from flows.rlhf_pipeline import rlhf_pipeline
+from rlhf_core.config import load_config
+from rlhf_core.guard import GuardLedger
+from tasks.rl import checkpoint_steps
+from tests.distributed.ray_nodes import blind_node, can_unshare, start_cluster
+from tests.fixtures.servers import MLFLOW_ENV, running_mlflow_server
+
+REPO = Path(__file__).resolve().parents[2]
+SMOKE = str(REPO / "configs" / "smoke.yaml")
+SENTINEL = "Sentinel-7c41d9a2"
+PLANTED = {"MLFLOW_TRACKING_USERNAME": "alice", "MLFLOW_TRACKING_PASSWORD": SENTINEL, "HF_TOKEN": f"hf_{SENTINEL}"}
+# the reward model, then GRPO scored by it: 3 steps, a checkpoint after each
+PIPELINE = ["run.num_processes=2", "rl.algorithm=grpo", "rl.total_steps=3", "rl.save_steps=1"]
+VADER_ONLY = "grpo.rewards=[{name: vader, function: 'rlhf_core.reward_functions:vader_compound'}]"
+ONLY_KL = ["guard.min_distinct_ratio.limit=null", "guard.max_length_change.limit=null", "guard.divergence.evals=null"]
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore")]
+
+
+@contextmanager
+def deadline(seconds: int, what: str):
+    """Fail with a message instead of hanging (a Ray call can wait forever for resources or a node)."""
+
+    def expire(*_):
+        raise TimeoutError(f"{what} took more than {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+class RecordingHandler(logging.Handler):
+    """Keeps every record: the workers' lines come through the stage task's logger."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record):
+        self.records.append(record)
+
+
+@contextmanager
+def environment(values: dict[str, str | None]):
+    saved = {k: os.environ.get(k) for k in values}
+    try:
+        for key, value in values.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """Two nodes of one CPU each; their processes have the planted credentials in their environment."""
+    temp = Path(tempfile.mkdtemp(prefix="r", dir="/tmp"))  # short: Ray's socket paths must stay < 108 chars
+    with deadline(120, "starting the Ray cluster"), environment(PLANTED):
+        started = start_cluster(temp / "ray")
+    yield started, temp / "ray"
+    started.shutdown()
+    shutil.rmtree(temp, ignore_errors=True)
+
+
+def kill_rank0_after_first_checkpoint(stage_root: Path, records: list, killed: list) -> threading.Thread:
+    """A thread that SIGKILLs GRPO's rank-0 worker as soon as GRPO's checkpoint-1 is complete."""
+
+    def watch():
+        end = time.monotonic() + 400
+        while time.monotonic() < end:
+            if any(1 in checkpoint_steps(d) for d in stage_root.glob("*") if d.is_dir()):
+                # Ray prefixes each worker's line with its actor and process: "(RayTrainWorker pid=N, ...)"
+                pids = [
+                    int(found[1])
+                    for m in (r.getMessage() for r in list(records))
+                    if "[rank 0] on node" in m and (found := re.search(r"RayTrainWorker pid=(\d+)", m))
+                ]
+                os.kill(pids[-1], signal.SIGKILL)
+                killed.append(pids[-1])
+                return
+            time.sleep(0.05)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.fixture(scope="module")
+def ray_run(cluster, tmp_path_factory):
+    """The pipeline on 2 Ray workers, rank 0 killed after GRPO's first checkpoint; what it left behind."""
+    started, ray_temp = cluster
+    tmp = tmp_path_factory.mktemp("ray-run")
+    out, specs, killed = tmp / "out", [], []
+    real_command = tasks.launcher.launch_command
+
+    def recording_command(cfg, spec, result):  # every spec file, read while it exists
+        specs.append(Path(spec).read_text())
+        return real_command(cfg, spec, result)
+
+    handler = RecordingHandler()
+    logging.getLogger().addHandler(handler)
+    mp = pytest.MonkeyPatch()
+    mp.setattr(tasks.launcher, "launch_command", recording_command)
+    try:
+        with running_mlflow_server(tmp / "server") as (host, store), environment(PLANTED):
+            overrides = [f"run.output_dir={out}", f"tracking.uri=http://{host}", *PIPELINE]
+            overrides += ["run.launcher=ray", f"run.ray_address={started.address}", "run.max_failures=1"]
+            watcher = kill_rank0_after_first_checkpoint(out / "grpo", handler.records, killed)
+            with deadline(480, "the pipeline on Ray"):
+                state = rlhf_pipeline(config_path=SMOKE, overrides=overrides, return_state=True)
+            watcher.join(5)
+            yield {
+                "state": state,
+                "out": out,
+                "uri": f"http://{host}",
+                "store": store,
+                "specs": specs,
+                "killed": killed,
+                "messages": [r.getMessage() for r in handler.records],
+                "address": started.address,
+                "ray_temp": ray_temp,
+            }
+    finally:
+        mp.undo()
+        logging.getLogger().removeHandler(handler)
+
+
+@pytest.fixture(scope="module")
+def torchrun_run(tmp_path_factory):
+    """The same pipeline under torchrun (run.launcher 'local'), uninterrupted."""
+    tmp = tmp_path_factory.mktemp("torchrun-run")
+    uri = f"sqlite:///{tmp / 'mlflow.db'}"
+    overrides = [f"run.output_dir={tmp / 'out'}", f"tracking.uri={uri}", *PIPELINE]
+    with deadline(480, "the pipeline under torchrun"), environment({k: None for k in MLFLOW_ENV}):
+        state = rlhf_pipeline(config_path=SMOKE, overrides=overrides, return_state=True)
+    return {"state": state, "out": tmp / "out", "uri": uri}
+
+
+def weights(out: Path, pattern: str) -> dict[str, torch.Tensor]:
+    (path,) = sorted(out.glob(pattern))
+    return load_file(str(path))
+
+
+def test_grpo_under_torchrun_logs_once_per_step_and_registers_each_checkpoint_once(prefect_harness, torchrun_run):
+    assert torchrun_run["state"].is_completed(), torchrun_run["state"].message
+    summary = torchrun_run["state"].result()
+    client = MlflowClient(torchrun_run["uri"], registry_uri=torchrun_run["uri"])
+    policies = sorted(client.search_model_versions("name = 'smoke-policy'"), key=lambda v: int(v.version))
+    assert [(v.tags["stage"], v.tags["step"]) for v in policies] == [
+        ("sft", "8"),
+        ("grpo", "1"),
+        ("grpo", "2"),
+        ("grpo", "3"),
+        ("export", str(summary["selected_step"])),
+    ]
+    parent = client.get_run(summary["mlflow_run_id"])
+    [grpo_run] = client.search_runs([parent.info.experiment_id], "attributes.run_name = 'grpo'")
+    # one writer: one value per step; with 2 processes of 8 completions each, 16 x 6 tokens at most
+    lengths = client.get_metric_history(grpo_run.info.run_id, "completions/mean_length")
+    assert [m.step for m in lengths] == [1, 2, 3] and all(1.0 <= m.value <= 6.0 for m in lengths)
+
+
+def test_ray_workers_ran_on_both_nodes_and_trained_the_weights_torchrun_trains(prefect_harness, ray_run, torchrun_run):
+    assert ray_run["state"].is_completed(), ray_run["state"].message
+    # each stage's two workers, one per node (the log lines of the workers, streamed into the task's log)
+    placed = [m for m in ray_run["messages"] if "[rank " in m and "] on node " in m]
+    nodes = {m.split(" on node ")[1].split()[0] for m in placed}
+    assert len(nodes) == 2, placed
+    assert any("reward stage on 2 processes: " in m and "tasks.ray_driver" in m for m in ray_run["messages"])
+    # the same reward model, and the same exported policy, as torchrun's uninterrupted run
+    for pattern in ("reward/*/checkpoint-4/model.safetensors", "export/model.safetensors"):
+        ray_weights, torchrun_weights = weights(ray_run["out"], pattern), weights(torchrun_run["out"], pattern)
+        assert ray_weights.keys() == torchrun_weights.keys()
+        for name, tensor in torchrun_weights.items():
+            torch.testing.assert_close(ray_weights[name], tensor, rtol=0, atol=1e-6, msg=f"{pattern}: {name}")
+
+
+def test_a_killed_worker_is_restarted_and_its_stage_resumes_without_duplicates_or_runs_left_running(ray_run):
+    assert ray_run["killed"], "the watcher never killed a worker (GRPO finished before its first checkpoint?)"
+    client = MlflowClient(ray_run["uri"], registry_uri=ray_run["uri"])
+    policies = sorted(client.search_model_versions("name = 'smoke-policy'"), key=lambda v: int(v.version))
+    assert [(v.tags["stage"], v.tags["step"]) for v in policies] == [
+        ("sft", "8"),
+        ("grpo", "1"),
+        ("grpo", "2"),
+        ("grpo", "3"),
+        ("export", str(ray_run["state"].result()["selected_step"])),
+    ]
+    rewards = client.search_model_versions("name = 'smoke-reward-model'")
+    assert sorted(v.tags["step"] for v in rewards) == ["2", "4"]
+    experiment = client.get_experiment_by_name("rlhf-smoke")
+    runs = client.search_runs([experiment.experiment_id], max_results=100)
+    assert not [r.info.run_name for r in runs if r.info.status == "RUNNING"]
+    grpo = {r.info.status: r for r in runs if r.info.run_name == "grpo"}
+    # the killed attempt's run was ended by the launcher; the restarted one resumed from checkpoint-1
+    assert sorted(grpo) == ["FINISHED", "KILLED"] and "launcher" in grpo["KILLED"].data.tags["rlhf.ended_by"]
+    logged = client.get_metric_history(grpo["FINISHED"].info.run_id, "completions/mean_length")
+    assert [m.step for m in logged] == [2, 3]
+
+
+def test_no_planted_credential_reaches_a_spec_file_ray_or_the_stores(ray_run):
+    from ray.util.state import list_actors, list_jobs
+
+    assert len(ray_run["specs"]) == 2  # the reward stage's and GRPO's
+    for spec in ray_run["specs"]:
+        assert json.loads(spec)["config"]["tracking"]["uri"] == ray_run["uri"]
+    address = ray_run["address"]
+    jobs, actors = list_jobs(address=address, detail=True), list_actors(address=address, detail=True, limit=1000)
+    assert any(a.class_name == "RayTrainWorker" for a in actors)
+    views = {"spec files": "\n".join(ray_run["specs"]), "Ray jobs": repr(jobs), "Ray actors": repr(actors)}
+    views["the task's log"] = "\n".join(ray_run["messages"])
+    for where, text in views.items():
+        for secret in PLANTED.values():
+            if secret != "alice":
+                assert secret not in text, f"{secret!r} found in {where}"
+    needle = SENTINEL.encode()
+    for root in (ray_run["ray_temp"], ray_run["store"], ray_run["out"]):
+        leaked = [
+            str(p) for p in Path(root).rglob("*") if p.is_file() and not p.is_symlink() and needle in p.read_bytes()
+        ]
+        assert leaked == [], f"the planted secret is in {leaked}"
+
+
+def stage_config(tmp_path: Path, *overrides: str):
+    return load_config(
+        SMOKE,
+        [f"run.output_dir={tmp_path / 'out'}", f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}", *overrides],
+    )
+
+
+def test_a_credential_the_nodes_lack_fails_the_stage_before_training(cluster, tmp_path, monkeypatch):
+    started, _ = cluster
+    monkeypatch.setenv("RAY_ADDRESS", started.address)  # run.ray_address 'auto' finds the cluster through it
+    cfg = stage_config(tmp_path, "run.launcher=ray", "run.ray_address=auto", "run.num_processes=2")
+    cfg.tracking.uri = f"http://127.0.0.1:9/?token={SENTINEL}"  # a secret that stays in the URI: never sent
+    begin = time.monotonic()
+    with deadline(120, "the stage"), pytest.raises(RuntimeError) as failed:
+        tasks.launcher.launch("reward", cfg, data={}, policy=None, parent_run_id=None)
+    message = str(failed.value)
+    assert message.startswith("the worker on node ") and "has no MLFLOW_TRACKING_URI in its environment" in message
+    assert SENTINEL not in message and time.monotonic() - begin < 60
+
+
+@pytest.mark.skipif(not can_unshare(), reason="needs unshare --mount (root or CAP_SYS_ADMIN)")
+def test_an_output_directory_one_node_does_not_share_fails_in_seconds_naming_it_and_the_node(cluster, tmp_path):
+    started, ray_temp = cluster
+    out = tmp_path / "out"
+    out.mkdir()
+    cfg = stage_config(
+        tmp_path,
+        "run.launcher=ray",
+        f"run.ray_address={started.address}",
+        "run.num_processes=3",
+        "run.ray_placement_strategy=STRICT_SPREAD",  # one worker on each of the three nodes
+    )
+    with blind_node(started.address, ray_temp, out) as blind:
+        begin = time.monotonic()
+        with deadline(120, "the stage"), pytest.raises(RuntimeError) as failed:
+            tasks.launcher.launch("reward", cfg, data={}, policy=None, parent_run_id=None)
+        took = time.monotonic() - begin
+    message = str(failed.value)
+    assert message.startswith(f"run.output_dir {out} is not shared storage: the worker of rank ")
+    assert f"node {blind[:12]}" in message and message.endswith("(NFS, a shared volume)")
+    assert took < 60 and sorted(p.name for p in out.iterdir()) == []  # nothing trained, nothing left behind
+
+
+@pytest.mark.parametrize("launcher", ["local", "ray"])
+def test_the_guard_rolls_back_then_stops_two_processes_on_either_launcher(prefect_harness, tmp_path, launcher):
+    """Every evaluation after the start breaks a KL budget of 0 nats: the first breach rolls back (rank 0 sets
+    the checkpoints aside, both processes start over with the KL coefficient doubled), the second stops
+    (guard.max_rollbacks 1). Neither process is left waiting for the other. The Ray run starts a private
+    local instance (run.ray_address null) and stops it after."""
+    out = tmp_path / "out"
+    overrides = [
+        f"run.output_dir={out}",
+        f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}",
+        "sft.enabled=false",
+        "init.policy=base",
+    ]
+    overrides += ["run.num_processes=2", f"run.launcher={launcher}", "rl.algorithm=grpo", VADER_ONLY]
+    overrides += ["rl.total_steps=2", "rl.save_steps=1", "eval.every_steps=1", "guard.kl_budget.limit=0"]
+    overrides += ["guard.kl_budget.action=rollback", "guard.max_rollbacks=1", *ONLY_KL]
+    with deadline(300, f"the guard run ({launcher})"), environment({k: None for k in MLFLOW_ENV}):
+        state = rlhf_pipeline(config_path=SMOKE, overrides=overrides, return_state=True)
+    # the stop came at the first evaluation, before any checkpoint: nothing to export, said in one sentence
+    assert state.is_failed() and "the guard stopped grpo at step 1 before any checkpoint was saved" in state.message
+    (stage,) = (out / "grpo").iterdir()
+    ledger = GuardLedger.load(stage / "guard.json")
+    assert (ledger.rollbacks, ledger.stopped_at) == (1, 1)
+    assert [t.rule for t in ledger.all_triggers] == ["kl_budget", "kl_budget"]
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("rlhf-smoke").experiment_id])
+    assert not [r.info.run_name for r in runs if r.info.status == "RUNNING"]
