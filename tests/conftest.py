@@ -10,6 +10,9 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# the simulated Ray clusters (tests/distributed/ray_nodes.py) stay on 127.0.0.1: without this, Ray rewrote a
+# loopback address to the machine's external one and the driver waited forever (read when ray is imported)
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix="rlhf-tests-prefect-")
 os.environ.pop("MLFLOW_TRACKING_URI", None)
 # the empty MLflow store template (tasks/tracking.py) is made once per test session, not in the user's cache
