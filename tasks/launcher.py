@@ -178,12 +178,12 @@ def launch(stage: str, cfg, **inputs):
                 "RAY_COLOR_PREFIX": "0",
             }
             tail, failure = _stream(command, env, logger)
-            if failure is not None:
-                raise RuntimeError(redact(failure))
-            if not result.is_file():
+            if not result.is_file():  # (a failure said by an attempt that a restart then mended does not count)
                 raise RuntimeError(
-                    f"the {stage} stage failed on {cfg.run.num_processes} processes ({cfg.run.launcher} launcher): "
-                    + " | ".join(list(tail)[-5:])
+                    redact(failure)
+                    if failure is not None
+                    else f"the {stage} stage failed on {cfg.run.num_processes} processes ({cfg.run.launcher} "
+                    "launcher): " + redact(" | ".join(list(tail)[-5:]))
                 )
             return Checkpoint(**json.loads(result.read_text()))
     finally:
@@ -194,8 +194,7 @@ def launch(stage: str, cfg, **inputs):
 
 
 def _stream(command: list[str], env: dict[str, str], logger) -> tuple[deque[str], str | None]:
-    """Run `command`, its output streamed into the task's log; (the last lines, the failure sentence if one
-    was said)."""
+    """Run `command`, its output streamed into the task's log; (the last lines, the last failure sentence said)."""
     tail: deque[str] = deque(maxlen=30)
     failure = None
     with subprocess.Popen(
@@ -206,6 +205,6 @@ def _stream(command: list[str], env: dict[str, str], logger) -> tuple[deque[str]
             if line:
                 tail.append(line)
                 logger.info(line)
-                if failure is None and line.startswith(FAILURE_PREFIX):
+                if line.startswith(FAILURE_PREFIX):
                     failure = line[len(FAILURE_PREFIX) :]
     return tail, failure

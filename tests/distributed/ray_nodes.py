@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -26,29 +27,35 @@ OBJECT_STORE = 150 * 1024**2  # bytes per node; the tests move only small object
 
 
 def start_cluster(temp_dir: Path, nodes: int = 2):
-    """A cluster of `nodes` nodes of one CPU each; the caller shuts it down (`cluster.shutdown()`)."""
+    """A cluster of `nodes` nodes of one CPU each; the caller shuts it down (`cluster.shutdown()`).
+
+    Ray installs SIGTERM and SIGINT handlers in the process that starts nodes; the test process's own are
+    put back (other tests install and check theirs)."""
     from ray.cluster_utils import Cluster
 
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     common = {"num_cpus": 1, "object_store_memory": OBJECT_STORE}
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={**common, "include_dashboard": True, "temp_dir": str(temp_dir)},
-    )
-    for _ in range(nodes - 1):
-        cluster.add_node(**common)
-    cluster.wait_for_nodes()
+    try:
+        cluster = Cluster(
+            initialize_head=True,
+            head_node_args={**common, "include_dashboard": True, "temp_dir": str(temp_dir)},
+        )
+        for _ in range(nodes - 1):
+            cluster.add_node(**common)
+        cluster.wait_for_nodes()
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
     return cluster
 
 
-def alive_nodes(address: str) -> list[dict]:
-    """`ray.nodes()` of the cluster at `address`, alive ones only, read from a fresh process."""
-    import json
+def alive_nodes(address: str) -> list[str]:
+    """The ids of the alive nodes of the cluster at `address` (the state API; no driver connects)."""
+    from ray.util.state import list_nodes
 
-    code = "import json, ray; ray.init(address=%r, logging_level='ERROR'); print(json.dumps(ray.nodes()))"
-    done = subprocess.run(
-        [sys.executable, "-c", code % address], capture_output=True, text=True, timeout=60, check=True
-    )
-    return [n for n in json.loads(done.stdout.strip().splitlines()[-1]) if n["Alive"]]
+    return [
+        n.node_id for n in list_nodes(address=address, filters=[("state", "=", "ALIVE")], raise_on_missing_output=False)
+    ]
 
 
 def can_unshare() -> bool:
@@ -60,7 +67,7 @@ def can_unshare() -> bool:
 @contextmanager
 def blind_node(gcs_address: str, temp_dir: Path, private: Path, timeout_s: float = 60.0):
     """One more node whose processes see an empty, private `private` directory; yields its node id."""
-    before = {n["NodeID"] for n in alive_nodes(gcs_address)}
+    before = set(alive_nodes(gcs_address))
     proc = subprocess.Popen(
         [sys.executable, __file__, gcs_address, str(temp_dir), str(private)],
         stdin=subprocess.PIPE,
@@ -71,7 +78,7 @@ def blind_node(gcs_address: str, temp_dir: Path, private: Path, timeout_s: float
     try:
         deadline = time.monotonic() + timeout_s
         while True:
-            new = [n["NodeID"] for n in alive_nodes(gcs_address) if n["NodeID"] not in before]
+            new = [n for n in alive_nodes(gcs_address) if n not in before]
             if new:
                 break
             assert proc.poll() is None, proc.stdout.read()

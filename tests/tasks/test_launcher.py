@@ -67,3 +67,19 @@ def test_a_credential_anywhere_else_in_the_spec_is_refused_by_name(tmp_path, mon
     with pytest.raises(ValueError, match=r"^model.base carries a credential, which would be written") as raised:
         worker_spec("rl", cfg, {})
     assert SECRET not in str(raised.value)
+
+
+def test_a_worker_without_the_credentials_the_spec_left_out_is_named_with_its_node(monkeypatch):
+    from tasks.distributed import env_verdict, missing_env
+
+    spec = {"env_needed": ["MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_USERNAME"]}
+    monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", "alice")
+    monkeypatch.delenv("MLFLOW_TRACKING_PASSWORD", raising=False)
+    assert missing_env(spec) == ["MLFLOW_TRACKING_PASSWORD"] and missing_env({}) == []
+    # every worker's view is gathered; the first that lacks one is named, and every worker returns the sentence
+    assert env_verdict([("node a (gpu-1, 10.0.0.1)", []), ("node b (gpu-2, 10.0.0.2)", [])]) is None
+    assert env_verdict([("node a (gpu-1, 10.0.0.1)", []), ("node b (gpu-2, 10.0.0.2)", ["MLFLOW_TRACKING_URI"])]) == (
+        "the worker on node b (gpu-2, 10.0.0.2) has no MLFLOW_TRACKING_URI in its environment, and the tracking "
+        "credentials are never sent to the workers: set them in the environment of every node of the cluster "
+        "(docs/ray.md)"
+    )
