@@ -21,13 +21,7 @@ from pathlib import Path
 from rlhf_core.config import PipelineConfig
 from rlhf_core.parallel import all_gather_objects, from_main
 from rlhf_core.shared_storage import SharedStorageError, check_shared_storage
-from tasks import tracking
-from tasks.data import PreparedData
-from tasks.initialization import InitPlan
 from tasks.launcher import FAILURE_PREFIX, WORKER_ENV, WORKER_ENV_NEEDED, is_main, rank
-from tasks.reward_model import train_reward
-from tasks.rl import train_policy
-from tasks.stage_io import Checkpoint
 
 
 def missing_env(spec: dict) -> list[str]:
@@ -50,6 +44,15 @@ def env_verdict(views: list[tuple[str, list[str]]]) -> str | None:
 
 def run_stage(spec: dict) -> dict | None:
     """The stage's task body on this process: rank 0's Checkpoint as a dict, None on the other ranks."""
+    # imported here, not above: a Ray worker checks its storage and credentials before it pays for these
+    # (transformers, MLflow, Prefect), so a cluster that cannot run the stage says so in seconds
+    from tasks import tracking
+    from tasks.data import PreparedData
+    from tasks.initialization import InitPlan
+    from tasks.reward_model import train_reward
+    from tasks.rl import train_policy
+    from tasks.stage_io import Checkpoint
+
     cfg = PipelineConfig.model_validate(spec["config"])
     tracking.configure(cfg.tracking_uri())
     inputs = spec["inputs"]

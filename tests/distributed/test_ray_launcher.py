@@ -45,8 +45,9 @@ REPO = Path(__file__).resolve().parents[2]
 SMOKE = str(REPO / "configs" / "smoke.yaml")
 SENTINEL = "Sentinel-7c41d9a2"
 PLANTED = {"MLFLOW_TRACKING_USERNAME": "alice", "MLFLOW_TRACKING_PASSWORD": SENTINEL, "HF_TOKEN": f"hf_{SENTINEL}"}
-# the reward model, then GRPO scored by it: 4 steps, a checkpoint after each
+# the reward model, then GRPO scored by it: 4 steps, a checkpoint after each (no SFT warm start: from the base)
 PIPELINE = ["run.num_processes=2", "rl.algorithm=grpo", "rl.total_steps=4", "rl.save_steps=1"]
+PIPELINE += ["sft.enabled=false", "init.policy=base"]
 VADER_ONLY = "grpo.rewards=[{name: vader, function: 'rlhf_core.reward_functions:vader_compound'}]"
 ONLY_KL = ["guard.min_distinct_ratio.limit=null", "guard.max_length_change.limit=null", "guard.divergence.evals=null"]
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore")]
@@ -219,7 +220,6 @@ def test_stages_under_torchrun_log_once_per_step_and_register_each_checkpoint_on
     assert summary["reward_model_uri"] == f"models:/smoke-reward-model/{rewards[-1][0]}"
     policies = sorted(client.search_model_versions("name = 'smoke-policy'"), key=lambda v: int(v.version))
     assert [(v.tags["stage"], v.tags["step"]) for v in policies] == [
-        ("sft", "8"),
         ("grpo", "1"),
         ("grpo", "2"),
         ("grpo", "3"),
@@ -229,7 +229,7 @@ def test_stages_under_torchrun_log_once_per_step_and_register_each_checkpoint_on
     # one MLflow run per stage: the second process never opened one
     parent = client.get_run(summary["mlflow_run_id"])
     children = client.search_runs([parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
-    assert sorted(r.info.run_name for r in children) == ["data", "export", "grpo", "reward", "sft"]
+    assert sorted(r.info.run_name for r in children) == ["data", "export", "grpo", "reward"]
     [grpo_run] = [r for r in children if r.info.run_name == "grpo"]
     # one writer: one value per step; with 2 processes of 8 completions each, 16 x 6 tokens at most
     lengths = client.get_metric_history(grpo_run.info.run_id, "completions/mean_length")
@@ -260,7 +260,6 @@ def test_a_killed_worker_is_restarted_and_its_stage_resumes_without_duplicates_o
     client = MlflowClient(ray_run["uri"], registry_uri=ray_run["uri"])
     policies = sorted(client.search_model_versions("name = 'smoke-policy'"), key=lambda v: int(v.version))
     assert [(v.tags["stage"], v.tags["step"]) for v in policies] == [
-        ("sft", "8"),
         ("grpo", "1"),
         ("grpo", "2"),
         ("grpo", "3"),
