@@ -21,9 +21,9 @@ from pathlib import Path
 from anchors import side_process_main
 
 REPO = Path(__file__).resolve().parents[1]
-STEPS, BATCH = 60, 32
-OVERRIDES = [f"reward.max_steps={STEPS}", f"reward.batch_size={BATCH}", f"reward.eval_steps={STEPS}"]
-OVERRIDES += [f"reward.save_steps={STEPS}", "reward.base=base", "sft.enabled=false", "init.policy=base"]
+STEPS, BATCH = 60, 32  # BATCH pairs per step in all: BATCH / N on each of N processes
+OVERRIDES = [f"reward.max_steps={STEPS}", f"reward.eval_steps={STEPS}"]
+OVERRIDES += [f"reward.save_steps={STEPS}", "sft.enabled=false", "init.policy=base"]
 SHAPES = {"one": ("local", 1), "torchrun": ("local", 2), "ray": ("ray", 2)}
 
 
@@ -39,18 +39,27 @@ def config(root: Path, name: str, launcher: str = "local", processes: int = 1):
             f"tracking.uri=sqlite:///{out / 'mlflow.db'}",
             f"run.launcher={launcher}",
             f"run.num_processes={processes}",
+            f"reward.batch_size={BATCH // processes}",
         ],
     )
 
 
 def prepare(root: Path) -> None:
-    """The demo world and its tables, once, shared by every run."""
+    """The demo world and its tables, once, shared by every run (the data task, in a flow of its own)."""
+    from prefect import flow
+    from prefect.testing.utilities import prefect_test_harness
+
     from tasks import tracking
     from tasks.data import prepare_data
 
     cfg = config(root, "base")
-    with tracking.pipeline_run(cfg) as run_id:
-        data = prepare_data.fn(cfg, run_id)
+
+    @flow
+    def data_only(run_id: str):
+        return prepare_data(cfg, run_id)
+
+    with prefect_test_harness(server_startup_timeout=180), tracking.pipeline_run(cfg) as run_id:
+        data = data_only(run_id)
     (root / "data.json").write_text(json.dumps(data.__dict__, default=str))
 
 
@@ -67,7 +76,8 @@ def stage(shape: str):
             start = time.perf_counter()
             out = train_reward.fn(cfg, data, None, run_id)
             seconds = time.perf_counter() - start
-        return {"seconds": seconds, "accuracy": out.metrics.get("reward/eval_accuracy")}
+        accuracy = next((v for k, v in out.metrics.items() if k.endswith("eval_accuracy")), float("nan"))
+        return {"seconds": seconds, "accuracy": accuracy}
 
     return run
 
