@@ -13,6 +13,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # the simulated Ray clusters (tests/distributed/ray_nodes.py) stay on 127.0.0.1: without this, Ray rewrote a
 # loopback address to the machine's external one and the driver waited forever (read when ray is imported)
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+# Ray Train polls its workers every 2 s (a finished or dead worker is noticed up to that late): 0.5 s in tests
+os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
 os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix="rlhf-tests-prefect-")
 os.environ.pop("MLFLOW_TRACKING_URI", None)
 # the empty MLflow store template (tasks/tracking.py) is made once per test session, not in the user's cache
