@@ -96,7 +96,7 @@ def connect(run: RunSettings) -> None:
         ray.init(address="local", num_cpus=cpus, include_dashboard=True, log_to_driver=True)
 
 
-def run_stage(spec: dict) -> dict:
+def fit(spec: dict) -> dict:
     """Run the spec's stage on the cluster; rank 0's Checkpoint as a dict. Raises StageFailure."""
     import ray
     from ray.train import FailureConfig, RunConfig, ScalingConfig
@@ -149,7 +149,7 @@ def main(spec_path: str, result_path: str) -> int:
     spec = json.loads(Path(spec_path).read_text())
     try:
         connect(RunSettings.model_validate(spec["config"]["run"]))
-        checkpoint = run_stage(spec)
+        checkpoint = fit(spec)
     except StageFailure as err:
         print(FAILURE_PREFIX + str(err), flush=True)
         return 1

@@ -70,7 +70,7 @@ def deadline(seconds: int, what: str):
 
 
 class RecordingHandler(logging.Handler):
-    """Keeps every record: the workers' lines come through the stage task's logger."""
+    """Keeps every record."""
 
     def __init__(self):
         super().__init__(logging.INFO)
@@ -82,20 +82,25 @@ class RecordingHandler(logging.Handler):
 
 @contextmanager
 def environment(values: dict[str, str | None]):
-    saved = {k: os.environ.get(k) for k in values}
-    try:
+    """`values` set (None: unset) in this process's environment, and put back after (any fixture scope)."""
+    with pytest.MonkeyPatch.context() as mp:
         for key, value in values.items():
             if value is None:
-                os.environ.pop(key, None)
+                mp.delenv(key, raising=False)
             else:
-                os.environ[key] = value
+                mp.setenv(key, value)
         yield
+
+
+@contextmanager
+def recorded_logs():
+    """Every log record of the process while it lasts (the workers' lines come through the stage task's logger)."""
+    handler = RecordingHandler()
+    logging.getLogger().addHandler(handler)
+    try:
+        yield handler.records
     finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+        logging.getLogger().removeHandler(handler)
 
 
 @pytest.fixture(scope="module")
@@ -149,7 +154,7 @@ def kill_rank0_after_a_checkpoint(address: str, stage_root: Path, tracking_port:
 
 @pytest.fixture(scope="module")
 def ray_run(cluster, tmp_path_factory):
-    """The pipeline on 2 Ray workers, rank 0 killed after GRPO's first checkpoint; what it left behind."""
+    """The pipeline on 2 Ray workers, rank 0 killed after one of GRPO's checkpoints; what it left behind."""
     started, ray_temp = cluster
     tmp = tmp_path_factory.mktemp("ray-run")
     out, specs, killed = tmp / "out", [], []
@@ -159,33 +164,31 @@ def ray_run(cluster, tmp_path_factory):
         specs.append(Path(spec).read_text())
         return real_command(cfg, spec, result)
 
-    handler = RecordingHandler()
-    logging.getLogger().addHandler(handler)
-    mp = pytest.MonkeyPatch()
-    mp.setattr(tasks.launcher, "launch_command", recording_command)
-    try:
-        with running_mlflow_server(tmp / "server") as (host, store), environment(PLANTED):
-            overrides = [f"run.output_dir={out}", f"tracking.uri=http://{host}", *PIPELINE]
-            overrides += ["run.launcher=ray", f"run.ray_address={started.address}", "run.max_failures=1"]
-            port = int(host.rsplit(":", 1)[1])
-            watcher = kill_rank0_after_a_checkpoint(started.address, out / "grpo", port, killed)
-            with deadline(480, "the pipeline on Ray"):
-                state = rlhf_pipeline(config_path=SMOKE, overrides=overrides, return_state=True)
-            watcher.join(5)
-            yield {
-                "state": state,
-                "out": out,
-                "uri": f"http://{host}",
-                "store": store,
-                "specs": specs,
-                "killed": killed,
-                "messages": [r.getMessage() for r in handler.records],
-                "address": started.address,
-                "ray_temp": ray_temp,
-            }
-    finally:
-        mp.undo()
-        logging.getLogger().removeHandler(handler)
+    with (
+        pytest.MonkeyPatch.context() as mp,
+        recorded_logs() as records,
+        running_mlflow_server(tmp / "server") as (host, store),
+        environment(PLANTED),
+    ):
+        mp.setattr(tasks.launcher, "launch_command", recording_command)
+        overrides = [f"run.output_dir={out}", f"tracking.uri=http://{host}", *PIPELINE]
+        overrides += ["run.launcher=ray", f"run.ray_address={started.address}", "run.max_failures=1"]
+        port = int(host.rsplit(":", 1)[1])
+        watcher = kill_rank0_after_a_checkpoint(started.address, out / "grpo", port, killed)
+        with deadline(480, "the pipeline on Ray"):
+            state = rlhf_pipeline(config_path=SMOKE, overrides=overrides, return_state=True)
+        watcher.join(5)
+        yield {
+            "state": state,
+            "out": out,
+            "uri": f"http://{host}",
+            "store": store,
+            "specs": specs,
+            "killed": killed,
+            "messages": [r.getMessage() for r in records],
+            "address": started.address,
+            "ray_temp": ray_temp,
+        }
 
 
 @pytest.fixture(scope="module")
@@ -194,14 +197,13 @@ def torchrun_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("torchrun-run")
     uri = f"sqlite:///{tmp / 'mlflow.db'}"
     overrides = [f"run.output_dir={tmp / 'out'}", f"tracking.uri={uri}", *PIPELINE]
-    handler = RecordingHandler()
-    logging.getLogger().addHandler(handler)
-    try:
-        with deadline(480, "the pipeline under torchrun"), environment({k: None for k in MLFLOW_ENV}):
-            state = rlhf_pipeline(config_path=SMOKE, overrides=overrides, return_state=True)
-    finally:
-        logging.getLogger().removeHandler(handler)
-    return {"state": state, "out": tmp / "out", "uri": uri, "messages": [r.getMessage() for r in handler.records]}
+    with (
+        recorded_logs() as records,
+        deadline(480, "the pipeline under torchrun"),
+        environment({k: None for k in MLFLOW_ENV}),
+    ):
+        state = rlhf_pipeline(config_path=SMOKE, overrides=overrides, return_state=True)
+    return {"state": state, "out": tmp / "out", "uri": uri, "messages": [r.getMessage() for r in records]}
 
 
 def weights(out: Path, pattern: str) -> dict[str, torch.Tensor]:
