@@ -19,8 +19,9 @@ import torch
 
 from rlhf_core.config import DemoModelConfig, DemoWorldConfig
 from rlhf_core.demo_world import build_demo_world, world_rows
+from rlhf_core.generation import generate, left_pad, tokenize_prompts
 from rlhf_core.models import load_causal_lm, load_tokenizer
-from rlhf_core.rollout import SamplingSettings, generate, left_pad, tokenize_prompts
+from rlhf_core.sampling import SamplingSettings
 
 BATCH, RESPONSE, REPEATS, SEED = 32, 64, 5, 42
 

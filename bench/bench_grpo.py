@@ -53,8 +53,9 @@ def vader_reward(prompts, completions, **kwargs):
 
 def side_ours(root: Path) -> dict:
     from rlhf_core.config import GRPOConfig, RLConfig, RunConfig
-    from rlhf_core.grpo import function_reward, train_grpo
+    from rlhf_core.grpo import train_grpo
     from rlhf_core.models import load_causal_lm, load_tokenizer
+    from rlhf_core.reward_sources import function_reward
 
     tok = load_tokenizer(str(root / "sft"))
     policy, ref = load_causal_lm(str(root / "sft")), load_causal_lm(str(root / "sft"))
@@ -157,9 +158,10 @@ def learning(root: Path) -> dict:
     """Part B: GRPO on the demo world with VADER as the reward function; gold and KL before and after."""
     from rlhf_core.config import GRPOConfig, RLConfig, load_config
     from rlhf_core.evaluation import evaluate_generations, summarize_rows
-    from rlhf_core.grpo import function_reward, train_grpo
+    from rlhf_core.grpo import train_grpo
     from rlhf_core.models import load_causal_lm, load_tokenizer
     from rlhf_core.reward_functions import vader_compound
+    from rlhf_core.reward_sources import function_reward
 
     cfg = load_config(HERE.parent / "configs" / "demo.yaml")
     tok = load_tokenizer(str(root / "sft"))

@@ -1,6 +1,6 @@
 """The Ray launcher: one stage on 2 Ray workers against 2 torchrun processes and 1 process, and Ray's start-up.
 
-The stage is the pipeline's reward task (`tasks.reward_model.train_reward`, the whole task: launch, the
+The stage is the pipeline's reward task (`tasks.reward_model.reward_stage`, the whole task: launch, the
 workers' start, training, checkpoints, registration into a SQLite store, the result back) on the demo
 world of configs/demo.yaml with STEPS steps of a global batch of BATCH pairs: 1 process with 2 torch
 threads; `run.launcher: local` (torchrun, 2 gloo processes x 1 thread, BATCH / 2 pairs each); and
@@ -49,32 +49,32 @@ def prepare(root: Path) -> None:
     from prefect import flow
     from prefect.testing.utilities import prefect_test_harness
 
-    from tasks import tracking
-    from tasks.data import prepare_data
+    from tasks import mlflow_runs
+    from tasks.data import data_stage
 
     cfg = config(root, "base")
 
     @flow
     def data_only(run_id: str):
-        return prepare_data(cfg, run_id)
+        return data_stage(cfg, run_id)
 
-    with prefect_test_harness(server_startup_timeout=180), tracking.pipeline_run(cfg) as run_id:
+    with prefect_test_harness(server_startup_timeout=180), mlflow_runs.pipeline_run(cfg) as run_id:
         data = data_only(run_id)
     (root / "data.json").write_text(json.dumps(data.__dict__, default=str))
 
 
 def stage(shape: str):
     def run(root: Path) -> dict:
-        from tasks import tracking
+        from tasks import mlflow_runs
         from tasks.data import PreparedData
-        from tasks.reward_model import train_reward
+        from tasks.reward_model import reward_stage
 
         launcher, processes = SHAPES[shape]
         data = PreparedData(**json.loads((root / "data.json").read_text()))
         cfg = config(root, f"{shape}-{time.time_ns()}", launcher, processes)
-        with tracking.pipeline_run(cfg) as run_id:
+        with mlflow_runs.pipeline_run(cfg) as run_id:
             start = time.perf_counter()
-            out = train_reward.fn(cfg, data, None, run_id)
+            out = reward_stage.fn(cfg, data, None, run_id)
             seconds = time.perf_counter() - start
         accuracy = next((v for k, v in out.metrics.items() if k.endswith("eval_accuracy")), float("nan"))
         return {"seconds": seconds, "accuracy": accuracy}

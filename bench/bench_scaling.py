@@ -73,7 +73,8 @@ def grid_points(grid: str) -> list[tuple[str, int]]:
 def prepare(root: Path) -> None:
     """The demo world (tokenizer and prompts) and, per size, a random policy and a reward model (value model init)."""
     from rlhf_core.config import DemoModelConfig, DemoWorldConfig
-    from rlhf_core.demo_world import build_demo_model, build_demo_world
+    from rlhf_core.demo_models import build_demo_model
+    from rlhf_core.demo_world import build_demo_world
     from rlhf_core.models import load_tokenizer
     from rlhf_core.reward_model import load_reward_model
 
@@ -226,8 +227,9 @@ def ours_grpo(root: Path, size: str, length: int) -> dict:
 
     from rlhf_core.config import GRPOConfig, RLConfig, RunConfig
     from rlhf_core.demo_world import DemoWorld, world_rows
-    from rlhf_core.grpo import function_reward, train_grpo
+    from rlhf_core.grpo import train_grpo
     from rlhf_core.models import load_causal_lm, load_tokenizer
+    from rlhf_core.reward_sources import function_reward
 
     policy_dir = str(root / f"policy-{size}")
     tok = load_tokenizer(policy_dir)

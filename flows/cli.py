@@ -202,7 +202,7 @@ def _shown_prompt(prompt: str) -> str:
 
 def user_error_types() -> tuple[type[BaseException], ...]:
     """Exceptions a user causes (a config, a file, a model source, a reward function): one sentence, exit 2."""
-    from rlhf_core.data import DataValidationError
+    from rlhf_core.data_rows import DataValidationError
     from rlhf_core.models import ModelSourceError
     from rlhf_core.ownership import OwnershipError
     from rlhf_core.reward_functions import RewardFunctionError
@@ -248,9 +248,9 @@ def _run_command(args: argparse.Namespace) -> int:
         return deploy(args.pool)
     cfg = load_config(args.config, args.overrides)
     if args.command in ("validate", "run"):
-        from tasks.preflight import check
+        from tasks.preflight import check_preflight
 
-        check(cfg)  # files, functions, models, context, tracking server, registry names: before any work
+        check_preflight(cfg)  # files, functions, models, context, tracking server, registry names: before any work
         from rlhf_core.ownership import check_pipeline_outputs
 
         check_pipeline_outputs(cfg, config_path=args.config, claim=False)  # owned writes only; writes nothing here

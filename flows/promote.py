@@ -1,6 +1,6 @@
 """Promotion: evaluate the `candidate` policy version against the `champion` and move `champion` when it wins.
 
-Both are evaluated on the same held-out prompts, with the same reward model (the candidate's
+Both are evaluated (tasks/version_evaluation.py) on the same held-out prompts, with the same reward model (the candidate's
 `reward_model_version`), metric functions (`eval.metrics`) and reference (the candidate's
 `base_model`), sampled as in training and seeded. `rlhf_core.promotion.decide` applies `promote.*`. The
 decision and its numbers become tags of the candidate version and a Prefect markdown artifact.
@@ -13,23 +13,17 @@ from __future__ import annotations
 import datetime as dt
 import re
 
-from prefect import flow, task
-from prefect.cache_policies import NO_CACHE
+from prefect import flow
 from prefect.logging import get_run_logger
 
-from rlhf_core.chat import prompt_columns
 from rlhf_core.config import PipelineConfig, load_config
-from rlhf_core.data import read_rows
-from rlhf_core.evaluation import evaluate_generations, summarize_rows
-from rlhf_core.loop import seed_everything
 from rlhf_core.promotion import Decision, decide
 from rlhf_core.redaction import refuse_secret_overrides
-from tasks import registry, tracking
-from tasks.data import PreparedData, prepare_data, resolve_model_source
+from tasks import mlflow_logging, mlflow_runs, mlflow_store, registry
+from tasks.data import PreparedData, data_stage
 from tasks.export import CANDIDATE
 from tasks.progress import print_rows, publish_markdown
-from tasks.retry import IO_RETRIES
-from tasks.rl import metric_functions
+from tasks.version_evaluation import evaluate_version
 
 CHAMPION = "champion"
 TAG = "promotion."
@@ -39,56 +33,6 @@ PROMOTION_TAGS = {"rlhf.flow": "promote", "rlhf.run_kind": "promotion"}
 def promotion_run_name(name: str, candidate) -> str:
     """The promotion's MLflow run name: `promote-<model name>-v<candidate version>`."""
     return f"promote-{name}-v{candidate.version}"
-
-
-def _model_dir(source: str, cfg: PipelineConfig, data: PreparedData, field: str) -> str:
-    if source == cfg.model.base and data.demo_world is not None:
-        return data.base_model
-    return resolve_model_source(source, field=field, cfg=cfg, world=None)
-
-
-@task(name="evaluate-version", cache_policy=NO_CACHE, **IO_RETRIES)
-def evaluate_version(
-    cfg: PipelineConfig, data: PreparedData, model_uri: str, reference: str | None, reward_model: str | None
-) -> tuple[dict[str, float], list[dict]]:
-    """Completions sampled as in training of the held-out prompts by `model_uri`, scored; (summary, rows)."""
-    from transformers import AutoModelForSequenceClassification
-
-    from rlhf_core.models import load_causal_lm, load_pretrained, load_tokenizer, run_stop_ids
-
-    policy_dir = _model_dir(model_uri, cfg, data, "registry")
-    tokenizer = load_tokenizer(policy_dir)
-    policy = load_causal_lm(policy_dir).eval()
-    ref = load_causal_lm(_model_dir(reference, cfg, data, "base_model tag")).eval() if reference else None
-    reward = (
-        load_pretrained(
-            AutoModelForSequenceClassification, _model_dir(reward_model, cfg, data, "reward_model_version tag")
-        ).eval()
-        if reward_model
-        else None
-    )
-    prompts, messages = prompt_columns(
-        read_rows(data.tables["eval_prompts"])[: cfg.promote.num_prompts or cfg.eval.num_prompts]
-    )
-    seed_everything(cfg.run.seed)  # sampled as in training, seeded: the same draws for candidate and champion
-    rows = evaluate_generations(
-        policy,
-        ref,
-        reward,
-        tokenizer,
-        prompts,
-        response_length=cfg.rl.response_length,
-        max_prompt_length=cfg.data.max_prompt_length,
-        metrics=metric_functions(cfg.eval.metrics),
-        batch_size=cfg.eval.batch_size,
-        greedy=cfg.eval.greedy,
-        temperature=cfg.eval_temperature(),
-        top_k=cfg.rl.top_k,
-        top_p=cfg.rl.top_p,
-        stop_token_ids=run_stop_ids(tokenizer, policy.generation_config, cfg.rl),
-        prompt_messages=messages,
-    )
-    return summarize_rows(rows), rows
 
 
 def _report(
@@ -127,15 +71,19 @@ def _evaluate_both(
     )
     summaries[f"candidate v{candidate.version}"] = candidate_summary
     print_rows(rows[:5], f"Candidate v{candidate.version}: held-out completions (first 5)")
-    tracking.log_metrics(run_id, {f"candidate/{k.removeprefix('eval/')}": v for k, v in candidate_summary.items()}, 0)
+    mlflow_logging.log_metrics(
+        run_id, {f"candidate/{k.removeprefix('eval/')}": v for k, v in candidate_summary.items()}, 0
+    )
     if champion is not None:
         champion_summary, champion_rows = evaluate_version(
             cfg, data, f"models:/{name}/{champion.version}", reference, reward_model
         )
         summaries[f"champion v{champion.version}"] = champion_summary
-        tracking.log_metrics(run_id, {f"champion/{k.removeprefix('eval/')}": v for k, v in champion_summary.items()}, 0)
-        tracking.log_table(run_id, champion_rows, "promotion/champion_completions.json")
-    tracking.log_table(run_id, rows, "promotion/candidate_completions.json")
+        mlflow_logging.log_metrics(
+            run_id, {f"champion/{k.removeprefix('eval/')}": v for k, v in champion_summary.items()}, 0
+        )
+        mlflow_logging.log_table(run_id, champion_rows, "promotion/champion_completions.json")
+    mlflow_logging.log_table(run_id, rows, "promotion/candidate_completions.json")
     return summaries
 
 
@@ -161,7 +109,7 @@ def _record(
     if decision.candidate_kl is not None:
         tags["kl"] = f"{decision.candidate_kl:.6f}"
     registry.set_version_tags(name, candidate.version, {TAG + k: v for k, v in tags.items()})
-    tracking.set_run_tags(run_id, {TAG + k: v for k, v in tags.items()})
+    mlflow_logging.set_run_tags(run_id, {TAG + k: v for k, v in tags.items()})
     return tags
 
 
@@ -205,7 +153,7 @@ def rlhf_promote(config_path: str | None = "configs/demo.yaml", overrides: list[
     cfg.promotion_gates()  # outside the demo an explicit gate is needed: checked before any registry call
     logger = get_run_logger()
     name = cfg.registry.policy_model_name
-    tracking.configure(cfg.tracking_uri())
+    mlflow_store.configure(cfg.tracking_uri())
     candidate = _candidate(name)
     champion = registry.version_by_alias(name, CHAMPION)
     gates = cfg.promotion_gates(first=champion is None)  # a first champion outside the demo needs min_value
@@ -218,8 +166,8 @@ def rlhf_promote(config_path: str | None = "configs/demo.yaml", overrides: list[
     reference = candidate.tags.get("base_model")
     reward_model = candidate.tags.get("reward_model_version")
     reward_model = reward_model if reward_model and reward_model != "none" else None
-    with tracking.pipeline_run(cfg, tags=PROMOTION_TAGS, run_name=promotion_run_name(name, candidate)) as run_id:
-        data = prepare_data(cfg, run_id)
+    with mlflow_runs.pipeline_run(cfg, tags=PROMOTION_TAGS, run_name=promotion_run_name(name, candidate)) as run_id:
+        data = data_stage(cfg, run_id)
         summaries = _evaluate_both(cfg, data, run_id, name, candidate, champion, reference, reward_model)
         candidate_summary = summaries[f"candidate v{candidate.version}"]
         champion_summary = summaries.get(f"champion v{champion.version}") if champion is not None else None

@@ -1,4 +1,8 @@
-"""The RLHF pipeline as a Prefect flow: data -> SFT warm start -> reward model -> init -> PPO or GRPO -> export.
+"""The RLHF pipeline as a Prefect flow: data -> sft -> reward -> init -> ppo | grpo -> export.
+
+Each stage has one name: its `stage(...)` marker here (named in a failed state's message), its Prefect
+task, its MLflow stage run (tag `rlhf.stage`) and its versions' `stage` tag. The RL stage is named for
+its algorithm, `ppo` or `grpo`; its task is `rl_stage`, which runs under that name.
 
 The flow's parameters are the config: a YAML path plus `section.field=value` overrides, so the same
 call works from the CLI, from `prefect deployment run --param`, and from a schedule. The config is
@@ -17,15 +21,16 @@ from prefect.states import Failed
 from rlhf_core.config import load_config
 from rlhf_core.ownership import check_pipeline_outputs
 from rlhf_core.redaction import redact, refuse_secret_overrides
-from tasks import registry, tracking
-from tasks.data import PreparedData, prepare_data
-from tasks.export import CANDIDATE, export_final_policy
-from tasks.initialization import initialize_models, uses_reward_stage
-from tasks.preflight import check as preflight
-from tasks.reward_model import train_reward
-from tasks.rl import load_eval_history, train_policy
+from tasks import mlflow_logging, mlflow_runs, registry
+from tasks.data import PreparedData, data_stage
+from tasks.eval_rows import load_eval_history
+from tasks.export import CANDIDATE, export_stage
+from tasks.initialization import init_stage, uses_reward_stage
+from tasks.preflight import check_preflight
+from tasks.reward_model import reward_stage
+from tasks.rl import rl_stage
 from tasks.run_lock import run_lock, terminate_on_sigterm
-from tasks.sft import sft_warm_start
+from tasks.sft import sft_stage
 from tasks.stage_io import Checkpoint
 
 
@@ -51,7 +56,7 @@ def _no_new_data(cfg, data: PreparedData, run_id: str, logger) -> dict | None:
         latest.version,
         data.fingerprint,
     )
-    tracking.set_run_tags(run_id, {"rlhf.skipped": "no new data"})
+    mlflow_logging.set_run_tags(run_id, {"rlhf.skipped": "no new data"})
     return {
         "mlflow_run_id": run_id,
         "skipped": "no new data",
@@ -95,8 +100,8 @@ def summary_metrics(cfg, reward: Checkpoint | None, trained: Checkpoint) -> dict
 def record_summary(cfg, run_id: str, reward: Checkpoint | None, trained: Checkpoint) -> None:
     """The summary metrics (at the RL stage's final step) and the final held-out samples
     (`final_samples.json`, an MLflow table) on the pipeline's run."""
-    tracking.log_metrics(run_id, summary_metrics(cfg, reward, trained), trained.step)
-    tracking.log_table(run_id, _final_samples(cfg, trained), "final_samples.json")
+    mlflow_logging.log_metrics(run_id, summary_metrics(cfg, reward, trained), trained.step)
+    mlflow_logging.log_table(run_id, _final_samples(cfg, trained), "final_samples.json")
 
 
 def _summary(
@@ -149,7 +154,7 @@ def rlhf_pipeline(
     """
     refuse_secret_overrides(overrides)  # Prefect stores parameters: credentials come from MLflow's env variables
     cfg = load_config(config_path, overrides or [])
-    preflight(cfg)  # everything that can be checked without training, before any run, file or stage
+    check_preflight(cfg)  # everything that can be checked without training, before any run, file or stage
     logger = get_run_logger()
     logger.info("config %s (hash %s), output in %s", config_path, cfg.config_hash(), cfg.run.output_dir)
 
@@ -158,22 +163,22 @@ def rlhf_pipeline(
         check_pipeline_outputs(cfg, config_path=config_path)  # before any work: owned writes only
         # one run at a time in a run directory: a second one stops here, naming the holder. SIGTERM ends the
         # MLflow runs KILLED and releases the lock (in a Prefect flow run, Prefect's own SIGTERM bridge does).
-        with run_lock(cfg.run.output_dir), terminate_on_sigterm(), tracking.pipeline_run(cfg) as run_id:
+        with run_lock(cfg.run.output_dir), terminate_on_sigterm(), mlflow_runs.pipeline_run(cfg) as run_id:
             with stage("data"):
-                data = prepare_data(cfg, run_id)
+                data = data_stage(cfg, run_id)
             skipped = _no_new_data(cfg, data, run_id, logger) if only_if_new_data else None
             if skipped is not None:
                 return skipped
             with stage("sft"):
-                policy = sft_warm_start(cfg, data, run_id) if cfg.sft.enabled else None
+                policy = sft_stage(cfg, data, run_id) if cfg.sft.enabled else None
             with stage("reward"):
-                reward = train_reward(cfg, data, policy, run_id) if uses_reward_stage(cfg) else None
+                reward = reward_stage(cfg, data, policy, run_id) if uses_reward_stage(cfg) else None
             with stage("init"):
-                plan = initialize_models(cfg, data, policy, reward)
+                plan = init_stage(cfg, data, policy, reward)
             with stage(cfg.rl.algorithm):
-                trained = train_policy(cfg, data, plan, run_id)
+                trained = rl_stage.with_options(name=cfg.rl.algorithm)(cfg, data, plan, run_id)
             with stage("export"):
-                exported = export_final_policy(cfg, data, plan, trained, run_id)
+                exported = export_stage(cfg, data, plan, trained, run_id)
             record_summary(cfg, run_id, reward, trained)
     except Exception as err:  # the MLflow run is FAILED by now; say which stage failed and why
         logger.error("stage %s failed: %s", stage.current, redact(str(err)))

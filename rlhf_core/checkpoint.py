@@ -148,6 +148,17 @@ def checkpoint_step(path: Path) -> int | None:
     return None
 
 
+def list_checkpoints(directory: str | Path) -> list[tuple[int, Path]]:
+    """(N, path) of every checkpoint-N directory in `directory`, oldest first; [] when it does not exist.
+
+    Complete or not: callers keep their own filter (`has_training_state`, `checkpoint_problem`, a marker)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    found = [(checkpoint_step(p), p) for p in directory.iterdir() if p.is_dir() and checkpoint_step(p) is not None]
+    return sorted(found)
+
+
 def safetensors_intact(path: str | Path) -> bool:
     """True when `path` is a whole safetensors file: its header parses and its size is exactly what the
     header says (a truncated write fails this). No tensor is loaded; flipped bits inside the data are
@@ -194,11 +205,7 @@ def latest_checkpoint(directory: str | Path) -> Path | None:
     newer one whose files were truncated or damaged afterwards (a full disk, a copy cut short) is
     skipped with a warning naming it, and the previous good one is returned.
     """
-    directory = Path(directory)
-    if not directory.is_dir():
-        return None
-    found = [(checkpoint_step(p), p) for p in directory.iterdir() if p.is_dir() and checkpoint_step(p) is not None]
-    for _, path in sorted(found, reverse=True):
+    for _, path in reversed(list_checkpoints(directory)):
         if not has_training_state(path):
             continue
         problem = checkpoint_problem(path)
@@ -270,8 +277,8 @@ def prune_checkpoints(
     if not directory.is_dir():
         return []
     found = []
-    for path in directory.iterdir():
-        if checkpoint_step(path) is None or path.is_symlink() or not path.is_dir():
+    for _, path in list_checkpoints(directory):
+        if path.is_symlink():
             continue
         marker = read_marker(path)
         if marker is None or marker.get("created_by") != ATOMIC_CREATOR:

@@ -17,19 +17,13 @@ from collections.abc import Sequence
 import torch
 
 from rlhf_core.chat import assistant_messages
+from rlhf_core.generation import decode_responses, generate, left_pad, tokenize_prompts
 from rlhf_core.reward_functions import call_scoring_function
 from rlhf_core.rl_math import kl_per_token, response_mask
-from rlhf_core.rollout import (
-    SamplingSettings,
-    decode_responses,
-    generate,
-    left_pad,
-    reference_context,
-    response_logprobs,
-    sequence_scores,
-    tokenize_prompts,
-)
+from rlhf_core.rollout import reference_context
+from rlhf_core.sampling import SamplingSettings
 from rlhf_core.saving import is_peft
+from rlhf_core.scoring import response_logprobs, sequence_scores
 
 
 @torch.no_grad()

@@ -216,13 +216,12 @@ class GuardLedger:
 def set_aside(out_dir: str | Path, after_step: int, attempt: int) -> list[Path]:
     """Move the checkpoint-N directories of `out_dir` with N > after_step into out_dir/rolled_back/<attempt>/
     (kept for inspection, never deleted), so that a resume starts from the checkpoint at after_step."""
-    from rlhf_core.checkpoint import checkpoint_step
+    from rlhf_core.checkpoint import list_checkpoints
 
     out_dir = Path(out_dir)
     moved = []
-    for path in sorted(out_dir.glob("checkpoint-*")):
-        step = checkpoint_step(path)
-        if path.is_dir() and step is not None and step > after_step:
+    for step, path in list_checkpoints(out_dir):
+        if step > after_step:
             target = out_dir / "rolled_back" / str(attempt) / path.name
             target.parent.mkdir(parents=True, exist_ok=True)
             path.rename(target)

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import json
 import math
-import pickle
-import random
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -37,12 +35,16 @@ from rlhf_core.checkpoint import (
     save_training_state,
 )
 from rlhf_core.config import OptimSettings, RunConfig
+from rlhf_core.determinism import disable_dropout, seed_everything
+from rlhf_core.optimization import build_optimizer
 from rlhf_core.ownership import remove_orphan_temps
 from rlhf_core.parallel import (
     all_gather_objects,
     from_main,
     full_parameters,
     gathered_state_dicts,
+    make_accelerator,
+    portable_error,
     reduce_metrics,
     shards_optimizer,
 )
@@ -69,197 +71,12 @@ class OnCheckpoint(Protocol):
     def __call__(self, path: Path, step: int) -> Future | None: ...
 
 
-def seed_everything(seed: int) -> None:
-    import numpy as np
-
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
-
-def make_accelerator(
-    run: RunConfig,
-    gradient_accumulation_steps: int = 1,
-    *,
-    micro_batch_size: int | None = None,
-    max_grad_norm: float | None = None,
-):
-    """An Accelerator honouring run.device and run.mixed_precision (launch-time settings win).
-
-    Under DeepSpeed, `micro_batch_size` and `max_grad_norm` fill the engine's "auto" batch size and
-    clipping: the loops prepare no DataLoader from which accelerate could read them.
-    """
-    from accelerate import Accelerator
-
-    accelerator = Accelerator(
-        cpu=run.device == "cpu",
-        mixed_precision=run.mixed_precision,
-        gradient_accumulation_steps=gradient_accumulation_steps,
-    )
-    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
-    if plugin is not None:
-        ds = plugin.deepspeed_config
-        if micro_batch_size is not None and ds.get("train_micro_batch_size_per_gpu", "auto") == "auto":
-            ds["train_micro_batch_size_per_gpu"] = micro_batch_size
-        if max_grad_norm is not None and ds.get("gradient_clipping", "auto") == "auto":
-            ds["gradient_clipping"] = max_grad_norm
-    return accelerator
-
-
-def disable_dropout(*models) -> None:
-    """Dropout off in every given model (LoRA's branch dropout and attention dropout included), as TRL's
-    `disable_dropout`: in RL the log-probabilities of one update must match the rollout's, so that the
-    importance ratio is exactly 1 on-policy. The modules' `training` flags are left as they are."""
-    for model in models:
-        if model is None:
-            continue
-        for module in model.modules():
-            if isinstance(module, torch.nn.Dropout):
-                module.p = 0.0
-            for attr in ("attention_dropout", "dropout", "attn_dropout", "resid_dropout"):
-                if isinstance(getattr(module, attr, None), float):
-                    setattr(module, attr, 0.0)
-
-
-_FUSED_DEVICES = ("cpu", "cuda", "mps", "xpu")
-
-
-# The learning-rate schedules of transformers.get_scheduler, the same functions (and so the same scheduler
-# state_dict): importing transformers.optimization pulls in transformers.trainer_utils and PEFT, a second
-# or more of start-up that every stage paid inside its run.
-def _constant(_=None):
-    return 1
-
-
-def _constant_with_warmup(current_step: int, *, num_warmup_steps: int):
-    if current_step < num_warmup_steps:
-        return float(current_step) / float(max(1.0, num_warmup_steps))
-    return 1.0
-
-
-def _linear_with_warmup(current_step: int, *, num_warmup_steps: int, num_training_steps: int):
-    if current_step < num_warmup_steps:
-        return float(current_step) / float(max(1, num_warmup_steps))
-    return max(0.0, float(num_training_steps - current_step) / float(max(1, num_training_steps - num_warmup_steps)))
-
-
-def _cosine_with_warmup(current_step: int, *, num_warmup_steps: int, num_training_steps: int, num_cycles: float):
-    if current_step < num_warmup_steps:
-        return float(current_step) / float(max(1, num_warmup_steps))
-    progress = float(current_step - num_warmup_steps) / float(max(1, num_training_steps - num_warmup_steps))
-    return max(0.0, 0.5 * (1.0 + math.cos(math.pi * float(num_cycles) * 2.0 * progress)))
-
-
-def lr_schedule(optimizer, name: str, *, num_warmup_steps: int, num_training_steps: int):
-    """transformers.get_scheduler(name, ...) for the schedules the config offers: the same LambdaLR."""
-    from functools import partial
-
-    from torch.optim.lr_scheduler import LambdaLR
-
-    if name == "constant":
-        return LambdaLR(optimizer, _constant)
-    if name == "constant_with_warmup":
-        return LambdaLR(optimizer, partial(_constant_with_warmup, num_warmup_steps=num_warmup_steps))
-    steps = {"num_warmup_steps": num_warmup_steps, "num_training_steps": num_training_steps}
-    if name == "linear":
-        return LambdaLR(optimizer, partial(_linear_with_warmup, **steps))
-    if name == "cosine":
-        return LambdaLR(optimizer, partial(_cosine_with_warmup, **steps, num_cycles=0.5))
-    raise ValueError(f"unknown learning-rate schedule {name!r}")
-
-
-def build_optimizer(model, settings: OptimSettings, max_steps: int):
-    """AdamW over the trainable parameters and the configured warm-up + schedule."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    # the fused kernel (one pass over each parameter's state instead of a dozen elementwise ops), as
-    # transformers.Trainer's default "adamw_torch_fused"; the same update rule
-    fused = bool(params) and all(p.is_floating_point() and p.device.type in _FUSED_DEVICES for p in params)
-    optimizer = torch.optim.AdamW(
-        params, lr=settings.learning_rate, weight_decay=settings.weight_decay, fused=fused or None
-    )
-    scheduler = lr_schedule(
-        optimizer, settings.lr_scheduler, num_warmup_steps=settings.warmup_steps, num_training_steps=max_steps
-    )
-    return optimizer, scheduler
-
-
-def epoch_batches(n_rows: int, batch_size: int, seed: int, epoch: int) -> list[list[int]]:
-    """The batches of one epoch: a permutation fixed by (seed, epoch), incomplete tail dropped.
-
-    With the epoch and the position inside it saved, a resumed run sees exactly the same data order.
-    """
-    order = torch.randperm(n_rows, generator=torch.Generator().manual_seed(seed * 1000 + epoch)).tolist()
-    size = min(batch_size, n_rows)
-    return [order[i : i + size] for i in range(0, n_rows - size + 1, size)]
-
-
-class ShardedBatches:
-    """Data-parallel batch order: each optimizer step consumes `world` consecutive batches of the
-    epoch's permutation and process `rank` takes the `rank`-th one (different data on every
-    process, the same order on one process). With world 1 this is `epoch_batches` in order.
-
-    `epoch` and `position` are what a checkpoint saves to resume the exact order.
-    """
-
-    def __init__(
-        self, n_rows: int, batch_size: int, seed: int, *, rank: int, world: int, epoch: int = 0, position: int = 0
-    ):
-        self.n_rows, self.batch_size, self.seed, self.rank, self.world = n_rows, batch_size, seed, rank, world
-        self.epoch, self.position = epoch, position
-        self.batches = epoch_batches(n_rows, batch_size, seed, epoch)
-        if len(self.batches) < world:
-            raise ValueError(
-                f"{n_rows} rows make {len(self.batches)} batches of {batch_size}, fewer than the "
-                f"{world} processes that each need one per step; lower the batch size or add data"
-            )
-
-    def next(self) -> list[int]:
-        """This process's batch for the next step."""
-        indices = self.batches[self.position + self.rank]
-        self.position += self.world
-        if self.position + self.world > len(self.batches):
-            self.epoch, self.position = self.epoch + 1, 0
-            self.batches = epoch_batches(self.n_rows, self.batch_size, self.seed, self.epoch)
-        return indices
-
-    @property
-    def fraction(self) -> float:
-        return self.epoch + self.position / max(len(self.batches), 1)
-
-
-class LoaderCycle:
-    """A DataLoader read for ever: `next()` gives the next batch, a new epoch (a new shuffle) after the last."""
-
-    def __init__(self, loader):
-        self.loader, self.iterator = loader, iter(loader)
-
-    def next(self):
-        try:
-            return next(self.iterator)
-        except StopIteration:
-            self.iterator = iter(self.loader)
-            return next(self.iterator)
-
-
-class Grouped:
-    """`count` batches of `source` per `next()` (a step's micro-batches); its epoch and position pass through."""
-
-    def __init__(self, source, count: int):
-        self.source, self.count = source, count
-
-    def next(self) -> list:
-        return [self.source.next() for _ in range(self.count)]
-
-    def __getattr__(self, name: str):  # epoch, position, fraction
-        return getattr(self.source, name)
-
-
 @dataclass(frozen=True)
 class LoopSettings:
     """How a stage's loop runs; each stage fills it from its config section."""
 
-    name: str  # progress bar, messages and the config section named in errors ("sft", "reward", "rl")
-    section: str
+    name: str  # the progress bar's and the messages' name of the stage ("sft", "reward", "ppo", "grpo")
+    section: str  # the config section named in errors ("sft", "reward", "rl")
     total_steps: int
     optim: OptimSettings  # learning rate, schedule, clipping, the non-finite patience
     micro_batches: int = 1  # backward passes per optimizer step (what counts, not optim.gradient_accumulation_steps)
@@ -319,12 +136,8 @@ class TrainingLoop:
         seed_everything(run.seed)
         # accumulation through accelerate: no gradient all-reduce until the last micro-batch (DDP), and
         # DeepSpeed steps its engine at that boundary only
-        self.accelerator = make_accelerator(
-            run,
-            settings.micro_batches,
-            micro_batch_size=settings.micro_batch_size,
-            max_grad_norm=settings.optim.max_grad_norm,
-        )
+        micro, clip = settings.micro_batch_size, settings.optim.max_grad_norm
+        self.accelerator = make_accelerator(run, settings.micro_batches, micro_batch_size=micro, max_grad_norm=clip)
         self.optimizer, self.scheduler = build_optimizer(trainable, settings.optim, settings.total_steps)
         self.step = self.epoch = self.position = self.skipped = self.nonfinite_in_a_row = 0
         self.metrics: dict[str, float] = {}
@@ -503,8 +316,7 @@ class TrainingLoop:
         from tqdm.auto import tqdm
 
         s = self.settings
-        self._batches = batches
-        window: list[dict[str, Any]] = []
+        self._batches, self._window = batches, []
         bar = tqdm(total=s.total_steps, initial=self.step, desc=s.name, disable=not show_progress or not self.is_main)
         # what the loop does around the steps (logging, evaluation, checkpoints), logged at the next log step
         around = PhaseTimer(self.device, enabled=s.timing)
@@ -516,7 +328,7 @@ class TrainingLoop:
                 if s.log_window == "last":  # every process's numbers, one all-reduce per step
                     metrics = self._reduce(metrics)
                 else:
-                    window.append(metrics)
+                    self._window.append(metrics)
                 self.scheduler.step()
                 self.step += 1
                 bar.update(1)
@@ -526,17 +338,7 @@ class TrainingLoop:
                 if on_step is not None:
                     on_step(self.step)
                 if self._due(s.log_every):
-                    if s.log_window == "mean":  # the window's means over the global batch, one all-reduce
-                        means = {
-                            k: torch.stack([torch.as_tensor(w[k]) for w in window]).float().mean() for k in window[0]
-                        }
-                        logged = self._loop_metrics(self._reduce(means), time.perf_counter() - started)
-                        window = []
-                        if s.checkpoint_metrics == "train":
-                            self.metrics = logged
-                        self._show(bar, logged)
-                    else:
-                        logged = self.metrics
+                    logged = self._logged(bar, started)
                     if self.is_main and on_log is not None:
                         with around("log"):
                             on_log({**{k: v for k, v in logged.items() if math.isfinite(v)}, **around.pop()}, self.step)
@@ -557,6 +359,19 @@ class TrainingLoop:
             skipped_steps=self.skipped,
         )
 
+    def _logged(self, bar, started: float) -> dict[str, float]:
+        """What a log step logs: the last step's metrics, or the means of the window's steps over the global
+        batch (one all-reduce)."""
+        if self.settings.log_window == "last":
+            return self.metrics
+        window, self._window = self._window, []
+        means = {k: torch.stack([torch.as_tensor(w[k]) for w in window]).float().mean() for k in window[0]}
+        logged = self._loop_metrics(self._reduce(means), time.perf_counter() - started)
+        if self.settings.checkpoint_metrics == "train":
+            self.metrics = logged
+        self._show(bar, logged)
+        return logged
+
     def _evaluate(self, evaluate: Callable[[int], Any], on_eval: Callable[[Any, int], None] | None) -> None:
         """`evaluate` and `on_eval` on the main process. What they raise (the guard's stop or rollback, a
         failure) is raised on every process at this same point: a decision taken where the evaluation ran
@@ -572,7 +387,7 @@ class TrainingLoop:
             except Exception as err:  # noqa: BLE001 (re-raised below, here and on the other processes)
                 error = err
         if self.world > 1:
-            shared = from_main(_portable(error))
+            shared = from_main(portable_error(error))
             if error is None and shared is not None:
                 raise shared
         if error is not None:
@@ -582,16 +397,3 @@ class TrainingLoop:
         shown = {k.split("/")[-1]: f"{metrics[k]:.3f}" for k in self.settings.shown if k in metrics}
         if shown:
             bar.set_postfix(shown)
-
-
-def _portable(error: Exception | None) -> Exception | None:
-    """`error` when it survives a pickle round trip (what a broadcast does to it), else a RuntimeError that
-    says what the main process raised."""
-    if error is None:
-        return None
-    try:
-        if type(pickle.loads(pickle.dumps(error))) is type(error):
-            return error
-    except Exception:  # noqa: BLE001 (an exception that does not pickle is described instead)
-        pass
-    return RuntimeError(f"the evaluating process (rank 0) failed: {type(error).__name__}: {error}")

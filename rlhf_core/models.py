@@ -1,17 +1,18 @@
 """Loading tokenizers and models from a local directory or a hub name, with clear errors.
 
-`models:/` registry URIs are resolved to a local directory by tasks/tracking.py before they get here;
-the core only sees directories and hub names.
+`models:/` registry URIs are resolved to a local directory by the tasks (tasks/data.py `resolve_model_source`,
+through tasks/registry.py) before they get here; the core only sees directories and hub names. `lora_config`
+is the one place PEFT's LoRA settings are built, for the policy and the reward model alike.
 """
 
 from __future__ import annotations
 
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
-    from rlhf_core.config import RLConfig
+    from rlhf_core.config import LoraSettings, RLConfig
 
 DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16", "auto": "auto"}
 
@@ -178,3 +179,18 @@ def prepare_for_training(model, *, gradient_checkpointing: bool) -> None:
     if gradient_checkpointing:
         model.gradient_checkpointing_enable()
         model.config.use_cache = False
+
+
+def lora_config(lora: LoraSettings, task: Literal["CAUSAL_LM", "SEQ_CLS"]):
+    """PEFT's LoraConfig from the `model.lora` settings: task CAUSAL_LM for the policy, SEQ_CLS for the reward
+    model, whose new score head is trained whole beside the adapters (modules_to_save=["score"])."""
+    from peft import LoraConfig, TaskType
+
+    return LoraConfig(
+        task_type=TaskType[task],
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=list(lora.target_modules),
+        **({"modules_to_save": ["score"]} if task == "SEQ_CLS" else {}),
+    )

@@ -6,7 +6,9 @@
 - `gathered_state_dicts`: the full weights of the trained models for a checkpoint, gathered on
   every process (a collective) and written by the main one.
 - `from_main`, `all_gather_objects`: Python objects across processes (a decision taken where the
-  evaluation ran, acted on everywhere; what each process sees of the shared storage).
+  evaluation ran, acted on everywhere; what each process sees of the shared storage);
+  `portable_error` makes an exception fit to be broadcast.
+- `make_accelerator`: the Accelerator of a stage, from run.device and run.mixed_precision.
 
 Under DDP (and on one process) each of these is a no-op or a plain `state_dict()`. All of them are
 collective: every process must call them at the same point of the loop.
@@ -14,6 +16,7 @@ collective: every process must call them at the same point of the loop.
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -203,3 +206,45 @@ def accelerate_strategy(path) -> str:
     if kind == "FSDP":
         return "fsdp" if int((raw.get("fsdp_config") or {}).get("fsdp_version", 1)) == 2 else "fsdp1"
     return "ddp"
+
+
+def make_accelerator(
+    run,  # a RunConfig (config imports this module)
+    gradient_accumulation_steps: int = 1,
+    *,
+    micro_batch_size: int | None = None,
+    max_grad_norm: float | None = None,
+):
+    """An Accelerator honouring run.device and run.mixed_precision (launch-time settings win).
+
+    Under DeepSpeed, `micro_batch_size` and `max_grad_norm` fill the engine's "auto" batch size and
+    clipping: the loops prepare no DataLoader from which accelerate could read them.
+    """
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(
+        cpu=run.device == "cpu",
+        mixed_precision=run.mixed_precision,
+        gradient_accumulation_steps=gradient_accumulation_steps,
+    )
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    if plugin is not None:
+        ds = plugin.deepspeed_config
+        if micro_batch_size is not None and ds.get("train_micro_batch_size_per_gpu", "auto") == "auto":
+            ds["train_micro_batch_size_per_gpu"] = micro_batch_size
+        if max_grad_norm is not None and ds.get("gradient_clipping", "auto") == "auto":
+            ds["gradient_clipping"] = max_grad_norm
+    return accelerator
+
+
+def portable_error(error: Exception | None) -> Exception | None:
+    """`error` when it survives a pickle round trip (what a broadcast does to it), else a RuntimeError that
+    says what the main process raised."""
+    if error is None:
+        return None
+    try:
+        if type(pickle.loads(pickle.dumps(error))) is type(error):
+            return error
+    except Exception:  # noqa: BLE001 (an exception that does not pickle is described instead)
+        pass
+    return RuntimeError(f"the evaluating process (rank 0) failed: {type(error).__name__}: {error}")

@@ -1,71 +1,40 @@
-"""PPO with a learned reward model and a value model, resumable from any checkpoint.
+"""PPO (arXiv:1707.06347) with a learned reward model and a value model, resumable from any checkpoint.
 
-PPO's math first (KL-penalized rewards, GAE, the clipped losses, KL controllers), then its step on
-the shared `TrainingLoop`, in the numbered steps of the CleanRL/TRL recipe: 1. generate, 2. score,
-3. KL-penalized per-token rewards, 4. GAE, 5. PPO epochs over mini-batches. A checkpoint holds the
-policy (`policy/`, Hugging Face format), the value model (`value/`) and the training state
-(`training_state/`, no pickle).
+PPO's losses and KL controllers first, then `PPOSteps`, the rollout, update and metrics phases of one
+step (`rl_step`) in the CleanRL/TRL recipe: generate and score, then (the estimator,
+`advantages.gae_estimate`) KL-penalized per-token rewards and GAE, then PPO epochs over shuffled
+mini-batches. A checkpoint holds the policy (`policy/`, Hugging Face format), the value model
+(`value/`) and the training state (`training_state/`, no pickle).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
+from typing import Unpack
 
 import torch
 
+from rlhf_core.advantages import Estimate, EstimatorContext, estimator_for
 from rlhf_core.config import PPOConfig, RLConfig, RunConfig
-from rlhf_core.loop import LoopResult, OnCheckpoint, OnLog, OnStep, TrainingLoop
-from rlhf_core.models import run_stop_ids
+from rlhf_core.loop import LoopResult, TrainingLoop
 from rlhf_core.parallel import reduce_metrics
 from rlhf_core.reward_functions import check_finite
-from rlhf_core.rl_math import kl_per_token, masked_mean, masked_whiten
-from rlhf_core.rollout import (
+from rlhf_core.rl_math import masked_mean
+from rlhf_core.rl_step import (
+    BatchSizes,
+    PromptBatch,
     PromptBatches,
-    Rollout,
-    collect_rollout,
-    completion_metrics,
-    response_logprobs,
+    RLHooks,
+    RolloutSettings,
+    StepStats,
+    eval_cadence,
     rl_loop_settings,
-    rl_sampling,
-    sequence_scores,
-    token_values,
+    rollout_settings,
+    run_rl,
 )
+from rlhf_core.rollout import Rollout, RolloutBatch, collect_rollout, completion_metrics
+from rlhf_core.scoring import response_logprobs, sequence_scores, token_values
 from rlhf_core.timing import PhaseTimer
-
-# -- PPO's math: KL-penalized rewards, GAE, the clipped losses, KL controllers --------------------------
-
-
-def kl_penalized_rewards(
-    scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, last_index: torch.Tensor, kl_coef: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token rewards: -kl_coef * kl on every real token, plus the sequence score on its last token.
-
-    Returns (rewards, non_score_reward), each (B, T), zero on padding.
-    """
-    non_score = -kl_coef * kl * mask
-    rewards = non_score.clone()
-    rewards[torch.arange(rewards.shape[0], device=rewards.device), last_index] += scores
-    return rewards, non_score
-
-
-def compute_gae(
-    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Generalized advantage estimation over response tokens, vectorized. -> (advantages, returns), (B, T)
-
-    delta_t = r_t + gamma * V_{t+1} - V_t (V past the end is 0), A_t = sum_l (gamma*lam)^l delta_{t+l},
-    returns = A + V. Padding positions have zero reward and value, so they add nothing.
-    """
-    values = values * mask
-    rewards = rewards * mask
-    next_values = torch.cat([values[:, 1:], torch.zeros_like(values[:, :1])], dim=1)
-    deltas = rewards + gamma * next_values - values  # (B, T)
-    t = torch.arange(rewards.shape[1], device=rewards.device, dtype=rewards.dtype)
-    lag = t.view(1, -1) - t.view(-1, 1)  # (T, T): s - t
-    discount = torch.where(lag >= 0, (gamma * lam) ** lag.clamp(min=0), torch.zeros_like(lag))
-    advantages = (deltas @ discount.T) * mask  # A_t = sum_s discount[t, s] * delta_s
-    return advantages, advantages + values
 
 
 def policy_loss(
@@ -169,6 +138,127 @@ def score_rollout(
     return scores, values
 
 
+def ppo_batch_sizes(rl: RLConfig, ppo: PPOConfig) -> BatchSizes:
+    """rl.batch_size prompts, one completion each, cut into ppo.num_mini_batches optimizer steps per PPO epoch,
+    each accumulated over rl.gradient_accumulation_steps micro-batches."""
+    mini_batch = rl.batch_size // ppo.num_mini_batches
+    return BatchSizes(
+        prompts_per_step=rl.batch_size,
+        generations_per_prompt=1,
+        mini_batch=mini_batch,
+        micro_batch=max(1, mini_batch // rl.gradient_accumulation_steps),
+    )
+
+
+class PPOSteps:
+    """PPO's phases of one RL step (`rl_step`): rollout, update and metrics; the advantages are the estimator's."""
+
+    def __init__(self, loop: TrainingLoop, settings: RolloutSettings, ref_model, reward_model, rl, ppo, kl_ctl):
+        self.loop, self.settings, self.ref_model, self.reward_model = loop, settings, ref_model, reward_model
+        self.rl, self.ppo, self.kl_ctl = rl, ppo, kl_ctl
+        self.sizes = ppo_batch_sizes(rl, ppo)
+        self.timer = PhaseTimer(loop.device)
+        self.observed_kl = float("nan")  # the last step's mean KL over the global batch (the controller's input)
+
+    def rollout(self, prompts: PromptBatch) -> RolloutBatch:
+        """Generate one response per prompt; score it with the reward model, and value it."""
+        loop, settings = self.loop, self.settings
+        models = loop.unwrapped()
+        with loop.full_parameters():
+            rollout = collect_rollout(
+                models.policy,
+                self.ref_model,
+                prompts.query_ids,
+                prompts.query_mask,
+                settings.sampling,
+                pad_token_id=settings.pad_token_id,
+                stop_token_ids=settings.stop_token_ids,
+                timer=self.timer,
+            )
+            scores, values = score_rollout(
+                rollout,
+                models.value_model,
+                self.reward_model,
+                missing_eos_penalty=self.rl.missing_eos_penalty,
+                timer=self.timer,
+            )
+        # the penalty is already taken off the score: one source, the reward model
+        return RolloutBatch(rollout, scores.unsqueeze(1), values=values)
+
+    def estimator_context(self) -> EstimatorContext:
+        return EstimatorContext(self.ppo, self.loop, kl_coef=self.kl_ctl.value)
+
+    def update(self, batch: RolloutBatch, estimate: Estimate) -> StepStats:
+        """ppo.num_ppo_epochs passes over shuffled mini-batches, each accumulated over micro-batches; then the KL
+        controller sees the step's KL. Each loss is the mean over the real tokens of the whole mini-batch, every
+        process's: the update does not depend on how the mini-batch is split into micro-batches or processes
+        (the gradients are averaged, hence / world). The statistics stay on the device."""
+        loop, sizes, mask = self.loop, self.sizes, batch.rollout.resp_mask
+        loop.trainable.train()
+        stats = StepStats()
+        with self.timer("optimize"):
+            for _ in range(self.ppo.num_ppo_epochs):
+                order = torch.randperm(sizes.rollout, device=loop.device)
+                for start in range(0, sizes.rollout, sizes.mini_batch):
+                    mini = order[start : start + sizes.mini_batch]
+                    mini_tokens = loop.global_sum(mask[mini].sum().float()) / loop.world
+                    for micro in range(0, sizes.mini_batch, sizes.micro_batch):
+                        self._micro_batch(batch, estimate, mini[micro : micro + sizes.micro_batch], mini_tokens, stats)
+                    loop.optimizer_step()
+        # the adaptive controller needs the KL of the whole global batch now, not at logging time
+        kl = estimate.stats["kl"]
+        self.observed_kl = reduce_metrics(loop.accelerator, {"kl": kl.sum(1).mean()})["kl"]
+        self.kl_ctl.update(self.observed_kl, sizes.rollout * loop.world)
+        loop.state["kl_coef"] = self.kl_ctl.value
+        return stats
+
+    def _micro_batch(self, batch, estimate, rows: torch.Tensor, mini_tokens: torch.Tensor, stats: StepStats) -> None:
+        """Forward and backward of the policy and value losses on one micro-batch."""
+        rollout, ppo, m = batch.rollout, self.ppo, batch.rollout.resp_mask[rows]
+        with self.loop.micro_batch():
+            new_logp, entropy, vpred = self.loop.trainable(
+                rollout.query_ids[rows], rollout.query_mask[rows], rollout.responses[rows], m, self.rl.temperature
+            )
+            pg, pg_stats = policy_loss(new_logp, rollout.logprobs[rows], estimate.advantages[rows], m, ppo.cliprange)
+            vf, vf_stats = value_loss(vpred, batch.values[rows], estimate.returns[rows], m, ppo.cliprange_value)
+            self.loop.backward((pg + ppo.vf_coef * vf) * m.sum() / mini_tokens)
+        stats.add(
+            pg_loss=pg,
+            vf_loss=vf,
+            pg_clipfrac=pg_stats["clipfrac"],
+            vf_clipfrac=vf_stats["clipfrac"],
+            approxkl=pg_stats["approxkl"],
+            ratio=pg_stats["ratio"],
+            entropy=masked_mean(entropy, m),
+        )
+
+    def metrics(self, batch: RolloutBatch, estimate: Estimate, stats: StepStats) -> dict[str, torch.Tensor | float]:
+        """TRL's PPO metrics, under TRL's names."""
+        rollout, mask = batch.rollout, batch.rollout.resp_mask
+        scores, non_score = estimate.stats["scores"], estimate.stats["non_score_reward"].sum(1).mean()
+        return {
+            **self.timer.pop(),
+            "objective/kl": self.observed_kl,
+            "objective/entropy": (-rollout.logprobs * mask).sum(1).mean(),
+            "objective/non_score_reward": non_score,
+            "objective/rlhf_reward": scores.mean() + non_score,
+            "objective/scores": scores.mean(),
+            "objective/kl_coef": self.kl_ctl.value,
+            "policy/approxkl_avg": stats.mean("approxkl"),
+            "policy/clipfrac_avg": stats.mean("pg_clipfrac"),
+            "policy/entropy_avg": stats.mean("entropy"),
+            "loss/policy_avg": stats.mean("pg_loss"),
+            "loss/value_avg": stats.mean("vf_loss"),
+            "val/clipfrac_avg": stats.mean("vf_clipfrac"),
+            "val/ratio": stats.mean("ratio"),
+            "val/num_eos_tokens": rollout.has_stop.sum(),
+            "val/mean_response_length": mask.sum(1).float().mean(),
+            **completion_metrics(rollout),
+            "episode": float((self.loop.step + 1) * self.sizes.rollout * self.loop.world),
+            "_tokens": mask.sum(),
+        }
+
+
 def train_ppo(
     policy,
     value_model,
@@ -182,32 +272,20 @@ def train_ppo(
     *,
     max_prompt_length: int,
     output_dir: str | Path,
-    on_log: OnLog | None = None,
-    on_checkpoint: OnCheckpoint | None = None,
-    on_eval: Callable[[list[dict], int], None] | None = None,
-    on_step: OnStep | None = None,
-    evaluate: Callable[[torch.nn.Module, int], list[dict]] | None = None,
-    eval_every: int | None = None,
-    show_progress: bool = True,
     kl_scale: float = 1.0,
+    **hooks: Unpack[RLHooks],
 ) -> LoopResult:
     """Train `policy` and `value_model` with PPO for rl.total_steps iterations; resume from output_dir.
 
     ref_model None means the policy is a PEFT model whose disabled adapters are the reference.
     `kl_scale` multiplies the KL coefficient (the guard's rollbacks): the saved one on resume, once.
-    `evaluate(policy, step)` returns eval rows; it runs every `eval_every` steps and at the end.
+    `hooks` (`RLHooks`): on_log, on_checkpoint, on_step, show_progress, and `evaluate(policy, step)`, whose
+    eval rows go to on_eval every eval_every steps and at the end.
     """
+    estimator = estimator_for(rl.algorithm, with_values=True)
     kl_ctl = make_kl_controller(ppo)
-    mini_size = rl.batch_size // ppo.num_mini_batches
-    micro_size = max(1, mini_size // rl.gradient_accumulation_steps)
-    settings = rl_loop_settings(
-        rl,
-        run,
-        name="ppo",
-        micro_batches=mini_size // micro_size,
-        micro_batch_size=micro_size,
-        eval_every=eval_every if on_eval is not None else None,
-    )
+    sizes = ppo_batch_sizes(rl, ppo)
+    settings = rl_loop_settings(rl, run, sizes, eval_every=eval_cadence(hooks))
     loop = TrainingLoop(
         PolicyAndValue(policy, value_model),
         {"policy": policy, "value": value_model},
@@ -221,129 +299,15 @@ def train_ppo(
     kl_ctl.value = loop.state["kl_coef"] * kl_scale / loop.state.get("kl_scale", 1.0)
     loop.state.update(kl_coef=kl_ctl.value, kl_scale=kl_scale)
     batches = PromptBatches(
-        tokenizer, prompts, max_prompt_length=max_prompt_length, per_step=rl.batch_size, seed=run.seed, loop=loop
+        tokenizer,
+        prompts,
+        max_prompt_length=max_prompt_length,
+        per_step=sizes.prompts_per_step,
+        seed=run.seed,
+        loop=loop,
     )
     for frozen in (ref_model, reward_model):
         if frozen is not None:
             frozen.to(loop.device).eval().requires_grad_(False)
-    pad_id = tokenizer.pad_token_id
-    stop_ids = run_stop_ids(tokenizer, getattr(policy, "generation_config", None), rl)
-    sampling = rl_sampling(rl)
-    world = loop.world
-    all_reduce = loop.global_sum if world > 1 else None  # whitening over every process's rows
-
-    timer = PhaseTimer(loop.device)
-
-    def step(batch: tuple[torch.Tensor, torch.Tensor, list[int]]) -> dict[str, torch.Tensor | float]:
-        query_ids, query_mask, _ = batch
-        # 1. generate  2. score
-        models = loop.unwrapped()
-        with loop.full_parameters():
-            rollout = collect_rollout(
-                models.policy,
-                ref_model,
-                query_ids,
-                query_mask,
-                sampling,
-                pad_token_id=pad_id,
-                stop_token_ids=stop_ids,
-                timer=timer,
-            )
-            scores, values = score_rollout(
-                rollout, models.value_model, reward_model, missing_eos_penalty=rl.missing_eos_penalty, timer=timer
-            )
-        mask = rollout.resp_mask
-
-        # 3. KL-penalized per-token rewards
-        kl = kl_per_token(rollout.logprobs, rollout.ref_logprobs, ppo.kl_estimator) * mask  # (B, R)
-        rewards, non_score = kl_penalized_rewards(scores, kl, mask, rollout.last_index, kl_ctl.value)
-        if ppo.whiten_rewards:
-            rewards = masked_whiten(rewards, mask, shift_mean=False, all_reduce=all_reduce) * mask
-
-        # 4. GAE
-        advantages, returns = compute_gae(rewards, values, mask, ppo.gamma, ppo.lam)
-        if ppo.whiten_advantages:
-            advantages = masked_whiten(advantages, mask, all_reduce=all_reduce) * mask
-
-        # 5. PPO epochs over mini-batches, with gradient accumulation over micro-batches; the statistics
-        # stay on the device (one transfer per step, in the loop's reduce_metrics). Each loss is the mean
-        # over the real tokens of the whole mini-batch, every process's: the update does not depend on how
-        # the mini-batch is split into micro-batches or processes (the gradients are averaged, hence / world)
-        loop.trainable.train()
-        stats: dict[str, list[torch.Tensor]] = {
-            k: [] for k in ("pg_loss", "vf_loss", "pg_clipfrac", "vf_clipfrac", "approxkl", "ratio", "entropy")
-        }
-        with timer("optimize"):
-            for _ in range(ppo.num_ppo_epochs):
-                order = torch.randperm(rl.batch_size, device=loop.device)
-                for mini_start in range(0, rl.batch_size, mini_size):
-                    mini = order[mini_start : mini_start + mini_size]
-                    mini_tokens = loop.global_sum(mask[mini].sum().float()) / world
-                    for micro_start in range(0, mini_size, micro_size):
-                        idx = mini[micro_start : micro_start + micro_size]
-                        m = mask[idx]
-                        with loop.micro_batch():
-                            new_logp, entropy, vpred = loop.trainable(
-                                rollout.query_ids[idx],
-                                rollout.query_mask[idx],
-                                rollout.responses[idx],
-                                m,
-                                rl.temperature,
-                            )
-                            pg, pg_stats = policy_loss(
-                                new_logp, rollout.logprobs[idx], advantages[idx], m, ppo.cliprange
-                            )
-                            vf, vf_stats = value_loss(vpred, values[idx], returns[idx], m, ppo.cliprange_value)
-                            loop.backward((pg + ppo.vf_coef * vf) * m.sum() / mini_tokens)
-                        for key, value in (
-                            ("pg_loss", pg),
-                            ("vf_loss", vf),
-                            ("pg_clipfrac", pg_stats["clipfrac"]),
-                            ("vf_clipfrac", vf_stats["clipfrac"]),
-                            ("approxkl", pg_stats["approxkl"]),
-                            ("ratio", pg_stats["ratio"]),
-                            ("entropy", masked_mean(entropy, m)),
-                        ):
-                            stats[key].append(value.detach())
-                    loop.optimizer_step()
-
-        # the adaptive controller needs the KL of the whole global batch now, not at logging time
-        mean_kl = reduce_metrics(loop.accelerator, {"kl": kl.sum(1).mean()})["kl"]
-        kl_ctl.update(mean_kl, rl.batch_size * world)
-        loop.state["kl_coef"] = kl_ctl.value
-
-        def avg(key: str) -> torch.Tensor | float:
-            return torch.stack(stats[key]).float().mean() if stats[key] else float("nan")
-
-        return {
-            **timer.pop(),
-            "objective/kl": mean_kl,
-            "objective/entropy": (-rollout.logprobs * mask).sum(1).mean(),
-            "objective/non_score_reward": non_score.sum(1).mean(),
-            "objective/rlhf_reward": scores.mean() + non_score.sum(1).mean(),
-            "objective/scores": scores.mean(),
-            "objective/kl_coef": kl_ctl.value,
-            "policy/approxkl_avg": avg("approxkl"),
-            "policy/clipfrac_avg": avg("pg_clipfrac"),
-            "policy/entropy_avg": avg("entropy"),
-            "loss/policy_avg": avg("pg_loss"),
-            "loss/value_avg": avg("vf_loss"),
-            "val/clipfrac_avg": avg("vf_clipfrac"),
-            "val/ratio": avg("ratio"),
-            "val/num_eos_tokens": rollout.has_stop.sum(),
-            "val/mean_response_length": mask.sum(1).float().mean(),
-            **completion_metrics(rollout),
-            "episode": float((loop.step + 1) * rl.batch_size * world),
-            "_tokens": mask.sum(),
-        }
-
-    return loop.run(
-        step,
-        batches,
-        on_log=on_log,
-        evaluate=(lambda at: evaluate(policy, at)) if evaluate else None,
-        on_eval=on_eval,
-        on_checkpoint=on_checkpoint,
-        on_step=on_step,
-        show_progress=show_progress,
-    )
+    steps = PPOSteps(loop, rollout_settings(tokenizer, policy, rl), ref_model, reward_model, rl, ppo, kl_ctl)
+    return run_rl(loop, steps, estimator, batches, policy, hooks)

@@ -1,9 +1,9 @@
 """Reward-model training: a one-output sequence classifier fit with the Bradley-Terry loss.
 
 Pure helpers first (loss, metrics, pair encoding, scoring at the last token, evaluation), then the
-step on the shared `TrainingLoop`. Checkpoints are Hugging Face directories `checkpoint-N/` with a
-model card, `metrics.json` and the training state without pickle, so re-running after a crash
-resumes from the last one and reaches the same weights.
+settings and the step for the shared `TrainingLoop`, and the training. Checkpoints are Hugging Face
+directories `checkpoint-N/` with a model card, `metrics.json` and the training state without pickle,
+so re-running after a crash resumes from the last one and reaches the same weights.
 """
 
 from __future__ import annotations
@@ -14,11 +14,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from rlhf_core.batching import Grouped, ShardedBatches
 from rlhf_core.chat import encode
 from rlhf_core.config import LoraSettings, RewardConfig, RunConfig
-from rlhf_core.loop import Grouped, LoopResult, LoopSettings, OnCheckpoint, OnLog, OnStep, ShardedBatches, TrainingLoop
+from rlhf_core.loop import LoopResult, LoopSettings, OnCheckpoint, OnLog, OnStep, TrainingLoop
 from rlhf_core.model_card import write_model_card
-from rlhf_core.rollout import head_per_token
+from rlhf_core.scoring import head_per_token
 
 EVAL_METRICS = ("eval_loss", "eval_accuracy", "eval_margin", "eval_min_reward", "eval_mean_reward", "eval_max_reward")
 
@@ -209,21 +210,59 @@ def load_reward_model(
         )
     model.config.pad_token_id = tokenizer.pad_token_id
     if lora is not None:
-        from peft import LoraConfig, TaskType, get_peft_model
+        from peft import get_peft_model
+
+        from rlhf_core.models import lora_config
 
         with MODEL_BUILDING:
-            model = get_peft_model(
-                model,
-                LoraConfig(
-                    task_type=TaskType.SEQ_CLS,
-                    r=lora.r,
-                    lora_alpha=lora.alpha,
-                    lora_dropout=lora.dropout,
-                    target_modules=list(lora.target_modules),
-                    modules_to_save=["score"],
-                ),
-            )
+            model = get_peft_model(model, lora_config(lora, "SEQ_CLS"))
     return model
+
+
+def reward_loop_settings(cfg: RewardConfig, run: RunConfig) -> LoopSettings:
+    """The shared loop's settings for reward training, from the `reward` section."""
+    return LoopSettings(
+        name="reward",
+        section="reward",
+        total_steps=cfg.max_steps,
+        optim=cfg,
+        micro_batches=cfg.gradient_accumulation_steps,
+        micro_batch_size=cfg.batch_size,
+        log_every=cfg.log_steps,
+        eval_every=cfg.eval_steps,
+        save_every=cfg.save_steps,
+        disable_dropout=cfg.disable_dropout,  # the same pair scores the same in every forward (TRL's default)
+        keep_last=run.keep_last_checkpoints,
+        best_metric=("eval_accuracy",),
+        log_window="mean",
+        checkpoint_metrics="eval",
+        lr_key="reward/learning_rate",
+        grad_norm_key="reward/grad_norm",
+        epoch_key="reward/epoch",
+        shown=("reward/loss", "reward/accuracy"),
+    )
+
+
+def pair_step(
+    loop: TrainingLoop, items: list[dict], pad_id: int, cfg: RewardConfig
+) -> Callable[[list[list[int]]], dict[str, torch.Tensor]]:
+    """The loop's step: the Bradley-Terry loss of each micro-batch of `items` (lists of indices into it),
+    backward, one optimizer step; returns the means of the loss and `preference_stats` as `reward/...`."""
+
+    def step(micro_batches: list[list[int]]) -> dict[str, torch.Tensor]:
+        stats = []
+        for indices in micro_batches:
+            batch = {k: v.to(loop.device) for k, v in collate_pairs([items[i] for i in indices], pad_id).items()}
+            with loop.micro_batch():
+                rc, rr = score_pairs(loop.trainable, batch)
+                loss = bradley_terry_loss(rc, rr, batch.get("margin"), cfg.center_rewards_coefficient)
+                loop.backward(loss / len(micro_batches))
+            # statistics stay on the device until the log step: no host round trip per step
+            stats.append({"loss": loss.detach(), **preference_stats(rc.detach().float(), rr.detach().float())})
+        loop.optimizer_step()
+        return {f"reward/{k}": torch.stack([s[k] for s in stats]).mean() for k in stats[0]}
+
+    return step
 
 
 def train_reward_model(
@@ -246,30 +285,12 @@ def train_reward_model(
 ) -> LoopResult:
     """Train for cfg.max_steps optimizer steps, resuming from the newest complete checkpoint in output_dir.
 
-    `stop_ids`: the ids the policy stops on (see `tokenize_pairs`). Each checkpoint is a loadable Hugging Face directory (merged weights with LoRA, the adapter in
-    `adapter/`) with a model card from `card` ({"title", "metadata", "body"}) and the eval metrics of
-    its step; the result's metrics are the last evaluation's.
+    `stop_ids`: the ids the policy stops on (see `tokenize_pairs`). Each checkpoint is a loadable Hugging
+    Face directory (merged weights with LoRA, the adapter in `adapter/`) with a model card from `card`
+    ({"title", "metadata", "body"}) and the eval metrics of its step; the result's metrics are the last
+    evaluation's.
     """
-    settings = LoopSettings(
-        name="reward",
-        section="reward",
-        total_steps=cfg.max_steps,
-        optim=cfg,
-        micro_batches=cfg.gradient_accumulation_steps,
-        micro_batch_size=cfg.batch_size,
-        log_every=cfg.log_steps,
-        eval_every=cfg.eval_steps,
-        save_every=cfg.save_steps,
-        disable_dropout=cfg.disable_dropout,  # the same pair scores the same in every forward (TRL's default)
-        keep_last=run.keep_last_checkpoints,
-        best_metric=("eval_accuracy",),
-        log_window="mean",
-        checkpoint_metrics="eval",
-        lr_key="reward/learning_rate",
-        grad_norm_key="reward/grad_norm",
-        epoch_key="reward/epoch",
-        shown=("reward/loss", "reward/accuracy"),
-    )
+    settings = reward_loop_settings(cfg, run)
     # the scorer reads each row's last attended token; trained as one module so that DDP and DeepSpeed see the forward
     loop = TrainingLoop(LastTokenScore(model), {"": model}, tokenizer, settings, run, output_dir=output_dir)
     loop.trainable.train()
@@ -287,19 +308,6 @@ def train_reward_model(
         position=loop.position,
     )
 
-    def step(micro_batches: list[list[int]]) -> dict[str, torch.Tensor]:
-        stats = []
-        for indices in micro_batches:
-            batch = {k: v.to(loop.device) for k, v in collate_pairs([train_items[i] for i in indices], pad_id).items()}
-            with loop.micro_batch():
-                rc, rr = score_pairs(loop.trainable, batch)
-                loss = bradley_terry_loss(rc, rr, batch.get("margin"), cfg.center_rewards_coefficient)
-                loop.backward(loss / len(micro_batches))
-            # statistics stay on the device until the log step: no host round trip per step
-            stats.append({"loss": loss.detach(), **preference_stats(rc.detach().float(), rr.detach().float())})
-        loop.optimizer_step()
-        return {f"reward/{k}": torch.stack([s[k] for s in stats]).mean() for k in stats[0]}
-
     def evaluate(at_step: int) -> dict[str, float]:
         return evaluate_encoded(
             model,
@@ -316,7 +324,7 @@ def train_reward_model(
         )
 
     return loop.run(
-        step,
+        pair_step(loop, train_items, pad_id, cfg),
         Grouped(order, cfg.gradient_accumulation_steps),
         on_log=on_log,
         evaluate=evaluate,

@@ -11,9 +11,10 @@ from pathlib import Path
 
 import torch
 
+from rlhf_core.batching import Grouped, LoaderCycle
 from rlhf_core.chat import encode
 from rlhf_core.config import RunConfig, SFTConfig
-from rlhf_core.loop import Grouped, LoaderCycle, LoopSettings, OnCheckpoint, OnLog, TrainingLoop
+from rlhf_core.loop import LoopSettings, OnCheckpoint, OnLog, TrainingLoop
 from rlhf_core.saving import save_pretrained_atomic
 
 

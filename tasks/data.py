@@ -1,4 +1,4 @@
-"""Data preparation: build the demo world when asked for, load and validate every table, save them.
+"""The `data` stage: build the demo world when asked for, load and validate every table, save them.
 
 Later stages read the validated JSONL files this task writes under <output_dir>/data/, and take the
 tokenizer and base model from the paths it returns: stages hand each other paths, never objects.
@@ -15,10 +15,11 @@ from prefect.cache_policies import NO_CACHE
 from prefect.logging import get_run_logger
 
 from rlhf_core.config import DEMO, DatasetSpec, PipelineConfig
-from rlhf_core.data import Kind, apply_length_policy, fingerprint_rows, load_table, save_table
+from rlhf_core.data import apply_length_policy, fingerprint_rows, load_table, save_table
+from rlhf_core.data_rows import Kind
 from rlhf_core.demo_world import DemoWorld, build_demo_world
 from rlhf_core.models import ModelSourceError, check_source, generation_config_of, load_tokenizer, run_stop_ids
-from tasks import registry, tracking
+from tasks import mlflow_logging, mlflow_runs, registry
 from tasks.reporting import StageReporter
 from tasks.retry import IO_RETRIES
 
@@ -167,10 +168,10 @@ def dataset_inputs(cfg: PipelineConfig, reports: list[dict]) -> list[dict]:
     return inputs
 
 
-@task(name="prepare-data", cache_policy=NO_CACHE, **IO_RETRIES)
-def prepare_data(cfg: PipelineConfig, parent_run_id: str) -> PreparedData:
+@task(name="data", cache_policy=NO_CACHE, **IO_RETRIES)
+def data_stage(cfg: PipelineConfig, parent_run_id: str) -> PreparedData:
     """Build or reuse the demo world, validate every table, write them under <output_dir>/data."""
-    with tracking.stage_run(parent_run_id, "data") as run_id, StageReporter(cfg, "data", run_id) as reporter:
+    with mlflow_runs.stage_run(parent_run_id, "data") as run_id, StageReporter(cfg, "data", run_id) as reporter:
         world = None
         if cfg.uses_demo_world():
             reporter.start(0, "Building the offline demo world", key="demo-world-progress")
@@ -202,5 +203,5 @@ def prepare_data(cfg: PipelineConfig, parent_run_id: str) -> PreparedData:
             reports=reports,
         )
         reporter.tag({"data_fingerprint": prepared.fingerprint})
-        tracking.log_datasets(run_id, dataset_inputs(cfg, reports))
+        mlflow_logging.log_datasets(run_id, dataset_inputs(cfg, reports))
         return prepared

@@ -46,22 +46,22 @@ def run_stage(spec: dict) -> dict | None:
     """The stage's task body on this process: rank 0's Checkpoint as a dict, None on the other ranks."""
     # imported here, not above: a Ray worker checks its storage and credentials before it pays for these
     # (transformers, MLflow, Prefect), so a cluster that cannot run the stage says so in seconds
-    from tasks import tracking
+    from tasks import mlflow_store
     from tasks.data import PreparedData
     from tasks.initialization import InitPlan
-    from tasks.reward_model import train_reward
-    from tasks.rl import train_policy
+    from tasks.reward_model import reward_stage
+    from tasks.rl import rl_stage
     from tasks.stage_io import Checkpoint
 
     cfg = PipelineConfig.model_validate(spec["config"])
-    tracking.configure(cfg.tracking_uri())
+    mlflow_store.configure(cfg.tracking_uri())
     inputs = spec["inputs"]
     data = PreparedData(**inputs["data"])
     if spec["stage"] == "reward":
         policy = Checkpoint(**inputs["policy"]) if inputs.get("policy") else None
-        out = train_reward.fn(cfg, data, policy, inputs["parent_run_id"])
+        out = reward_stage.fn(cfg, data, policy, inputs["parent_run_id"])
     else:
-        out = train_policy.fn(cfg, data, InitPlan(**inputs["plan"]), inputs["parent_run_id"])
+        out = rl_stage.fn(cfg, data, InitPlan(**inputs["plan"]), inputs["parent_run_id"])
     return json.loads(json.dumps(dataclasses.asdict(out), default=str)) if is_main() else None
 
 

@@ -1,4 +1,5 @@
-"""The export stage: the final policy as a directory `from_pretrained` loads, registered with the alias `candidate`."""
+"""The `export` stage: the final policy as a directory `from_pretrained` loads, registered with the alias
+`candidate`."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from rlhf_core.config import PipelineConfig
 from rlhf_core.export import ExportInfo, export_policy, generation_settings
 from rlhf_core.model_card import card_field, card_license, source_name
 from rlhf_core.models import generation_config_of, load_tokenizer, run_stop_ids
-from tasks import tracking
+from tasks import mlflow_runs
 from tasks.data import PreparedData
 from tasks.initialization import InitPlan
 from tasks.reporting import StageReporter
@@ -129,13 +130,13 @@ def publish_candidate(reporter: StageReporter, out: Path, uri: str) -> None:
     )
 
 
-@task(name="export-policy", cache_policy=NO_CACHE, **IO_RETRIES)
-def export_final_policy(
+@task(name="export", cache_policy=NO_CACHE, **IO_RETRIES)
+def export_stage(
     cfg: PipelineConfig, data: PreparedData, plan: InitPlan, trained: Checkpoint, parent_run_id: str
 ) -> Checkpoint:
     """Write <export dir> from the RL checkpoint export.select picked, register it as a version (tagged with
     the guard's verdict), point `candidate` at it."""
-    with tracking.stage_run(parent_run_id, "export") as run_id:
+    with mlflow_runs.stage_run(parent_run_id, "export") as run_id:
         lineage = {
             "stage_key": trained.key,
             "algorithm": cfg.rl.algorithm,

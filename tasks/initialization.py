@@ -1,6 +1,6 @@
 """Policy, value and reference initialization: the `init` stage between the reward model and RL.
 
-`initialize_models` decides and checks every model source before any RL work: the policy (the
+`init_stage` decides and checks every model source before any RL work: the policy (the
 champion, the SFT output or the base), the value model (the reward model's weights or the policy's),
 the reference (a frozen copy or, with LoRA, the policy with its adapters disabled), tokenizer
 agreement and the stop ids. Its `InitPlan` (paths and lineage identities) is what tasks/rl.py trains from.
@@ -113,10 +113,8 @@ def _check_sources(cfg: PipelineConfig, data: PreparedData, policy_path: str, re
         )
 
 
-@task(name="initialize-models", cache_policy=NO_CACHE, **IO_RETRIES)
-def initialize_models(
-    cfg: PipelineConfig, data: PreparedData, sft: Checkpoint | None, reward: Checkpoint | None
-) -> InitPlan:
+@task(name="init", cache_policy=NO_CACHE, **IO_RETRIES)
+def init_stage(cfg: PipelineConfig, data: PreparedData, sft: Checkpoint | None, reward: Checkpoint | None) -> InitPlan:
     """Pick the policy, value, reference and reward sources, and check they fit together."""
     logger = launcher.stage_logger()
     policy_path, policy_identity = _policy_source(cfg, data, sft, logger)

@@ -9,7 +9,7 @@ ever goes into it) and runs, by `run.launcher`,
   Train TorchTrainer of N workers (tasks/ray_driver.py).
 tasks/distributed.py, the worker side, runs the same task body in every process; the core loops shard
 the data and average the gradients, and only rank 0 talks to MLflow (runs, metrics, registration:
-`tasks.tracking` and `tasks.registry` are no-ops elsewhere), writes checkpoints and hands the result
+`tasks.mlflow_*` and `tasks.registry` are no-ops elsewhere), writes checkpoints and hands the result
 back. The stage tasks import this module, never the worker's.
 """
 
@@ -188,9 +188,9 @@ def launch(stage: str, cfg, **inputs):
             return Checkpoint(**json.loads(result.read_text()))
     finally:
         if inputs.get("parent_run_id"):
-            from tasks import tracking
+            from tasks import mlflow_runs
 
-            tracking.end_orphan_stage_runs(inputs["parent_run_id"])
+            mlflow_runs.end_orphan_stage_runs(inputs["parent_run_id"])
 
 
 def _stream(command: list[str], env: dict[str, str], logger) -> tuple[deque[str], str | None]:

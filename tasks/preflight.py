@@ -1,10 +1,11 @@
 """Everything that can be checked without training, checked before the first stage starts.
 
-`preflight(cfg)` returns the problems it finds, each one sentence naming the config field;
-`check(cfg)` raises :class:`PreflightError` with the first of them. `rlhf validate` and the pipeline
-flow call `check` right after the config is loaded, so a wrong reward function, a missing data file,
-a model that cannot hold prompt + response, an unreachable tracking server or a bad registry name
-stops the run before the demo world is built, before SFT and before reward training.
+`preflight_problems(cfg)` returns the problems it finds, each one sentence naming the config field;
+`check_preflight(cfg)` raises the first of them (as :class:`PreflightError` or the error the stage that
+would have met it raises). `rlhf validate` and the pipeline flow call `check_preflight` right after the
+config is loaded, so a wrong reward function, a missing data file, a model that cannot hold prompt +
+response, an unreachable tracking server or a bad registry name stops the run before the demo world is
+built, before SFT and before reward training.
 
 This module stays light (no prefect, mlflow or torch imports): `rlhf validate` runs it in a second.
 """
@@ -23,17 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_core.config import DEMO, DatasetSpec, PipelineConfig
-from rlhf_core.data import (
-    DataValidationError,
-    Kind,
-    _glob_files,
-    _local_files,
-    check_first_rows,
-    is_conversational_table,
-    is_glob,
-    is_saved_dataset,
-    looks_local,
-)
+from rlhf_core.data_rows import DataValidationError, Kind, check_first_rows, is_conversational_table
+from rlhf_core.data_sources import _glob_files, _local_files, is_glob, is_saved_dataset, looks_local
 from rlhf_core.models import ModelSourceError, check_source, looks_like_path
 from rlhf_core.redaction import redact
 from rlhf_core.reward_functions import RewardFunctionError, load_function
@@ -49,7 +41,7 @@ class PreflightError(ValueError):
 
 
 class Problem(str):
-    """One problem's sentence, remembering the error class `check` raises it as."""
+    """One problem's sentence, remembering the error class `check_preflight` raises it as."""
 
     kind: type[ValueError] = PreflightError
 
@@ -60,14 +52,14 @@ class Problem(str):
         return problem
 
 
-def check(cfg: PipelineConfig) -> None:
-    """Raise the first problem `preflight` finds (and say how many more there are).
+def check_preflight(cfg: PipelineConfig) -> None:
+    """Raise the first problem `preflight_problems` finds (and say how many more there are).
 
     It is raised as what the stage that would have met it raises: RewardFunctionError for functions,
     DataValidationError for data, ModelSourceError for model sources, else PreflightError; all of
     them are ValueErrors with a one-sentence message.
     """
-    problems = preflight(cfg)
+    problems = preflight_problems(cfg)
     if problems:
         more = len(problems) - 1
         kind = getattr(problems[0], "kind", PreflightError)
@@ -77,7 +69,7 @@ def check(cfg: PipelineConfig) -> None:
         )
 
 
-def preflight(cfg: PipelineConfig) -> list[str]:
+def preflight_problems(cfg: PipelineConfig) -> list[str]:
     """Every problem found without training, one sentence each; an empty list means go."""
     problems: list[str] = []
     for check_one, kind in (

@@ -1,4 +1,4 @@
-"""The reward-model stage as a Prefect task: train with resume, evaluate, register every checkpoint.
+"""The `reward` stage (the reward model) as a Prefect task: train with resume, evaluate, register every checkpoint.
 
 Checkpoints live in <output_dir>/reward/<stage key>/checkpoint-N, so a changed config or data set
 starts clean while a re-run of the same one resumes (or, when finished, reuses) what is there.
@@ -14,12 +14,13 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from rlhf_core.checkpoint import list_checkpoints
 from rlhf_core.config import PipelineConfig
 from rlhf_core.data import read_rows
 from rlhf_core.demo_world import DemoWorld
 from rlhf_core.models import generation_config_of, prepare_for_training, run_stop_ids
 from rlhf_core.reward_model import load_reward_model, train_reward_model
-from tasks import launcher, registry, tracking
+from tasks import launcher, mlflow_logging, mlflow_runs, registry
 from tasks.data import PreparedData, resolve_model_source, stage_tokenizer
 from tasks.reporting import StageReporter
 from tasks.retry import IO_RETRIES
@@ -82,7 +83,7 @@ def reuse_registered(cfg: PipelineConfig, key: str, out_dir: Path) -> Checkpoint
     A worker without the previous run's output directory (another machine, a wiped disk) then
     downloads the registered final version instead of training the same model again.
     """
-    if not cfg.tracking.register_models or any(Path(out_dir).glob("checkpoint-*")):
+    if not cfg.tracking.register_models or list_checkpoints(out_dir):
         return None
     name = cfg.registry.reward_model_name
     version = registry.find_version(name, {"stage": "reward", "stage_key": key, "step": str(cfg.reward.max_steps)})
@@ -126,7 +127,7 @@ class RewardReporter(StageReporter):
         return {k: f"{v:.4f}" for k, v in metrics.items() if k in ("eval_accuracy", "eval_loss")}
 
     def on_eval(self, metrics: dict[str, float], step: int) -> None:
-        tracking.log_metrics(self.run_id, metrics, step)
+        mlflow_logging.log_metrics(self.run_id, metrics, step)
         self.record(metrics, step)
         self.eval_table.append({"step": step, **{k: round(v, 4) for k, v in metrics.items()}})
         self.logger.info("reward eval at step %d: %s", step, ", ".join(f"{k}={v:.3f}" for k, v in metrics.items()))
@@ -142,7 +143,7 @@ class RewardReporter(StageReporter):
             )
         if self.history["reward/loss"]:
             self.plot("reward_curves.png", "Reward model")
-        tracking.log_metrics(self.run_id, {f"final/{k}": v for k, v in result.metrics.items()}, result.step)
+        mlflow_logging.log_metrics(self.run_id, {f"final/{k}": v for k, v in result.metrics.items()}, result.step)
         return Checkpoint(
             path=str(result.checkpoint.resolve()),
             model_uri=self.version_of(result.step),
@@ -167,8 +168,8 @@ def model_card(cfg: PipelineConfig, data: PreparedData, base_identity: str) -> d
     }
 
 
-@task(name="train-reward-model", cache_policy=NO_CACHE, **IO_RETRIES)
-def train_reward(cfg: PipelineConfig, data: PreparedData, policy: Checkpoint | None, parent_run_id: str) -> Checkpoint:
+@task(name="reward", cache_policy=NO_CACHE, **IO_RETRIES)
+def reward_stage(cfg: PipelineConfig, data: PreparedData, policy: Checkpoint | None, parent_run_id: str) -> Checkpoint:
     """Train (or resume, or reuse) the reward model and register each checkpoint as a model version."""
     if cfg.run.num_processes > 1 and not launcher.launched():
         return launcher.launch("reward", cfg, data=data, policy=policy, parent_run_id=parent_run_id)
@@ -176,7 +177,7 @@ def train_reward(cfg: PipelineConfig, data: PreparedData, policy: Checkpoint | N
     key = reward_key(cfg, data, base_identity)
     out_dir = cfg.run.output_dir / "reward" / key
     with (
-        tracking.stage_run(parent_run_id, "reward") as run_id,
+        mlflow_runs.stage_run(parent_run_id, "reward") as run_id,
         RewardReporter(cfg, run_id, data, key, base_identity) as reporter,
     ):
         reused = reuse_registered(cfg, key, out_dir)

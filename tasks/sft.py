@@ -1,4 +1,5 @@
-"""The SFT warm start as a Prefect task: train, save, register the checkpoint as a policy version.
+"""The `sft` stage (the SFT warm start) as a Prefect task: train, save, register the checkpoint as a policy
+version.
 
 A finished warm start is reused when the same settings and data come again (the directory holds a
 stage key), and its registered version is looked up by that key instead of registering a second one.
@@ -16,7 +17,7 @@ from rlhf_core.config import PipelineConfig
 from rlhf_core.data import read_column
 from rlhf_core.models import load_causal_lm, prepare_for_training
 from rlhf_core.sft import train_sft
-from tasks import tracking
+from tasks import mlflow_runs
 from tasks.data import PreparedData, stage_tokenizer
 from tasks.reporting import StageReporter
 from tasks.retry import IO_RETRIES
@@ -76,14 +77,14 @@ def _train(cfg: PipelineConfig, data: PreparedData, reporter: StageReporter, out
     return metrics
 
 
-@task(name="sft-warm-start", cache_policy=NO_CACHE, **IO_RETRIES)
-def sft_warm_start(cfg: PipelineConfig, data: PreparedData, parent_run_id: str) -> Checkpoint:
+@task(name="sft", cache_policy=NO_CACHE, **IO_RETRIES)
+def sft_stage(cfg: PipelineConfig, data: PreparedData, parent_run_id: str) -> Checkpoint:
     """Fine-tune the base policy on the text corpus; reuse a finished run with the same key."""
     out_dir = cfg.run.output_dir / "sft"
     key = sft_key(cfg, data)
     lineage, curves = {"stage_key": key}, {"sft/loss": ("sft/loss",)}
     with (
-        tracking.stage_run(parent_run_id, "sft") as run_id,
+        mlflow_runs.stage_run(parent_run_id, "sft") as run_id,
         StageReporter(
             cfg,
             "sft",

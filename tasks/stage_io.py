@@ -1,4 +1,5 @@
-"""What stages hand each other (paths and model URIs, never modules) and how a stage's key is made."""
+"""What stages hand each other (paths and model URIs, never modules), how a stage's key is made, and the complete
+checkpoints a stage finds on disk."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rlhf_core.checkpoint import checkpoint_step, has_training_state
+from rlhf_core.checkpoint import has_training_state, list_checkpoints
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,11 @@ def register_saved_checkpoints(out_dir: Path, subdir: str, register: Callable[[P
     A crashed attempt may have saved checkpoints it did not get to register; `register` is expected to
     be idempotent (see registry.register_once), so registered ones are found, not registered again.
     """
-    found = [(checkpoint_step(p), p) for p in Path(out_dir).glob("checkpoint-*") if p.is_dir()]
-    for step, path in sorted((s, p) for s, p in found if s is not None and has_training_state(p)):
-        register(path / subdir if subdir else path, step)
+    for step, path in list_checkpoints(out_dir):
+        if has_training_state(path):
+            register(path / subdir if subdir else path, step)
+
+
+def checkpoint_steps(out_dir: Path) -> list[int]:
+    """Steps of the complete checkpoints under out_dir (those with their training state), oldest first."""
+    return [step for step, path in list_checkpoints(out_dir) if has_training_state(path)]

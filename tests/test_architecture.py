@@ -40,4 +40,4 @@ def test_every_module_is_named_or_exempt():
 
 
 def test_it_stays_short():
-    assert len(DOC.read_text().splitlines()) < 120
+    assert len(DOC.read_text().splitlines()) < 150

@@ -14,11 +14,12 @@ import torch
 
 from rlhf_core.config import GRPOConfig, PPOConfig, RewardConfig, RLConfig, RunConfig, load_config
 from rlhf_core.demo_world import build_demo_world, world_rows
-from rlhf_core.grpo import function_reward, train_grpo
+from rlhf_core.grpo import train_grpo
 from rlhf_core.models import load_causal_lm, load_tokenizer
 from rlhf_core.ppo import train_ppo
 from rlhf_core.reward_functions import vader_compound
 from rlhf_core.reward_model import load_reward_model, train_reward_model
+from rlhf_core.reward_sources import function_reward
 
 
 def fingerprint(*models) -> str:

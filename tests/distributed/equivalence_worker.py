@@ -31,11 +31,13 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+import rlhf_core.generation as generation_mod
 import rlhf_core.grpo as grpo_mod
 import rlhf_core.ppo as ppo_mod
 import rlhf_core.rollout as rollout_mod
 from rlhf_core.config import GRPOConfig, PPOConfig, RLConfig, RunConfig
 from rlhf_core.loop import TrainingLoop
+from rlhf_core.reward_sources import function_reward
 
 FIRST_FREE_ID = 5  # ids 0..4 are the demo tokenizer's unk, bos, eos (== pad), <|im_start|> and <|im_end|>
 
@@ -89,13 +91,13 @@ def deterministic_collect_rollout(real, recorder: Recorder, vocab_size: int):
             t[0] += 1
             return token
 
-        real_sample_next = rollout_mod.sample_next
-        rollout_mod.sample_next = choose
+        real_sample_next = generation_mod.sample_next
+        generation_mod.sample_next = choose
         try:
             greedy = dataclasses.replace(settings, greedy=True)
             rollout = real(policy, ref_model, query_ids, query_mask, greedy, **kwargs)
         finally:
-            rollout_mod.sample_next = real_sample_next
+            generation_mod.sample_next = real_sample_next
         recorder.responses.append(rollout.responses.detach().cpu().clone())
         return rollout
 
@@ -249,7 +251,7 @@ def run_grpo(
         grpo_mod.train_grpo(
             policy,
             ref,
-            [grpo_mod.function_reward("high_ids", 1.0, high_id_reward(tok))],
+            [function_reward("high_ids", 1.0, high_id_reward(tok))],
             tok,
             rows,
             RLConfig(batch_size=batch_size, **{**GRPO_RL, **(rl or {})}),

@@ -35,9 +35,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from rlhf_core.generation import left_pad, tokenize_prompts
 from rlhf_core.models import load_causal_lm, load_tokenizer, stop_token_ids
 from rlhf_core.rl_math import INVALID_LOGPROB, response_mask
-from rlhf_core.rollout import left_pad, response_logprobs, tokenize_prompts
+from rlhf_core.scoring import response_logprobs
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -37,7 +37,7 @@ import tasks.launcher
 from flows.rlhf_pipeline import rlhf_pipeline
 from rlhf_core.config import load_config
 from rlhf_core.guard import GuardLedger
-from tasks.rl import checkpoint_steps
+from tasks.stage_io import checkpoint_steps
 from tests.distributed.ray_nodes import blind_node, can_unshare, start_cluster
 from tests.fixtures.servers import MLFLOW_ENV, running_mlflow_server
 

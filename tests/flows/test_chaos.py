@@ -41,25 +41,25 @@ pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore")]
 # (group, regular expression of a line the pipeline prints); within a group in the order they appear
 KILL_POINTS = {
     "reward": [
-        r"Task run 'train-reward-model-[^']*' - ",
+        r"Task run 'reward-[^']*' - ",
         r"reward eval at step 2",
         r"Successfully registered model 'smoke-reward-model'",
         r"reward checkpoint 2 is models:/",
         r"reward checkpoint 4 is models:/",
     ],
     "rl": [
-        r"Task run 'initialize-models-[^']*' - Finished",
-        r"Task run 'train-policy-[^']*' - eval at step 0:",
-        r"Task run 'train-policy-[^']*' - eval at step 1:",
+        r"Task run 'init-[^']*' - Finished",
+        r"Task run 'ppo-[^']*' - eval at step 0:",
+        r"Task run 'ppo-[^']*' - eval at step 1:",
         r"ppo checkpoint 1 is models:/",
-        r"Task run 'train-policy-[^']*' - eval at step 2:",
+        r"Task run 'ppo-[^']*' - eval at step 2:",
         r"ppo checkpoint 2 is models:/",
     ],
     "export": [
-        r"Task run 'train-policy-[^']*' - Finished",
-        r"Task run 'export-policy-[^']*' - exported the ppo policy",
+        r"Task run 'ppo-[^']*' - Finished",
+        r"Task run 'export-[^']*' - exported the ppo policy",
         r"is models:/smoke-policy/\d+, alias candidate",
-        r"Task run 'export-policy-[^']*' - Finished",
+        r"Task run 'export-[^']*' - Finished",
     ],
 }
 GROUPS = list(KILL_POINTS)

@@ -105,7 +105,7 @@ def test_a_new_run_directory_is_marked_and_accepted_again(prefect_harness, tmp_p
     def data_stage_down(*args, **kwargs):
         raise RuntimeError("injected: data stage down")
 
-    monkeypatch.setattr(flows.rlhf_pipeline, "prepare_data", data_stage_down)
+    monkeypatch.setattr(flows.rlhf_pipeline, "data_stage", data_stage_down)
     overrides = [f"run.output_dir={tmp_path / 'out'}", f"tracking.uri={mlflow_uri}"]
     state = rlhf_pipeline(config_path=SMOKE, overrides=overrides, return_state=True)
     assert state.is_failed() and "injected: data stage down" in state.message

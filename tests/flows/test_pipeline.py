@@ -10,7 +10,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from flows.rlhf_pipeline import rlhf_pipeline
-from rlhf_core.data import DataValidationError
+from rlhf_core.data_rows import DataValidationError
 from rlhf_core.model_card import read_front_matter
 
 REPO = Path(__file__).resolve().parents[2]

@@ -14,8 +14,8 @@ import pytest
 import flows.cli
 from flows.cli import is_user_error, main
 from rlhf_core.config import load_config
-from rlhf_core.data import DataValidationError
-from tasks.preflight import preflight
+from rlhf_core.data_rows import DataValidationError
+from tasks.preflight import preflight_problems
 
 SMOKE = str(Path(__file__).resolve().parents[2] / "configs" / "smoke.yaml")
 
@@ -69,7 +69,7 @@ def free_port() -> int:
 def test_a_valid_config_passes(tmp_path, capsys):
     code, err = cli("validate", tmp_path, capsys)
     assert code == 0 and err == ""
-    assert preflight(load_config(SMOKE)) == []
+    assert preflight_problems(load_config(SMOKE)) == []
 
 
 @pytest.mark.parametrize(
@@ -218,9 +218,9 @@ def test_conversational_data_without_a_chat_template_is_refused(tmp_path, capsys
         tmp_path,
     )
     cfg = load_config(SMOKE, [*sets, 'model.chat_template="{{ messages[0].content }}"'])
-    assert not [p for p in preflight(cfg) if "chat template" in p]
+    assert not [p for p in preflight_problems(cfg) if "chat template" in p]
     (model / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
-    assert not [p for p in preflight(load_config(SMOKE, list(sets))) if "chat template" in p]
+    assert not [p for p in preflight_problems(load_config(SMOKE, list(sets))) if "chat template" in p]
 
 
 def test_an_unreachable_tracking_server_is_refused(tmp_path, capsys):
@@ -326,10 +326,10 @@ def test_a_user_error_inside_the_flow_exits_2_and_a_bug_keeps_its_traceback(tmp_
         cli("run", tmp_path, capsys)
 
 
-def test_check_raises_what_the_stage_would_have_raised(tmp_path):
+def test_check_preflight_raises_what_the_stage_would_have_raised(tmp_path):
     from rlhf_core.models import ModelSourceError
     from rlhf_core.reward_functions import RewardFunctionError
-    from tasks.preflight import PreflightError, check
+    from tasks.preflight import PreflightError, check_preflight
 
     cases = [
         (["eval.metrics=['no_such_module:f']"], RewardFunctionError),
@@ -339,7 +339,7 @@ def test_check_raises_what_the_stage_would_have_raised(tmp_path):
     ]
     for overrides, kind in cases:
         with pytest.raises(kind) as err:
-            check(load_config(SMOKE, overrides))
+            check_preflight(load_config(SMOKE, overrides))
         assert type(err.value) is kind
 
 

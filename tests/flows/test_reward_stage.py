@@ -71,7 +71,7 @@ def test_a_checkpoint_saved_but_not_registered_is_registered_on_the_next_run(
     monkeypatch.setattr(tasks.registry, "register_once", registry_down_at_step_4)
     # the task's three retries (tasks/retry.py) and the registration thread's fail the same way: no back-off
     monkeypatch.setattr(
-        flows.rlhf_pipeline, "train_reward", tasks.reward_model.train_reward.with_options(retry_delay_seconds=0)
+        flows.rlhf_pipeline, "reward_stage", tasks.reward_model.reward_stage.with_options(retry_delay_seconds=0)
     )
     monkeypatch.setattr(tasks.background.BackgroundJobs, "backoff_s", 0.0)
     assert rlhf_pipeline(config_path=SMOKE, overrides=overrides, return_state=True).is_failed()

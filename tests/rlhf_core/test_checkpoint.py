@@ -23,6 +23,7 @@ from rlhf_core.checkpoint import (
     decode,
     encode,
     latest_checkpoint,
+    list_checkpoints,
     load_training_state,
     prune_checkpoints,
     safetensors_intact,
@@ -182,8 +183,13 @@ def test_latest_checkpoint_skips_incomplete_ones(tmp_path):
     for step in (2, 4):
         save_training_state(tmp_path / f"checkpoint-{step}", optimizer=optimizer, scheduler=scheduler, progress={})
     (tmp_path / "checkpoint-x").mkdir()
+    (tmp_path / "checkpoint-10").mkdir()  # after 6 (numbers, not names, order them), with no training state
+    (tmp_path / "checkpoint-8").write_text("a file, not a checkpoint")
     assert latest_checkpoint(tmp_path) == tmp_path / "checkpoint-4"
     assert latest_checkpoint(tmp_path / "missing") is None
+    # the listing every caller filters: each checkpoint-N directory, complete or not, oldest first
+    assert list_checkpoints(tmp_path) == [(s, tmp_path / f"checkpoint-{s}") for s in (2, 4, 6, 10)]
+    assert list_checkpoints(tmp_path / "missing") == []
 
 
 def test_a_truncated_newest_checkpoint_is_skipped_with_a_warning_naming_it(tmp_path, caplog):

@@ -16,9 +16,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from rlhf_core.batching import Grouped, ShardedBatches
 from rlhf_core.checkpoint import STATE_DIR
 from rlhf_core.config import RewardConfig, RunConfig
-from rlhf_core.loop import Grouped, LoopSettings, ShardedBatches, TrainingLoop, epoch_batches
+from rlhf_core.loop import LoopSettings, TrainingLoop
+from rlhf_core.parallel import portable_error
 
 N_ROWS = 16
 
@@ -100,22 +102,6 @@ def same(a: list[torch.Tensor], b: list[torch.Tensor], atol: float = 0.0) -> boo
 
 
 # -- the batch order -------------------------------------------------------------------------------
-
-
-def test_each_process_gets_its_own_batch_and_one_process_keeps_the_old_order():
-    alone = ShardedBatches(10, 2, seed=1, rank=0, world=1)
-    assert [alone.next() for _ in range(5)] == epoch_batches(10, 2, 1, 0)
-    assert alone.epoch == 1 and alone.position == 0
-    ranks = [ShardedBatches(10, 2, seed=1, rank=r, world=2) for r in (0, 1)]
-    steps = [[shard.next() for shard in ranks] for _ in range(2)]
-    assert [batch for step in steps for batch in step] == epoch_batches(10, 2, 1, 0)[
-        :4
-    ]  # 5 batches: the 5th is dropped
-    assert ranks[0].epoch == 1 and ranks[0].position == 0  # a third step would need 2 more batches: next epoch
-    resumed = ShardedBatches(10, 2, seed=1, rank=1, world=2, epoch=0, position=2)
-    assert resumed.next() == steps[1][1]
-    with pytest.raises(ValueError, match="fewer than the 4 processes"):
-        ShardedBatches(6, 2, seed=1, rank=0, world=4)
 
 
 # -- (a) the non-finite policy -------------------------------------------------------------------------
@@ -305,27 +291,8 @@ def test_the_mean_window_averages_the_steps_since_the_last_log(window, expected)
     assert logged == list(zip([2, 4, 5], expected))
 
 
-@pytest.mark.parametrize("name", ["linear", "cosine", "constant", "constant_with_warmup"])
-@pytest.mark.parametrize("warmup", [0, 3])
-def test_the_loops_schedules_are_transformers_schedules(name, warmup):
-    # every stage's loop builds its schedule without importing transformers.optimization: the same values and state
-    from transformers import get_scheduler
-
-    from rlhf_core.loop import lr_schedule
-
-    params = [torch.nn.Parameter(torch.zeros(2))]
-    theirs_opt, ours_opt = torch.optim.AdamW(params, lr=1e-3), torch.optim.AdamW(params, lr=1e-3)
-    theirs = get_scheduler(name, theirs_opt, num_warmup_steps=warmup, num_training_steps=11)
-    ours = lr_schedule(ours_opt, name, num_warmup_steps=warmup, num_training_steps=11)
-    for _ in range(14):
-        assert ours.get_last_lr() == theirs.get_last_lr()
-        theirs_opt.step(), ours_opt.step(), theirs.step(), ours.step()
-    assert ours.state_dict() == theirs.state_dict()
-
-
 def test_what_the_evaluation_raises_ends_the_loop_at_that_step_and_crosses_processes_intact(tmp_path):
     from rlhf_core.guard import GuardStop, Trigger
-    from rlhf_core.loop import _portable
 
     loop, _ = make_loop(settings(6, eval_every=2, save_every=2), output_dir=tmp_path)
     trigger = Trigger("kl_budget", "stop", 4, 5.0, 1.0, "eval KL 5.000 nats > 1")
@@ -340,12 +307,12 @@ def test_what_the_evaluation_raises_ends_the_loop_at_that_step_and_crosses_proce
 
     # what is broadcast to the other processes: the exception itself when it pickles, else a description
     stop = GuardStop(trigger)
-    assert _portable(stop) is stop and _portable(None) is None
+    assert portable_error(stop) is stop and portable_error(None) is None
 
     class Unpicklable(Exception):
         def __reduce__(self):
             raise TypeError("no")
 
-    described = _portable(Unpicklable("lost the store"))
+    described = portable_error(Unpicklable("lost the store"))
     assert type(described) is RuntimeError
     assert str(described) == "the evaluating process (rank 0) failed: Unpicklable: lost the store"

@@ -47,3 +47,17 @@ def test_a_stop_token_unknown_to_a_word_level_tokenizer_is_not_taken_for_its_unk
         tok.convert_tokens_to_ids("<|im_end|>"),
     )
     assert stop_token_ids(tok, None, stop_tokens=[tok.eos_token]) == (tok.eos_token_id,)
+
+
+def test_lora_config_is_the_policy_and_reward_model_adapters_as_before():
+    from peft import LoraConfig, TaskType
+
+    from rlhf_core.config import LoraSettings
+    from rlhf_core.models import lora_config
+
+    lora = LoraSettings(enabled=True, r=4, alpha=8, dropout=0.1, target_modules=["q_proj", "v_proj"])
+    common = dict(r=4, lora_alpha=8, lora_dropout=0.1, target_modules=["q_proj", "v_proj"])
+    assert lora_config(lora, "CAUSAL_LM") == LoraConfig(task_type=TaskType.CAUSAL_LM, **common)
+    # the reward model's new score head is trained whole beside its adapters
+    assert lora_config(lora, "SEQ_CLS") == LoraConfig(task_type=TaskType.SEQ_CLS, modules_to_save=["score"], **common)
+    assert lora_config(lora, "CAUSAL_LM").modules_to_save is None

@@ -1,5 +1,6 @@
 """PPO on the smoke world's tiny Llama: parameters move, the reference does not, resume is exact."""
 
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -9,8 +10,9 @@ from safetensors.torch import load_file
 from rlhf_core.config import PPOConfig, RLConfig, RunConfig
 from rlhf_core.demo_world import world_rows
 from rlhf_core.models import load_causal_lm, load_tokenizer
-from rlhf_core.ppo import train_ppo
+from rlhf_core.ppo import AdaptiveKLController, FixedKLController, policy_loss, train_ppo, value_loss
 from rlhf_core.reward_model import load_reward_model
+from tests.fixtures.small_models import dropout_policy
 
 
 class HighIdBackbone(torch.nn.Module):
@@ -279,35 +281,6 @@ def test_reward_rises_on_an_easy_reward(tmp_path, smoke_world):
     assert last > first + 1.5, f"scores did not rise: {scores}"
 
 
-def dropout_policy(world):
-    """The smoke policy with attention dropout and LoRA dropout at 0.5: far from on-policy if left on."""
-    from peft import LoraConfig, TaskType, get_peft_model
-
-    policy = load_causal_lm(str(world.base_model))
-    policy.config.attention_dropout = 0.5
-    for module in policy.modules():
-        if hasattr(module, "attention_dropout"):
-            module.attention_dropout = 0.5
-    return get_peft_model(
-        policy,
-        LoraConfig(
-            task_type=TaskType.CAUSAL_LM, r=4, lora_alpha=8, lora_dropout=0.5, target_modules=["q_proj", "v_proj"]
-        ),
-    )
-
-
-def test_disable_dropout_turns_off_lora_and_attention_dropout(smoke_world):
-    from rlhf_core.loop import disable_dropout
-
-    policy = dropout_policy(smoke_world).train()
-    ids = torch.randint(5, 50, (2, 8))
-    with torch.no_grad():
-        assert not torch.equal(policy(input_ids=ids).logits, policy(input_ids=ids).logits)
-        disable_dropout(policy)
-        assert torch.equal(policy(input_ids=ids).logits, policy(input_ids=ids).logits)
-    assert policy.training  # only the dropout rates change
-
-
 @pytest.mark.parametrize("disable", [True, False])
 def test_ppo_ratio_is_one_on_policy_only_with_dropout_off(tmp_path, smoke_world, disable):
     tok, _, _, value, reward = setup(smoke_world)
@@ -332,3 +305,37 @@ def test_ppo_ratio_is_one_on_policy_only_with_dropout_off(tmp_path, smoke_world,
         assert logs[0]["val/ratio"] == pytest.approx(1.0, abs=1e-5) and logs[0]["policy/approxkl_avg"] < 1e-9
     else:
         assert abs(logs[0]["val/ratio"] - 1.0) > 1e-3
+
+
+def test_policy_loss_by_hand():
+    old = torch.zeros(1, 2)
+    new = torch.log(torch.tensor([[1.5, 0.5]]))  # ratios 1.5 and 0.5
+    adv = torch.tensor([[1.0, -1.0]])
+    loss, stats = policy_loss(new, old, adv, torch.ones(1, 2), cliprange=0.2)
+    # token 1: max(-1.5, -1.2) = -1.2 (clipped); token 2: max(0.5, 0.8) = 0.8 (clipped)
+    assert loss.item() == pytest.approx((-1.2 + 0.8) / 2)
+    assert stats["clipfrac"].item() == 1.0
+    assert stats["approxkl"].item() == pytest.approx(0.5 * (math.log(1.5) ** 2 + math.log(0.5) ** 2) / 2)
+    # a masked token does not count
+    loss_masked, _ = policy_loss(new, old, adv, torch.tensor([[1, 0]]), cliprange=0.2)
+    assert loss_masked.item() == pytest.approx(-1.2)
+
+
+def test_value_loss_by_hand():
+    vpred, old, ret = torch.tensor([[1.0, 0.0]]), torch.tensor([[0.0, 0.0]]), torch.tensor([[2.0, 0.5]])
+    loss, stats = value_loss(vpred, old, ret, torch.ones(1, 2), cliprange_value=0.2)
+    # token 1: max((1-2)^2, (0.2-2)^2) = 3.24; token 2: max(0.25, 0.25) = 0.25
+    assert loss.item() == pytest.approx(0.5 * (3.24 + 0.25) / 2)
+    assert stats["clipfrac"].item() == 0.5
+
+
+def test_adaptive_kl_controller_update():
+    ctl = AdaptiveKLController(0.1, target=6.0, horizon=10000)
+    ctl.update(current_kl=9.0, n_steps=100)  # error clipped to 0.2
+    assert ctl.value == pytest.approx(0.1 * (1 + 0.2 * 100 / 10000))
+    ctl = AdaptiveKLController(0.1, target=6.0, horizon=10000)
+    ctl.update(current_kl=5.4, n_steps=1000)  # error -0.1
+    assert ctl.value == pytest.approx(0.1 * (1 - 0.1 * 0.1))
+    fixed = FixedKLController(0.05)
+    fixed.update(100.0, 64)
+    assert fixed.value == 0.05

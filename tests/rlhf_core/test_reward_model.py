@@ -219,7 +219,7 @@ def test_reward_training_turns_dropout_off_unless_asked(tmp_path, smoke_world, d
 def test_pairs_are_scored_on_their_closing_eos_when_pad_is_eos(tmp_path, name):
     """With pad == eos the classifier's own forward pools at the last non-pad token, the one before
     the eos; ours reads the eos itself, where RL's sequence_scores reads a response's stop token."""
-    from rlhf_core.rollout import head_per_token, sequence_scores
+    from rlhf_core.scoring import head_per_token, sequence_scores
     from tests.fixtures.real_shapes import build_family
 
     path = build_family(name, tmp_path)

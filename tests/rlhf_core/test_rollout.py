@@ -1,179 +1,74 @@
+"""The rollout phase: what a rollout batch carries, the missing-stop penalty, TRL's completion statistics,
+and which forward passes `collect_rollout` runs."""
+
 import pytest
 import torch
 
-from rlhf_core.demo_world import world_rows
-from rlhf_core.models import load_causal_lm, load_tokenizer
-from rlhf_core.rl_math import response_mask
-from rlhf_core.rollout import (
-    SamplingSettings,
-    filter_logits,
-    generate,
-    left_pad,
-    position_ids_from_mask,
-    response_logprobs,
-    sample_next,
-    tokenize_prompts,
-)
+from rlhf_core.models import load_causal_lm
+from rlhf_core.rollout import Rollout, RolloutBatch, collect_rollout, completion_metrics, missing_stop_penalty
+from rlhf_core.sampling import SamplingSettings
+from tests.fixtures.small_models import batch
 
 
-def batch(world, n=6):
-    tok = load_tokenizer(str(world.tokenizer))
-    prompts = [r["prompt"] for r in world_rows(world, "prompt", "train")][:n]
-    ids, mask = left_pad(tokenize_prompts(tok, prompts, 12), tok.pad_token_id)
-    return tok, ids, mask
-
-
-@pytest.mark.parametrize("min_tokens", [1, 4])
-def test_greedy_decode_loop_matches_transformers_generate(smoke_world, min_tokens):
-    tok, ids, mask = batch(smoke_world)
-    model = load_causal_lm(str(smoke_world.base_model)).eval()
-    ours = generate(
-        model,
-        ids,
-        mask,
-        SamplingSettings(response_length=7, greedy=True, min_tokens=min_tokens),
-        pad_token_id=tok.pad_token_id,
-        stop_token_ids=[tok.eos_token_id],
+def rollout_of(resp_mask, has_stop) -> Rollout:
+    resp_mask = torch.tensor(resp_mask)
+    rows = resp_mask.shape[0]
+    return Rollout(
+        query_ids=torch.zeros(rows, 2, dtype=torch.long),
+        query_mask=torch.ones(rows, 2, dtype=torch.long),
+        responses=torch.zeros_like(resp_mask),
+        resp_mask=resp_mask,
+        last_index=resp_mask.sum(1) - 1,
+        logprobs=None,
+        ref_logprobs=None,
+        has_stop=torch.tensor(has_stop),
     )
-    theirs = model.generate(
-        input_ids=ids,
-        attention_mask=mask,
-        do_sample=False,
-        max_new_tokens=7,
-        min_new_tokens=min_tokens,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-    )[:, ids.shape[1] :]
-    width = theirs.shape[1]
-    assert torch.equal(ours[:, :width], theirs)
-    assert (ours[:, width:] == tok.pad_token_id).all()
-    assert not (ours[:, :min_tokens] == tok.eos_token_id).any()
 
 
-def test_groups_of_one_prompt_share_its_prefill(smoke_world):
+def test_the_missing_stop_penalty_falls_on_responses_that_never_stopped_and_comes_off_the_score():
+    rollout = rollout_of([[1, 1, 0], [1, 1, 1], [1, 0, 0]], [True, False, True])
+    assert missing_stop_penalty(rollout, None) is None
+    penalty = missing_stop_penalty(rollout, 2.5)
+    assert penalty.tolist() == [0.0, 2.5, 0.0]
+    scored = RolloutBatch(rollout, torch.tensor([[1.0], [1.0], [-0.5]]), penalty)
+    assert len(scored) == 3
+    assert scored.sequence_scores().tolist() == [1.0, -1.5, -0.5]
+    assert RolloutBatch(rollout, torch.tensor([[1.0], [1.0], [-0.5]])).sequence_scores().tolist() == [1.0, 1.0, -0.5]
+
+
+def test_completion_statistics_by_hand():
+    # lengths 2, 3 (never stopped) and 1: mean 2, min 1, max 3; one in three clipped; stopped ones average 1.5
+    metrics = completion_metrics(rollout_of([[1, 1, 0], [1, 1, 1], [1, 0, 0]], [True, False, True]))
+    assert {k: round(float(v), 6) for k, v in metrics.items()} == {
+        "completions/mean_length": 2.0,
+        "completions/min_length": 1.0,
+        "completions/max_length": 3.0,
+        "completions/clipped_ratio": round(1 / 3, 6),
+        "completions/mean_terminated_length": 1.5,
+    }
+    nothing_stopped = completion_metrics(rollout_of([[1, 1], [1, 1]], [False, False]))
+    assert float(nothing_stopped["completions/mean_terminated_length"]) == 0.0
+
+
+@pytest.mark.parametrize("need_logprobs,need_reference", [(True, True), (False, True), (True, False)])
+def test_collect_rollout_runs_only_the_forward_passes_asked_for(smoke_world, need_logprobs, need_reference):
     tok, ids, mask = batch(smoke_world, n=3)
-    ids, mask = ids.repeat_interleave(4, dim=0), mask.repeat_interleave(4, dim=0)  # 3 prompts x 4 copies
-    model = load_causal_lm(str(smoke_world.base_model)).eval()
-    settings = SamplingSettings(response_length=6, greedy=True)
-    shared = generate(
-        model, ids, mask, settings, pad_token_id=tok.pad_token_id, stop_token_ids=[tok.eos_token_id], prompt_repeats=4
-    )
-    alone = generate(model, ids, mask, settings, pad_token_id=tok.pad_token_id, stop_token_ids=[tok.eos_token_id])
-    assert torch.equal(shared, alone)
-    # rows that are not runs of one prompt fall back to prefilling every row
-    order = torch.arange(12).view(3, 4).T.flatten()  # prompt 0, 1, 2, 0, 1, 2, ...
-    mixed = generate(
-        model,
-        ids[order],
-        mask[order],
-        settings,
-        pad_token_id=tok.pad_token_id,
-        stop_token_ids=[tok.eos_token_id],
-        prompt_repeats=4,
-    )
-    assert torch.equal(mixed, alone[order])
-
-
-def test_left_padding_does_not_change_log_probabilities(smoke_world):
-    tok, ids, mask = batch(smoke_world)
-    model = load_causal_lm(str(smoke_world.base_model)).eval()
-    responses = generate(
-        model,
+    policy = load_causal_lm(str(smoke_world.base_model)).eval()
+    reference = load_causal_lm(str(smoke_world.base_model)).eval()
+    torch.manual_seed(0)
+    rollout = collect_rollout(
+        policy,
+        reference,
         ids,
         mask,
-        SamplingSettings(response_length=5),
+        SamplingSettings(response_length=4),
         pad_token_id=tok.pad_token_id,
-        stop_token_ids=[tok.eos_token_id],
+        stop_token_ids=(tok.eos_token_id,),
+        need_logprobs=need_logprobs,
+        need_reference=need_reference,
     )
-    resp_mask, _, _ = response_mask(responses, [tok.eos_token_id])
-    with torch.no_grad():
-        batched, _ = response_logprobs(model, ids, mask, responses, resp_mask)
-        for row in range(ids.shape[0]):
-            real = mask[row].bool()
-            alone, _ = response_logprobs(
-                model, ids[row, real][None], mask[row, real][None], responses[row][None], resp_mask[row][None]
-            )
-            torch.testing.assert_close(batched[row], alone[0], atol=1e-4, rtol=1e-4)
-    assert position_ids_from_mask(torch.tensor([[0, 0, 1, 1]])).tolist() == [[0, 0, 0, 1]]
-
-
-def test_filtering_and_sampling():
-    logits = torch.tensor([[1.0, 3.0, 2.0, 0.0]])
-    assert torch.isinf(filter_logits(logits, top_k=2, top_p=1.0)).tolist() == [[True, False, False, True]]
-    # softmax of [3, 2, 1, 0] is [0.64, 0.24, 0.09, 0.03]: top_p 0.7 keeps the two tokens that reach it
-    assert torch.isinf(filter_logits(logits, top_k=0, top_p=0.7)).tolist() == [[True, False, False, True]]
-    torch.manual_seed(0)
-    draws = torch.stack(
-        [sample_next(logits.expand(4000, 4), SamplingSettings(response_length=1)) for _ in range(5)]
-    ).flatten()
-    freq = torch.bincount(draws, minlength=4).float() / draws.numel()
-    torch.testing.assert_close(freq, torch.softmax(logits[0], -1), atol=0.02, rtol=0)
-    assert sample_next(logits, SamplingSettings(response_length=1, greedy=True)).item() == 1
-    # filtered tokens are never drawn, even with a uniform draw at the very end of the mass
-    top2 = torch.stack(
-        [sample_next(logits.expand(2000, 4), SamplingSettings(response_length=1, top_k=2)) for _ in range(3)]
-    )
-    assert set(top2.flatten().tolist()) == {1, 2}
-
-
-def test_templated_prompts_get_one_bos(tmp_path):
-    from rlhf_core.chat import render_prompt
-    from rlhf_core.models import load_tokenizer as load_tok
-    from rlhf_core.rollout import tokenize_prompts
-    from tests.fixtures.real_shapes import build_family
-
-    tok = load_tok(str(build_family("llama-3-instruct", tmp_path)))
-    prompt = render_prompt(tok, [{"role": "user", "content": "Hi"}])
-    ids = tokenize_prompts(tok, [prompt, "Tell me about the cat."], max_prompt_length=64)
-    assert ids[0] == tok(prompt, add_special_tokens=False)["input_ids"] and ids[0].count(tok.bos_token_id) == 1
-    assert ids[1] == tok("Tell me about the cat.")["input_ids"] and ids[1][0] == tok.bos_token_id
-
-
-def test_ready_sdpa_mask_samples_exactly_what_the_model_built_mask_samples(smoke_world, monkeypatch):
-    import rlhf_core.rollout as rollout
-
-    tok, ids, mask = batch(smoke_world, n=4)
-    ids, mask = ids.repeat_interleave(3, dim=0), mask.repeat_interleave(3, dim=0)
-    model = load_causal_lm(str(smoke_world.base_model)).eval()
-    assert rollout._takes_ready_sdpa_mask(model)  # the demo's tiny Llama attends through SDPA
-    settings = SamplingSettings(response_length=10, temperature=1.3, min_tokens=2)
-
-    def sample():
-        torch.manual_seed(3)
-        return generate(
-            model,
-            ids,
-            mask,
-            settings,
-            pad_token_id=tok.pad_token_id,
-            stop_token_ids=[tok.eos_token_id],
-            prompt_repeats=3,
-        )
-
-    ready = sample()
-    monkeypatch.setattr(rollout, "_takes_ready_sdpa_mask", lambda model: False)
-    assert torch.equal(ready, sample())
-
-
-def test_only_full_attention_sdpa_transformers_models_take_a_ready_mask(smoke_world):
-    from types import SimpleNamespace
-
-    from rlhf_core.rollout import _full_attention_sdpa, _takes_ready_sdpa_mask
-
-    def config(**fields):
-        return SimpleNamespace(**fields)
-
-    assert _full_attention_sdpa(config(_attn_implementation="sdpa"))
-    assert _full_attention_sdpa(config(_attn_implementation="sdpa", layer_types=["full_attention"] * 2))
-    assert not _full_attention_sdpa(config(_attn_implementation="eager"))  # an additive mask
-    assert not _full_attention_sdpa(config(_attn_implementation="flash_attention_2"))
-    assert not _full_attention_sdpa(config(_attn_implementation="sdpa", sliding_window=4096))
-    assert not _full_attention_sdpa(config(_attn_implementation="sdpa", layer_types=["sliding_attention"] * 2))
-    model = load_causal_lm(str(smoke_world.base_model))
-
-    class Wrapper(torch.nn.Module):  # a module around a model may read the 2-D mask itself
-        def __init__(self):
-            super().__init__()
-            self.model, self.config = model, model.config
-
-    assert _takes_ready_sdpa_mask(model) and not _takes_ready_sdpa_mask(Wrapper())
+    assert rollout.responses.shape == (3, 4) and rollout.resp_mask.shape == (3, 4)
+    assert (rollout.logprobs is not None) == need_logprobs
+    assert (rollout.ref_logprobs is not None) == need_reference
+    if need_logprobs and need_reference:  # the same weights: the reference reads what the policy read
+        torch.testing.assert_close(rollout.logprobs, rollout.ref_logprobs)

@@ -24,7 +24,7 @@ def prefect_functions() -> list[tuple[str, ast.FunctionDef]]:
 
 def test_there_are_tasks_and_flows_to_check():
     names = [name for name, _ in prefect_functions()]
-    assert "tasks/rl.py:train_policy" in names and "flows/rlhf_pipeline.py:rlhf_pipeline" in names
+    assert "tasks/rl.py:rl_stage" in names and "flows/rlhf_pipeline.py:rlhf_pipeline" in names
 
 
 @pytest.mark.parametrize("name, node", prefect_functions(), ids=lambda x: x if isinstance(x, str) else "")

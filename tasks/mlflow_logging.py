@@ -1,0 +1,107 @@
+"""What the pipeline logs to an MLflow run: metrics, figures, artifacts, tables, dataset inputs, tags, and
+links to its artifacts. Every write is skipped on the processes of a data-parallel stage other than rank 0
+(`tasks.mlflow_store.writes`)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import mlflow
+from mlflow.entities import Metric
+from mlflow.tracking import MlflowClient
+
+from rlhf_core.redaction import redact
+from tasks.mlflow_store import writes
+
+
+def log_metrics(run_id: str, metrics: dict[str, float], step: int) -> None:
+    """Log a metric dict at `step` to the given run."""
+    if not writes():
+        return
+    now = int(time.time() * 1000)
+    MlflowClient().log_batch(run_id, metrics=[Metric(k, float(v), now, step) for k, v in metrics.items()])
+
+
+def log_figure(run_id: str, figure, artifact_file: str) -> None:
+    """Log a matplotlib figure as a PNG artifact of the run."""
+    if not writes():
+        return
+    MlflowClient().log_figure(run_id, figure, artifact_file)
+
+
+def log_artifact(run_id: str, path: str | Path, artifact_path: str | None = None) -> None:
+    if not writes():
+        return
+    MlflowClient().log_artifact(run_id, str(path), artifact_path)
+
+
+def log_table(run_id: str, rows: list[dict], artifact_file: str) -> None:
+    """Log rows as an MLflow table artifact (a new file per call; nothing is overwritten)."""
+    if not writes():
+        return
+    if rows:
+        columns = {key: [row.get(key) for row in rows] for key in rows[0]}
+        MlflowClient().log_table(run_id, data=columns, artifact_file=artifact_file)
+
+
+def _dataset_source(source: str, split: str | None, revision: str | None):
+    """An MLflow DatasetSource for a data.* path: 'demo' (made by code), a URL, a local path or glob, or a hub name."""
+    from mlflow.data.code_dataset_source import CodeDatasetSource
+    from mlflow.data.dataset_source_registry import resolve_dataset_source
+    from mlflow.data.http_dataset_source import HTTPDatasetSource
+    from mlflow.data.huggingface_dataset_source import HuggingFaceDatasetSource
+
+    if source == "demo":
+        return CodeDatasetSource(tags={"rlhf.source": "demo"})
+    if source.startswith(("http://", "https://")):
+        return HTTPDatasetSource(url=source)
+    local = Path(source).expanduser()
+    if "://" in source or local.exists() or local.parent.is_dir() and any(c in source for c in "*?["):
+        try:
+            return resolve_dataset_source(source if "://" in source else str(local.resolve()))
+        except mlflow.exceptions.MlflowException:
+            return CodeDatasetSource(tags={"rlhf.source": source})
+    return HuggingFaceDatasetSource(path=source, split=split, revision=revision)
+
+
+def log_datasets(run_id: str, datasets: list[dict]) -> None:
+    """Log each prepared table as an MLflow dataset input of the run.
+
+    Each entry: name (the config field, e.g. data.preference), source (the user's path, hub name or
+    'demo'; credentials are masked here), digest (the table's fingerprint), context (training or
+    evaluation), and optionally split, revision and rows (recorded as input tags).
+    """
+    if not writes() or not datasets:
+        return
+    from mlflow.data.meta_dataset import MetaDataset
+    from mlflow.entities import DatasetInput, InputTag
+    from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
+
+    inputs = []
+    for entry in datasets:
+        source = _dataset_source(redact(str(entry["source"])), entry.get("split"), entry.get("revision"))
+        dataset = MetaDataset(source, name=entry["name"], digest=entry["digest"])
+        tags = [InputTag(MLFLOW_DATASET_CONTEXT, entry["context"])]
+        tags += [InputTag(f"rlhf.{k}", str(entry[k])) for k in ("rows", "split") if entry.get(k) is not None]
+        inputs.append(DatasetInput(dataset=dataset._to_mlflow_entity(), tags=tags))
+    MlflowClient().log_inputs(run_id, datasets=inputs)
+
+
+def set_run_tags(run_id: str, tags: dict[str, str]) -> None:
+    if not writes():
+        return
+    client = MlflowClient()
+    for key, value in tags.items():
+        client.set_tag(run_id, key, str(value))
+
+
+def artifact_link(run_id: str, artifact_path: str) -> str:
+    """Where a person opens a run's artifact: the MLflow UI page on a server, else the artifact's URI."""
+    run = MlflowClient().get_run(run_id)
+    uri = mlflow.get_tracking_uri()
+    if uri.startswith(("http://", "https://")):
+        return (
+            f"{redact(uri).rstrip('/')}/#/experiments/{run.info.experiment_id}/runs/{run_id}/artifacts/{artifact_path}"
+        )
+    return f"{run.info.artifact_uri.rstrip('/')}/{artifact_path}"

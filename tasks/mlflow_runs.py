@@ -1,0 +1,250 @@
+"""MLflow runs: the pipeline's run, a nested run per stage, and the ending of runs their process left RUNNING.
+
+A pipeline run is one MLflow run with the flattened config as params; each stage is a nested run
+under it, so every stage has its own step axis. Whatever raises inside a run ends it FAILED, or
+KILLED when it is an interruption (Ctrl-C, SIGTERM), never RUNNING; a run left RUNNING by a process
+killed outright is marked KILLED by the next start on the same run directory, and a stage run left
+RUNNING by a killed worker by its stage's launcher.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import lru_cache
+from importlib import metadata
+from pathlib import Path
+
+import mlflow
+from mlflow.entities import Param, RunStatus
+from mlflow.tracking import MlflowClient
+
+from rlhf_core.config import PipelineConfig
+from rlhf_core.ownership import pid_alive
+from rlhf_core.redaction import flatten_config, redact
+from tasks.mlflow_store import configure, ensure_experiment, writes
+
+RUN_KIND = "rlhf.run_kind"  # pipeline, stage or promotion
+FLOW_RUN_ID, FLOW_RUN_URL = "prefect.flow_run_id", "prefect.flow_run_url"
+
+
+@lru_cache(maxsize=1)
+def code_version() -> str:
+    """Package version plus the git commit of the checkout, when there is one."""
+    version = metadata.version("rlhf-pipeline")
+    try:
+        sha = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=Path(__file__).resolve().parent,
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=True,
+        ).stdout.strip()
+        return f"{version}+g{sha}" if sha else version
+    except (OSError, subprocess.SubprocessError):
+        return version
+
+
+def _log_params(run_id: str, params: dict[str, str]) -> None:
+    client = MlflowClient()
+    items = [Param(k, v[:6000]) for k, v in sorted(params.items())]
+    for i in range(0, len(items), 100):  # the REST API takes at most 100 params per batch
+        client.log_batch(run_id, params=items[i : i + 100])
+
+
+def interrupted(err: BaseException) -> bool:
+    """True for an interruption from outside (Ctrl-C, SIGTERM, Prefect's termination signal), not a failure."""
+    if isinstance(err, (KeyboardInterrupt, SystemExit)):
+        return True
+    return any(cls.__name__ == "ExternalSignal" and cls.__module__ == "prefect.exceptions" for cls in type(err).__mro__)
+
+
+def _end_status(err: BaseException) -> str:
+    return RunStatus.to_string(RunStatus.KILLED if interrupted(err) else RunStatus.FAILED)
+
+
+def fail_pending_models(experiment_id: str, run_ids: list[str]) -> list[str]:
+    """Mark FAILED the logged models of `run_ids` still PENDING (a process killed inside `log_model`);
+    return their ids. A FAILED logged model is never registered, and MLflow shows why it is incomplete."""
+    client, failed = MlflowClient(), []
+    wanted = set(run_ids)
+    for model in client.search_logged_models([experiment_id], max_results=1000):
+        if model.source_run_id in wanted and str(getattr(model.status, "value", model.status)) == "PENDING":
+            client.finalize_logged_model(model.model_id, "FAILED")
+            failed.append(model.model_id)
+    return failed
+
+
+def end_abandoned_runs(experiment_id: str, output_dir: str) -> list[str]:
+    """Mark KILLED the RUNNING pipeline runs of `output_dir` whose process (on this host) no longer exists,
+    and their RUNNING stage runs; return the ids of the pipeline runs ended.
+
+    A process killed with SIGKILL (or a machine that lost power) cannot end its own runs; the next
+    start on the same run directory does. Runs of another host are left alone: their pid says nothing here.
+    """
+    client = MlflowClient()
+    running = client.search_runs([experiment_id], "attributes.status = 'RUNNING'", max_results=1000)
+    host, ended = socket.gethostname(), []
+    for run in running:
+        tags = run.data.tags
+        pid = tags.get("rlhf.pid", "")
+        if (
+            tags.get("rlhf.output_dir") != output_dir
+            or tags.get("rlhf.host") != host
+            or not pid.isdigit()
+            or int(pid) == os.getpid()
+            or pid_alive(int(pid))
+        ):
+            continue
+        children = [r for r in running if r.data.tags.get("mlflow.parentRunId") == run.info.run_id]
+        fail_pending_models(experiment_id, [run.info.run_id, *(c.info.run_id for c in children)])
+        for child in children:
+            client.set_terminated(child.info.run_id, RunStatus.to_string(RunStatus.KILLED))
+        client.set_terminated(run.info.run_id, RunStatus.to_string(RunStatus.KILLED))
+        client.set_tag(run.info.run_id, "rlhf.ended_by", f"a later start (pid {os.getpid()}): pid {pid} was gone")
+        logging.getLogger(__name__).warning(
+            "marked run %s KILLED: its process %s on this host no longer exists", run.info.run_id, pid
+        )
+        ended.append(run.info.run_id)
+    return ended
+
+
+def end_orphan_stage_runs(parent_run_id: str) -> list[str]:
+    """Mark KILLED the stage runs under `parent_run_id` still RUNNING, and FAILED their PENDING logged models;
+    return their ids. Called by the launcher once a stage's processes have ended: a worker that was killed
+    (and restarted by torchrun or Ray, or not) could not end the run it had started."""
+    if not writes():
+        return []
+    client = MlflowClient()
+    parent = client.get_run(parent_run_id)
+    experiment_id = parent.info.experiment_id
+    running = client.search_runs(
+        [experiment_id],
+        f"attributes.status = 'RUNNING' and tags.mlflow.parentRunId = '{parent_run_id}'",
+        max_results=1000,
+    )
+    ended = [run.info.run_id for run in running if run.data.tags.get(RUN_KIND) == "stage"]
+    fail_pending_models(experiment_id, ended)
+    for run_id in ended:
+        client.set_terminated(run_id, RunStatus.to_string(RunStatus.KILLED))
+        client.set_tag(run_id, "rlhf.ended_by", "the stage's launcher: the process that ran it had ended")
+    return ended
+
+
+def prefect_tags() -> dict[str, str]:
+    """The Prefect flow run this process works for: `prefect.flow_run_id` and, when a UI URL is known
+    (PREFECT_UI_URL, or one derived from PREFECT_API_URL), `prefect.flow_run_url` (credentials masked).
+    Empty outside a flow run."""
+    try:
+        from prefect.runtime import flow_run
+        from prefect.utilities.urls import url_for
+
+        run_id = flow_run.get_id()
+        if not run_id:
+            return {}
+        url = url_for("flow-run", obj_id=run_id)
+    except Exception:  # no Prefect context or settings to read: nothing to link to
+        return {}
+    return {FLOW_RUN_ID: str(run_id), **({FLOW_RUN_URL: redact(url)} if url else {})}
+
+
+@contextmanager
+def pipeline_run(cfg: PipelineConfig, tags: dict[str, str] | None = None, run_name: str | None = None) -> Iterator[str]:
+    """Start the pipeline's MLflow run (config as params), yield its id, end it FINISHED, FAILED or KILLED.
+
+    KILLED: interrupted (Ctrl-C, SIGTERM). The run is tagged with its run directory, host and pid, the
+    Prefect flow run (`prefect_tags`) and `rlhf.run_kind=pipeline` (`tags` may override it), and RUNNING
+    runs of the same directory whose process is gone are marked KILLED first (see end_abandoned_runs).
+    `run_name` defaults to run.name.
+    """
+    uri = cfg.tracking_uri()
+    configure(uri)
+    experiment_id = ensure_experiment(cfg.tracking.experiment, uri)
+    output_dir = str(Path(os.path.abspath(cfg.run.output_dir)).resolve())
+    end_abandoned_runs(experiment_id, output_dir)
+    run_tags = {
+        "rlhf.config_hash": cfg.config_hash(),
+        "rlhf.code_version": code_version(),
+        "rlhf.output_dir": output_dir,
+        "rlhf.host": socket.gethostname(),
+        "rlhf.pid": str(os.getpid()),
+        RUN_KIND: "pipeline",
+        **prefect_tags(),
+        **(tags or {}),
+    }
+    run = mlflow.start_run(experiment_id=experiment_id, run_name=run_name or cfg.run.name, tags=run_tags)
+    run_id = run.info.run_id
+    try:
+        _log_params(run_id, flatten_config(cfg))
+        yield run_id
+    except BaseException as err:
+        mlflow.end_run(_end_status(err))
+        raise
+    else:
+        mlflow.end_run(RunStatus.to_string(RunStatus.FINISHED))
+
+
+def run_is_empty(run_id: str) -> bool:
+    """True when the run recorded nothing a reviewer could read: no metrics, params, artifacts, datasets or models."""
+    client = MlflowClient()
+    run = client.get_run(run_id)
+    if run.data.metrics or run.data.params:
+        return False
+    if run.inputs is not None and (run.inputs.dataset_inputs or run.inputs.model_inputs):
+        return False
+    if run.outputs is not None and run.outputs.model_outputs:
+        return False
+    return not client.list_artifacts(run_id)
+
+
+_SYSTEM_TAGS = ("mlflow.", "prefect.", "rlhf.stage", RUN_KIND)
+
+
+def _drop_empty_stage_run(run_id: str, parent_run_id: str, stage: str) -> None:
+    """Delete a finished stage run that recorded nothing (a stage reused whole on a re-run), so a resumed
+    pipeline adds no empty nested runs; the parent says so (`rlhf.stage.<stage>`) and keeps the stage's
+    own tags (a reused model's URI) as `rlhf.<stage>.<tag>`."""
+    client = MlflowClient()
+    run = client.get_run(run_id)
+    kept = {k: v for k, v in run.data.tags.items() if not k.startswith(_SYSTEM_TAGS)}
+    tags = {f"rlhf.stage.{stage}": "reused: nothing new to record, see the previous attempt's stage run"}
+    tags.update({f"rlhf.{stage}.{k.removeprefix('rlhf.')}": v for k, v in kept.items()})
+    for key, value in tags.items():
+        client.set_tag(parent_run_id, key, value)
+    client.delete_run(run_id)
+
+
+@contextmanager
+def stage_run(parent_run_id: str, stage: str) -> Iterator[str]:
+    """A nested run for one stage under the pipeline run; FAILED if the stage raises.
+
+    Tagged `rlhf.stage`, `rlhf.run_kind=stage` and with the Prefect flow run (this process's, else the
+    parent's: a launched worker process has no Prefect context). A run that ends FINISHED with nothing
+    recorded is deleted again (see _drop_empty_stage_run).
+    """
+    if not writes():
+        yield ""
+        return
+    parent = MlflowClient().get_run(parent_run_id)
+    inherited = {k: v for k, v in parent.data.tags.items() if k in (FLOW_RUN_ID, FLOW_RUN_URL)}
+    run = mlflow.start_run(
+        experiment_id=parent.info.experiment_id,
+        run_name=stage,
+        nested=True,
+        parent_run_id=parent_run_id,
+        tags={"rlhf.stage": stage, RUN_KIND: "stage", **inherited, **prefect_tags()},
+    )
+    try:
+        yield run.info.run_id
+    except BaseException as err:
+        mlflow.end_run(_end_status(err))
+        raise
+    else:
+        mlflow.end_run(RunStatus.to_string(RunStatus.FINISHED))
+        if run_is_empty(run.info.run_id):
+            _drop_empty_stage_run(run.info.run_id, parent_run_id, stage)

@@ -1,0 +1,183 @@
+"""Fixtures of the TRL parity tests.
+
+PPO (test_trl_ppo_*.py, helpers in trl_ppo_common.py): `world` runs TRL 1.12's side once per session and
+loads what it recorded; `report_max_diffs` (requested by those modules through `pytestmark`) prints the
+largest difference each comparison reached in the module.
+GRPO (test_trl_grpo_*.py, helpers in trl_grpo_common.py): `tokenizer` and `make_trainer`, a factory of real
+`trl.GRPOTrainer`s around a tiny seeded Llama.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.parity.trl_grpo_common import MAX_COMPLETION, build_policy, named_reward
+from tests.parity.trl_grpo_common import build_tokenizer as build_grpo_tokenizer
+from tests.parity.trl_ppo_common import (
+    BATCH,
+    EOS,
+    KL_COEF,
+    MAX_DIFFS,
+    MISSING,
+    PAD,
+    REPO,
+    RUNS,
+    SETTINGS,
+    WORKER,
+    build_models,
+    build_tokenizer,
+    make_prompts,
+    make_responses,
+    trl112_dir,
+)
+
+# ------------------------------------------------------------------------------------------------- PPO
+
+
+@pytest.fixture(scope="session")
+def world(tmp_path_factory):
+    """Save the models and tokenizers, run TRL 1.12's side once for every run, load what it recorded."""
+    trl_dir = trl112_dir()
+    if trl_dir is None:
+        pytest.fail(MISSING, pytrace=False)
+    tmp = tmp_path_factory.mktemp("trl112_ppo")
+    models = build_models()
+    model_dirs = {}
+    for name, model in models.items():
+        model.save_pretrained(tmp / name)
+        model_dirs[name] = str(tmp / name)
+    for pad_is_eos in (False, True):
+        build_tokenizer(pad_is_eos).save_pretrained(tmp / f"tokenizer_pad_is_eos_{pad_is_eos}")
+
+    prompts = make_prompts()
+    runs, meta = [], {}
+    for name, (pad_is_eos, stops, seed, estimator, whiten, penalty) in RUNS.items():
+        pad = EOS if pad_is_eos else PAD
+        ppo = dict(
+            SETTINGS,
+            kl_coef=KL_COEF[estimator],
+            kl_estimator=estimator,
+            whiten_rewards=whiten,
+            missing_eos_penalty=penalty,
+        )
+        runs.append(
+            dict(
+                name=name,
+                tokenizer_dir=str(tmp / f"tokenizer_pad_is_eos_{pad_is_eos}"),
+                prompts=prompts,
+                responses=make_responses(stops, pad, seed),
+                ppo=ppo,
+                seed=seed,
+            )
+        )
+        meta[name] = dict(pad=pad, stops=stops, ppo=ppo)
+    spec = tmp / "spec.json"
+    spec.write_text(json.dumps({"models": model_dirs, "runs": runs, "out_dir": str(tmp / "out")}))
+
+    env = dict(
+        os.environ,
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+        TRL_EXPERIMENTAL_SILENCE="1",
+        CUDA_VISIBLE_DEVICES="",
+        PYTHONPATH=os.pathsep.join([str(trl_dir), *filter(None, [os.environ.get("PYTHONPATH")])]),
+    )
+    start = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, str(WORKER), str(spec)], env=env, cwd=REPO, capture_output=True, text=True, timeout=600
+    )
+    if proc.returncode != 0:
+        pytest.fail(
+            f"the TRL 1.12 side failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}",
+            pytrace=False,
+        )
+    print(f"\nTRL 1.12 side: {len(runs)} runs in {time.perf_counter() - start:.1f} s")
+    results = {}
+    for name, run in zip(RUNS, runs):
+        tensors = load_file(str(tmp / "out" / f"{name}.safetensors"))
+        order = torch.argsort(tensors["prompt_index"])  # TRL's dataloader shuffles: rows in prompt order
+        assert torch.equal(tensors["prompt_index"][order], torch.arange(BATCH)), tensors["prompt_index"]
+        tensors = {k: v[order] if v.dim() and v.shape[0] == BATCH else v for k, v in tensors.items()}
+        assert torch.equal(tensors["frame_responses"], torch.tensor(run["responses"])), name
+        results[name] = dict(
+            tensors,
+            meta=json.loads((tmp / "out" / f"{name}.json").read_text()),
+            responses=run["responses"],
+            **meta[name],
+        )
+    return models, results
+
+
+@pytest.fixture(scope="module")
+def report_max_diffs():
+    """Print the largest difference reached by each comparison (shown with -s or -rA)."""
+    MAX_DIFFS.clear()  # this module's comparisons only
+    yield
+    if not MAX_DIFFS:
+        return
+    width = max(map(len, MAX_DIFFS))
+    lines = [f"  {key:<{width}}  {diff:.3g}" for key, diff in sorted(MAX_DIFFS.items())]
+    math = max((d for k, d in MAX_DIFFS.items() if "(model)" not in k), default=0.0)
+    model = max((d for k, d in MAX_DIFFS.items() if "(model)" in k), default=0.0)
+    print(
+        "\nmax abs diff per comparison:\n"
+        + "\n".join(lines)
+        + f"\n  overall: math on the same inputs {math:.3g}, model outputs (model) {model:.3g}"
+    )
+
+
+# ------------------------------------------------------------------------------------------------ GRPO
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_grpo_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def make_trainer(tokenizer, tmp_path_factory):
+    """make_trainer(temperature=, reward_names=, model=, **GRPOConfig fields) -> a real trl.GRPOTrainer.
+
+    beta stays 0 at construction (with beta > 0 TRL would load a reference model from the hub);
+    the loss tests set `trainer.beta` afterwards, which is all `_compute_loss` reads.
+    """
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    dataset = Dataset.from_dict({"prompt": ["w3 w4 w5", "w6 w7 w8", "w9 w10 w11", "w12 w13 w14"]})
+
+    def make(temperature: float = 1.0, reward_names=("r0",), model=None, **overrides):
+        args = GRPOConfig(
+            output_dir=str(tmp_path_factory.mktemp("trl_grpo")),
+            use_cpu=True,
+            bf16=False,
+            report_to=[],
+            per_device_train_batch_size=8,
+            num_generations=4,
+            max_completion_length=MAX_COMPLETION,
+            temperature=temperature,
+            gradient_checkpointing=False,
+            save_strategy="no",
+            logging_steps=1,
+            **overrides,
+        )
+        trainer = GRPOTrainer(
+            model=model if model is not None else build_policy(),
+            args=args,
+            reward_funcs=[named_reward(n) for n in reward_names],
+            train_dataset=dataset,
+            processing_class=tokenizer,
+        )
+        trainer.model.train()  # `mode` is "train" in TRL's code paths
+        return trainer
+
+    return make
