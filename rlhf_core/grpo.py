@@ -62,11 +62,13 @@ def grpo_token_loss(
     """Per-token loss (B, T) (or (B, 1) at sequence level with nothing per-token added) and statistics.
 
     ratio r = exp(logp - old_logp) per token, or per sequence exp(mean over its tokens) with
-    importance_sampling_level 'sequence' (GSPO). By loss type:
-      clipped (grpo, bnpo, dr_grpo, dapo): -min(r' A, clip(r, 1-eps, 1+eps_high) A), r' = min(r, delta) when set;
-      cispo: -sg(min(r, eps_high)) A logp;   sapo: -(4 / tau) sigmoid(tau (r - 1)) A, tau by the sign of A.
-    `entropy_mask` (top_entropy_quantile) multiplies the policy term; then + beta * k3 KL to the
-    reference, times r when use_bias_correction_kl (TRL 1.16's default).
+    importance_sampling_level 'sequence' (GSPO, arXiv:2507.18071). By loss type:
+      clipped (grpo arXiv:2402.03300, bnpo, dr_grpo arXiv:2503.20783, dapo arXiv:2503.14476):
+        -min(r' A, clip(r, 1-eps, 1+eps_high) A), r' = min(r, delta) when set (arXiv:2505.07291);
+      cispo (arXiv:2506.13585): -sg(min(r, eps_high)) A logp;
+      sapo (arXiv:2511.20347): -(4 / tau) sigmoid(tau (r - 1)) A, tau by the sign of A.
+    `entropy_mask` (top_entropy_quantile, arXiv:2506.01939) multiplies the policy term; then + beta * k3 KL
+    to the reference, times r when use_bias_correction_kl (arXiv:2512.02556; TRL 1.16's default).
     """
     eps_low, eps_high = grpo.epsilon, grpo.epsilon_high or grpo.epsilon
     log_ratio = logp - old_logp
@@ -107,9 +109,10 @@ def grpo_token_loss(
 def reduce_loss(
     per_token: torch.Tensor, mask: torch.Tensor, loss_type: LossType, *, max_completion_length: int, total_tokens: float
 ) -> torch.Tensor:
-    """Normalize a micro-batch's per-token loss the way `loss_type` says (see the module docstring).
-
-    `total_tokens` is the number of completion tokens in the whole optimizer batch (dapo, cispo).
+    """Normalize a micro-batch's per-token loss the way `loss_type` says: grpo and sapo per sequence, then the
+    mean (arXiv:2402.03300); bnpo over the micro-batch's tokens; dr_grpo over sequences x max completion length
+    (arXiv:2503.20783); dapo and cispo over `total_tokens`, the completion tokens of the whole optimizer batch
+    (arXiv:2503.14476).
     """
     mask = mask.to(per_token.dtype)
     if loss_type in ("grpo", "sapo"):

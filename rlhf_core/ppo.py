@@ -40,7 +40,7 @@ from rlhf_core.timing import PhaseTimer
 def policy_loss(
     new_logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, cliprange: float
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """PPO's clipped surrogate: mean over real tokens of max(-A r, -A clip(r, 1-eps, 1+eps))."""
+    """PPO's clipped surrogate (arXiv:1707.06347): mean over real tokens of max(-A r, -A clip(r, 1-eps, 1+eps))."""
     log_ratio = new_logp - old_logp
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
@@ -75,7 +75,7 @@ class FixedKLController:
 
 
 class AdaptiveKLController:
-    """Ziegler et al. (2019): move the coefficient so the observed KL approaches `target`.
+    """Ziegler et al. (2019, arXiv:1909.08593): move the coefficient so the observed KL approaches `target`.
 
     error = clip(kl / target - 1, -0.2, 0.2); value *= 1 + error * n_steps / horizon.
     """
