@@ -17,7 +17,7 @@ with GSPO's sequence-level ratio (arXiv:2507.18071), INTELLECT-2's two-sided cli
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Literal, Unpack
 
@@ -356,13 +356,15 @@ def train_grpo(
     *,
     max_prompt_length: int,
     output_dir: str | Path,
+    stop_token_ids: Sequence[int] | None = None,
     **hooks: Unpack[RLHooks],
 ) -> LoopResult:
     """Train `policy` with the GRPO family's rl.algorithm for rl.total_steps generation batches; resume from
     output_dir.
 
     ref_model None with beta > 0 means a PEFT policy whose disabled adapters are the reference; with
-    beta 0 no reference is used at all. `hooks` (`RLHooks`): on_log, on_checkpoint, on_eval with
+    beta 0 no reference is used at all. `stop_token_ids`: what ends a response, when the caller computed it
+    (else `run_stop_ids` of the policy). `hooks` (`RLHooks`): on_log, on_checkpoint, on_eval with
     evaluate and eval_every, on_step, show_progress, and on_completions(rows, step), which receives every
     grpo.log_completions_steps the prompts, completions, each reward and the advantages.
     """
@@ -385,6 +387,8 @@ def train_grpo(
     )
     if ref_model is not None:
         ref_model.to(loop.device).eval().requires_grad_(False)
-    steps = GRPOSteps(loop, rollout_settings(tokenizer, policy, rl), ref_model, rewards, prompt_rows, rl, grpo)
+    steps = GRPOSteps(
+        loop, rollout_settings(tokenizer, policy, rl, stop_token_ids), ref_model, rewards, prompt_rows, rl, grpo
+    )
     steps.on_completions = hooks.get("on_completions")
     return run_rl(loop, steps, estimator, batches, policy, hooks)

@@ -9,6 +9,7 @@ mini-batches. A checkpoint holds the policy (`policy/`, Hugging Face format), th
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Unpack
 
@@ -272,12 +273,14 @@ def train_ppo(
     *,
     max_prompt_length: int,
     output_dir: str | Path,
+    stop_token_ids: Sequence[int] | None = None,
     kl_scale: float = 1.0,
     **hooks: Unpack[RLHooks],
 ) -> LoopResult:
     """Train `policy` and `value_model` with PPO for rl.total_steps iterations; resume from output_dir.
 
     ref_model None means the policy is a PEFT model whose disabled adapters are the reference.
+    `stop_token_ids`: what ends a response, when the caller computed it (else `run_stop_ids` of the policy).
     `kl_scale` multiplies the KL coefficient (the guard's rollbacks): the saved one on resume, once.
     `hooks` (`RLHooks`): on_log, on_checkpoint, on_step, show_progress, and `evaluate(policy, step)`, whose
     eval rows go to on_eval every eval_every steps and at the end.
@@ -309,5 +312,7 @@ def train_ppo(
     for frozen in (ref_model, reward_model):
         if frozen is not None:
             frozen.to(loop.device).eval().requires_grad_(False)
-    steps = PPOSteps(loop, rollout_settings(tokenizer, policy, rl), ref_model, reward_model, rl, ppo, kl_ctl)
+    steps = PPOSteps(
+        loop, rollout_settings(tokenizer, policy, rl, stop_token_ids), ref_model, reward_model, rl, ppo, kl_ctl
+    )
     return run_rl(loop, steps, estimator, batches, policy, hooks)

@@ -11,7 +11,7 @@ names, each step's prompts, what the RL stage's loop runs with, and the metric n
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol, TypedDict
 
@@ -120,10 +120,12 @@ class RolloutSettings:
     pad_token_id: int
 
 
-def rollout_settings(tokenizer, policy, rl: RLConfig) -> RolloutSettings:
-    """The sampling and stop ids of a policy's rollouts, computed once per stage."""
-    stop_ids = run_stop_ids(tokenizer, getattr(policy, "generation_config", None), rl)
-    return RolloutSettings(rl_sampling(rl), stop_ids, tokenizer.pad_token_id)
+def rollout_settings(tokenizer, policy, rl: RLConfig, stop_token_ids: Sequence[int] | None = None) -> RolloutSettings:
+    """The sampling and stop ids of a policy's rollouts; `stop_token_ids` when the caller computed them already
+    (the RL task, which evaluates with them too), else `run_stop_ids` of the policy."""
+    if stop_token_ids is None:
+        stop_token_ids = run_stop_ids(tokenizer, getattr(policy, "generation_config", None), rl)
+    return RolloutSettings(rl_sampling(rl), tuple(stop_token_ids), tokenizer.pad_token_id)
 
 
 def rl_loop_settings(rl: RLConfig, run: RunConfig, sizes: BatchSizes, *, eval_every: int | None) -> LoopSettings:

@@ -193,6 +193,7 @@ def _train(
     common = dict(
         max_prompt_length=cfg.data.max_prompt_length,
         output_dir=reporter.out_dir,
+        stop_token_ids=models.stop_ids,  # the ones evaluation stops on
         on_log=reporter.log,
         on_checkpoint=reporter.on_checkpoint,
         on_eval=reporter.on_eval,

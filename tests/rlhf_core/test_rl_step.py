@@ -9,7 +9,14 @@ from rlhf_core.advantages import Estimate
 from rlhf_core.config import GRPOConfig, PPOConfig, RLConfig, RunConfig
 from rlhf_core.grpo import grpo_batch_sizes
 from rlhf_core.ppo import ppo_batch_sizes
-from rlhf_core.rl_step import BatchSizes, StepStats, rl_loop_settings, rl_step, training_metric_names
+from rlhf_core.rl_step import (
+    BatchSizes,
+    StepStats,
+    rl_loop_settings,
+    rl_step,
+    rollout_settings,
+    training_metric_names,
+)
 
 
 def test_ppo_and_grpo_cut_their_batches_under_the_same_names():
@@ -83,3 +90,17 @@ def test_step_statistics_average_over_micro_batches_and_are_nan_when_never_recor
     assert float(stats.mean("loss")) == pytest.approx(3.0) and float(stats.mean("kl")) == 0.5
     assert not stats.values["loss"][0].requires_grad  # statistics hold no graph
     assert math.isnan(stats.mean("entropy"))
+
+
+def test_rollout_settings_take_the_callers_stop_ids_or_compute_the_runs_own():
+    class Tokenizer:
+        pad_token_id, eos_token_id = 0, 7
+
+        def get_vocab(self):
+            return {"<pad>": 0, "</s>": 7}
+
+    rl = RLConfig(response_length=5, temperature=0.9)
+    given = rollout_settings(Tokenizer(), object(), rl, [3, 4])
+    assert given.stop_token_ids == (3, 4) and given.pad_token_id == 0
+    assert given.sampling.response_length == 5 and given.sampling.temperature == 0.9
+    assert rollout_settings(Tokenizer(), object(), rl).stop_token_ids == (7,)  # the tokenizer's eos
