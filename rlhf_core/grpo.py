@@ -327,21 +327,25 @@ class GRPOSteps:
         due = step % self.grpo.log_completions_steps == 0 or step == self.rl.total_steps
         if self.on_completions is None or not self.loop.is_main or not due:
             return
-        nan_or = lambda v: None if torch.isnan(v) else float(v)  # noqa: E731
         table = [
             {
                 "step": step,
                 "prompt": row["prompt"],
                 "completion": completion,
                 "advantage": float(advantage),
-                "reward": nan_or(reward),
-                **{s.name: nan_or(v) for s, v in zip(self.rewards, batch.scores[i])},
+                "reward": _float_or_none(reward),
+                **{s.name: _float_or_none(v) for s, v in zip(self.rewards, batch.scores[i])},
             }
             for i, (row, completion, advantage, reward) in enumerate(
                 zip(batch.rows, batch.completions, estimate.advantages.tolist(), estimate.stats["my_rewards"])
             )
         ]
         self.on_completions(table, step)
+
+
+def _float_or_none(value: torch.Tensor) -> float | None:
+    """A 0-d tensor as a float for the completions table; None where it is NaN (the source abstained)."""
+    return None if torch.isnan(value) else float(value)
 
 
 def train_grpo(
@@ -376,15 +380,7 @@ def train_grpo(
     settings = rl_loop_settings(rl, run, sizes, eval_every=eval_cadence(hooks))
     loop = TrainingLoop(policy, models, tokenizer, settings, run, output_dir=output_dir)
     prompts = [r["prompt"] for r in prompt_rows]
-    batches = PromptBatches(
-        tokenizer,
-        prompts,
-        max_prompt_length=max_prompt_length,
-        per_step=sizes.prompts_per_step,
-        seed=run.seed,
-        loop=loop,
-        repeat=sizes.generations_per_prompt,
-    )
+    batches = PromptBatches(tokenizer, prompts, sizes, max_prompt_length=max_prompt_length, seed=run.seed, loop=loop)
     if ref_model is not None:
         ref_model.to(loop.device).eval().requires_grad_(False)
     steps = GRPOSteps(

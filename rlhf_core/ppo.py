@@ -33,7 +33,7 @@ from rlhf_core.rl_step import (
     rollout_settings,
     run_rl,
 )
-from rlhf_core.rollout import Rollout, RolloutBatch, collect_rollout, completion_metrics
+from rlhf_core.rollout import Rollout, RolloutBatch, collect_rollout, completion_metrics, missing_stop_penalty
 from rlhf_core.scoring import response_logprobs, sequence_scores, token_values
 from rlhf_core.timing import PhaseTimer
 
@@ -132,8 +132,9 @@ def score_rollout(
     with timer("reward"):
         scores = sequence_scores(reward_model, *args, rollout.last_index)
     check_finite("the reward model", scores)
-    if missing_eos_penalty is not None:
-        scores = scores - missing_eos_penalty * (~rollout.has_stop).float()
+    penalty = missing_stop_penalty(rollout, missing_eos_penalty)
+    if penalty is not None:
+        scores = scores - penalty
     with timer("value"):
         values = token_values(value_model, *args)
     return scores, values
@@ -301,14 +302,7 @@ def train_ppo(
     # the coefficient a checkpoint saved, rescaled to this run's kl_scale (idempotent across resumes)
     kl_ctl.value = loop.state["kl_coef"] * kl_scale / loop.state.get("kl_scale", 1.0)
     loop.state.update(kl_coef=kl_ctl.value, kl_scale=kl_scale)
-    batches = PromptBatches(
-        tokenizer,
-        prompts,
-        max_prompt_length=max_prompt_length,
-        per_step=sizes.prompts_per_step,
-        seed=run.seed,
-        loop=loop,
-    )
+    batches = PromptBatches(tokenizer, prompts, sizes, max_prompt_length=max_prompt_length, seed=run.seed, loop=loop)
     for frozen in (ref_model, reward_model):
         if frozen is not None:
             frozen.to(loop.device).eval().requires_grad_(False)

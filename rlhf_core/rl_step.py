@@ -77,19 +77,17 @@ class PromptBatch(NamedTuple):
 
 class PromptBatches:
     """Each RL step's prompts: this process's share of an epoch's shuffle (see `ShardedBatches`), each
-    prompt repeated `repeat` times (GRPO's groups), left-padded on the loop's device."""
+    prompt repeated sizes.generations_per_prompt times (GRPO's groups), left-padded on the loop's device."""
 
-    def __init__(
-        self, tokenizer, prompts: list[str], *, max_prompt_length: int, per_step: int, seed: int, loop, repeat: int = 1
-    ):
+    def __init__(self, tokenizer, prompts: list[str], sizes: BatchSizes, *, max_prompt_length: int, seed: int, loop):
         if not prompts:
             raise ValueError(f"the prompt set is empty; {loop.settings.name.upper()} needs at least one prompt")
         self.prompt_ids = tokenize_prompts(tokenizer, prompts, max_prompt_length)
-        self.pad_id, self.repeat, self.device = tokenizer.pad_token_id, repeat, loop.device
-        # data parallel: every process rolls out its own per_step prompts per step
+        self.pad_id, self.repeat, self.device = tokenizer.pad_token_id, sizes.generations_per_prompt, loop.device
+        # data parallel: every process rolls out its own prompts_per_step prompts per step
         self.order = ShardedBatches(
             len(self.prompt_ids),
-            per_step,
+            sizes.prompts_per_step,
             seed,
             rank=loop.rank,
             world=loop.world,

@@ -19,9 +19,8 @@ import pytest
 import torch
 
 from rlhf_core.reward_model import bradley_terry_loss, collate_pairs, preference_stats, score_pairs, tokenize_pairs
+from tests.parity.trl_grpo_common import EOS, PAD, VOCAB, build_tokenizer
 
-VOCAB = 64
-PAD, EOS = 0, 1
 MAX_LENGTH = 32
 TOL = dict(atol=1e-6, rtol=1e-5)
 
@@ -31,17 +30,6 @@ ROWS = [
     {"prompt": "w15 w16 w17", "chosen": " w18 w19", "rejected": " w20 w21", "margin": 1.0},
     {"prompt": "w22 w23 w24 w25", "chosen": " w26 w27 w28 w29 w30 w31</s>", "rejected": " w32</s>", "margin": 0.0},
 ]
-
-
-def build_tokenizer():
-    """A word-level tokenizer: <pad> 0, </s> 1, <unk> 2, then w0..w60 (ids 3..63)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    words = ["<pad>", "</s>", "<unk>"] + [f"w{i}" for i in range(VOCAB - 3)]
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>")
 
 
 def build_reward_model(seed: int = 0):

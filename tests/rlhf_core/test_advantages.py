@@ -18,7 +18,8 @@ from rlhf_core.advantages import (
     register_estimator,
 )
 from rlhf_core.config import GRPOConfig, PPOConfig
-from rlhf_core.rollout import Rollout, RolloutBatch
+from rlhf_core.rollout import RolloutBatch
+from tests.fixtures.small_models import rollout_of
 
 
 @pytest.mark.parametrize("gamma, lam", [(1.0, 0.95), (0.9, 0.8), (1.0, 1.0), (0.99, 0.0)])
@@ -144,19 +145,8 @@ class SecondOfTwo(OneProcess):
 
 
 def rollout_batch(scores, penalty=None, values=None, logprobs=None, ref_logprobs=None, resp_mask=None):
-    rows = scores.shape[0]
-    resp_mask = torch.ones(rows, 3, dtype=torch.long) if resp_mask is None else resp_mask
-    rollout = Rollout(
-        query_ids=torch.zeros(rows, 1, dtype=torch.long),
-        query_mask=torch.ones(rows, 1, dtype=torch.long),
-        responses=torch.zeros_like(resp_mask),
-        resp_mask=resp_mask,
-        last_index=resp_mask.sum(1) - 1,
-        logprobs=logprobs,
-        ref_logprobs=ref_logprobs,
-        has_stop=torch.ones(rows, dtype=torch.bool),
-    )
-    return RolloutBatch(rollout, scores, penalty, values)
+    resp_mask = torch.ones(scores.shape[0], 3, dtype=torch.long) if resp_mask is None else resp_mask
+    return RolloutBatch(rollout_of(resp_mask, logprobs=logprobs, ref_logprobs=ref_logprobs), scores, penalty, values)
 
 
 def test_the_estimator_is_chosen_by_rl_algorithm_and_must_fit_the_trainer():

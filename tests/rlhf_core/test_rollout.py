@@ -5,24 +5,9 @@ import pytest
 import torch
 
 from rlhf_core.models import load_causal_lm
-from rlhf_core.rollout import Rollout, RolloutBatch, collect_rollout, completion_metrics, missing_stop_penalty
+from rlhf_core.rollout import RolloutBatch, collect_rollout, completion_metrics, missing_stop_penalty
 from rlhf_core.sampling import SamplingSettings
-from tests.fixtures.small_models import batch
-
-
-def rollout_of(resp_mask, has_stop) -> Rollout:
-    resp_mask = torch.tensor(resp_mask)
-    rows = resp_mask.shape[0]
-    return Rollout(
-        query_ids=torch.zeros(rows, 2, dtype=torch.long),
-        query_mask=torch.ones(rows, 2, dtype=torch.long),
-        responses=torch.zeros_like(resp_mask),
-        resp_mask=resp_mask,
-        last_index=resp_mask.sum(1) - 1,
-        logprobs=None,
-        ref_logprobs=None,
-        has_stop=torch.tensor(has_stop),
-    )
+from tests.fixtures.small_models import batch, rollout_of
 
 
 def test_the_missing_stop_penalty_falls_on_responses_that_never_stopped_and_comes_off_the_score():
