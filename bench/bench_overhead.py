@@ -168,19 +168,19 @@ def fixed_costs(root: Path) -> dict[str, float]:
     import os
 
     from rlhf_core.config import load_config
-    from tasks import mlflow_store
+    from tasks import tracking
     from tasks.preflight import preflight_problems
 
     start = time.perf_counter()
     cfg = load_config(HERE.parent / "configs" / "demo.yaml", OVERRIDES)
     preflight_problems(cfg)
     seconds = {"validation_s": time.perf_counter() - start}
-    os.environ[mlflow_store.CACHE_ENV] = str(root / "cache")
+    os.environ[tracking.store.CACHE_ENV] = str(root / "cache")
     for name in ("store_first_s", "store_startup_s"):
         uri = f"sqlite:///{root / name / 'mlflow.db'}"
         start = time.perf_counter()
-        mlflow_store.configure(uri)
-        mlflow_store.ensure_experiment("startup", uri)
+        tracking.store.configure(uri)
+        tracking.store.ensure_experiment("startup", uri)
         seconds[name] = time.perf_counter() - start
     return seconds
 

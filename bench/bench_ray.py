@@ -49,7 +49,7 @@ def prepare(root: Path) -> None:
     from prefect import flow
     from prefect.testing.utilities import prefect_test_harness
 
-    from tasks import mlflow_runs
+    from tasks import tracking
     from tasks.data import data_stage
 
     cfg = config(root, "base")
@@ -58,21 +58,21 @@ def prepare(root: Path) -> None:
     def data_only(run_id: str):
         return data_stage(cfg, run_id)
 
-    with prefect_test_harness(server_startup_timeout=180), mlflow_runs.pipeline_run(cfg) as run_id:
+    with prefect_test_harness(server_startup_timeout=180), tracking.runs.pipeline_run(cfg) as run_id:
         data = data_only(run_id)
     (root / "data.json").write_text(json.dumps(data.__dict__, default=str))
 
 
 def stage(shape: str):
     def run(root: Path) -> dict:
-        from tasks import mlflow_runs
+        from tasks import tracking
         from tasks.data import PreparedData
         from tasks.reward_model import reward_stage
 
         launcher, processes = SHAPES[shape]
         data = PreparedData(**json.loads((root / "data.json").read_text()))
         cfg = config(root, f"{shape}-{time.time_ns()}", launcher, processes)
-        with mlflow_runs.pipeline_run(cfg) as run_id:
+        with tracking.runs.pipeline_run(cfg) as run_id:
             start = time.perf_counter()
             out = reward_stage.fn(cfg, data, None, run_id)
             seconds = time.perf_counter() - start

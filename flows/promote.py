@@ -19,7 +19,7 @@ from prefect.logging import get_run_logger
 from rlhf_core.config import PipelineConfig, load_config
 from rlhf_core.promotion import Decision, decide
 from rlhf_core.redaction import refuse_secret_overrides
-from tasks import mlflow_logging, mlflow_runs, mlflow_store, registry
+from tasks import registry, tracking
 from tasks.data import PreparedData, data_stage
 from tasks.export import CANDIDATE
 from tasks.progress import print_rows, publish_markdown
@@ -71,7 +71,7 @@ def _evaluate_both(
     )
     summaries[f"candidate v{candidate.version}"] = candidate_summary
     print_rows(rows[:5], f"Candidate v{candidate.version}: held-out completions (first 5)")
-    mlflow_logging.log_metrics(
+    tracking.logs.log_metrics(
         run_id, {f"candidate/{k.removeprefix('eval/')}": v for k, v in candidate_summary.items()}, 0
     )
     if champion is not None:
@@ -79,11 +79,11 @@ def _evaluate_both(
             cfg, data, f"models:/{name}/{champion.version}", reference, reward_model
         )
         summaries[f"champion v{champion.version}"] = champion_summary
-        mlflow_logging.log_metrics(
+        tracking.logs.log_metrics(
             run_id, {f"champion/{k.removeprefix('eval/')}": v for k, v in champion_summary.items()}, 0
         )
-        mlflow_logging.log_table(run_id, champion_rows, "promotion/champion_completions.json")
-    mlflow_logging.log_table(run_id, rows, "promotion/candidate_completions.json")
+        tracking.logs.log_table(run_id, champion_rows, "promotion/champion_completions.json")
+    tracking.logs.log_table(run_id, rows, "promotion/candidate_completions.json")
     return summaries
 
 
@@ -109,7 +109,7 @@ def _record(
     if decision.candidate_kl is not None:
         tags["kl"] = f"{decision.candidate_kl:.6f}"
     registry.set_version_tags(name, candidate.version, {TAG + k: v for k, v in tags.items()})
-    mlflow_logging.set_run_tags(run_id, {TAG + k: v for k, v in tags.items()})
+    tracking.logs.set_run_tags(run_id, {TAG + k: v for k, v in tags.items()})
     return tags
 
 
@@ -153,7 +153,7 @@ def rlhf_promote(config_path: str | None = "configs/demo.yaml", overrides: list[
     cfg.promotion_gates()  # outside the demo an explicit gate is needed: checked before any registry call
     logger = get_run_logger()
     name = cfg.registry.policy_model_name
-    mlflow_store.configure(cfg.tracking_uri())
+    tracking.store.configure(cfg.tracking_uri())
     candidate = _candidate(name)
     champion = registry.version_by_alias(name, CHAMPION)
     gates = cfg.promotion_gates(first=champion is None)  # a first champion outside the demo needs min_value
@@ -166,7 +166,7 @@ def rlhf_promote(config_path: str | None = "configs/demo.yaml", overrides: list[
     reference = candidate.tags.get("base_model")
     reward_model = candidate.tags.get("reward_model_version")
     reward_model = reward_model if reward_model and reward_model != "none" else None
-    with mlflow_runs.pipeline_run(cfg, tags=PROMOTION_TAGS, run_name=promotion_run_name(name, candidate)) as run_id:
+    with tracking.runs.pipeline_run(cfg, tags=PROMOTION_TAGS, run_name=promotion_run_name(name, candidate)) as run_id:
         data = data_stage(cfg, run_id)
         summaries = _evaluate_both(cfg, data, run_id, name, candidate, champion, reference, reward_model)
         candidate_summary = summaries[f"candidate v{candidate.version}"]

@@ -17,7 +17,7 @@ from prefect.logging import get_run_logger
 from flows.promote import CHAMPION, rlhf_promote
 from flows.rlhf_pipeline import rlhf_pipeline
 from rlhf_core.config import load_config
-from tasks import mlflow_store, registry
+from tasks import registry, tracking
 
 
 @flow(name="rlhf-retrain", log_prints=True)
@@ -37,7 +37,7 @@ def rlhf_retrain(
         cfg = load_config(config_path, settings)
         cfg.promotion_gates()
         if not cfg.is_demo() and cfg.promote.min_value is None:  # a first champion needs promote.min_value
-            mlflow_store.configure(cfg.tracking_uri())
+            tracking.store.configure(cfg.tracking_uri())
             cfg.promotion_gates(first=registry.version_by_alias(cfg.registry.policy_model_name, CHAMPION) is None)
     trained = rlhf_pipeline(config_path=config_path, overrides=settings, only_if_new_data=True)
     result = {"pipeline": trained, "promotion": None}

@@ -21,7 +21,7 @@ from prefect.states import Failed
 from rlhf_core.config import load_config
 from rlhf_core.ownership import check_pipeline_outputs
 from rlhf_core.redaction import redact, refuse_secret_overrides
-from tasks import mlflow_logging, mlflow_runs, registry
+from tasks import registry, tracking
 from tasks.data import PreparedData, data_stage
 from tasks.eval_rows import load_eval_history
 from tasks.export import CANDIDATE, export_stage
@@ -56,7 +56,7 @@ def _no_new_data(cfg, data: PreparedData, run_id: str, logger) -> dict | None:
         latest.version,
         data.fingerprint,
     )
-    mlflow_logging.set_run_tags(run_id, {"rlhf.skipped": "no new data"})
+    tracking.logs.set_run_tags(run_id, {"rlhf.skipped": "no new data"})
     return {
         "mlflow_run_id": run_id,
         "skipped": "no new data",
@@ -100,8 +100,8 @@ def summary_metrics(cfg, reward: Checkpoint | None, trained: Checkpoint) -> dict
 def record_summary(cfg, run_id: str, reward: Checkpoint | None, trained: Checkpoint) -> None:
     """The summary metrics (at the RL stage's final step) and the final held-out samples
     (`final_samples.json`, an MLflow table) on the pipeline's run."""
-    mlflow_logging.log_metrics(run_id, summary_metrics(cfg, reward, trained), trained.step)
-    mlflow_logging.log_table(run_id, _final_samples(cfg, trained), "final_samples.json")
+    tracking.logs.log_metrics(run_id, summary_metrics(cfg, reward, trained), trained.step)
+    tracking.logs.log_table(run_id, _final_samples(cfg, trained), "final_samples.json")
 
 
 def _summary(
@@ -163,7 +163,7 @@ def rlhf_pipeline(
         check_pipeline_outputs(cfg, config_path=config_path)  # before any work: owned writes only
         # one run at a time in a run directory: a second one stops here, naming the holder. SIGTERM ends the
         # MLflow runs KILLED and releases the lock (in a Prefect flow run, Prefect's own SIGTERM bridge does).
-        with run_lock(cfg.run.output_dir), terminate_on_sigterm(), mlflow_runs.pipeline_run(cfg) as run_id:
+        with run_lock(cfg.run.output_dir), terminate_on_sigterm(), tracking.runs.pipeline_run(cfg) as run_id:
             with stage("data"):
                 data = data_stage(cfg, run_id)
             skipped = _no_new_data(cfg, data, run_id, logger) if only_if_new_data else None

@@ -19,7 +19,7 @@ from rlhf_core.data import apply_length_policy, fingerprint_rows, load_table, sa
 from rlhf_core.data_rows import Kind
 from rlhf_core.demo_world import DemoWorld, build_demo_world
 from rlhf_core.models import ModelSourceError, check_source, generation_config_of, load_tokenizer, run_stop_ids
-from tasks import mlflow_logging, mlflow_runs, registry
+from tasks import registry, tracking
 from tasks.reporting import StageReporter
 from tasks.retry import IO_RETRIES
 
@@ -171,7 +171,7 @@ def dataset_inputs(cfg: PipelineConfig, reports: list[dict]) -> list[dict]:
 @task(name="data", cache_policy=NO_CACHE, **IO_RETRIES)
 def data_stage(cfg: PipelineConfig, parent_run_id: str) -> PreparedData:
     """Build or reuse the demo world, validate every table, write them under <output_dir>/data."""
-    with mlflow_runs.stage_run(parent_run_id, "data") as run_id, StageReporter(cfg, "data", run_id) as reporter:
+    with tracking.runs.stage_run(parent_run_id, "data") as run_id, StageReporter(cfg, "data", run_id) as reporter:
         world = None
         if cfg.uses_demo_world():
             reporter.start(0, "Building the offline demo world", key="demo-world-progress")
@@ -203,5 +203,5 @@ def data_stage(cfg: PipelineConfig, parent_run_id: str) -> PreparedData:
             reports=reports,
         )
         reporter.tag({"data_fingerprint": prepared.fingerprint})
-        mlflow_logging.log_datasets(run_id, dataset_inputs(cfg, reports))
+        tracking.logs.log_datasets(run_id, dataset_inputs(cfg, reports))
         return prepared

@@ -46,7 +46,7 @@ def run_stage(spec: dict) -> dict | None:
     """The stage's task body on this process: rank 0's Checkpoint as a dict, None on the other ranks."""
     # imported here, not above: a Ray worker checks its storage and credentials before it pays for these
     # (transformers, MLflow, Prefect), so a cluster that cannot run the stage says so in seconds
-    from tasks import mlflow_store
+    from tasks import tracking
     from tasks.data import PreparedData
     from tasks.initialization import InitPlan
     from tasks.reward_model import reward_stage
@@ -54,7 +54,7 @@ def run_stage(spec: dict) -> dict | None:
     from tasks.stage_io import Checkpoint
 
     cfg = PipelineConfig.model_validate(spec["config"])
-    mlflow_store.configure(cfg.tracking_uri())
+    tracking.store.configure(cfg.tracking_uri())
     inputs = spec["inputs"]
     data = PreparedData(**inputs["data"])
     if spec["stage"] == "reward":

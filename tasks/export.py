@@ -12,7 +12,7 @@ from rlhf_core.config import PipelineConfig
 from rlhf_core.export import ExportInfo, export_policy, generation_settings
 from rlhf_core.model_card import card_field, card_license, source_name
 from rlhf_core.models import generation_config_of, load_tokenizer, run_stop_ids
-from tasks import mlflow_runs
+from tasks import tracking
 from tasks.data import PreparedData
 from tasks.initialization import InitPlan
 from tasks.reporting import StageReporter
@@ -136,7 +136,7 @@ def export_stage(
 ) -> Checkpoint:
     """Write <export dir> from the RL checkpoint export.select picked, register it as a version (tagged with
     the guard's verdict), point `candidate` at it."""
-    with mlflow_runs.stage_run(parent_run_id, "export") as run_id:
+    with tracking.runs.stage_run(parent_run_id, "export") as run_id:
         lineage = {
             "stage_key": trained.key,
             "algorithm": cfg.rl.algorithm,

@@ -188,9 +188,9 @@ def launch(stage: str, cfg, **inputs):
             return Checkpoint(**json.loads(result.read_text()))
     finally:
         if inputs.get("parent_run_id"):
-            from tasks import mlflow_runs
+            from tasks import tracking
 
-            mlflow_runs.end_orphan_stage_runs(inputs["parent_run_id"])
+            tracking.runs.end_orphan_stage_runs(inputs["parent_run_id"])
 
 
 def _stream(command: list[str], env: dict[str, str], logger) -> tuple[deque[str], str | None]:

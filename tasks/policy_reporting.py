@@ -16,7 +16,7 @@ from rlhf_core.evaluation import summarize_rows
 from rlhf_core.guard import GuardRollback, GuardStop, Trigger, strongest
 from rlhf_core.loop import LoopResult
 from rlhf_core.rl_step import training_metric_names
-from tasks import launcher, mlflow_logging
+from tasks import launcher, tracking
 from tasks.checkpoint_selection import select_step
 from tasks.data import PreparedData
 from tasks.eval_rows import load_eval_history, save_eval_rows
@@ -79,9 +79,9 @@ class PolicyReporter(StageReporter):
         triggers = self.ledger.observe(step, summarize_rows(rows), self.cfg.guard, self.cfg.gold_metric())
         summary = self.ledger.evals[step]  # with the ratios to the initial policy
         save_ledger(self.ledger, self.out_dir)
-        mlflow_logging.log_metrics(self.run_id, summary, step)
+        tracking.logs.log_metrics(self.run_id, summary, step)
         # one MLflow table and one Parquet file per evaluation step: nothing is overwritten
-        mlflow_logging.log_table(
+        tracking.logs.log_table(
             self.run_id, [{"step": step, **r} for r in rows], f"eval/completions_step_{step:06d}.json"
         )
         self.artifact(save_eval_rows(self.out_dir, rows, step), "eval")
@@ -100,8 +100,8 @@ class PolicyReporter(StageReporter):
         """Each breach as a metric, a run tag, a console line and one Prefect artifact per evaluation."""
         if not triggers:
             return
-        mlflow_logging.log_metrics(self.run_id, {f"guard/{t.rule}": t.value for t in triggers}, step)
-        mlflow_logging.log_metrics(self.run_id, {"guard/triggers": float(len(self.ledger.all_triggers))}, step)
+        tracking.logs.log_metrics(self.run_id, {f"guard/{t.rule}": t.value for t in triggers}, step)
+        tracking.logs.log_metrics(self.run_id, {"guard/triggers": float(len(self.ledger.all_triggers))}, step)
         self.tag({f"guard.{t.rule}": t.message[:250] for t in triggers})
         for t in triggers:
             self.logger.warning("%s", t.message)
@@ -168,9 +168,9 @@ def report_evaluations(run_id: str, algorithm: str, evals: dict[int, list[dict]]
     series = {f"eval {c}" + (" (gold)" if c == gold else ""): v for c, v in series.items() if v}
     artifact = "eval/eval_curves.png"
     fig = curve_figure(series, f"{algorithm.upper()}: held-out evaluation")
-    mlflow_logging.log_figure(run_id, fig, artifact)
+    tracking.logs.log_figure(run_id, fig, artifact)
     close(fig)
-    link = mlflow_logging.artifact_link(run_id, artifact)
+    link = tracking.logs.artifact_link(run_id, artifact)
     present = [c for c in columns if any(f"eval/{c}_mean" in m for m in summaries.values())]
     lines = [
         f"# {algorithm.upper()} evaluation on held-out prompts",

@@ -102,7 +102,7 @@ def fit(spec: dict) -> dict:
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    from tasks.mlflow_store import is_local_store
+    from tasks.tracking.store import is_local_store
 
     run, stage = RunSettings.model_validate(spec["config"]["run"]), spec["stage"]
     gpu = 1.0 if run.device == "cuda" else 0.0

@@ -2,8 +2,8 @@
 
 A checkpoint directory becomes a new version of a registered model, with lineage tags set in the same
 call that creates the version, so there is never a version without its tags. Registrations hold a
-file lock (`mlflow_store.store_lock`), so concurrent processes never register one checkpoint twice.
-The store is tasks/mlflow_store.py, runs tasks/mlflow_runs.py, what is logged to them tasks/mlflow_logging.py.
+file lock (`tracking.store.store_lock`), so concurrent processes never register one checkpoint twice.
+The store is tasks/tracking/store.py, runs tasks/tracking/runs.py, what is logged to them tasks/tracking/logs.py.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 from rlhf_core.checkpoint import link_identical_files
 from rlhf_core.models import MODEL_BUILDING, load_pretrained
 from rlhf_core.redaction import redact
-from tasks.mlflow_runs import code_version
-from tasks.mlflow_store import store_lock, writes
+from tasks.tracking.runs import code_version
+from tasks.tracking.store import store_lock, writes
 
 # Packages a logged model needs to load again. Listed explicitly because MLflow's inference of
 # default requirements looks for torchvision, which has no CPU build in our registries.

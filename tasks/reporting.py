@@ -5,7 +5,7 @@ rlhf_core loops take (`log` as on_log, `on_checkpoint` as on_checkpoint): a stag
 sequence of calls. What a stage reports beyond that is a subclass with its own `on_eval` (`RewardReporter`
 beside the reward task in tasks/reward_model.py, `PolicyReporter` in tasks/policy_reporting.py) or a few
 functions beside the task (tasks/data.py, tasks/export.py). Every MLflow write goes through
-tasks/mlflow_logging.py and tasks/registry.py, which skip it on the processes of a data-parallel stage
+tasks/tracking/logs.py and tasks/registry.py, which skip it on the processes of a data-parallel stage
 other than rank 0.
 
 Tracking is off the training path. `log` hands the progress artifact's update, and the step's metrics
@@ -26,7 +26,7 @@ from functools import partial
 from pathlib import Path
 
 from rlhf_core.config import PipelineConfig
-from tasks import mlflow_logging, mlflow_store, registry
+from tasks import registry, tracking
 from tasks.background import BackgroundJobs
 from tasks.launcher import stage_logger
 from tasks.plots import close, curve_figure
@@ -64,7 +64,7 @@ class StageReporter:
         self.writes = BackgroundJobs(f"{stage}-tracking")  # progress, and metrics when metrics_in_background
         in_background = cfg.tracking.log_in_background
         self.metrics_in_background = (
-            not mlflow_store.is_local_store(cfg.tracking_uri()) if in_background is None else in_background
+            not tracking.store.is_local_store(cfg.tracking_uri()) if in_background is None else in_background
         )
         self.registrations = BackgroundJobs(f"{stage}-registration")
         self.step_metrics: dict[int, dict[str, float]] = {}  # what `record` saw per step (a version's own step)
@@ -101,7 +101,7 @@ class StageReporter:
         completes it, else `advance` does."""
         self.total_steps = total_steps
         self.progress = StageProgress(key or f"{self.stage}-progress", description)
-        if self.model_name and self.cfg.tracking.register_models and mlflow_store.writes():
+        if self.model_name and self.cfg.tracking.register_models and tracking.store.writes():
             # the first registration's one-time costs, paid on the registration thread while the stage trains
             self.registrations.submit(registry.warm_up, "the registry's warm-up")
 
@@ -125,10 +125,10 @@ class StageReporter:
         metrics = dict(metrics)
         if self.metrics_in_background:
             self.writes.submit(
-                partial(mlflow_logging.log_metrics, self.run_id, metrics, step), f"the {self.stage} metrics"
+                partial(tracking.logs.log_metrics, self.run_id, metrics, step), f"the {self.stage} metrics"
             )
         else:
-            mlflow_logging.log_metrics(self.run_id, metrics, step)
+            tracking.logs.log_metrics(self.run_id, metrics, step)
         self.record(metrics, step)
         if self.total_steps:
             self.advance(step, self.total_steps)
@@ -139,14 +139,14 @@ class StageReporter:
     def plot(self, artifact_file: str, title: str, history: dict[str, list[tuple[int, float]]] | None = None) -> None:
         """The curves (or `history`) as a PNG artifact of the stage run."""
         fig = curve_figure(self.history if history is None else history, title)
-        mlflow_logging.log_figure(self.run_id, fig, artifact_file)
+        tracking.logs.log_figure(self.run_id, fig, artifact_file)
         close(fig)
 
     def tag(self, tags: dict[str, str]) -> None:
-        mlflow_logging.set_run_tags(self.run_id, tags)
+        tracking.logs.set_run_tags(self.run_id, tags)
 
     def artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
-        mlflow_logging.log_artifact(self.run_id, path, artifact_path)
+        tracking.logs.log_artifact(self.run_id, path, artifact_path)
 
     # the registry
     def eval_tags(self, step: int) -> dict[str, str]:

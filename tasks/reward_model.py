@@ -20,7 +20,7 @@ from rlhf_core.data import read_rows
 from rlhf_core.demo_world import DemoWorld
 from rlhf_core.models import generation_config_of, prepare_for_training, run_stop_ids
 from rlhf_core.reward_model import load_reward_model, train_reward_model
-from tasks import launcher, mlflow_logging, mlflow_runs, registry
+from tasks import launcher, registry, tracking
 from tasks.data import PreparedData, resolve_model_source, stage_tokenizer
 from tasks.reporting import StageReporter
 from tasks.retry import IO_RETRIES
@@ -127,7 +127,7 @@ class RewardReporter(StageReporter):
         return {k: f"{v:.4f}" for k, v in metrics.items() if k in ("eval_accuracy", "eval_loss")}
 
     def on_eval(self, metrics: dict[str, float], step: int) -> None:
-        mlflow_logging.log_metrics(self.run_id, metrics, step)
+        tracking.logs.log_metrics(self.run_id, metrics, step)
         self.record(metrics, step)
         self.eval_table.append({"step": step, **{k: round(v, 4) for k, v in metrics.items()}})
         self.logger.info("reward eval at step %d: %s", step, ", ".join(f"{k}={v:.3f}" for k, v in metrics.items()))
@@ -143,7 +143,7 @@ class RewardReporter(StageReporter):
             )
         if self.history["reward/loss"]:
             self.plot("reward_curves.png", "Reward model")
-        mlflow_logging.log_metrics(self.run_id, {f"final/{k}": v for k, v in result.metrics.items()}, result.step)
+        tracking.logs.log_metrics(self.run_id, {f"final/{k}": v for k, v in result.metrics.items()}, result.step)
         return Checkpoint(
             path=str(result.checkpoint.resolve()),
             model_uri=self.version_of(result.step),
@@ -177,7 +177,7 @@ def reward_stage(cfg: PipelineConfig, data: PreparedData, policy: Checkpoint | N
     key = reward_key(cfg, data, base_identity)
     out_dir = cfg.run.output_dir / "reward" / key
     with (
-        mlflow_runs.stage_run(parent_run_id, "reward") as run_id,
+        tracking.runs.stage_run(parent_run_id, "reward") as run_id,
         RewardReporter(cfg, run_id, data, key, base_identity) as reporter,
     ):
         reused = reuse_registered(cfg, key, out_dir)

@@ -34,7 +34,7 @@ from rlhf_core.models import (
 from rlhf_core.ppo import train_ppo
 from rlhf_core.reward_functions import load_function
 from rlhf_core.reward_model import load_reward_model
-from tasks import launcher, mlflow_runs
+from tasks import launcher, tracking
 from tasks.data import PreparedData, resolve_model_source, stage_tokenizer
 from tasks.guard import guarded_training
 from tasks.initialization import InitPlan
@@ -239,7 +239,7 @@ def rl_stage(cfg: PipelineConfig, data: PreparedData, plan: InitPlan, parent_run
     key = rl_key(cfg, data, plan)
     out_dir = cfg.run.output_dir / cfg.rl.algorithm / key
     with (
-        mlflow_runs.stage_run(parent_run_id, cfg.rl.algorithm) as run_id,
+        tracking.runs.stage_run(parent_run_id, cfg.rl.algorithm) as run_id,
         PolicyReporter(cfg, run_id, data, plan, key, out_dir, gold=cfg.gold_metric()) as reporter,
     ):
         reporter.register_saved(out_dir, "policy")

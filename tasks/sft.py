@@ -17,7 +17,7 @@ from rlhf_core.config import PipelineConfig
 from rlhf_core.data import read_column
 from rlhf_core.models import load_causal_lm, prepare_for_training
 from rlhf_core.sft import train_sft
-from tasks import mlflow_runs
+from tasks import tracking
 from tasks.data import PreparedData, stage_tokenizer
 from tasks.reporting import StageReporter
 from tasks.retry import IO_RETRIES
@@ -84,7 +84,7 @@ def sft_stage(cfg: PipelineConfig, data: PreparedData, parent_run_id: str) -> Ch
     key = sft_key(cfg, data)
     lineage, curves = {"stage_key": key}, {"sft/loss": ("sft/loss",)}
     with (
-        mlflow_runs.stage_run(parent_run_id, "sft") as run_id,
+        tracking.runs.stage_run(parent_run_id, "sft") as run_id,
         StageReporter(
             cfg,
             "sft",

@@ -17,7 +17,7 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
 os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix="rlhf-tests-prefect-")
 os.environ.pop("MLFLOW_TRACKING_URI", None)
-# the empty MLflow store template (tasks/mlflow_store.py) is made once per test session, not in the user's cache
+# the empty MLflow store template (tasks/tracking/store.py) is made once per test session, not in the user's cache
 os.environ.setdefault("RLHF_CACHE_DIR", tempfile.mkdtemp(prefix="rlhf-tests-cache-"))
 
 import pytest  # noqa: E402

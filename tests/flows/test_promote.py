@@ -14,7 +14,7 @@ from rlhf_core.config import ConfigError
 from rlhf_core.demo_world import world_rows
 from rlhf_core.evaluation import evaluate_generations
 from rlhf_core.models import generation_config_of, load_causal_lm, load_tokenizer, stop_token_ids
-from tasks import mlflow_store, registry
+from tasks import registry, tracking
 
 SMOKE = str(Path(__file__).resolve().parents[2] / "configs" / "smoke.yaml")
 NAME = "smoke-policy"
@@ -33,8 +33,8 @@ def perturbed(base: Path, out: Path, seed: int) -> Path:
 
 
 def register_candidate(model_dir: Path, reference: Path, uri: str) -> str:
-    mlflow_store.configure(uri)
-    experiment = mlflow_store.ensure_experiment("promote-test", uri)
+    tracking.store.configure(uri)
+    experiment = tracking.store.ensure_experiment("promote-test", uri)
     with mlflow.start_run(experiment_id=experiment) as run:
         tags = {"stage": "export", "step": "2", "base_model": str(reference), "reward_model_version": "none"}
         version = registry.register_checkpoint(

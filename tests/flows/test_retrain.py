@@ -9,7 +9,7 @@ from mlflow.tracking import MlflowClient
 
 from flows.retrain import rlhf_retrain
 from rlhf_core.data import read_rows
-from tasks import mlflow_logging
+from tasks import tracking
 
 SMOKE = str(Path(__file__).resolve().parents[2] / "configs" / "smoke.yaml")
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore")]
@@ -31,7 +31,7 @@ def test_retrain_notices_new_files_starts_from_the_champion_and_retries_io(
 
     # the tracking server is unreachable once, when the data stage tags its run: the task is retried
     failures = []
-    real = mlflow_logging.set_run_tags
+    real = tracking.logs.set_run_tags
 
     def flaky(run_id, tags):
         if "data_fingerprint" in tags and not failures:
@@ -39,7 +39,7 @@ def test_retrain_notices_new_files_starts_from_the_champion_and_retries_io(
             raise ConnectionError("Connection refused")
         return real(run_id, tags)
 
-    monkeypatch.setattr(mlflow_logging, "set_run_tags", flaky)
+    monkeypatch.setattr(tracking.logs, "set_run_tags", flaky)
     first = rlhf_retrain(config_path=SMOKE, overrides=overrides, preference_path=glob)
     assert len(failures) == 1 and first["pipeline"]["skipped"] is None
     assert first["promotion"]["decision"] == "promoted"  # no champion yet

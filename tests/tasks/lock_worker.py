@@ -18,7 +18,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from rlhf_core.config import load_config  # noqa: E402
-from tasks import mlflow_runs, registry  # noqa: E402
+from tasks import registry, tracking  # noqa: E402
 from tasks.run_lock import run_lock, terminate_on_sigterm  # noqa: E402
 
 
@@ -33,7 +33,7 @@ def register(uri: str, out: str, model_dir: str, go_file: str) -> None:
     print("waiting", flush=True)
     while not Path(go_file).exists():
         time.sleep(0.01)
-    with mlflow_runs.pipeline_run(cfg) as parent, mlflow_runs.stage_run(parent, "sft") as run_id:
+    with tracking.runs.pipeline_run(cfg) as parent, tracking.runs.stage_run(parent, "sft") as run_id:
         tags = {"stage": "sft", "stage_key": "k", "step": "1"}
         print(
             registry.register_once(model_dir, "race-policy", task="text-generation", tags=tags, run_id=run_id),
@@ -47,8 +47,8 @@ def run(uri: str, out: str) -> None:
     with (
         run_lock(out),
         terminate_on_sigterm(),
-        mlflow_runs.pipeline_run(cfg) as parent,
-        mlflow_runs.stage_run(parent, "sft") as stage,
+        tracking.runs.pipeline_run(cfg) as parent,
+        tracking.runs.stage_run(parent, "sft") as stage,
     ):
         print("ready", parent, stage, flush=True)
         time.sleep(120)

@@ -14,7 +14,7 @@ from mlflow.tracking import MlflowClient
 from transformers import GenerationConfig
 
 from rlhf_core.config import load_config
-from tasks import mlflow_logging, mlflow_runs, registry
+from tasks import registry, tracking
 from tasks.reporting import StageReporter
 
 pytestmark = pytest.mark.filterwarnings("ignore")
@@ -38,7 +38,7 @@ def test_a_registration_on_another_thread_draws_no_randomness_and_belongs_to_its
     GenerationConfig(do_sample=True, temperature=0.9, top_k=5).save_pretrained(checkpoint)
     torch.manual_seed(123)
     before = rng_states()
-    with mlflow_runs.pipeline_run(cfg) as parent, mlflow_runs.stage_run(parent, "ppo") as run_id:
+    with tracking.runs.pipeline_run(cfg) as parent, tracking.runs.stage_run(parent, "ppo") as run_id:
         outcome = {}
         tags = registry.lineage_tags(stage="ppo", step=3, config_hash="h", data_fingerprint="d")
 
@@ -112,7 +112,7 @@ def test_metrics_are_written_beside_training_and_before_the_version_of_their_ste
         events.append(("version", int(tags["step"])))
         return f"models:/{model_name}/1"
 
-    monkeypatch.setattr(mlflow_logging, "log_metrics", log_metrics)
+    monkeypatch.setattr(tracking.logs, "log_metrics", log_metrics)
     monkeypatch.setattr(registry, "register_once", register_once)
     with StageReporter(cfg, "ppo", "run-id", model_name="p", curves={"kl": ("kl",)}) as reporter:
         reporter.metrics_in_background = True  # as for a tracking server
@@ -135,7 +135,7 @@ def test_a_failing_stage_still_writes_the_metrics_it_logged(cfg, monkeypatch):
         time.sleep(0.05)
         written.append(step)
 
-    monkeypatch.setattr(mlflow_logging, "log_metrics", log_metrics)
+    monkeypatch.setattr(tracking.logs, "log_metrics", log_metrics)
     with pytest.raises(ValueError, match="loss is nan"):
         with StageReporter(cfg, "sft", "run-id") as reporter:
             reporter.metrics_in_background = True
@@ -151,7 +151,7 @@ def test_a_metrics_write_that_fails_fails_the_stage(cfg, monkeypatch):
     def log_metrics(run_id, metrics, step):
         raise MlflowException("INVALID_PARAMETER_VALUE: metric value is not a number")
 
-    monkeypatch.setattr(mlflow_logging, "log_metrics", log_metrics)
+    monkeypatch.setattr(tracking.logs, "log_metrics", log_metrics)
     with pytest.raises(MlflowException, match="not a number"):
         with StageReporter(cfg, "sft", "run-id") as reporter:
             reporter.metrics_in_background = True
@@ -205,7 +205,7 @@ def test_a_registration_builds_its_model_only_while_no_other_thread_builds_one(c
     # registration thread beside one built by training came out with its tied weights on the meta device
     from rlhf_core.models import MODEL_BUILDING
 
-    with mlflow_runs.pipeline_run(cfg) as parent, mlflow_runs.stage_run(parent, "ppo") as run_id:
+    with tracking.runs.pipeline_run(cfg) as parent, tracking.runs.stage_run(parent, "ppo") as run_id:
         tags = registry.lineage_tags(stage="ppo", step=1, config_hash="h", data_fingerprint="d")
         done = threading.Event()
 

@@ -5,8 +5,8 @@ The driver on a (simulated) cluster is tests/distributed/test_ray_launcher.py.""
 from ray.exceptions import ActorDiedError
 from ray.train.v2.api.exceptions import WorkerGroupError
 
-from tasks.mlflow_store import is_local_store
 from tasks.ray_driver import capacity_verdict, failure_sentence, hosts_of, local_store_verdict
+from tasks.tracking.store import is_local_store
 
 
 def node(address: str, alive: bool = True) -> dict:

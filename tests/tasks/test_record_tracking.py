@@ -1,4 +1,4 @@
-"""tasks/mlflow_runs.py, tasks/mlflow_logging.py and tasks/reporting.py for a readable record: Prefect links
+"""tasks/tracking/runs.py, tasks/tracking/logs.py and tasks/reporting.py for a readable record: Prefect links
 without secrets, empty stage runs dropped, data sets as dataset inputs, each version tagged with its own step's
 evaluation."""
 
@@ -10,7 +10,7 @@ from mlflow.tracking import MlflowClient
 from prefect.settings import PREFECT_API_URL, PREFECT_UI_URL, temporary_settings
 
 from rlhf_core.config import load_config
-from tasks import mlflow_logging, mlflow_runs, registry
+from tasks import registry, tracking
 from tasks.reporting import StageReporter
 
 pytestmark = pytest.mark.filterwarnings("ignore")
@@ -32,26 +32,28 @@ def in_flow_run(monkeypatch):
 
 def test_prefect_tags_link_the_flow_run_without_the_ui_password(in_flow_run):
     with temporary_settings(updates={PREFECT_UI_URL: "https://alice:s3cret@prefect.example"}):
-        tags = mlflow_runs.prefect_tags()
+        tags = tracking.runs.prefect_tags()
     assert tags["prefect.flow_run_id"] == "0b1c-flow-run"
     assert tags["prefect.flow_run_url"] == "https://alice:***@prefect.example/runs/flow-run/0b1c-flow-run"
     with temporary_settings(updates={PREFECT_API_URL: "http://127.0.0.1:4200/api"}):  # the UI url derived from it
-        assert mlflow_runs.prefect_tags()["prefect.flow_run_url"] == "http://127.0.0.1:4200/runs/flow-run/0b1c-flow-run"
+        assert (
+            tracking.runs.prefect_tags()["prefect.flow_run_url"] == "http://127.0.0.1:4200/runs/flow-run/0b1c-flow-run"
+        )
 
 
 def test_without_a_prefect_url_only_the_id_is_tagged_and_outside_a_flow_run_nothing(in_flow_run, monkeypatch):
     with temporary_settings(restore_defaults={PREFECT_API_URL, PREFECT_UI_URL}):
-        assert mlflow_runs.prefect_tags() == {"prefect.flow_run_id": "0b1c-flow-run"}
+        assert tracking.runs.prefect_tags() == {"prefect.flow_run_id": "0b1c-flow-run"}
     from prefect.runtime import flow_run
 
     monkeypatch.setattr(flow_run, "get_id", lambda: None)
-    assert mlflow_runs.prefect_tags() == {}
+    assert tracking.runs.prefect_tags() == {}
 
 
 def test_pipeline_and_stage_runs_say_their_kind_and_flow_run(cfg, in_flow_run):
-    with mlflow_runs.pipeline_run(cfg) as parent, mlflow_runs.stage_run(parent, "sft") as stage:
-        mlflow_logging.log_metrics(stage, {"sft/loss": 1.0}, 1)
-    with mlflow_runs.pipeline_run(cfg, tags={"rlhf.run_kind": "promotion"}, run_name="promote-p-v3") as other:
+    with tracking.runs.pipeline_run(cfg) as parent, tracking.runs.stage_run(parent, "sft") as stage:
+        tracking.logs.log_metrics(stage, {"sft/loss": 1.0}, 1)
+    with tracking.runs.pipeline_run(cfg, tags={"rlhf.run_kind": "promotion"}, run_name="promote-p-v3") as other:
         pass
     client = MlflowClient()
     parent_tags, stage_tags = client.get_run(parent).data.tags, client.get_run(stage).data.tags
@@ -62,23 +64,23 @@ def test_pipeline_and_stage_runs_say_their_kind_and_flow_run(cfg, in_flow_run):
 
 
 def test_a_stage_run_in_a_launched_process_inherits_the_parents_flow_run(cfg, in_flow_run, monkeypatch):
-    with mlflow_runs.pipeline_run(cfg) as parent:
+    with tracking.runs.pipeline_run(cfg) as parent:
         from prefect.runtime import flow_run
 
         monkeypatch.setattr(flow_run, "get_id", lambda: None)  # a worker process started by tasks/launcher.py
-        with mlflow_runs.stage_run(parent, "ppo") as stage:
-            mlflow_logging.log_metrics(stage, {"loss": 1.0}, 1)
+        with tracking.runs.stage_run(parent, "ppo") as stage:
+            tracking.logs.log_metrics(stage, {"loss": 1.0}, 1)
     assert MlflowClient().get_run(stage).data.tags["prefect.flow_run_id"] == "0b1c-flow-run"
 
 
 def test_a_stage_run_that_recorded_nothing_is_dropped_and_the_parent_says_why(cfg):
-    with mlflow_runs.pipeline_run(cfg) as parent:
-        with mlflow_runs.stage_run(parent, "sft") as empty:
+    with tracking.runs.pipeline_run(cfg) as parent:
+        with tracking.runs.stage_run(parent, "sft") as empty:
             pass
-        with mlflow_runs.stage_run(parent, "reward") as reused:
-            mlflow_logging.set_run_tags(reused, {"rlhf.reused": "models:/rm/2"})
-        with mlflow_runs.stage_run(parent, "ppo") as kept:
-            mlflow_logging.log_metrics(kept, {"loss": 1.0}, 1)
+        with tracking.runs.stage_run(parent, "reward") as reused:
+            tracking.logs.set_run_tags(reused, {"rlhf.reused": "models:/rm/2"})
+        with tracking.runs.stage_run(parent, "ppo") as kept:
+            tracking.logs.log_metrics(kept, {"loss": 1.0}, 1)
     client = MlflowClient()
     active = client.search_runs([client.get_run(parent).info.experiment_id], f"tags.mlflow.parentRunId = '{parent}'")
     assert [r.info.run_id for r in active] == [kept]
@@ -92,7 +94,7 @@ def test_a_stage_run_that_recorded_nothing_is_dropped_and_the_parent_says_why(cf
 
 def test_a_failed_stage_run_is_kept_even_when_empty(cfg):
     with pytest.raises(RuntimeError):
-        with mlflow_runs.pipeline_run(cfg) as parent, mlflow_runs.stage_run(parent, "sft") as stage:
+        with tracking.runs.pipeline_run(cfg) as parent, tracking.runs.stage_run(parent, "sft") as stage:
             raise RuntimeError("boom")
     run = MlflowClient().get_run(stage)
     assert run.info.status == "FAILED" and run.info.lifecycle_stage == "active"
@@ -103,8 +105,8 @@ def test_a_failed_stage_run_is_kept_even_when_empty(cfg):
 def test_datasets_are_logged_with_name_source_digest_and_context(cfg, tmp_path):
     local = tmp_path / "prefs.jsonl"
     local.write_text("{}\n")
-    with mlflow_runs.pipeline_run(cfg) as parent, mlflow_runs.stage_run(parent, "data") as run_id:
-        mlflow_logging.log_datasets(
+    with tracking.runs.pipeline_run(cfg) as parent, tracking.runs.stage_run(parent, "data") as run_id:
+        tracking.logs.log_datasets(
             run_id,
             [
                 {"name": "data.preference", "source": str(local), "digest": "aaa", "context": "training", "rows": 3},
@@ -159,9 +161,9 @@ def test_a_registered_checkpoint_carries_the_evaluation_recorded_for_its_step(cf
 
 
 def test_the_logged_model_of_a_checkpoint_carries_its_steps_metrics(cfg, smoke_world):
-    with mlflow_runs.pipeline_run(cfg) as parent, mlflow_runs.stage_run(parent, "ppo") as run_id:
-        mlflow_logging.log_metrics(run_id, {"eval/gold_mean": 0.1}, 0)
-        mlflow_logging.log_metrics(run_id, {"eval/gold_mean": 0.9}, 3)
+    with tracking.runs.pipeline_run(cfg) as parent, tracking.runs.stage_run(parent, "ppo") as run_id:
+        tracking.logs.log_metrics(run_id, {"eval/gold_mean": 0.1}, 0)
+        tracking.logs.log_metrics(run_id, {"eval/gold_mean": 0.9}, 3)
         tags = registry.lineage_tags(stage="ppo", step=3, config_hash="h", data_fingerprint="d")
         registry.register_checkpoint(
             smoke_world.base_model, "unit-policy", task="text-generation", tags=tags, run_id=run_id

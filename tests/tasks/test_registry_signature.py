@@ -12,7 +12,7 @@ from transformers import GenerationConfig
 from rlhf_core.config import load_config
 from rlhf_core.models import load_causal_lm, load_tokenizer
 from rlhf_core.saving import save_hf_dir
-from tasks import mlflow_runs, registry
+from tasks import registry, tracking
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -33,7 +33,7 @@ def test_a_policy_version_has_the_generation_params_and_an_input_example(cfg, sm
     tags = {"stage": "export", "stage_key": "k", "step": "1"}
     torch.manual_seed(0)
     before = torch.random.get_rng_state()
-    with mlflow_runs.pipeline_run(cfg) as parent, mlflow_runs.stage_run(parent, "export") as run_id:
+    with tracking.runs.pipeline_run(cfg) as parent, tracking.runs.stage_run(parent, "export") as run_id:
         uri = registry.register_once(
             tmp_path / "policy", "unit-policy", task="text-generation", tags=tags, run_id=run_id
         )
@@ -72,7 +72,7 @@ def test_a_reward_model_version_has_no_generation_params(cfg, smoke_world, tmp_p
     scorer = AutoModelForSequenceClassification.from_pretrained(smoke_world.base_model, num_labels=1)
     save_hf_dir(scorer, tok, tmp_path / "reward")
     tags = {"stage": "reward", "stage_key": "k", "step": "1"}
-    with mlflow_runs.pipeline_run(cfg) as parent, mlflow_runs.stage_run(parent, "reward") as run_id:
+    with tracking.runs.pipeline_run(cfg) as parent, tracking.runs.stage_run(parent, "reward") as run_id:
         uri = registry.register_once(
             tmp_path / "reward", "unit-reward", task="text-classification", tags=tags, run_id=run_id
         )

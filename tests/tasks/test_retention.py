@@ -5,7 +5,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from rlhf_core.config import load_config
-from tasks import mlflow_runs, registry
+from tasks import registry, tracking
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -38,7 +38,7 @@ def test_old_versions_go_and_aliased_and_kept_ones_stay(cfg, smoke_world):
             keep_last=cfg.registry.keep_last_versions,
         )
 
-    with mlflow_runs.pipeline_run(cfg) as parent, mlflow_runs.stage_run(parent, "ppo") as run_id:
+    with tracking.runs.pipeline_run(cfg) as parent, tracking.runs.stage_run(parent, "ppo") as run_id:
         client = MlflowClient()  # after pipeline_run pointed MLflow at the test's store
         assert [register(s, run_id) for s in (1, 2, 3)] == [f"models:/{name}/{v}" for v in (1, 2, 3)]
         assert sorted(int(v.version) for v in client.search_model_versions(f"name = '{name}'")) == [2, 3]
@@ -59,7 +59,7 @@ def test_old_versions_go_and_aliased_and_kept_ones_stay(cfg, smoke_world):
     assert str(client.get_model_version_by_alias(name, "champion").version) == "2"
 
     # the logged model behind a deleted version is marked deleted (mlflow gc removes its artifacts)
-    with mlflow_runs.pipeline_run(cfg) as parent, mlflow_runs.stage_run(parent, "ppo") as run_id:
+    with tracking.runs.pipeline_run(cfg) as parent, tracking.runs.stage_run(parent, "ppo") as run_id:
         v5 = client.get_model_version(name, "5")
         assert register(7, run_id) == f"models:/{name}/7"
     assert sorted(int(v.version) for v in client.search_model_versions(f"name = '{name}'")) == [2, 3, 4, 6, 7]
@@ -69,7 +69,7 @@ def test_old_versions_go_and_aliased_and_kept_ones_stay(cfg, smoke_world):
 
 
 def test_prune_versions_keeps_all_without_a_limit_and_refuses_zero(cfg, smoke_world):
-    with mlflow_runs.pipeline_run(cfg) as parent, mlflow_runs.stage_run(parent, "sft") as run_id:
+    with tracking.runs.pipeline_run(cfg) as parent, tracking.runs.stage_run(parent, "sft") as run_id:
         for step in (1, 2):
             registry.register_once(
                 smoke_world.base_model,

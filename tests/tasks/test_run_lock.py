@@ -13,7 +13,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from rlhf_core.config import load_config
-from tasks import mlflow_runs
+from tasks import tracking
 from tasks.run_lock import HOLDER_FILE, RunLockedError, read_holder, run_lock, terminate_on_sigterm
 
 pytestmark = pytest.mark.filterwarnings("ignore")
@@ -87,7 +87,7 @@ def test_a_held_run_directory_stops_a_second_run_and_a_killed_holder_is_taken_ov
 
     with run_lock(out) as mine:  # the OS released the dead holder's lock; the holder file is rewritten
         assert mine["pid"] == os.getpid() and read_holder(out)["pid"] == os.getpid()
-        with mlflow_runs.pipeline_run(cfg_for(mlflow_uri, out)) as run_id:
+        with tracking.runs.pipeline_run(cfg_for(mlflow_uri, out)) as run_id:
             # the next start marked the abandoned runs of this run directory KILLED
             assert client.get_run(parent_id).info.status == "KILLED"
             assert client.get_run(stage_id).info.status == "KILLED"
@@ -129,7 +129,7 @@ def test_a_second_holder_in_the_same_process_is_refused_and_the_cli_prints_one_s
 def test_an_interruption_ends_the_runs_killed_and_a_failure_failed(tmp_path, mlflow_uri):
     cfg, ids = cfg_for(mlflow_uri, tmp_path), {}
     with pytest.raises(KeyboardInterrupt):
-        with mlflow_runs.pipeline_run(cfg) as run_id, mlflow_runs.stage_run(run_id, "sft") as stage_id:
+        with tracking.runs.pipeline_run(cfg) as run_id, tracking.runs.stage_run(run_id, "sft") as stage_id:
             ids.update(parent=run_id, stage=stage_id)
             raise KeyboardInterrupt
     client = MlflowClient()

@@ -3,7 +3,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from rlhf_core.config import load_config
-from tasks import mlflow_logging, mlflow_runs, mlflow_store, registry
+from tasks import registry, tracking
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -16,8 +16,8 @@ def cfg(tmp_path, mlflow_uri):
 
 
 def test_pipeline_run_logs_flat_params_and_finishes(cfg):
-    with mlflow_runs.pipeline_run(cfg) as run_id:
-        mlflow_logging.log_metrics(run_id, {"x/loss": 1.5}, step=3)
+    with tracking.runs.pipeline_run(cfg) as run_id:
+        tracking.logs.log_metrics(run_id, {"x/loss": 1.5}, step=3)
     run = MlflowClient().get_run(run_id)
     assert run.info.status == "FINISHED"
     assert run.data.params["ppo.kl_coef"] == "0.05" and run.data.params["rl.algorithm"] == "ppo"
@@ -27,7 +27,7 @@ def test_pipeline_run_logs_flat_params_and_finishes(cfg):
 
 
 def test_artifacts_of_a_sqlite_store_live_beside_it(cfg, tmp_path):
-    with mlflow_runs.pipeline_run(cfg) as run_id:
+    with tracking.runs.pipeline_run(cfg) as run_id:
         pass
     experiment = MlflowClient().get_experiment(MlflowClient().get_run(run_id).info.experiment_id)
     assert experiment.artifact_location == (tmp_path / "mlruns").as_uri()
@@ -36,9 +36,9 @@ def test_artifacts_of_a_sqlite_store_live_beside_it(cfg, tmp_path):
 def test_a_crash_marks_pipeline_and_stage_runs_failed(cfg):
     ids = {}
     with pytest.raises(RuntimeError, match="boom"):
-        with mlflow_runs.pipeline_run(cfg) as run_id:
+        with tracking.runs.pipeline_run(cfg) as run_id:
             ids["parent"] = run_id
-            with mlflow_runs.stage_run(run_id, "sft") as stage_id:
+            with tracking.runs.stage_run(run_id, "sft") as stage_id:
                 ids["stage"] = stage_id
                 raise RuntimeError("boom")
     client = MlflowClient()
@@ -53,14 +53,14 @@ def test_secrets_never_reach_params(tmp_path):
     cfg = load_config(None, [f"tracking.uri=sqlite:///{tmp_path / 'm.db'}"])
     # a password in a URI-valued field is hidden, even one a user put into a free-text field
     cfg.model.base = "https://bob:hunter2@hub.example/org/model"
-    with mlflow_runs.pipeline_run(cfg) as run_id:
+    with tracking.runs.pipeline_run(cfg) as run_id:
         pass
     params = MlflowClient().get_run(run_id).data.params
     assert "hunter2" not in " ".join(params.values())
 
 
 def test_register_checkpoint_creates_a_tagged_version_that_loads(cfg, smoke_world):
-    with mlflow_runs.pipeline_run(cfg) as parent, mlflow_runs.stage_run(parent, "sft") as run_id:
+    with tracking.runs.pipeline_run(cfg) as parent, tracking.runs.stage_run(parent, "sft") as run_id:
         tags = registry.lineage_tags(stage="sft", step=8, config_hash=cfg.config_hash(), data_fingerprint="abc123")
         first = registry.register_checkpoint(
             smoke_world.base_model, "unit-policy", task="text-generation", tags=tags, run_id=run_id
@@ -90,7 +90,7 @@ def test_a_failed_registration_leaves_no_version(cfg, smoke_world, monkeypatch):
 
     monkeypatch.setattr(registry, "_await_ready", not_ready)
     with pytest.raises(RuntimeError, match="registry went away"):
-        with mlflow_runs.pipeline_run(cfg) as parent, mlflow_runs.stage_run(parent, "sft") as run_id:
+        with tracking.runs.pipeline_run(cfg) as parent, tracking.runs.stage_run(parent, "sft") as run_id:
             registry.register_checkpoint(
                 smoke_world.base_model,
                 "unit-policy",
@@ -102,7 +102,7 @@ def test_a_failed_registration_leaves_no_version(cfg, smoke_world, monkeypatch):
 
 
 def test_materialize_model_round_trips_a_version(cfg, smoke_world, tmp_path):
-    with mlflow_runs.pipeline_run(cfg) as parent, mlflow_runs.stage_run(parent, "sft") as run_id:
+    with tracking.runs.pipeline_run(cfg) as parent, tracking.runs.stage_run(parent, "sft") as run_id:
         uri = registry.register_checkpoint(
             smoke_world.base_model,
             "unit-policy",
@@ -121,7 +121,7 @@ def test_registry_sources_follow_the_alias_and_a_missing_version_is_named(cfg, s
     from rlhf_core.models import ModelSourceError
     from tasks.data import resolve_model_source
 
-    with mlflow_runs.pipeline_run(cfg) as parent, mlflow_runs.stage_run(parent, "export") as run_id:
+    with tracking.runs.pipeline_run(cfg) as parent, tracking.runs.stage_run(parent, "export") as run_id:
         versions = [
             registry.register_checkpoint(
                 smoke_world.base_model,
@@ -150,7 +150,7 @@ def test_registry_sources_follow_the_alias_and_a_missing_version_is_named(cfg, s
 def test_a_local_artifact_store_shares_the_checkpoint_weights_instead_of_copying_them(cfg, smoke_world):
     import os
 
-    with mlflow_runs.pipeline_run(cfg) as parent, mlflow_runs.stage_run(parent, "sft") as run_id:
+    with tracking.runs.pipeline_run(cfg) as parent, tracking.runs.stage_run(parent, "sft") as run_id:
         tags = registry.lineage_tags(stage="sft", step=1, config_hash=cfg.config_hash(), data_fingerprint="abc")
         uri = registry.register_checkpoint(
             smoke_world.base_model, "unit-policy", task="text-generation", tags=tags, run_id=run_id
@@ -183,7 +183,7 @@ def test_a_new_store_is_a_copy_of_the_migrated_empty_schema(tmp_path, monkeypatc
     # given: a private cache and a store MLflow migrates itself
     from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
 
-    monkeypatch.setenv(mlflow_store.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv(tracking.store.CACHE_ENV, str(tmp_path / "cache"))
     migrated = tmp_path / "migrated.db"
     SqlAlchemyStore(f"sqlite:///{migrated}", str(tmp_path / "artifacts")).engine.dispose()
     # when: two new stores are configured (the first makes the template)
@@ -191,8 +191,8 @@ def test_a_new_store_is_a_copy_of_the_migrated_empty_schema(tmp_path, monkeypatc
         (tmp_path / name).mkdir()
         monkeypatch.chdir(tmp_path / name)
         uri = f"sqlite:///{tmp_path / name / 'mlflow.db'}"
-        mlflow_store.configure(uri)
-        mlflow_store.ensure_experiment("demo", uri)
+        tracking.store.configure(uri)
+        tracking.store.ensure_experiment("demo", uri)
         # then: the same tables, indexes and schema revision; experiment 0 made in this store's own context
         assert _schema(tmp_path / name / "mlflow.db") == _schema(migrated)
         default = MlflowClient(uri).get_experiment("0")
@@ -202,19 +202,19 @@ def test_a_new_store_is_a_copy_of_the_migrated_empty_schema(tmp_path, monkeypatc
 
 
 def test_a_file_at_the_store_path_is_never_replaced_by_the_template(tmp_path, monkeypatch):
-    monkeypatch.setenv(mlflow_store.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv(tracking.store.CACHE_ENV, str(tmp_path / "cache"))
     db = tmp_path / "mlflow.db"
     db.write_text("a user's file")
-    template = mlflow_store.empty_store_template()
-    mlflow_store._copy_template(template, db)
+    template = tracking.store.empty_store_template()
+    tracking.store._copy_template(template, db)
     assert db.read_text() == "a user's file" and not list(tmp_path.glob(".*.tmp"))
 
 
 def test_an_unwritable_cache_leaves_the_store_to_mlflow(tmp_path, monkeypatch):
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("")
-    monkeypatch.setenv(mlflow_store.CACHE_ENV, str(blocker / "cache"))
-    assert mlflow_store.empty_store_template() is None
+    monkeypatch.setenv(tracking.store.CACHE_ENV, str(blocker / "cache"))
+    assert tracking.store.empty_store_template() is None
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    mlflow_store.configure(uri)
-    assert mlflow_store.ensure_experiment("demo", uri)
+    tracking.store.configure(uri)
+    assert tracking.store.ensure_experiment("demo", uri)

@@ -3,7 +3,7 @@ import os
 
 import pytest
 
-from tasks import mlflow_store
+from tasks import tracking
 
 SECRET = "S3cr3t-xyz"
 ENV = (
@@ -19,7 +19,7 @@ def mlflow_env(monkeypatch):
     for key in ENV:
         monkeypatch.setenv(key, "x")  # recorded, so that what configure sets is undone
         monkeypatch.delenv(key)
-    monkeypatch.setattr(mlflow_store, "_suppressed_by_us", False)
+    monkeypatch.setattr(tracking.store, "_suppressed_by_us", False)
     yield
     import mlflow
 
@@ -29,16 +29,16 @@ def mlflow_env(monkeypatch):
 def test_configure_moves_a_user_and_password_into_mlflows_variables(mlflow_env):
     import mlflow
 
-    mlflow_store.configure(f"http://alice:a/{SECRET}@127.0.0.1:1")
+    tracking.store.configure(f"http://alice:a/{SECRET}@127.0.0.1:1")
     assert mlflow.get_tracking_uri() == "http://127.0.0.1:1"
     assert os.environ["MLFLOW_TRACKING_USERNAME"] == "alice" and os.environ["MLFLOW_TRACKING_PASSWORD"] == f"a/{SECRET}"
     assert "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT" not in os.environ
 
 
 def test_configure_suppresses_mlflows_run_links_for_a_secret_that_cannot_move(mlflow_env):
-    mlflow_store.configure(f"http://{SECRET}@127.0.0.1:1")
+    tracking.store.configure(f"http://{SECRET}@127.0.0.1:1")
     assert os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] == "true"
-    mlflow_store.configure("http://127.0.0.1:1")
+    tracking.store.configure("http://127.0.0.1:1")
     assert "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT" not in os.environ
 
 

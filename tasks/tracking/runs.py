@@ -26,7 +26,7 @@ from mlflow.tracking import MlflowClient
 from rlhf_core.config import PipelineConfig
 from rlhf_core.ownership import pid_alive
 from rlhf_core.redaction import flatten_config, redact
-from tasks.mlflow_store import configure, ensure_experiment, writes
+from tasks.tracking.store import configure, ensure_experiment, writes
 
 RUN_KIND = "rlhf.run_kind"  # pipeline, stage or promotion
 FLOW_RUN_ID, FLOW_RUN_URL = "prefect.flow_run_id", "prefect.flow_run_url"

@@ -1,6 +1,6 @@
 """What the pipeline logs to an MLflow run: metrics, figures, artifacts, tables, dataset inputs, tags, and
 links to its artifacts. Every write is skipped on the processes of a data-parallel stage other than rank 0
-(`tasks.mlflow_store.writes`)."""
+(`tasks.tracking.store.writes`)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from mlflow.entities import Metric
 from mlflow.tracking import MlflowClient
 
 from rlhf_core.redaction import redact
-from tasks.mlflow_store import writes
+from tasks.tracking.store import writes
 
 
 def log_metrics(run_id: str, metrics: dict[str, float], step: int) -> None:

@@ -1,0 +1,14 @@
+"""All MLflow tracking code (the registry's is `tasks/registry.py`), one module per concern:
+
+- `store`: where tracking and the registry point, credentials into MLflow's environment, the SQLite store
+  and its cached template, locks, experiments, which process writes;
+- `runs`: the pipeline's run, a nested run per stage, ending runs their process left RUNNING;
+- `logs`: what a run receives (metrics, figures, artifacts, tables, dataset inputs, tags, links).
+
+Callers write `from tasks import tracking` and `tracking.store.configure(...)`, `tracking.runs.stage_run(...)`,
+`tracking.logs.log_metrics(...)`.
+"""
+
+from tasks.tracking import logs, runs, store
+
+__all__ = ["logs", "runs", "store"]
