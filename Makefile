@@ -20,6 +20,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m compileall -q -j 0 $(VENV)/lib > /dev/null || true  # (a few files shipped in packages do not compile; never imported)
 	# TRL 1.12 (the last with PPOTrainer) for the PPO parity test, apart from the TRL 1.16 installed above
 	$(BIN)/python -m pip install --quiet --no-deps --upgrade --target $(VENV)/trl-1.12.0 trl==1.12.0
+	# verl 0.9.1 for the REINFORCE++ / RLOO parity test, apart as well, with the few packages its imports need that the venv lacks
+	$(BIN)/python -m pip install --quiet --no-deps --upgrade --target $(VENV)/verl-0.9.1 verl==0.9.1 omegaconf==2.3.0 antlr4-python3-runtime==4.9.3 tensordict==0.10.0 pyvers==0.1.0 codetiming==1.4.0 torchdata==0.11.0
 	touch $(STAMP)
 
 venv: $(STAMP)

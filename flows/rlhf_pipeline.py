@@ -1,8 +1,9 @@
-"""The RLHF pipeline as a Prefect flow: data -> sft -> reward -> init -> ppo | grpo -> export.
+"""The RLHF pipeline as a Prefect flow: data -> sft -> reward -> init -> rl.algorithm -> export.
 
 Each stage has one name: its `stage(...)` marker here (named in a failed state's message), its Prefect
 task, its MLflow stage run (tag `rlhf.stage`) and its versions' `stage` tag. The RL stage is named for
-its algorithm, `ppo` or `grpo`; its task is `rl_stage`, which runs under that name.
+its algorithm (`ppo`, `grpo`, `rloo`, ...); its task is `rl_stage`, which runs under that name. The reward
+stage runs only when something reads its model (PPO, or a grpo.rewards entry `reward_stage`).
 
 The flow's parameters are the config: a YAML path plus `section.field=value` overrides, so the same
 call works from the CLI, from `prefect deployment run --param`, and from a schedule. The config is
@@ -173,6 +174,12 @@ def rlhf_pipeline(
                 policy = sft_stage(cfg, data, run_id) if cfg.sft.enabled else None
             with stage("reward"):
                 reward = reward_stage(cfg, data, policy, run_id) if uses_reward_stage(cfg) else None
+                if reward is None:
+                    logger.info(
+                        "no reward-model stage: %s scores with grpo.rewards %s, none of which is 'reward_stage'",
+                        cfg.rl.algorithm,
+                        ", ".join(r.name for r in cfg.grpo.rewards),
+                    )
             with stage("init"):
                 plan = init_stage(cfg, data, policy, reward)
             with stage(cfg.rl.algorithm):

@@ -3,26 +3,30 @@
 `estimator_for(rl.algorithm)` picks one from `ESTIMATORS`. Each is a function of the scored rollout
 (`RolloutBatch`) and an `EstimatorContext` that returns an `Estimate`; a new estimator is one such
 function registered under its algorithm's name, and a test that pins its math. The pure math each
-estimator wraps is here too:
+estimator wraps lives in `rl_math.py` (GAE, discounted returns) and `group_baselines.py`:
   ppo   GAE over KL-penalized per-token rewards, with a value model (arXiv:1506.02438; the KL penalty
         of Ziegler et al., arXiv:1909.08593)
   grpo  group-relative rewards: each completion against the other completions of its prompt
         (DeepSeekMath, arXiv:2402.03300), as TRL 1.16 computes them
+  rloo  REINFORCE leave-one-out: each completion against the mean of its siblings (Ahmadian et al.,
+        arXiv:2402.14740), with TRL 1.16 RLOOTrainer's KL-in-reward, clipping and normalization
+  reinforce_plus_plus           REINFORCE++ (arXiv:2501.03262) as verl 0.9.1 computes it: discounted
+        returns of the KL-penalized token rewards, whitened over the batch's tokens
+  reinforce_plus_plus_baseline  the same with the group's mean score subtracted first (no discount)
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Protocol
 
 import torch
 
 from rlhf_core.config import GRPOConfig, PPOConfig
-from rlhf_core.rl_math import kl_per_token, masked_whiten
+from rlhf_core.group_baselines import GroupAdvantages, grpo_advantages, reinforce_pp_advantages, rloo_advantages
+from rlhf_core.rl_math import compute_gae, kl_penalized_rewards, kl_per_token, masked_whiten
 from rlhf_core.rollout import RolloutBatch
-
-STD_EPS = 1e-4  # TRL's: group-relative advantages are divided by std + 1e-4
 
 
 class Collectives(Protocol):
@@ -93,39 +97,6 @@ def estimator_for(algorithm: str, *, with_values: bool) -> Estimator:
 # -- PPO: GAE over KL-penalized rewards ------------------------------------------------------------------
 
 
-def kl_penalized_rewards(
-    scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, last_index: torch.Tensor, kl_coef: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token rewards: -kl_coef * kl on every real token, plus the sequence score on its last token.
-
-    Returns (rewards, non_score_reward), each (B, T), zero on padding.
-    """
-    non_score = -kl_coef * kl * mask
-    rewards = non_score.clone()
-    rewards[torch.arange(rewards.shape[0], device=rewards.device), last_index] += scores
-    return rewards, non_score
-
-
-def compute_gae(
-    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Generalized advantage estimation (arXiv:1506.02438) over response tokens, vectorized. -> (advantages,
-    returns), (B, T)
-
-    delta_t = r_t + gamma * V_{t+1} - V_t (V past the end is 0), A_t = sum_l (gamma*lam)^l delta_{t+l},
-    returns = A + V. Padding positions have zero reward and value, so they add nothing.
-    """
-    values = values * mask
-    rewards = rewards * mask
-    next_values = torch.cat([values[:, 1:], torch.zeros_like(values[:, :1])], dim=1)
-    deltas = rewards + gamma * next_values - values  # (B, T)
-    t = torch.arange(rewards.shape[1], device=rewards.device, dtype=rewards.dtype)
-    lag = t.view(1, -1) - t.view(-1, 1)  # (T, T): s - t
-    discount = torch.where(lag >= 0, (gamma * lam) ** lag.clamp(min=0), torch.zeros_like(lag))
-    advantages = (deltas @ discount.T) * mask  # A_t = sum_s discount[t, s] * delta_s
-    return advantages, advantages + values
-
-
 @register_estimator("ppo", needs_values=True)
 def gae_estimate(batch: RolloutBatch, ctx: EstimatorContext) -> Estimate:
     """PPO's advantages: the reward model's score on the last token, -kl_coef x KL on every token, optionally
@@ -145,72 +116,6 @@ def gae_estimate(batch: RolloutBatch, ctx: EstimatorContext) -> Estimate:
 
 
 # -- GRPO: group-relative rewards ---------------------------------------------------------------------
-
-
-def nanstd(x: torch.Tensor, dim: int | None = None, keepdim: bool = False) -> torch.Tensor:
-    """Unbiased std over the non-NaN entries; NaN where fewer than two entries are present (as TRL's nanstd)."""
-    dims = dim if dim is not None else tuple(range(x.dim()))
-    mean = torch.nanmean(x, dim=dims, keepdim=True)
-    var = torch.nanmean((x - mean) ** 2, dim=dims, keepdim=True)
-    count = (~torch.isnan(x)).sum(dim=dims, keepdim=True)
-    var = var * torch.where(count > 1, count / (count - 1), torch.full_like(var, float("nan")))
-    std = var.sqrt()
-    return std if keepdim else std.squeeze(dims) if dim is not None else std.reshape(())
-
-
-@dataclass
-class GroupAdvantages:
-    advantages: torch.Tensor  # (B,) 0 for unscorable rows
-    rewards: torch.Tensor  # (B,) the weighted sum of the sources (minus any penalty); NaN for unscorable rows
-    std: torch.Tensor  # (B,) the std each row was (or, with scale none, would be) divided by
-    unscorable: torch.Tensor  # (B,) bool: every source returned None
-
-
-def grpo_advantages(
-    per_source: torch.Tensor,
-    weights: torch.Tensor,
-    num_generations: int,
-    *,
-    scale_rewards: Literal["group", "batch", "none"] = "group",
-    aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = "sum_then_normalize",
-    penalty: torch.Tensor | None = None,
-) -> GroupAdvantages:
-    """Group-relative advantages of a whole generation batch (every process's rows, group by group), as TRL 1.16.
-
-    per_source (B, F): each source's reward, NaN where it returned None. A row with no reward at all
-    is unscorable: NaN, left out of every (nan-aware) mean and std, advantage 0.
-    sum_then_normalize: r = sum_k w_k r_k (minus `penalty` (B,), e.g. the missing-stop penalty);
-    A = (r - group mean) / (group std, batch std, or 1 with scale none (Dr. GRPO, arXiv:2503.20783); + 1e-4).
-    normalize_then_sum: each source normalized in its group first, r = sum_k w_k z_k, then
-    A = (r - batch mean) / (batch std + 1e-4); scale_rewards plays no part.
-    """
-    group = num_generations
-    unscorable = torch.isnan(per_source).all(dim=1)
-    w = weights.to(per_source).view(1, -1)
-    if aggregation == "sum_then_normalize":
-        rewards = torch.nansum(per_source * w, dim=1)
-        if penalty is not None:
-            rewards = rewards - penalty.to(rewards)
-        rewards = rewards.masked_fill(unscorable, float("nan"))
-        mean = torch.nanmean(rewards.view(-1, group), dim=1).repeat_interleave(group)
-        if scale_rewards == "batch":
-            std = nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
-        else:
-            std = nanstd(rewards.view(-1, group), dim=1).repeat_interleave(group)
-        advantages = rewards - mean
-        if scale_rewards != "none":
-            advantages = advantages / (std + STD_EPS)
-    else:
-        if penalty is not None:
-            raise ValueError("a missing-stop penalty needs aggregation 'sum_then_normalize'")
-        grouped = per_source.view(-1, group, per_source.shape[1])
-        z = (grouped - torch.nanmean(grouped, dim=1, keepdim=True)) / (nanstd(grouped, dim=1, keepdim=True) + STD_EPS)
-        summed = torch.nansum(z.view(-1, per_source.shape[1]) * w, dim=1).masked_fill(unscorable, float("nan"))
-        std = nanstd(summed).expand_as(summed) if summed.numel() > 1 else torch.zeros_like(summed)
-        advantages = (summed - torch.nanmean(summed)) / (std + STD_EPS)
-        # what is logged (and tabled) as the reward is the plain weighted sum, as TRL logs it
-        rewards = torch.nansum(per_source * w, dim=1).masked_fill(unscorable, float("nan"))
-    return GroupAdvantages(torch.nan_to_num(advantages, nan=0.0), rewards, std, unscorable)
 
 
 @register_estimator("grpo")
@@ -237,3 +142,89 @@ def group_relative_estimate(batch: RolloutBatch, ctx: EstimatorContext) -> Estim
         "my_rewards": everyone.rewards[mine],
     }
     return Estimate(everyone.advantages[mine], stats=stats)
+
+
+def _group_estimate(
+    batch: RolloutBatch, ctx: EstimatorContext, everyone: GroupAdvantages, sources, kl: torch.Tensor | None = None
+) -> Estimate:
+    """This process's rows of advantages computed over every process's groups, with the metrics phase's stats;
+    `kl` (B, R), the per-token KL put into the reward, is reported as its mean over every process's tokens."""
+    rank = ctx.collectives.rank
+    mine = slice(rank * len(batch), (rank + 1) * len(batch))
+    stats = {
+        "rewards": everyone.rewards,
+        "std": everyone.std,
+        "unscorable": everyone.unscorable,
+        "per_source": sources,
+        "my_rewards": everyone.rewards[mine],
+    }
+    if kl is not None:
+        mask = batch.rollout.trained_mask(ctx.config.mask_truncated_completions)
+        total, count = ctx.collectives.global_sum(torch.stack([(kl * mask).sum(), mask.sum().float()]))
+        stats["kl"] = total / count.clamp(min=1.0)
+    return Estimate(everyone.advantages[mine], stats=stats)
+
+
+# -- RLOO: leave-one-out baselines ----------------------------------------------------------------------
+
+
+@register_estimator("rloo")
+def leave_one_out_estimate(batch: RolloutBatch, ctx: EstimatorContext) -> Estimate:
+    """RLOO's advantages over every process's groups (TRL gathers rewards and the KL); this process's rows kept."""
+    grpo, collectives, rollout = ctx.config, ctx.collectives, batch.rollout
+    kl = kl_tokens = None
+    if grpo.beta:
+        kl_tokens = kl_per_token(rollout.logprobs, rollout.ref_logprobs, grpo.kl_estimator)
+        kl = collectives.gather((kl_tokens * rollout.trained_mask(grpo.mask_truncated_completions)).sum(-1))
+    sources = collectives.gather(batch.scores)
+    everyone = rloo_advantages(
+        sources,
+        ctx.weights,
+        ctx.generations_per_prompt,
+        kl=kl,
+        beta=grpo.beta,
+        reward_clip_range=grpo.reward_clip_range,
+        normalize=grpo.normalize_advantages,
+        penalty=collectives.gather(batch.penalty) if batch.penalty is not None else None,
+    )
+    return _group_estimate(batch, ctx, everyone, sources, kl_tokens)
+
+
+# -- REINFORCE++: whitened discounted returns -----------------------------------------------------------
+
+
+def _reinforce_pp(batch: RolloutBatch, ctx: EstimatorContext, *, baseline: bool) -> Estimate:
+    """REINFORCE++'s per-token advantages of this process's rows; unscorable rows (every source None) are left
+    out of the statistics with advantage 0; the whitening is over every process's tokens."""
+    grpo, collectives, rollout = ctx.config, ctx.collectives, batch.rollout
+    sources = collectives.gather(batch.scores)
+    everyone = rloo_advantages(sources, ctx.weights, ctx.generations_per_prompt)  # the logged rewards and stds
+    scorable = ~torch.isnan(batch.scores).all(dim=1)
+    scores = torch.nansum(batch.scores * ctx.weights.to(batch.scores).view(1, -1), dim=1)
+    if batch.penalty is not None:
+        scores = scores - batch.penalty.to(scores)
+    mask = rollout.trained_mask(grpo.mask_truncated_completions) * scorable.unsqueeze(1)
+    kl = kl_per_token(rollout.logprobs, rollout.ref_logprobs, grpo.kl_estimator) if grpo.beta else None
+    kl_masked = kl * mask if kl is not None else torch.zeros_like(mask, dtype=scores.dtype)
+    token_rewards, _ = kl_penalized_rewards(scores * scorable, kl_masked, mask, rollout.last_index, grpo.beta)
+    advantages, returns = reinforce_pp_advantages(
+        token_rewards * mask,
+        mask,
+        gamma=grpo.gamma,
+        num_generations=ctx.generations_per_prompt if baseline else None,
+        scorable=scorable,
+        all_reduce=collectives.global_sum if collectives.world > 1 else None,
+    )
+    return Estimate(advantages, returns, _group_estimate(batch, ctx, everyone, sources, kl).stats)
+
+
+@register_estimator("reinforce_plus_plus")
+def reinforce_pp_estimate(batch: RolloutBatch, ctx: EstimatorContext) -> Estimate:
+    """REINFORCE++: whitened discounted returns of the KL-penalized token rewards (verl 0.9.1)."""
+    return _reinforce_pp(batch, ctx, baseline=False)
+
+
+@register_estimator("reinforce_plus_plus_baseline")
+def reinforce_pp_baseline_estimate(batch: RolloutBatch, ctx: EstimatorContext) -> Estimate:
+    """REINFORCE++-baseline: the group mean of the summed token rewards subtracted, then whitened (verl 0.9.1)."""
+    return _reinforce_pp(batch, ctx, baseline=True)

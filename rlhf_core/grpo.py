@@ -1,34 +1,35 @@
-"""GRPO and its loss types: group-relative advantages (`advantages.group_relative_estimate`), no value
-model, rewards from reward models and Python functions (`reward_sources.py`).
+"""The GRPO family: rl.algorithm grpo, rloo, reinforce_plus_plus and reinforce_plus_plus_baseline. Each samples
+grpo.num_generations completions per prompt, scores them with reward models and Python functions
+(`reward_sources.py`), and trains without a value model; they differ in the advantage estimator
+(`advantages.py`) and the loss (`policy_losses.py`).
 
-The per-token loss of every loss type first, then the normalizations, the high-entropy token mask
-and the reference sync, then `GRPOSteps`, the rollout, update and metrics phases of one step
-(`rl_step`). Loss types follow their papers as TRL 1.16 implements them:
-  grpo     DeepSeekMath, arXiv:2402.03300: mean over each sequence's tokens, then over sequences
-  bnpo     TRL's token-level mean over the micro-batch (no paper of its own)
-  dr_grpo  Dr. GRPO, arXiv:2503.20783: sum over tokens / (sequences x max completion length)
-  dapo     DAPO, arXiv:2503.14476: sum over tokens / tokens of the whole optimizer batch, every process's
-  cispo    MiniMax-M1, arXiv:2506.13585: a clipped, detached importance weight times A log pi; dapo's norm
-  sapo     SAPO, arXiv:2511.20347: a sigmoid gate instead of the hard clip; grpo's norm
-with GSPO's sequence-level ratio (arXiv:2507.18071), INTELLECT-2's two-sided clip delta
-(arXiv:2505.07291), the high-entropy token mask of arXiv:2506.01939, TR-DPO's reference sync
-(arXiv:2404.09656) and the bias-corrected k3 KL of DeepSeek-V3.2 (arXiv:2512.02556).
+`GRPOSteps` holds the rollout (with DAPO's dynamic sampling, `dynamic_sampling.py`), update and metrics
+phases of one step (`rl_step`), then TR-DPO's reference sync (arXiv:2404.09656) and `train_grpo`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Literal, Unpack
+from typing import Unpack
 
 import torch
 
-from rlhf_core.advantages import Estimate, EstimatorContext, estimator_for, nanstd
+from rlhf_core.advantages import Estimate, EstimatorContext, estimator_for
 from rlhf_core.config import GRPOConfig, RLConfig, RunConfig
 from rlhf_core.generation import decode_responses
+from rlhf_core.group_baselines import nanstd
 from rlhf_core.loop import LoopResult, TrainingLoop
+from rlhf_core.policy_losses import (
+    TOKEN_NORMALIZED,
+    grpo_token_loss,
+    high_entropy_mask,
+    reduce_loss,
+    rloo_sequence_loss,
+    stat_mean,
+)
 from rlhf_core.reward_sources import RewardSourceFn, score_sources
-from rlhf_core.rl_math import kl_per_token, masked_mean
+from rlhf_core.rl_math import masked_mean
 from rlhf_core.rl_step import (
     BatchSizes,
     PromptBatch,
@@ -44,105 +45,6 @@ from rlhf_core.rl_step import (
 from rlhf_core.rollout import RolloutBatch, collect_rollout, completion_metrics, missing_stop_penalty
 from rlhf_core.scoring import response_logprobs
 from rlhf_core.timing import PhaseTimer
-
-LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"]
-TOKEN_NORMALIZED = ("dapo", "cispo")  # loss types normalized by the optimizer batch's tokens, not per micro-batch
-
-
-def grpo_token_loss(
-    logp: torch.Tensor,
-    old_logp: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    grpo: GRPOConfig,
-    *,
-    ref_logp: torch.Tensor | None = None,
-    entropy_mask: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Per-token loss (B, T) (or (B, 1) at sequence level with nothing per-token added) and statistics.
-
-    ratio r = exp(logp - old_logp) per token, or per sequence exp(mean over its tokens) with
-    importance_sampling_level 'sequence' (GSPO, arXiv:2507.18071). By loss type:
-      clipped (grpo arXiv:2402.03300, bnpo, dr_grpo arXiv:2503.20783, dapo arXiv:2503.14476):
-        -min(r' A, clip(r, 1-eps, 1+eps_high) A), r' = min(r, delta) when set (arXiv:2505.07291);
-      cispo (arXiv:2506.13585): -sg(min(r, eps_high)) A logp;
-      sapo (arXiv:2511.20347): -(4 / tau) sigmoid(tau (r - 1)) A, tau by the sign of A.
-    `entropy_mask` (top_entropy_quantile, arXiv:2506.01939) multiplies the policy term; then + beta * k3 KL
-    to the reference, times r when use_bias_correction_kl (arXiv:2512.02556; TRL 1.16's default).
-    """
-    eps_low, eps_high = grpo.epsilon, grpo.epsilon_high or grpo.epsilon
-    log_ratio = logp - old_logp
-    if grpo.importance_sampling_level == "sequence":
-        log_weights = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)  # (B, 1)
-    else:
-        log_weights = log_ratio  # (B, T)
-    ratio = torch.exp(log_weights)
-    adv = advantages.unsqueeze(1)  # (B, 1)
-    if grpo.loss_type == "cispo":
-        per_token = -torch.clamp(ratio, max=eps_high).detach() * adv * logp
-    elif grpo.loss_type == "sapo":
-        tau = torch.where(adv > 0, grpo.sapo_temperature_pos, grpo.sapo_temperature_neg)
-        per_token = -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * adv
-    else:
-        clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high)
-        if grpo.delta is not None:
-            ratio = torch.clamp(ratio, max=grpo.delta)
-        per_token = -torch.min(ratio * adv, clipped * adv)
-    if grpo.loss_type == "cispo":
-        stats = {"cispo_clipped": ((ratio > eps_high) & (adv > 0)).float()}
-    else:
-        stats = {
-            "low_clipped": ((ratio < 1 - eps_low) & (adv < 0)).float(),
-            "high_clipped": ((ratio > 1 + eps_high) & (adv > 0)).float(),
-        }
-    if entropy_mask is not None:
-        per_token = per_token * entropy_mask
-    if grpo.beta and ref_logp is not None:
-        kl = kl_per_token(logp, ref_logp, "k3")
-        if grpo.use_bias_correction_kl:
-            kl = kl * torch.exp(log_weights)
-        per_token = per_token + grpo.beta * kl
-        stats["kl"] = kl
-    return per_token, stats
-
-
-def reduce_loss(
-    per_token: torch.Tensor, mask: torch.Tensor, loss_type: LossType, *, max_completion_length: int, total_tokens: float
-) -> torch.Tensor:
-    """Normalize a micro-batch's per-token loss the way `loss_type` says: grpo and sapo per sequence, then the
-    mean (arXiv:2402.03300); bnpo over the micro-batch's tokens; dr_grpo over sequences x max completion length
-    (arXiv:2503.20783); dapo and cispo over `total_tokens`, the completion tokens of the whole optimizer batch
-    (arXiv:2503.14476).
-    """
-    mask = mask.to(per_token.dtype)
-    if loss_type in ("grpo", "sapo"):
-        return ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1.0)).mean()
-    if loss_type == "bnpo":
-        return (per_token * mask).sum() / mask.sum().clamp(min=1.0)
-    if loss_type == "dr_grpo":
-        return (per_token * mask).sum() / (per_token.shape[0] * max_completion_length)
-    return (per_token * mask).sum() / (total_tokens if total_tokens > 0 else 1.0)
-
-
-def high_entropy_mask(
-    entropies: torch.Tensor,
-    mask: torch.Tensor,
-    top_quantile: float,
-    gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
-) -> torch.Tensor:
-    """True on the real tokens whose entropy is at or above the (1 - top_quantile) quantile of all real
-    tokens' entropies (every process's, through `gather`, which takes and returns a 1-D tensor). (B, T) bool"""
-    local = entropies[mask.bool()].float()
-    pooled = gather(local) if gather is not None else local
-    if pooled.numel() == 0:
-        return torch.zeros_like(mask, dtype=torch.bool)
-    threshold = torch.quantile(pooled, 1 - top_quantile)
-    return ((entropies * mask) >= threshold) & mask.bool()
-
-
-def stat_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean of a per-token statistic over real tokens; a per-sequence one (B, 1) over sequences (as TRL)."""
-    return x.mean() if x.shape[1] == 1 else masked_mean(x, mask)
 
 
 @torch.no_grad()
@@ -203,7 +105,8 @@ class GRPOSteps:
                 pad_token_id=settings.pad_token_id,
                 stop_token_ids=settings.stop_token_ids,
                 need_reference=self.grpo.beta > 0,
-                need_logprobs=self.optimizer_steps > 1,  # else the first update's own, detached (as TRL)
+                # else the first update's own, detached (as TRL); a KL in the reward needs them at sampling
+                need_logprobs=self.optimizer_steps > 1 or (self.grpo.beta > 0 and self.rl.algorithm != "grpo"),
                 prompt_repeats=self.sizes.generations_per_prompt,
                 timer=self.timer,
             )
@@ -221,9 +124,7 @@ class GRPOSteps:
         """num_iterations x mini_batches optimizer steps over the generation batch, each accumulated over
         micro-batches; the reference mixed into after every ref_model_sync_steps optimizer steps."""
         loop, grpo, sizes = self.loop, self.grpo, self.sizes
-        mask = batch.rollout.resp_mask
-        if grpo.mask_truncated_completions:
-            mask = mask * batch.rollout.has_stop.unsqueeze(1).long()
+        mask = batch.rollout.trained_mask(grpo.mask_truncated_completions)
         # dapo/cispo divide by the active tokens of the global optimizer batch (TRL: the generation batch's
         # tokens / steps per generation); the processes' gradients are averaged, hence / world
         total_tokens = float(loop.global_sum(mask.sum().float())) / loop.world / sizes.mini_batches
@@ -257,22 +158,16 @@ class GRPOSteps:
                 with_entropy=True,
             )
             old_logp = rollout.logprobs[rows] if rollout.logprobs is not None else logp.detach()
-            entropy_mask = None
-            if grpo.top_entropy_quantile < 1.0:
-                entropy_mask = high_entropy_mask(entropy, m, grpo.top_entropy_quantile, self._gather_tokens)
-            per_token, token_stats = grpo_token_loss(
-                logp,
-                old_logp,
-                estimate.advantages[rows],
-                m,
-                grpo,
-                entropy_mask=entropy_mask,
-                ref_logp=rollout.ref_logprobs[rows] if rollout.ref_logprobs is not None else None,
-            )
-            loss = reduce_loss(
-                per_token, m, grpo.loss_type, max_completion_length=self.rl.response_length, total_tokens=total_tokens
-            )
-            if grpo.loss_type not in TOKEN_NORMALIZED:
+            if self.rl.algorithm == "rloo":
+                loss, token_stats = rloo_sequence_loss(
+                    logp, old_logp, estimate.advantages[rows], m, grpo.epsilon, grpo.epsilon_high
+                )
+            else:
+                advantages = estimate.advantages[rows]
+                loss, token_stats = self._token_loss(
+                    rollout, rows, logp, old_logp, entropy, advantages, m, total_tokens
+                )
+            if self.rl.algorithm == "rloo" or grpo.loss_type not in TOKEN_NORMALIZED:
                 loss = loss * (m.shape[0] / self.sizes.mini_batch)  # mean over micro-batches
             self.loop.backward(loss)
         if "cispo_clipped" in token_stats:
@@ -284,6 +179,28 @@ class GRPOSteps:
         if "kl" in token_stats:
             stats.add(kl=masked_mean(token_stats["kl"].detach(), m))
         return loss.detach()
+
+    def _token_loss(self, rollout, rows: slice, logp, old_logp, entropy, advantages, m, total_tokens: float):
+        """grpo.loss_type's loss of a micro-batch, with the entropy mask; the k3 KL term for rl.algorithm grpo
+        (the others put their KL into the reward)."""
+        grpo = self.grpo
+        entropy_mask = None
+        if grpo.top_entropy_quantile < 1.0:
+            entropy_mask = high_entropy_mask(entropy, m, grpo.top_entropy_quantile, self._gather_tokens)
+        in_loss = self.rl.algorithm == "grpo" and rollout.ref_logprobs is not None
+        per_token, token_stats = grpo_token_loss(
+            logp,
+            old_logp,
+            advantages,
+            m,
+            grpo,
+            entropy_mask=entropy_mask,
+            ref_logp=rollout.ref_logprobs[rows] if in_loss else None,
+        )
+        loss = reduce_loss(
+            per_token, m, grpo.loss_type, max_completion_length=self.rl.response_length, total_tokens=total_tokens
+        )
+        return loss, token_stats
 
     def _gather_tokens(self, local: torch.Tensor) -> torch.Tensor:
         """Every process's 1-D values (of different lengths), for the entropy quantile."""
@@ -313,8 +230,8 @@ class GRPOSteps:
         else:
             for name, key in (("low_mean", "low"), ("high_mean", "high"), ("region_mean", "region")):
                 metrics[f"clip_ratio/{name}"] = stats.mean(key)
-        if "kl" in stats:
-            metrics["kl"] = stats.mean("kl")
+        if "kl" in stats or "kl" in everyone:  # grpo's loss term, or the KL the others put into the reward
+            metrics["kl"] = stats.mean("kl") if "kl" in stats else everyone["kl"]
         for i, source in enumerate(self.rewards):
             column = everyone["per_source"][:, i]
             metrics[f"rewards/{source.name}/mean"] = torch.nanmean(column)
@@ -327,6 +244,9 @@ class GRPOSteps:
         due = step % self.grpo.log_completions_steps == 0 or step == self.rl.total_steps
         if self.on_completions is None or not self.loop.is_main or not due:
             return
+        advantages = estimate.advantages
+        if advantages.dim() == 2:  # one per token (REINFORCE++): the mean over each completion's tokens
+            advantages = masked_mean(advantages, batch.rollout.resp_mask, dim=1)
         table = [
             {
                 "step": step,
@@ -337,7 +257,7 @@ class GRPOSteps:
                 **{s.name: _float_or_none(v) for s, v in zip(self.rewards, batch.scores[i])},
             }
             for i, (row, completion, advantage, reward) in enumerate(
-                zip(batch.rows, batch.completions, estimate.advantages.tolist(), estimate.stats["my_rewards"])
+                zip(batch.rows, batch.completions, advantages.tolist(), estimate.stats["my_rewards"])
             )
         ]
         self.on_completions(table, step)

@@ -114,3 +114,23 @@ def check_finite(what: str, values) -> None:
                 f"{what} returned {value} for completion {i}; rewards must be finite numbers "
                 "(or None for not applicable)"
             )
+
+
+def exact_match(
+    prompts: list | None = None, completions: list | None = None, answer: list | None = None, **_: object
+) -> list[float]:
+    """1.0 where a completion (a string or, for conversational prompts, a message list) is exactly its row's
+    `answer` column, both stripped of surrounding whitespace; else 0.0. The verifiable reward of RLVR
+    (the arithmetic world). Completions arrive decoded up to their stop token, without it, so one that ran
+    on past the answer ("57" then more digits) is wrong."""
+    from rlhf_core.chat import completion_text
+
+    if completions is None:
+        raise ValueError("exact_match needs completions=")
+    if answer is None:
+        raise ValueError("exact_match needs an 'answer' column in the prompt rows (the expected answer of each prompt)")
+    if len(answer) != len(completions):
+        raise ValueError(f"exact_match got {len(answer)} answers for {len(completions)} completions")
+    return [
+        1.0 if completion_text(c).strip() == str(a).strip() else 0.0 for c, a in zip(completions, answer, strict=True)
+    ]

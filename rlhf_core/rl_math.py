@@ -1,4 +1,5 @@
-"""The tensor math PPO, GRPO and evaluation share: masked statistics, response masks, log-probabilities, KL estimators.
+"""The tensor math PPO, the GRPO family and evaluation share: masked statistics, response masks,
+log-probabilities, KL estimators, KL-penalized token rewards, GAE and discounted returns.
 
 Everything here is pure (no models, no optimizers) and pinned by tests against hand-computed values
 and plain loops. Shapes: B sequences, T response tokens; `mask` is 1 on real response tokens.
@@ -109,3 +110,41 @@ def kl_per_token(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: Literal[
     if estimator == "k1":
         return log_ratio
     return torch.expm1(-log_ratio) + log_ratio
+
+
+def kl_penalized_rewards(
+    scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, last_index: torch.Tensor, kl_coef: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token rewards: -kl_coef * kl on every real token, plus the sequence score on its last token.
+
+    Returns (rewards, non_score_reward), each (B, T), zero on padding.
+    """
+    non_score = -kl_coef * kl * mask
+    rewards = non_score.clone()
+    rewards[torch.arange(rewards.shape[0], device=rewards.device), last_index] += scores
+    return rewards, non_score
+
+
+def compute_gae(
+    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalized advantage estimation (arXiv:1506.02438) over response tokens, vectorized. -> (advantages,
+    returns), (B, T)
+
+    delta_t = r_t + gamma * V_{t+1} - V_t (V past the end is 0), A_t = sum_l (gamma*lam)^l delta_{t+l},
+    returns = A + V. Padding positions have zero reward and value, so they add nothing.
+    """
+    values = values * mask
+    rewards = rewards * mask
+    next_values = torch.cat([values[:, 1:], torch.zeros_like(values[:, :1])], dim=1)
+    deltas = rewards + gamma * next_values - values  # (B, T)
+    t = torch.arange(rewards.shape[1], device=rewards.device, dtype=rewards.dtype)
+    lag = t.view(1, -1) - t.view(-1, 1)  # (T, T): s - t
+    discount = torch.where(lag >= 0, (gamma * lam) ** lag.clamp(min=0), torch.zeros_like(lag))
+    advantages = (deltas @ discount.T) * mask  # A_t = sum_s discount[t, s] * delta_s
+    return advantages, advantages + values
+
+
+def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
+    """G_t = sum_{s >= t} gamma^(s - t) r_s over each response's real tokens, 0 on padding. (B, T)"""
+    return compute_gae(rewards, torch.zeros_like(rewards), mask, gamma, 1.0)[0]

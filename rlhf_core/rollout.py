@@ -29,6 +29,11 @@ class Rollout:
     ref_logprobs: torch.Tensor | None  # (B, R)
     has_stop: torch.Tensor  # (B,) bool: the response ended with a stop token (else it ran to response_length)
 
+    def trained_mask(self, mask_truncated: bool) -> torch.Tensor:
+        """The response tokens the loss sees: all real ones, or with `mask_truncated` (the GRPO family's
+        mask_truncated_completions) none of a response that ran to the length limit without a stop. (B, R)"""
+        return self.resp_mask * self.has_stop.unsqueeze(1).long() if mask_truncated else self.resp_mask
+
 
 @dataclass
 class RolloutBatch:

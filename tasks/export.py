@@ -9,6 +9,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from rlhf_core.config import PipelineConfig
+from rlhf_core.config.training import GROUP_FIELDS_FOR
 from rlhf_core.export import ExportInfo, export_policy, generation_settings
 from rlhf_core.model_card import card_field, card_license, source_name
 from rlhf_core.models import generation_config_of, load_tokenizer, run_stop_ids
@@ -24,13 +25,18 @@ CANDIDATE = "candidate"
 
 def export_info(cfg: PipelineConfig, data: PreparedData, plan: InitPlan, trained: Checkpoint) -> ExportInfo:
     algorithm = cfg.rl.algorithm
-    settings = cfg.ppo if algorithm == "ppo" else cfg.grpo
+    section, settings = ("ppo", cfg.ppo) if algorithm == "ppo" else ("grpo", cfg.grpo)
+    skipped = {k for k, algorithms in GROUP_FIELDS_FOR.items() if algorithm not in algorithms}
     hyper = {
         f"rl.{k}": getattr(cfg.rl, k)
         for k in ("total_steps", "batch_size", "learning_rate", "response_length", "temperature")
     }
     hyper.update(
-        {f"{algorithm}.{k}": v for k, v in settings.model_dump(mode="json").items() if not isinstance(v, (list, dict))}
+        {
+            f"{section}.{k}": v
+            for k, v in settings.model_dump(mode="json").items()
+            if not isinstance(v, (list, dict)) and (section == "ppo" or k not in skipped)
+        }
     )
     if cfg.model.lora.enabled:
         hyper.update({"lora.r": cfg.model.lora.r, "lora.alpha": cfg.model.lora.alpha})

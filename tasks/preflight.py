@@ -107,7 +107,7 @@ def _signature_problem(fn: Callable, *, needs_kwargs: bool) -> str | None:
 
 def _check_functions(cfg: PipelineConfig) -> list[str]:
     specs: list[tuple[str, str, bool]] = []
-    if cfg.rl.algorithm == "grpo":
+    if cfg.rl.algorithm != "ppo":  # the GRPO family reads grpo.rewards
         specs += [
             (f"grpo.rewards[{i}].function", r.function, True) for i, r in enumerate(cfg.grpo.rewards) if r.function
         ]
@@ -274,7 +274,7 @@ def _check_models(cfg: PipelineConfig) -> list[str]:
         sources.append(("model.tokenizer", cfg.model.tokenizer))
     if cfg.reward.base != "policy":
         sources.append(("reward.base", cfg.reward.base))
-    if cfg.rl.algorithm == "grpo":
+    if cfg.rl.algorithm != "ppo":  # the GRPO family reads grpo.rewards
         sources += [
             (f"grpo.rewards[{i}].model", r.model)
             for i, r in enumerate(cfg.grpo.rewards)

@@ -13,6 +13,12 @@ from prefect.artifacts import (
 from prefect.context import get_run_context
 
 
+def artifact_key(name: str) -> str:
+    """A Prefect artifact key from a stage or metric name: lowercase letters, digits and dashes only
+    ('reinforce_plus_plus-progress' -> 'reinforce-plus-plus-progress')."""
+    return "".join(c if c.isalnum() else "-" for c in name.lower())
+
+
 def _in_prefect_run() -> bool:
     try:
         get_run_context()
@@ -28,7 +34,7 @@ class StageProgress:
         self.enabled = _in_prefect_run()
         self.min_interval_s = min_interval_s
         self._last = 0.0
-        self.artifact_id = create_progress_artifact(0.0, key=key, description=description) if self.enabled else None
+        self.artifact_id = create_progress_artifact(0.0, key=artifact_key(key), description=description) if self.enabled else None
 
     def update(self, done: int, total: int) -> None:
         now = time.monotonic()
@@ -41,12 +47,12 @@ class StageProgress:
 def publish_table(key: str, rows: list[dict], description: str) -> None:
     """A Prefect table artifact, when running under Prefect."""
     if _in_prefect_run():
-        create_table_artifact(key=key, table=rows, description=description)
+        create_table_artifact(key=artifact_key(key), table=rows, description=description)
 
 
 def publish_markdown(key: str, markdown: str, description: str) -> None:
     if _in_prefect_run():
-        create_markdown_artifact(key=key, markdown=markdown, description=description)
+        create_markdown_artifact(key=artifact_key(key), markdown=markdown, description=description)
 
 
 def print_rows(rows: list[dict], title: str) -> None:

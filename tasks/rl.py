@@ -52,7 +52,7 @@ def eval_functions(cfg: PipelineConfig) -> dict:
     """What evaluation scores besides the reward model: eval.metrics, and GRPO's reward functions (the proxy
     reward's other parts) as columns `reward_<name>`."""
     functions = metric_functions(cfg.eval.metrics)
-    if cfg.rl.algorithm == "grpo":
+    if cfg.rl.algorithm != "ppo":  # the GRPO family reads grpo.rewards
         for i, source in enumerate(cfg.grpo.rewards):
             if source.function is not None:
                 functions[f"reward_{source.name}"] = load_function(source.function, field=f"grpo.rewards[{i}].function")

@@ -48,6 +48,8 @@ from rlhf_core.config.run_model_data import (
     RunConfig,
 )
 from rlhf_core.config.training import (
+    GROUP_ALGORITHMS,
+    DynamicSampling,
     GRPOConfig,
     InitConfig,
     OptimSettings,
@@ -93,6 +95,8 @@ __all__ = [
     "LoraSettings",
     "ModelConfig",
     "RunConfig",
+    "GROUP_ALGORITHMS",
+    "DynamicSampling",
     "GRPOConfig",
     "InitConfig",
     "OptimSettings",

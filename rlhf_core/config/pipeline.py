@@ -13,7 +13,16 @@ from pydantic import Field, model_validator
 
 from rlhf_core.config.base import DEMO, ConfigError, Section
 from rlhf_core.config.run_model_data import DataConfig, ModelConfig, RunConfig
-from rlhf_core.config.training import GRPOConfig, InitConfig, PPOConfig, RewardConfig, RLConfig, SFTConfig
+from rlhf_core.config.training import (
+    GROUP_ALGORITHMS,
+    GROUP_FIELDS_FOR,
+    GRPOConfig,
+    InitConfig,
+    PPOConfig,
+    RewardConfig,
+    RLConfig,
+    SFTConfig,
+)
 from rlhf_core.promotion import Gates
 
 DEMO_MIN_IMPROVEMENT = 0.01  # the demo's promote.min_improvement when it is null
@@ -172,7 +181,7 @@ class PipelineConfig(Section):
 
     @model_validator(mode="after")
     def _cross_checks(self) -> PipelineConfig:
-        if self.rl.algorithm == "grpo" and self.rl.batch_size % self.grpo.num_generations:
+        if self.rl.algorithm in GROUP_ALGORITHMS and self.rl.batch_size % self.grpo.num_generations:
             raise ValueError(
                 f"rl.batch_size {self.rl.batch_size} must be a multiple of grpo.num_generations {self.grpo.num_generations}"
             )
@@ -209,8 +218,13 @@ class PipelineConfig(Section):
                     "which LoRA training does not need or support here; use configs/accelerate/ddp.yaml "
                     "or deepspeed_zero2.yaml, or turn model.lora.enabled / reward.lora off"
                 )
-        if self.rl.algorithm == "grpo":
+        if self.rl.algorithm in GROUP_ALGORITHMS:
             self._grpo_checks()
+        elif self.rl.dynamic_sampling.enabled:
+            raise ValueError(
+                f"rl.dynamic_sampling drops groups of completions, which rl.algorithm {self.rl.algorithm!r} does not "
+                f"sample; use one of {', '.join(GROUP_ALGORITHMS)} or turn rl.dynamic_sampling.enabled off"
+            )
         if self.run.accelerate_config is not None and accelerate_strategy_of(self.run.accelerate_config).startswith(
             "zero"
         ):
@@ -241,6 +255,16 @@ class PipelineConfig(Section):
 
     def _grpo_checks(self) -> None:
         grpo, rl = self.grpo, self.rl
+        for name in sorted(grpo.model_fields_set & GROUP_FIELDS_FOR.keys()):
+            if rl.algorithm not in GROUP_FIELDS_FOR[name]:
+                raise ValueError(
+                    f"grpo.{name} applies to rl.algorithm {' and '.join(GROUP_FIELDS_FOR[name])}, not "
+                    f"{rl.algorithm!r}; remove it (docs/algorithms.md lists what each algorithm reads)"
+                )
+        if grpo.reward_clip_range is not None and grpo.reward_clip_range[0] > grpo.reward_clip_range[1]:
+            raise ValueError(
+                f"grpo.reward_clip_range {list(grpo.reward_clip_range)} must be [low, high] with low <= high"
+            )
         if grpo.steps_per_generation is not None and grpo.steps_per_generation % rl.gradient_accumulation_steps:
             raise ValueError(
                 f"grpo.steps_per_generation {grpo.steps_per_generation} must be a multiple of "

@@ -77,8 +77,32 @@ class InitConfig(Section):
     )
 
 
+GROUP_ALGORITHMS = (
+    "grpo",
+    "rloo",
+    "reinforce_plus_plus",
+    "reinforce_plus_plus_baseline",
+)  # no value model; grpo: section
+Algorithm = Literal["ppo", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"]
+
+
+class DynamicSampling(Section):
+    enabled: bool = Field(
+        False,
+        description="Drop the groups whose reward has zero spread (they teach nothing) and sample more prompts until the generation batch is full (DAPO's dynamic sampling; GRPO family only).",
+    )
+    max_rounds: int = Field(
+        3,
+        ge=1,
+        description="Most extra generation rounds per step; a batch still short after them is filled with zero-spread groups (which carry no advantage) and the step goes on.",
+    )
+
+
 class RLConfig(OptimSettings):
-    algorithm: Literal["ppo", "grpo"] = Field("ppo", description="RL algorithm of the policy stage.")
+    algorithm: Algorithm = Field(
+        "ppo",
+        description="RL algorithm of the policy stage: ppo (value model, GAE), or a group algorithm without one: grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline (the grpo section configures all four; docs/algorithms.md).",
+    )
     total_steps: int = Field(100, ge=1, description="RL steps: one rollout (PPO) or generation (GRPO) batch each.")
     batch_size: int = Field(
         32,
@@ -112,6 +136,9 @@ class RLConfig(OptimSettings):
     )
     save_steps: int = Field(50, ge=1, description="Checkpoint and register a policy version every this many steps.")
     log_steps: int = Field(1, ge=1, description="Log training metrics every this many steps.")
+    dynamic_sampling: DynamicSampling = Field(
+        default_factory=DynamicSampling, description="DAPO's dynamic sampling for the GRPO family."
+    )
     disable_dropout: bool = Field(
         True,
         description="Turn every dropout (LoRA's and attention's included) off in the trained policy and value models (TRL's default; frozen models run in eval mode anyway); false keeps them.",
@@ -174,6 +201,8 @@ def _default_grpo_rewards() -> list[RewardSource]:
 
 
 class GRPOConfig(Section):
+    """The group algorithms' section (rl.algorithm grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline)."""
+
     num_generations: int = Field(8, ge=2, description="Completions sampled per prompt (the group).")
     epsilon: float = Field(0.2, gt=0.0, description="Lower clip of the importance ratio.")
     epsilon_high: float | None = Field(
@@ -187,7 +216,25 @@ class GRPOConfig(Section):
         description="Two-sided clipping (INTELLECT-2): cap the unclipped ratio at delta; null is off. Should exceed 1 + epsilon_high.",
     )
     beta: float = Field(
-        0.0, ge=0.0, description="KL coefficient to the reference (k3); 0 loads no reference (TRL's default)."
+        0.0,
+        ge=0.0,
+        description="KL coefficient to the reference; 0 loads no reference (TRL's GRPO default). grpo adds beta x k3 KL to the loss; rloo and reinforce_plus_plus* subtract beta x KL (kl_estimator) from the reward.",
+    )
+    kl_estimator: Literal["k1", "k3"] = Field(
+        "k1",
+        description="KL estimator of the penalty rloo and reinforce_plus_plus* put into the reward: k1 (log ratio; TRL's RLOO and verl's default) or k3 (never negative). grpo's loss term is always k3.",
+    )
+    normalize_advantages: bool = Field(
+        False, description="rloo: normalize the advantages over the whole generation batch (TRL's RLOO option)."
+    )
+    reward_clip_range: list[float] | None = Field(
+        None,
+        min_length=2,
+        max_length=2,
+        description="rloo: clip each completion's summed reward into [low, high] before the KL penalty.",
+    )
+    gamma: float = Field(
+        1.0, ge=0.0, le=1.0, description="reinforce_plus_plus: discount of the return over response tokens (verl's)."
     )
     use_bias_correction_kl: bool = Field(
         True, description="Multiply the k3 KL term by the importance ratio (TRL 1.16's default)."
@@ -242,3 +289,21 @@ class GRPOConfig(Section):
     log_completions_steps: int = Field(
         10, ge=1, description="Write a Parquet of completions and rewards every this many steps."
     )
+
+
+# grpo-section fields that only some group algorithms read; setting one for another algorithm is an error
+GROUP_FIELDS_FOR = {
+    "loss_type": ("grpo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"),
+    "importance_sampling_level": ("grpo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"),
+    "delta": ("grpo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"),
+    "sapo_temperature_pos": ("grpo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"),
+    "sapo_temperature_neg": ("grpo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"),
+    "top_entropy_quantile": ("grpo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"),
+    "use_bias_correction_kl": ("grpo",),
+    "scale_rewards": ("grpo",),
+    "multi_objective_aggregation": ("grpo",),
+    "kl_estimator": ("rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"),
+    "normalize_advantages": ("rloo",),
+    "reward_clip_range": ("rloo",),
+    "gamma": ("reinforce_plus_plus",),
+}

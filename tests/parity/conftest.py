@@ -5,6 +5,8 @@ loads what it recorded; `report_max_diffs` (requested by those modules through `
 largest difference each comparison reached in the module.
 GRPO (test_trl_grpo_*.py, helpers in trl_grpo_common.py): `tokenizer` and `make_trainer`, a factory of real
 `trl.GRPOTrainer`s around a tiny seeded Llama.
+RLOO (test_trl_rloo.py, helpers in trl_rloo_common.py): `make_rloo_trainer`, a factory of real
+`trl.RLOOTrainer`s around the same Llama (with beta > 0, TRL loads its reference model from a local directory).
 """
 
 from __future__ import annotations
@@ -178,6 +180,62 @@ def make_trainer(tokenizer, tmp_path_factory):
             processing_class=tokenizer,
         )
         trainer.model.train()  # `mode` is "train" in TRL's code paths
+        return trainer
+
+    return make
+
+
+# ------------------------------------------------------------------------------------------------ RLOO
+
+
+@pytest.fixture(scope="module")
+def make_rloo_trainer(tokenizer, tmp_path_factory):
+    """make_rloo_trainer(temperature=, reward_names=, model=, beta=, **RLOOConfig fields) -> a real trl.RLOOTrainer.
+
+    beta defaults to 0 (TRL's RLOO default is 0.05). With beta > 0 and no `model`, the policy is
+    `trained_policy` (trl_rloo_common.py): TRL loads its reference model itself, offline, from the directory
+    the policy was loaded from (the untrained seed-0 policy), so the policy and the reference differ.
+    """
+    from datasets import Dataset
+    from trl import RLOOConfig, RLOOTrainer
+
+    from tests.parity.trl_rloo_common import save_reference, trained_policy
+
+    dataset = Dataset.from_dict({"prompt": ["w3 w4 w5", "w6 w7 w8", "w9 w10 w11", "w12 w13 w14"]})
+    reference_dir = []
+
+    def make(temperature: float = 1.0, reward_names=("r0",), model=None, beta: float = 0.0, **overrides):
+        if model is None:
+            if beta:
+                if not reference_dir:
+                    reference_dir.append(save_reference(tmp_path_factory.mktemp("trl_rloo_reference")))
+                model = trained_policy(reference_dir[0])
+            else:
+                model = build_policy()
+        args = RLOOConfig(
+            output_dir=str(tmp_path_factory.mktemp("trl_rloo")),
+            use_cpu=True,
+            bf16=False,
+            report_to=[],
+            per_device_train_batch_size=8,
+            num_generations=4,
+            max_completion_length=MAX_COMPLETION,
+            temperature=temperature,
+            beta=beta,
+            gradient_checkpointing=False,
+            save_strategy="no",
+            logging_steps=1,
+            **overrides,
+        )
+        trainer = RLOOTrainer(
+            model=model,
+            args=args,
+            reward_funcs=[named_reward(n) for n in reward_names],
+            train_dataset=dataset,
+            processing_class=tokenizer,
+        )
+        trainer.model.train()  # `mode` is "train" in TRL's code paths
+        assert (trainer.ref_model is not None) == bool(beta)
         return trainer
 
     return make

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlhf_core.advantages import grpo_advantages, nanstd
+from rlhf_core.group_baselines import grpo_advantages, nanstd
 from rlhf_core.rl_math import response_mask
 from tests.parity.trl_grpo_common import EOS, NAN, TOL, drive_trl_scoring, fake_completions
 

@@ -33,8 +33,7 @@ from pathlib import Path
 
 import torch
 
-from rlhf_core.advantages import compute_gae, kl_penalized_rewards
-from rlhf_core.rl_math import kl_per_token, masked_whiten, response_mask
+from rlhf_core.rl_math import compute_gae, kl_penalized_rewards, kl_per_token, masked_whiten, response_mask
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("trl112_ppo_side.py")

@@ -9,15 +9,14 @@ from rlhf_core.advantages import (
     ESTIMATORS,
     Estimate,
     EstimatorContext,
-    compute_gae,
     estimator_for,
     gae_estimate,
     group_relative_estimate,
-    grpo_advantages,
-    kl_penalized_rewards,
     register_estimator,
 )
 from rlhf_core.config import GRPOConfig, PPOConfig
+from rlhf_core.group_baselines import grpo_advantages
+from rlhf_core.rl_math import compute_gae, kl_penalized_rewards
 from rlhf_core.rollout import RolloutBatch
 from tests.fixtures.small_models import rollout_of
 
@@ -156,7 +155,10 @@ def test_the_estimator_is_chosen_by_rl_algorithm_and_must_fit_the_trainer():
         estimator_for("ppo", with_values=False)
     with pytest.raises(ValueError, match="rl.algorithm 'grpo' trains without a value model"):
         estimator_for("grpo", with_values=True)
-    with pytest.raises(ValueError, match=r"rl.algorithm 'nope' has no advantage estimator; known: \['grpo', 'ppo'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"rl.algorithm 'nope' has no advantage estimator; known: \['grpo', 'ppo', 'reinforce_plus_plus', 'reinforce_plus_plus_baseline', 'rloo'\]",
+    ):
         estimator_for("nope", with_values=False)
 
 

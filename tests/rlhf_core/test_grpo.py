@@ -5,8 +5,9 @@ import torch
 
 from rlhf_core.config import GRPOConfig, RLConfig, RunConfig
 from rlhf_core.demo_world import world_rows
-from rlhf_core.grpo import grpo_token_loss, high_entropy_mask, mix_into_reference, reduce_loss, train_grpo
+from rlhf_core.grpo import mix_into_reference, train_grpo
 from rlhf_core.models import load_causal_lm, load_tokenizer
+from rlhf_core.policy_losses import grpo_token_loss, high_entropy_mask, reduce_loss
 from rlhf_core.reward_functions import RewardFunctionError
 from rlhf_core.reward_sources import function_reward
 
@@ -82,13 +83,14 @@ def run(world, out, steps=4, on_log=None, grpo=None, **rl):
         if on_log:
             on_log(metrics, step)
 
+    ref = load_causal_lm(str(world.base_model)) if grpo is not None and grpo.beta else None
     result = train_grpo(
         policy,
-        None,
+        ref,
         [make_reward(tok)],
         tok,
         prompt_rows(world),
-        RLConfig(total_steps=steps, algorithm="grpo", **{**RL, **rl}),
+        RLConfig(**{"total_steps": steps, "algorithm": "grpo", **RL, **rl}),
         grpo or GRPOConfig(num_generations=4, log_completions_steps=2),
         RunConfig(device="cpu", seed=5),
         max_prompt_length=12,
@@ -151,16 +153,26 @@ def test_beta_uses_a_reference_and_logs_kl(tmp_path, smoke_world):
     assert "kl" in logs[-1] and logs[-1]["kl"] >= 0
 
 
-def test_resume_after_a_crash_matches(tmp_path, smoke_world):
-    straight, full, _, _, _ = run(smoke_world, tmp_path / "a")
+FAMILY = {  # each group algorithm with the options that make its own code paths run
+    "grpo": {},
+    "rloo": {"beta": 0.05, "normalize_advantages": True, "reward_clip_range": [0.0, 0.8], "num_iterations": 2},
+    "reinforce_plus_plus": {"beta": 0.05, "gamma": 0.9},
+    "reinforce_plus_plus_baseline": {"beta": 0.05, "kl_estimator": "k3"},
+}
+
+
+@pytest.mark.parametrize("algorithm", list(FAMILY))
+def test_resume_after_a_crash_matches(tmp_path, smoke_world, algorithm):
+    grpo = GRPOConfig(num_generations=4, log_completions_steps=2, **FAMILY[algorithm])
+    straight, full, _, _, _ = run(smoke_world, tmp_path / "a", algorithm=algorithm, grpo=grpo)
 
     def crash(metrics, step):
         if step == 3:
             raise RuntimeError("injected crash")
 
     with pytest.raises(RuntimeError):
-        run(smoke_world, tmp_path / "b", on_log=crash)
-    resumed, result, logs, ckpts, _ = run(smoke_world, tmp_path / "b")
+        run(smoke_world, tmp_path / "b", on_log=crash, algorithm=algorithm, grpo=grpo)
+    resumed, result, logs, ckpts, _ = run(smoke_world, tmp_path / "b", algorithm=algorithm, grpo=grpo)
     assert result.resumed_from == 2 and [s for s, _ in logs] == [3, 4] and ckpts == [4]
     for (name, a), (_, b) in zip(straight.named_parameters(), resumed.named_parameters()):
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=f"{name} differs after resume")

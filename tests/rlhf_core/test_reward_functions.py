@@ -59,3 +59,40 @@ def test_a_batch_only_failure_reports_the_batch():
         RewardFunctionError, match="raised RuntimeError: expects one completion on a batch of 2 completions"
     ):
         call_scoring_function("single", batch_of_one_only, prompts=["p", "q"], completions=["a", "b"])
+
+
+def test_exact_match_scores_the_whole_stripped_completion_against_the_answer():
+    from rlhf_core.reward_functions import exact_match
+
+    completions = ["57", "56", "578", " 57\n", "5", "", "57+1", "057"]
+    assert exact_match(prompts=["12+45="] * 8, completions=completions, answer=["57"] * 8) == [
+        1.0,  # right
+        0.0,  # wrong
+        0.0,  # ran on past the answer (no stop token): extra digits are wrong
+        1.0,  # surrounding whitespace does not count
+        0.0,  # a prefix of the answer
+        0.0,  # nothing
+        0.0,  # the answer and more
+        0.0,  # a leading zero is another text
+    ]
+    assert exact_match(completions=["10"], answer=[" 10 "]) == [1.0]  # the answer is stripped too
+    assert exact_match(completions=["10"], answer=[10]) == [1.0]  # and compared as text
+
+
+def test_exact_match_reads_conversational_completions():
+    from rlhf_core.reward_functions import exact_match
+
+    prompts = [[{"role": "user", "content": "1+2="}]] * 2
+    completions = [[{"role": "assistant", "content": "3"}], [{"role": "assistant", "content": "4"}]]
+    assert exact_match(prompts=prompts, completions=completions, answer=["3", "3"]) == [1.0, 0.0]
+
+
+def test_exact_match_without_an_answer_column_names_it():
+    from rlhf_core.reward_functions import exact_match
+
+    with pytest.raises(ValueError, match="'answer' column"):
+        exact_match(prompts=["1+2="], completions=["3"])
+    with pytest.raises(ValueError, match="completions"):
+        exact_match(prompts=["1+2="], answer=["3"])
+    with pytest.raises(RewardFunctionError, match="exact_match raised ValueError"):
+        call_scoring_function("exact_match", exact_match, prompts=["1+2="], completions=["3"])

@@ -63,3 +63,14 @@ def test_log_softmax_and_entropy_helpers():
     direct = -(torch.softmax(peaked, -1) * torch.log_softmax(peaked, -1)).sum(-1)
     torch.testing.assert_close(entropy_from_logits(peaked), direct, atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(entropy_from_logits(peaked, torch.logsumexp(peaked, -1)), direct, atol=1e-5, rtol=1e-4)
+
+
+def test_discounted_returns_match_the_plain_loop():
+    from rlhf_core.rl_math import discounted_returns
+
+    rewards = torch.tensor([[1.0, 0.0, 2.0, 9.0], [0.5, -1.0, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
+    # row 1: 1 + 0.5 * (0 + 0.5 * 2) = 1.5, 0 + 0.5 * 2 = 1, 2 (the 9 is padding); row 2: 0.5 - 0.5, -1
+    torch.testing.assert_close(
+        discounted_returns(rewards, mask, 0.5), torch.tensor([[1.5, 1.0, 2.0, 0.0], [0.0, -1.0, 0.0, 0.0]])
+    )

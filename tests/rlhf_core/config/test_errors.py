@@ -34,7 +34,10 @@ def error_of(*overrides: str) -> str:
             "unknown config field `ppo.kl_coeff` (did you mean `ppo.kl_coef`?); the fields allowed in ppo are: kl_coef,",
         ),
         (["nonsense.x=1"], "unknown config field `nonsense`"),
-        (["rl.algorithm=dpo"], "`rl.algorithm` got 'dpo': allowed values are 'ppo' or 'grpo'"),
+        (
+            ["rl.algorithm=dpo"],
+            "`rl.algorithm` got 'dpo': allowed values are 'ppo', 'grpo', 'rloo', 'reinforce_plus_plus' or 'reinforce_plus_plus_baseline'",
+        ),
         (["grpo.loss_type=sum"], "allowed values are 'grpo', 'bnpo', 'dr_grpo', 'dapo', 'cispo' or 'sapo'"),
         (["grpo.importance_sampling_level=seq"], "allowed values are 'token' or 'sequence'"),
         (["grpo.multi_objective_aggregation=mean"], "allowed values are 'sum_then_normalize' or 'normalize_then_sum'"),
@@ -58,6 +61,24 @@ def error_of(*overrides: str) -> str:
         ),
         (["rl.algorithm=grpo", "grpo.loss_type=cispo", "grpo.delta=2"], "grpo.delta applies to the clipped losses"),
         (["rl.missing_eos_penalty=1", "rl.stop_token=none"], "missing_eos_penalty needs a stop token"),
+        (
+            ["rl.algorithm=rloo", "grpo.loss_type=dapo"],
+            "grpo.loss_type applies to rl.algorithm grpo and reinforce_plus_plus and reinforce_plus_plus_baseline, not 'rloo'",
+        ),
+        (
+            ["rl.algorithm=grpo", "grpo.normalize_advantages=true"],
+            "grpo.normalize_advantages applies to rl.algorithm rloo, not 'grpo'",
+        ),
+        (
+            ["rl.algorithm=reinforce_plus_plus_baseline", "grpo.gamma=0.9"],
+            "grpo.gamma applies to rl.algorithm reinforce_plus_plus, not 'reinforce_plus_plus_baseline'",
+        ),
+        (
+            ["rl.algorithm=rloo", "grpo.reward_clip_range=[2, 1]"],
+            "grpo.reward_clip_range [2.0, 1.0] must be [low, high]",
+        ),
+        (["rl.algorithm=ppo", "rl.dynamic_sampling.enabled=true"], "rl.dynamic_sampling drops groups of completions"),
+        (["rl.algorithm=rloo", "rl.batch_size=12"], "rl.batch_size 12 must be a multiple of grpo.num_generations 8"),
         (["ppo.cliprange=-1"], "`ppo.cliprange` got -1: Input should be greater than 0"),
         (["run.seed=abc"], "`run.seed` must be an integer, but got 'abc' (a string)"),
         (["rl.algorithm=grpo", "rl.batch_size=12"], "rl.batch_size 12 must be a multiple of grpo.num_generations 8"),
