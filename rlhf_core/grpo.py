@@ -17,6 +17,7 @@ import torch
 
 from rlhf_core.advantages import Estimate, EstimatorContext, estimator_for
 from rlhf_core.config import GRPOConfig, RLConfig, RunConfig
+from rlhf_core.dynamic_sampling import GroupFiller
 from rlhf_core.generation import decode_responses
 from rlhf_core.group_baselines import nanstd
 from rlhf_core.loop import LoopResult, TrainingLoop
@@ -91,8 +92,42 @@ class GRPOSteps:
         self.optimizer_steps = grpo.num_iterations * self.sizes.mini_batches  # per generation batch
         self.timer = PhaseTimer(loop.device)
         self.on_completions: Callable[[list[dict], int], None] | None = None
+        self.more_prompts: Callable[[], PromptBatch] | None = None  # the next prompts (dynamic sampling)
+        self.dynamic: dict[str, float] = {}  # dynamic sampling's counts of this step
 
     def rollout(self, prompts: PromptBatch) -> RolloutBatch:
+        """Sample and score the step's groups; with rl.dynamic_sampling, replace the groups whose reward has no
+        spread by groups of more prompts (`dynamic_sampling.py`), for at most max_rounds extra rounds."""
+        batch = self._sample(prompts)
+        if not self.rl.dynamic_sampling.enabled:
+            return batch
+        filler = GroupFiller(self.sizes.prompts_per_step, self.sizes.generations_per_prompt)
+        filler.add(batch, self._rewards(batch))
+        rounds = 0
+        # every process samples while any is short (generation may be collective: sharded parameters)
+        while rounds < self.rl.dynamic_sampling.max_rounds and self.loop.global_sum(
+            torch.tensor(float(filler.missing > 0), device=self.loop.device)
+        ):
+            rounds += 1
+            more = self._sample(self.more_prompts())
+            filler.add(more, self._rewards(more))
+        batch, filled = filler.batch(self.settings.pad_token_id)
+        self.dynamic = {
+            "dynamic_sampling/zero_spread_groups": float(filler.dropped_groups),
+            "dynamic_sampling/rounds": float(rounds),
+            "dynamic_sampling/filled_groups": float(filled),
+        }
+        return batch
+
+    def _rewards(self, batch: RolloutBatch) -> torch.Tensor:
+        """Each completion's weighted reward minus the missing-stop penalty; NaN where no source scored it. (B,)"""
+        unscorable = torch.isnan(batch.scores).all(dim=1)
+        rewards = torch.nansum(batch.scores * self.weights.to(batch.scores).view(1, -1), dim=1)
+        if batch.penalty is not None:
+            rewards = rewards - batch.penalty.to(rewards)
+        return rewards.masked_fill(unscorable, float("nan"))
+
+    def _sample(self, prompts: PromptBatch) -> RolloutBatch:
         """Sample generations_per_prompt completions per prompt, decode them, score them with every source."""
         loop, settings = self.loop, self.settings
         with loop.full_parameters():
@@ -224,6 +259,7 @@ class GRPOSteps:
             "entropy": stats.mean("entropy"),
             "loss": stats.mean("loss"),
             "_tokens": batch.rollout.resp_mask.sum(),
+            **self.dynamic,
         }
         if self.grpo.loss_type == "cispo":
             metrics["cispo_clip_ratio"] = stats.mean("cispo")
@@ -307,4 +343,5 @@ def train_grpo(
         loop, rollout_settings(tokenizer, policy, rl, stop_token_ids), ref_model, rewards, prompt_rows, rl, grpo
     )
     steps.on_completions = hooks.get("on_completions")
+    steps.more_prompts = batches.next
     return run_rl(loop, steps, estimator, batches, policy, hooks)

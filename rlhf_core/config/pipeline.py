@@ -255,10 +255,10 @@ class PipelineConfig(Section):
 
     def _grpo_checks(self) -> None:
         grpo, rl = self.grpo, self.rl
-        for name in sorted(grpo.model_fields_set & GROUP_FIELDS_FOR.keys()):
-            if rl.algorithm not in GROUP_FIELDS_FOR[name]:
+        for name, algorithms in GROUP_FIELDS_FOR.items():  # a changed value the algorithm would never read
+            if rl.algorithm not in algorithms and getattr(grpo, name) != GRPOConfig.model_fields[name].default:
                 raise ValueError(
-                    f"grpo.{name} applies to rl.algorithm {' and '.join(GROUP_FIELDS_FOR[name])}, not "
+                    f"grpo.{name} applies to rl.algorithm {' and '.join(algorithms)}, not "
                     f"{rl.algorithm!r}; remove it (docs/algorithms.md lists what each algorithm reads)"
                 )
         if grpo.reward_clip_range is not None and grpo.reward_clip_range[0] > grpo.reward_clip_range[1]:

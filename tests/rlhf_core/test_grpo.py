@@ -74,7 +74,7 @@ def prompt_rows(world):
 RL = dict(batch_size=16, learning_rate=3e-3, response_length=6, temperature=1.0, save_steps=2, log_steps=1)
 
 
-def run(world, out, steps=4, on_log=None, grpo=None, **rl):
+def run(world, out, steps=4, on_log=None, grpo=None, rewards=None, **rl):
     tok, policy = setup(world)
     logs, ckpts, completions = [], [], []
 
@@ -87,7 +87,7 @@ def run(world, out, steps=4, on_log=None, grpo=None, **rl):
     result = train_grpo(
         policy,
         ref,
-        [make_reward(tok)],
+        rewards or [make_reward(tok)],
         tok,
         prompt_rows(world),
         RLConfig(**{"total_steps": steps, "algorithm": "grpo", **RL, **rl}),

@@ -62,7 +62,7 @@ def error_of(*overrides: str) -> str:
         (["rl.algorithm=grpo", "grpo.loss_type=cispo", "grpo.delta=2"], "grpo.delta applies to the clipped losses"),
         (["rl.missing_eos_penalty=1", "rl.stop_token=none"], "missing_eos_penalty needs a stop token"),
         (
-            ["rl.algorithm=rloo", "grpo.loss_type=dapo"],
+            ["rl.algorithm=rloo", "grpo.loss_type=grpo"],
             "grpo.loss_type applies to rl.algorithm grpo and reinforce_plus_plus and reinforce_plus_plus_baseline, not 'rloo'",
         ),
         (
