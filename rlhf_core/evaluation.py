@@ -18,7 +18,7 @@ import torch
 
 from rlhf_core.chat import assistant_messages
 from rlhf_core.generation import decode_responses, generate, left_pad, tokenize_prompts
-from rlhf_core.reward_functions import call_scoring_function
+from rlhf_core.reward_functions import accepts, call_scoring_function, completion_ids
 from rlhf_core.rl_math import kl_per_token, response_mask
 from rlhf_core.rollout import reference_context
 from rlhf_core.sampling import SamplingSettings
@@ -54,7 +54,7 @@ def evaluate_generations(
     `prompt_messages`: the prompts' message lists when they are conversational; metric functions then
     receive them and each completion as [{"role": "assistant", "content": text}], as GRPO's reward
     functions do (TRL's convention). `columns`: the prompts' other dataset columns, passed to the metric
-    functions as keyword arguments (TRL's convention)."""
+    functions as keyword arguments (TRL's convention), and `completion_ids` to those that take it."""
     settings = SamplingSettings(
         response_length=response_length, temperature=temperature, top_k=top_k, top_p=top_p, greedy=greedy
     )
@@ -90,8 +90,16 @@ def evaluate_generations(
             else (list(prompt_messages[start : start + batch_size]), assistant_messages(completions))
         )
         kwargs = {k: list(v[start : start + batch_size]) for k, v in (columns or {}).items()}
+        ids = completion_ids(responses, resp_mask)
         extra = {
-            name: call_scoring_function(name, fn, prompts=scored[0], completions=scored[1], **kwargs)
+            name: call_scoring_function(
+                name,
+                fn,
+                prompts=scored[0],
+                completions=scored[1],
+                **kwargs,
+                **({"completion_ids": ids} if accepts(fn, "completion_ids") and "completion_ids" not in kwargs else {}),
+            )
             for name, fn in metrics.items()
         }
         for i, (prompt, completion) in enumerate(zip(chunk, completions)):

@@ -6,6 +6,7 @@ one float (or None for "not applicable") per completion, as TRL's GRPO reward fu
 
 from __future__ import annotations
 
+import inspect
 from functools import lru_cache
 
 
@@ -49,6 +50,35 @@ def load_function(spec: str, *, field: str = "eval.metrics"):
     if not callable(fn):
         raise RewardFunctionError(f"{field}: module '{module_name}' has no function '{attr}'")
     return fn
+
+
+def accepts(fn, name: str) -> bool:
+    """Whether fn takes a keyword argument `name` (by name or through **kwargs)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature
+        return False
+    return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
+def completion_ids(responses, resp_mask) -> list[list[int]]:
+    """Each completion's token ids up to and with its stop token (TRL's `completion_ids`), from (B, R) tensors."""
+    return [row[: int(n)].tolist() for row, n in zip(responses, resp_mask.sum(1))]
+
+
+def bind_arguments(fn, arguments: dict, *, field: str):
+    """fn with `arguments` bound as keywords (a grpo.rewards entry's `arguments`); each must be one fn takes."""
+    import functools
+
+    for name in arguments:
+        if not accepts(fn, name):
+            raise RewardFunctionError(f"{field}.arguments: the function takes no argument '{name}'")
+    return functools.partial(fn, **arguments) if arguments else fn
+
+
+def load_reward_function(spec: str, arguments: dict, *, field: str):
+    """A grpo.rewards entry's function (`field`, e.g. 'grpo.rewards[0]'), imported, its arguments bound."""
+    return bind_arguments(load_function(spec, field=f"{field}.function"), arguments, field=field)
 
 
 def call_scoring_function(
@@ -133,4 +163,20 @@ def exact_match(
         raise ValueError(f"exact_match got {len(answer)} answers for {len(completions)} completions")
     return [
         1.0 if completion_text(c).strip() == str(a).strip() else 0.0 for c, a in zip(completions, answer, strict=True)
+    ]
+
+
+def soft_overlong_punishment(
+    completion_ids: list | None = None, max_completion_len: int = 16, soft_punish_cache: int = 4, **_: object
+) -> list[float]:
+    """DAPO's soft overlong punishment (arXiv:2503.14476, Eq. 13), as TRL's `get_soft_overlong_punishment`:
+    0 for a completion of at most L_max - L_cache tokens, (L_max - L_cache - length) / L_cache up to L_max
+    tokens, -1 beyond. Lengths count the completion's tokens with its stop token. Configure it with
+    `arguments: {max_completion_len: ..., soft_punish_cache: ...}` in its grpo.rewards entry."""
+    if completion_ids is None:
+        raise ValueError("soft_overlong_punishment needs completion_ids= (the completions' token ids)")
+    start = max_completion_len - soft_punish_cache
+    return [
+        0.0 if len(ids) <= start else (start - len(ids)) / soft_punish_cache if len(ids) <= max_completion_len else -1.0
+        for ids in completion_ids
     ]

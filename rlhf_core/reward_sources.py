@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from rlhf_core.chat import PROMPT_MESSAGES, assistant_messages, extra_columns
-from rlhf_core.reward_functions import call_scoring_function, check_finite
+from rlhf_core.reward_functions import accepts, call_scoring_function, check_finite, completion_ids
 from rlhf_core.rollout import Rollout
 from rlhf_core.scoring import sequence_scores
 
@@ -43,13 +43,17 @@ def model_reward(name: str, weight: float, reward_model) -> RewardSourceFn:
 
 
 def function_reward(name: str, weight: float, fn) -> RewardSourceFn:
-    """A Python function called as fn(prompts=, completions=, **dataset_columns), checked for shape and type.
+    """A Python function called as fn(prompts=, completions=, **dataset_columns), checked for shape and type;
+    also with completion_ids= (`completion_ids`) when it takes that argument or **kwargs, as TRL's are.
 
     For conversational prompts (rows with `prompt_messages`) it receives, as TRL hands them, the prompts as
     message lists and each completion as [{"role": "assistant", "content": text}]."""
+    wants_ids = accepts(fn, "completion_ids")
 
     def score(prompts, completions, rollout, rows):
         columns = extra_columns(rows)
+        if wants_ids and rollout is not None and "completion_ids" not in columns:
+            columns["completion_ids"] = completion_ids(rollout.responses, rollout.resp_mask)
         if rows and PROMPT_MESSAGES in rows[0]:
             prompts, completions = [row[PROMPT_MESSAGES] for row in rows], assistant_messages(completions)
         return call_scoring_function(name, fn, prompts=prompts, completions=completions, **columns)

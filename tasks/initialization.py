@@ -16,7 +16,7 @@ from prefect.cache_policies import NO_CACHE
 from rlhf_core.config import PipelineConfig
 from rlhf_core.data import read_column
 from rlhf_core.models import ModelSourceError, generation_config_of, load_tokenizer, run_stop_ids
-from rlhf_core.reward_functions import load_function
+from rlhf_core.reward_functions import load_reward_function
 from tasks import launcher, registry
 from tasks.data import PreparedData, resolve_model_source
 from tasks.retry import IO_RETRIES
@@ -91,7 +91,8 @@ def _check_sources(cfg: PipelineConfig, data: PreparedData, policy_path: str, re
         ]
         for i, r in enumerate(cfg.grpo.rewards):
             if r.function is not None:
-                load_function(r.function, field=f"grpo.rewards[{i}].function")  # fail now, not after generating
+                # fail now, not after generating
+                load_reward_function(r.function, r.arguments, field=f"grpo.rewards[{i}]")
     for directory in reward_dirs:
         mismatch = _tokenizer_mismatch(policy_tok, load_tokenizer(directory))
         if mismatch:

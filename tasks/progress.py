@@ -34,7 +34,9 @@ class StageProgress:
         self.enabled = _in_prefect_run()
         self.min_interval_s = min_interval_s
         self._last = 0.0
-        self.artifact_id = create_progress_artifact(0.0, key=artifact_key(key), description=description) if self.enabled else None
+        self.artifact_id = (
+            create_progress_artifact(0.0, key=artifact_key(key), description=description) if self.enabled else None
+        )
 
     def update(self, done: int, total: int) -> None:
         now = time.monotonic()

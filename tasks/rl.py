@@ -32,7 +32,7 @@ from rlhf_core.models import (
     run_stop_ids,
 )
 from rlhf_core.ppo import train_ppo
-from rlhf_core.reward_functions import load_function
+from rlhf_core.reward_functions import load_function, load_reward_function
 from rlhf_core.reward_model import load_reward_model
 from tasks import launcher, tracking
 from tasks.data import PreparedData, resolve_model_source, stage_tokenizer
@@ -55,7 +55,9 @@ def eval_functions(cfg: PipelineConfig) -> dict:
     if cfg.rl.algorithm != "ppo":  # the GRPO family reads grpo.rewards
         for i, source in enumerate(cfg.grpo.rewards):
             if source.function is not None:
-                functions[f"reward_{source.name}"] = load_function(source.function, field=f"grpo.rewards[{i}].function")
+                functions[f"reward_{source.name}"] = load_reward_function(
+                    source.function, source.arguments, field=f"grpo.rewards[{i}]"
+                )
     return functions
 
 
@@ -72,7 +74,9 @@ def reward_sources(cfg: PipelineConfig, plan: InitPlan, stage_reward_model) -> l
     for i, r in enumerate(cfg.grpo.rewards):
         if r.function is not None:
             sources.append(
-                function_reward(r.name, r.weight, load_function(r.function, field=f"grpo.rewards[{i}].function"))
+                function_reward(
+                    r.name, r.weight, load_reward_function(r.function, r.arguments, field=f"grpo.rewards[{i}]")
+                )
             )
             continue
         if r.model == "reward_stage":

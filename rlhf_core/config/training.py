@@ -186,6 +186,10 @@ class RewardSource(Section):
     )
     function: str | None = Field(None, description="A Python reward function as 'package.module:function'.")
     weight: float = Field(1.0, description="Weight of this reward in the sum.")
+    arguments: dict[str, float | int | str | bool] = Field(
+        default_factory=dict,
+        description="Keyword arguments bound to the function (e.g. soft_overlong_punishment's max_completion_len).",
+    )
 
     @model_validator(mode="after")
     def _one_kind(self) -> RewardSource:
@@ -193,6 +197,8 @@ class RewardSource(Section):
             raise ValueError(f"reward '{self.name}' must set exactly one of model or function")
         if self.function is not None and ":" not in self.function:
             raise ValueError(f"function '{self.function}' must be written 'package.module:function'")
+        if self.arguments and self.function is None:
+            raise ValueError(f"reward '{self.name}' sets arguments, which only a function takes")
         return self
 
 

@@ -96,3 +96,29 @@ def test_exact_match_without_an_answer_column_names_it():
         exact_match(prompts=["1+2="], answer=["3"])
     with pytest.raises(RewardFunctionError, match="exact_match raised ValueError"):
         call_scoring_function("exact_match", exact_match, prompts=["1+2="], completions=["3"])
+
+
+def test_soft_overlong_punishment_by_hand_and_as_trl_computes_it():
+    from trl.rewards import get_soft_overlong_punishment
+
+    from rlhf_core.reward_functions import soft_overlong_punishment
+
+    ids = [[1] * n for n in (0, 3, 4, 5, 7, 8, 9, 20)]
+    ours = soft_overlong_punishment(completion_ids=ids, max_completion_len=8, soft_punish_cache=4)
+    assert ours == [0.0, 0.0, 0.0, -0.25, -0.75, -1.0, -1.0, -1.0]
+    assert ours == get_soft_overlong_punishment(max_completion_len=8, soft_punish_cache=4)(completion_ids=ids)
+    with pytest.raises(ValueError, match="needs completion_ids"):
+        soft_overlong_punishment(completions=["a"])
+
+
+def test_arguments_are_bound_by_name_and_an_unknown_one_is_refused():
+    from rlhf_core.reward_functions import RewardFunctionError, bind_arguments, soft_overlong_punishment
+
+    bound = bind_arguments(soft_overlong_punishment, {"max_completion_len": 2, "soft_punish_cache": 1}, field="r")
+    assert bound(completion_ids=[[1], [1, 1], [1, 1, 1]]) == [0.0, -1.0, -1.0]
+
+    def strict(prompts, completions):
+        return [0.0] * len(completions)
+
+    with pytest.raises(RewardFunctionError, match=r"grpo.rewards\[1\].arguments: the function takes no argument 'k'"):
+        bind_arguments(strict, {"k": 1}, field="grpo.rewards[1]")

@@ -55,3 +55,23 @@ def test_every_source_scores_into_one_column_none_as_nan_and_a_non_finite_score_
     broken = RewardSourceFn("broken", 1.0, lambda prompts, completions, rollout, rows: [float("inf"), 0.0])
     with pytest.raises(RewardFunctionError, match="reward broken"):
         score_sources([broken], ["a", "b"], ["x", "y"], None, rows)
+
+
+def test_functions_that_take_completion_ids_get_each_completions_ids_with_its_stop_token():
+    from tests.fixtures.small_models import rollout_of
+
+    rollout = rollout_of(torch.tensor([[1, 1, 0], [1, 1, 1]]))
+    rollout.responses = torch.tensor([[5, 2, 0], [6, 7, 8]])
+    got = {}
+
+    def lengths(prompts, completions, completion_ids):
+        got["ids"] = completion_ids
+        return [float(len(ids)) for ids in completion_ids]
+
+    def plain(prompts, completions):  # takes no completion_ids: not given any
+        return [0.0, 0.0]
+
+    rows = [{"prompt": "a"}, {"prompt": "b"}]
+    assert function_reward("len", 1.0, lengths).score(["a", "b"], ["x", "y"], rollout, rows) == [2.0, 3.0]
+    assert got["ids"] == [[5, 2], [6, 7, 8]]
+    assert function_reward("plain", 1.0, plain).score(["a", "b"], ["x", "y"], rollout, rows) == [0.0, 0.0]
