@@ -26,7 +26,7 @@ from tasks import registry, tracking
 from tasks.data import PreparedData, data_stage
 from tasks.eval_rows import load_eval_history
 from tasks.export import CANDIDATE, export_stage
-from tasks.initialization import init_stage, uses_reward_stage
+from tasks.initialization import init_stage
 from tasks.preflight import check_preflight
 from tasks.reward_model import reward_stage
 from tasks.rl import rl_stage
@@ -173,7 +173,7 @@ def rlhf_pipeline(
             with stage("sft"):
                 policy = sft_stage(cfg, data, run_id) if cfg.sft.enabled else None
             with stage("reward"):
-                reward = reward_stage(cfg, data, policy, run_id) if uses_reward_stage(cfg) else None
+                reward = reward_stage(cfg, data, policy, run_id) if cfg.trains_reward_model() else None
                 if reward is None:
                     logger.info(
                         "no reward-model stage: %s scores with grpo.rewards %s, none of which is 'reward_stage'",

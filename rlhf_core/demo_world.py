@@ -1,4 +1,6 @@
-"""The offline demo world: a review corpus, a tokenizer, a tiny Llama, preferences and prompts.
+"""The offline demo world: a review corpus, a tokenizer, a tiny Llama, preferences and prompts; or, with
+data.demo.world 'arithmetic', additions to verify (`arithmetic_world.py`: corpus of labelled problems,
+prompts with an `answer` column, no preferences).
 
 Everything is built from the VADER lexicon that the `vaderSentiment` package ships, deterministically
 from a seed, in a few seconds, with no download: the conversational text by :mod:`rlhf_core.demo_text`
@@ -26,6 +28,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from rlhf_core.arithmetic_world import build_arithmetic_model, build_digit_tokenizer, world_splits
 from rlhf_core.config import DEMO, DemoModelConfig, DemoWorldConfig
 from rlhf_core.data_rows import Kind
 from rlhf_core.demo_models import ROLES, build_demo_model, train_word_tokenizer
@@ -40,8 +43,8 @@ from rlhf_core.demo_text import (
 from rlhf_core.saving import apply_umask
 
 # bump when what rlhf_core.demo_text or rlhf_core.demo_models build changes, so cached worlds are rebuilt
-# (2: conversational)
-WORLD_VERSION = 2
+# (2: conversational; 3: the arithmetic world)
+WORLD_VERSION = 3
 
 
 @dataclass(frozen=True)
@@ -118,7 +121,8 @@ def load_cached_world(root: Path, key: dict) -> DemoWorld | None:
 def build_demo_world(
     root: str | Path, seed: int, world: DemoWorldConfig, model: DemoModelConfig, progress=None
 ) -> DemoWorld:
-    """Build the demo world into `root` (or reuse it when cached with the same key).
+    """Build the demo world (data.demo.world: reviews or arithmetic) into `root`, or reuse it when cached
+    with the same key.
 
     The build writes to a temporary sibling directory and renames it into place, so an interrupted
     build never leaves a half-written world. `progress(done, total, what)` is called per step.
@@ -128,47 +132,16 @@ def build_demo_world(
     cached = load_cached_world(root, key)
     if cached is not None:
         return cached
-    steps = ["corpus", "prompts", "preferences", "tokenizer", "base model"]
     report = progress or (lambda done, total, what: None)
-
     root.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{root.name}-", dir=root.parent))
     try:
-        out = DemoWorld(tmp)
-        lexicon = load_vader_lexicon()
-        writer = ReviewWriter(random.Random(seed), lexicon)
-
-        report(0, len(steps), steps[0])
-        corpus = corpus_rows(writer, world.num_sentences)
-        _write_jsonl(out.corpus, corpus)
-
-        report(1, len(steps), steps[1])
-        train_prompts = distinct_prompts(writer, False, world.num_train_prompts)
-        eval_prompts = distinct_prompts(writer, True, world.num_eval_prompts)
-        _write_jsonl(out.prompts("train"), train_prompts)
-        _write_jsonl(out.prompts("test"), eval_prompts)
-
-        report(2, len(steps), steps[2])
-        train_pairs = preference_pairs(
-            writer, sample_prefixes(writer, False, world.num_preference_pairs), world.min_compound_gap
+        write = _write_arithmetic if world.world == "arithmetic" else _write_reviews
+        steps = write(DemoWorld(tmp), seed, world, model, report)
+        DemoWorld(tmp).manifest.write_text(
+            json.dumps({"key": key, "files": _file_hashes(tmp)}, indent=2, sort_keys=True)
         )
-        eval_pairs = preference_pairs(
-            writer, sample_prefixes(writer, True, world.num_eval_preference_pairs), world.min_compound_gap
-        )
-        _write_jsonl(out.preferences("train"), train_pairs)
-        _write_jsonl(out.preferences("test"), eval_pairs)
-
-        report(3, len(steps), steps[3])
-        tokenizer = train_word_tokenizer(_tokenizer_texts(writer, corpus, train_pairs), model.max_position_embeddings)
-        tokenizer.save_pretrained(out.tokenizer)
-
-        report(4, len(steps), steps[4])
-        lm = build_demo_model(tokenizer, model, seed)
-        lm.save_pretrained(out.base_model)
-        tokenizer.save_pretrained(out.base_model)
-
-        out.manifest.write_text(json.dumps({"key": key, "files": _file_hashes(tmp)}, indent=2, sort_keys=True))
-        report(len(steps), len(steps), "done")
+        report(steps, steps, "done")
         if root.exists():
             shutil.rmtree(root)
         apply_umask(tmp)  # mkdtemp's 0700 and safetensors' 0600 files: the umask's modes instead
@@ -177,6 +150,58 @@ def build_demo_world(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return DemoWorld(root)
+
+
+def _write_reviews(out: DemoWorld, seed: int, world: DemoWorldConfig, model: DemoModelConfig, report) -> int:
+    """The review world's files into `out`; the number of steps reported."""
+    steps = ["corpus", "prompts", "preferences", "tokenizer", "base model"]
+    lexicon = load_vader_lexicon()
+    writer = ReviewWriter(random.Random(seed), lexicon)
+
+    report(0, len(steps), steps[0])
+    corpus = corpus_rows(writer, world.num_sentences)
+    _write_jsonl(out.corpus, corpus)
+
+    report(1, len(steps), steps[1])
+    _write_jsonl(out.prompts("train"), distinct_prompts(writer, False, world.num_train_prompts))
+    _write_jsonl(out.prompts("test"), distinct_prompts(writer, True, world.num_eval_prompts))
+
+    report(2, len(steps), steps[2])
+    train_pairs = preference_pairs(
+        writer, sample_prefixes(writer, False, world.num_preference_pairs), world.min_compound_gap
+    )
+    eval_pairs = preference_pairs(
+        writer, sample_prefixes(writer, True, world.num_eval_preference_pairs), world.min_compound_gap
+    )
+    _write_jsonl(out.preferences("train"), train_pairs)
+    _write_jsonl(out.preferences("test"), eval_pairs)
+
+    report(3, len(steps), steps[3])
+    tokenizer = train_word_tokenizer(_tokenizer_texts(writer, corpus, train_pairs), model.max_position_embeddings)
+    tokenizer.save_pretrained(out.tokenizer)
+
+    report(4, len(steps), steps[4])
+    build_demo_model(tokenizer, model, seed).save_pretrained(out.base_model)
+    tokenizer.save_pretrained(out.base_model)
+    return len(steps)
+
+
+def _write_arithmetic(out: DemoWorld, seed: int, world: DemoWorldConfig, model: DemoModelConfig, report) -> int:
+    """The arithmetic world's files into `out` (`arithmetic_world.py`): the labelled problems as the corpus,
+    problems without answers as train prompts, held-out problems as test prompts; no preferences."""
+    report(0, 2, "problems")
+    splits = world_splits(
+        seed, num_sft=world.num_labelled, num_rl=world.num_train_prompts, num_eval=world.num_eval_prompts
+    )
+    _write_jsonl(out.corpus, splits["sft"])
+    _write_jsonl(out.prompts("train"), splits["rl"])
+    _write_jsonl(out.prompts("test"), splits["eval"])
+    report(1, 2, "tokenizer and base model")
+    tokenizer = build_digit_tokenizer(model.max_position_embeddings)
+    tokenizer.save_pretrained(out.tokenizer)
+    build_arithmetic_model(tokenizer, model, seed).save_pretrained(out.base_model)
+    tokenizer.save_pretrained(out.base_model)
+    return 2
 
 
 def world_rows(world: DemoWorld, kind: Kind, split: str = "train") -> list[dict]:

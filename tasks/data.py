@@ -68,16 +68,8 @@ def resolve_model_source(source: str, *, field: str, cfg: PipelineConfig, world:
 
 
 def tables_to_prepare(cfg: PipelineConfig) -> list[tuple[str, str, DatasetSpec, Kind]]:
-    """(name, config field, spec, kind) for every table the pipeline reads."""
-    tables = [
-        ("preference", "data.preference", cfg.data.preference, "preference"),
-        ("preference_eval", "data.preference_eval", cfg.data.preference_eval, "preference"),
-        ("prompts", "data.prompts", cfg.data.prompts, "prompt"),
-        ("eval_prompts", "data.eval_prompts", cfg.data.eval_prompts, "prompt"),
-    ]
-    if cfg.sft.enabled:
-        tables.append(("sft", "sft.dataset", cfg.sft.dataset, "text"))
-    return tables
+    """(name, config field, spec, kind) for every table the pipeline reads (`PipelineConfig.data_tables`)."""
+    return cfg.data_tables()
 
 
 def stage_tokenizer(cfg: PipelineConfig, source: str):

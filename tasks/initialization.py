@@ -44,11 +44,6 @@ def _tokenizer_mismatch(a, b) -> str | None:
     return None
 
 
-def uses_reward_stage(cfg: PipelineConfig) -> bool:
-    """PPO always needs this run's reward model; GRPO only when a reward source names 'reward_stage'."""
-    return cfg.rl.algorithm == "ppo" or any(r.model == "reward_stage" for r in cfg.grpo.rewards)
-
-
 def _policy_source(cfg: PipelineConfig, data: PreparedData, sft: Checkpoint | None, logger) -> tuple[str, str]:
     """(path, identity) of the policy's start: the champion, the SFT warm start or the base model."""
     champion = (

@@ -132,16 +132,8 @@ def _check_functions(cfg: PipelineConfig) -> list[str]:
 
 
 def tables_to_check(cfg: PipelineConfig) -> list[tuple[str, DatasetSpec, Kind]]:
-    """(config field, spec, kind) of every table the pipeline reads (as tasks.data.tables_to_prepare)."""
-    tables = [
-        ("data.preference", cfg.data.preference, "preference"),
-        ("data.preference_eval", cfg.data.preference_eval, "preference"),
-        ("data.prompts", cfg.data.prompts, "prompt"),
-        ("data.eval_prompts", cfg.data.eval_prompts, "prompt"),
-    ]
-    if cfg.sft.enabled:
-        tables.append(("sft.dataset", cfg.sft.dataset, "text"))
-    return tables
+    """(config field, spec, kind) of every table the pipeline reads (`PipelineConfig.data_tables`)."""
+    return [(field, spec, kind) for _, field, spec, kind in cfg.data_tables()]
 
 
 def first_rows(fmt: str, file: str, n: int = FIRST_ROWS) -> list[Any]:

@@ -34,6 +34,7 @@ from rlhf_core.models import (
 from rlhf_core.ppo import train_ppo
 from rlhf_core.reward_functions import load_function, load_reward_function
 from rlhf_core.reward_model import load_reward_model
+from rlhf_core.verifiable import sampled_columns
 from tasks import launcher, tracking
 from tasks.data import PreparedData, resolve_model_source, stage_tokenizer
 from tasks.guard import guarded_training
@@ -150,27 +151,48 @@ def load_models(cfg: PipelineConfig, plan: InitPlan) -> RLModels:
 def evaluate_policy(
     model, step: int, *, cfg: PipelineConfig, models: RLModels, prompt_rows: list[dict], metrics: dict
 ) -> list[dict]:
-    """Completions of the held-out prompts sampled from `model` as in training, scored (the loops' `evaluate`)."""
+    """Completions of the held-out prompts sampled from `model` as in training (or greedy), scored (the loops'
+    `evaluate`); with eval.samples_per_prompt n > 1 each row also gets its prompt's pass_at_<k> and maj_at_<n>
+    from n more samples that eval.verifier checks."""
     prompts, messages = prompt_columns(prompt_rows)
-    return evaluate_generations(
+    generate = partial(
+        evaluate_generations,
         model,
-        models.eval_ref,
-        models.reward_model,
-        models.tokenizer,
-        prompts,
-        prompt_messages=messages,
-        columns=extra_columns(prompt_rows),
+        tokenizer=models.tokenizer,
         response_length=cfg.rl.response_length,
         max_prompt_length=cfg.data.max_prompt_length,
-        metrics=metrics,
         batch_size=cfg.eval.batch_size,
-        greedy=cfg.eval.greedy,
         temperature=cfg.eval_temperature(),
         top_k=cfg.rl.top_k,
         top_p=cfg.rl.top_p,
         stop_token_ids=models.stop_ids,
         device=next(model.parameters()).device,
     )
+    columns = extra_columns(prompt_rows)
+    rows = generate(
+        ref_model=models.eval_ref,
+        reward_model=models.reward_model,
+        prompts=prompts,
+        prompt_messages=messages,
+        columns=columns,
+        metrics=metrics,
+        greedy=cfg.eval.greedy,
+    )
+    n = cfg.eval.samples_per_prompt
+    if n > 1:
+        verifier = cfg.verifier()
+        sampled = generate(
+            ref_model=None,
+            reward_model=None,
+            prompts=[p for p in prompts for _ in range(n)],
+            prompt_messages=[m for m in messages for _ in range(n)] if messages is not None else None,
+            columns={k: [v for v in values for _ in range(n)] for k, values in columns.items()},
+            metrics={verifier: metrics[verifier]},
+            greedy=False,
+        )
+        for row, extra in zip(rows, sampled_columns(sampled, n, verifier, cfg.eval.pass_at_k)):
+            row.update(extra)
+    return rows
 
 
 def fresh_models(

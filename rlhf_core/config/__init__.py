@@ -24,13 +24,10 @@ from rlhf_core.config.errors import (
     section_at,
     unknown_key_hint,
 )
+from rlhf_core.config.evaluation import DivergenceRule, EvalConfig, GuardConfig, GuardRule
 from rlhf_core.config.loading import apply_overrides, load_config, parse_override, validate_config
 from rlhf_core.config.pipeline import (
-    DivergenceRule,
-    EvalConfig,
     ExportConfig,
-    GuardConfig,
-    GuardRule,
     PipelineConfig,
     PromoteConfig,
     RegistryConfig,

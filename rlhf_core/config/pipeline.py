@@ -1,5 +1,5 @@
-"""The sections after training (evaluation, export, promotion, tracking, registry) and the whole
-`PipelineConfig`: its cross-field checks and the values derived from it."""
+"""The sections after training (export, promotion, tracking, registry) and the whole `PipelineConfig`: its
+cross-field checks and the values derived from it."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from rlhf_core.config.base import DEMO, ConfigError, Section
-from rlhf_core.config.run_model_data import DataConfig, ModelConfig, RunConfig
+from rlhf_core.config.evaluation import EvalConfig, GuardConfig
+from rlhf_core.config.run_model_data import DataConfig, DatasetSpec, ModelConfig, RunConfig
 from rlhf_core.config.training import (
     GROUP_ALGORITHMS,
     GROUP_FIELDS_FOR,
@@ -26,71 +27,6 @@ from rlhf_core.config.training import (
 from rlhf_core.promotion import Gates
 
 DEMO_MIN_IMPROVEMENT = 0.01  # the demo's promote.min_improvement when it is null
-
-
-class EvalConfig(Section):
-    every_steps: int = Field(20, ge=1, description="Generate and score held-out completions every this many RL steps.")
-    num_prompts: int = Field(64, ge=1, description="Held-out prompts evaluated each time.")
-    batch_size: int = Field(64, ge=1, description="Prompts per generation batch.")
-    greedy: bool = Field(
-        False,
-        description="Greedy decoding instead of sampling as in training; the KL and diversity are then of greedy completions, not estimates.",
-    )
-    temperature: float | None = Field(
-        None,
-        gt=0.0,
-        description="Sampling temperature of evaluation (top_k and top_p are rl's); null: rl.temperature, so that the KL is measured on the policy's own samples.",
-    )
-    metrics: list[str] = Field(
-        default_factory=lambda: ["rlhf_core.reward_functions:vader_compound"],
-        description="Extra metric functions 'module:function' scored on each completion.",
-    )
-
-
-GuardAction = Literal["warn", "stop", "rollback"]
-
-
-class GuardRule(Section):
-    limit: float | None = Field(None, ge=0.0, description="The rule's threshold; null: the rule is off.")
-    action: GuardAction = Field(
-        "warn",
-        description="On a breach: 'warn' (log it; the checkpoint is marked), 'stop' (end RL), 'rollback' (restore the last checkpoint that passed every rule, strengthen the KL coefficient and go on).",
-    )
-
-
-class DivergenceRule(Section):
-    evals: int | None = Field(
-        3,
-        ge=1,
-        description="Fires when the proxy reward rose and the gold metric fell at each of this many evaluations in a row; null: off.",
-    )
-    gold: str | None = Field(None, description="The gold eval column; null: the first of eval.metrics.")
-    proxy: str = Field("score", description="The proxy eval column: 'score' (the reward model) or a reward function's.")
-    action: GuardAction = Field("warn", description="On a breach: warn, stop or rollback (as the other rules).")
-
-
-class GuardConfig(Section):
-    kl_budget: GuardRule = Field(
-        default_factory=GuardRule,
-        description="Eval KL to the initial policy (k3, nats per completion) above `limit`.",
-    )
-    min_distinct_ratio: GuardRule = Field(
-        default_factory=lambda: GuardRule(limit=0.5),
-        description="distinct-2 of the eval completions over the initial policy's below `limit` (collapse).",
-    )
-    max_length_change: GuardRule = Field(
-        default_factory=lambda: GuardRule(limit=0.5),
-        description="|mean completion length / the initial policy's - 1| above `limit`.",
-    )
-    divergence: DivergenceRule = Field(
-        default_factory=DivergenceRule, description="Over-optimization: the proxy reward keeps rising while gold falls."
-    )
-    kl_coef_factor: float = Field(
-        2.0, gt=1.0, description="A rollback multiplies ppo.kl_coef (or grpo.beta, when above 0) by this."
-    )
-    max_rollbacks: int = Field(
-        2, ge=0, description="Rollbacks allowed in a run; one more breach that asks for one stops RL."
-    )
 
 
 class ExportConfig(Section):
@@ -240,6 +176,12 @@ class PipelineConfig(Section):
             raise ValueError("init.policy is 'sft' but sft.enabled is false; set init.policy to 'base' or enable sft")
         names = self.metric_names()
         self._guard_checks(names)
+        if self.eval.samples_per_prompt > 1 and self.verifier() not in names:
+            allowed = ", ".join(repr(n) for n in names if n not in self.eval.sampled_columns()) or "none"
+            raise ValueError(
+                f"eval.samples_per_prompt {self.eval.samples_per_prompt} counts correct completions with "
+                f"eval.verifier {self.verifier()!r}, which is not an eval metric; allowed: {allowed}"
+            )
         if self.promote.metric is not None and self.promote.metric not in ("score", *names):
             allowed = ", ".join(repr(n) for n in ("score", *names))
             raise ValueError(f"promote.metric {self.promote.metric!r} is not an eval column; allowed: {allowed}")
@@ -315,8 +257,15 @@ class PipelineConfig(Section):
         return self.export.output_dir or self.run.output_dir / "export"
 
     def metric_names(self) -> list[str]:
-        """Eval column names of eval.metrics ('package.module:function' is named 'function')."""
-        return [spec.rsplit(":", 1)[-1] for spec in self.eval.metrics]
+        """Eval column names of eval.metrics ('package.module:function' is named 'function'), then the sampled
+        evaluation's pass_at_<k> and maj_at_<n>."""
+        return [spec.rsplit(":", 1)[-1] for spec in self.eval.metrics] + self.eval.sampled_columns()
+
+    def verifier(self) -> str | None:
+        """The eval metric the sampled evaluation counts as correctness: eval.verifier, else the first of eval.metrics."""
+        if self.eval.verifier is not None:
+            return self.eval.verifier
+        return self.eval.metrics[0].rsplit(":", 1)[-1] if self.eval.metrics else None
 
     def is_demo(self) -> bool:
         """The built-in demo: the policy's base is the demo world's model (model.base 'demo')."""
@@ -356,6 +305,28 @@ class PipelineConfig(Section):
                 "there is no champion yet for promote.min_improvement to be measured against"
             )
         return Gates(metric, min_improvement, promote.max_kl, promote.min_value)
+
+    def trains_reward_model(self) -> bool:
+        """Whether the reward stage runs: PPO always reads this run's reward model; the GRPO family only when a
+        grpo.rewards entry names 'reward_stage' (with only reward functions, e.g. RLVR, it is skipped)."""
+        return self.rl.algorithm == "ppo" or any(r.model == "reward_stage" for r in self.grpo.rewards)
+
+    def data_tables(self) -> list[tuple[str, str, DatasetSpec, str]]:
+        """(name, config field, spec, kind) of every table the pipeline reads: preferences only when the reward
+        stage runs, the prompts, and the SFT corpus when SFT runs."""
+        tables = []
+        if self.trains_reward_model():
+            tables += [
+                ("preference", "data.preference", self.data.preference, "preference"),
+                ("preference_eval", "data.preference_eval", self.data.preference_eval, "preference"),
+            ]
+        tables += [
+            ("prompts", "data.prompts", self.data.prompts, "prompt"),
+            ("eval_prompts", "data.eval_prompts", self.data.eval_prompts, "prompt"),
+        ]
+        if self.sft.enabled:
+            tables.append(("sft", "sft.dataset", self.sft.dataset, "text"))
+        return tables
 
     def uses_demo_world(self) -> bool:
         sources = [

@@ -159,13 +159,28 @@ class DatasetSpec(Section):
 
 
 class DemoWorldConfig(Section):
+    world: Literal["reviews", "arithmetic"] = Field(
+        "reviews",
+        description="reviews: finish a review, VADER labels preferences (the RLHF demo); arithmetic: 'a+b=' problems checked by exact match (the RLVR showcase, configs/rlvr.yaml; no preference data).",
+    )
     num_sentences: int = Field(6000, ge=10, description="Sentences in the demo's review corpus (SFT data).")
+    num_labelled: int = Field(
+        800, ge=2, description="arithmetic: labelled problems 'a+b=c' of the SFT corpus (the rest have no answers)."
+    )
     num_preference_pairs: int = Field(3000, ge=10, description="Preference pairs labelled by VADER (train split).")
     num_eval_preference_pairs: int = Field(
         400, ge=2, description="Held-out preference pairs (reward-model evaluation)."
     )
-    num_train_prompts: int = Field(1024, ge=2, description="Prompts for RL training.")
-    num_eval_prompts: int = Field(64, ge=2, description="Held-out prompts for generation evaluation.")
+    num_train_prompts: int = Field(
+        1024,
+        ge=2,
+        description="Prompts for RL training (arithmetic: without answers to learn from, only the checker's).",
+    )
+    num_eval_prompts: int = Field(
+        64,
+        ge=2,
+        description="Held-out prompts for generation evaluation (arithmetic: problems in neither training set).",
+    )
     min_compound_gap: float = Field(
         0.3, gt=0.0, le=2.0, description="Least VADER compound difference between chosen and rejected."
     )

@@ -39,7 +39,7 @@ def scenario_groups() -> torch.Tensor:
             [1.0, 1.0, 1.0],
             [1.0, 1.0, 1.0],
             [1.0, 1.0, 1.0],
-            [1.0, 1.0, NAN],  # zero std (one source None)
+            [1.0, 1.0, NAN],  # one source None in the last row (the sums differ: not zero std)
         ]
     )
 

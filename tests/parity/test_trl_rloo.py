@@ -274,7 +274,7 @@ def test_our_advantages_phase_matches_trl(make_rloo_trainer, beta, clip, normali
         num_generations=G,
         beta=beta,
         kl_estimator="k1",
-        reward_clip_range=clip,
+        reward_clip_range=list(clip) if clip is not None else None,
         normalize_advantages=normalize,
         mask_truncated_completions=mask_truncated,
     )
