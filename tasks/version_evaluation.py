@@ -1,7 +1,9 @@
 """A registered policy version evaluated on the held-out prompts, for promotion (flows/promote.py).
 
-`evaluate_version` samples completions as in training, seeded, so the candidate and the champion are
-scored on the same draws: with the candidate's reward model and reference, and `eval.metrics`.
+`evaluate_version` evaluates as the RL stage does (`tasks.rl.evaluate_policy`: sampled as in training or
+greedy, the prompts' dataset columns for the metric functions, the verifier's pass@k and maj@n), seeded, so
+the candidate and the champion are scored on the same draws: with the candidate's reward model and
+reference, and `eval.metrics`.
 """
 
 from __future__ import annotations
@@ -9,14 +11,13 @@ from __future__ import annotations
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from rlhf_core.chat import prompt_columns
 from rlhf_core.config import PipelineConfig
 from rlhf_core.data import read_rows
 from rlhf_core.determinism import seed_everything
-from rlhf_core.evaluation import evaluate_generations, summarize_rows
+from rlhf_core.evaluation import summarize_rows
 from tasks.data import PreparedData, resolve_model_source
 from tasks.retry import IO_RETRIES
-from tasks.rl import metric_functions
+from tasks.rl import RLModels, evaluate_policy, metric_functions
 
 
 def _model_dir(source: str, cfg: PipelineConfig, data: PreparedData, field: str) -> str:
@@ -45,25 +46,18 @@ def evaluate_version(
         if reward_model
         else None
     )
-    prompts, messages = prompt_columns(
-        read_rows(data.tables["eval_prompts"])[: cfg.promote.num_prompts or cfg.eval.num_prompts]
+    rows = read_rows(data.tables["eval_prompts"])[: cfg.promote.num_prompts or cfg.eval.num_prompts]
+    models = RLModels(
+        tokenizer=tokenizer,
+        policy=policy,
+        ref_model=ref,
+        reward_model=reward,
+        stop_ids=run_stop_ids(tokenizer, policy.generation_config, cfg.rl),
+        eval_ref=ref,
     )
     seed_everything(cfg.run.seed)  # sampled as in training, seeded: the same draws for candidate and champion
-    rows = evaluate_generations(
-        policy,
-        ref,
-        reward,
-        tokenizer,
-        prompts,
-        response_length=cfg.rl.response_length,
-        max_prompt_length=cfg.data.max_prompt_length,
-        metrics=metric_functions(cfg.eval.metrics),
-        batch_size=cfg.eval.batch_size,
-        greedy=cfg.eval.greedy,
-        temperature=cfg.eval_temperature(),
-        top_k=cfg.rl.top_k,
-        top_p=cfg.rl.top_p,
-        stop_token_ids=run_stop_ids(tokenizer, policy.generation_config, cfg.rl),
-        prompt_messages=messages,
+    # the RL stage's evaluation: dataset columns for the metric functions, the verifier's pass@k and maj@n
+    rows = evaluate_policy(
+        policy, 0, cfg=cfg, models=models, prompt_rows=rows, metrics=metric_functions(cfg.eval.metrics)
     )
     return summarize_rows(rows), rows
