@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 # Nothing in the demo, the tests or the benchmarks downloads a model or a data set.
 OFFLINE := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
-.PHONY: venv demo lint test test-fast chaos bench clean
+.PHONY: venv demo lint test test-fast chaos bench rlvr clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -50,6 +50,10 @@ chaos: venv
 
 bench: venv
 	$(OFFLINE) $(BIN)/python bench/run.py
+
+# configs/rlvr.yaml on 3 seeds beside its continued-SFT control (docs/rlvr.md): bench/results/rlvr.md
+rlvr: venv
+	$(OFFLINE) $(BIN)/python bench/rlvr.py
 
 clean:
 	rm -rf outputs mlruns mlflow.db bench/results

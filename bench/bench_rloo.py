@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from anchors import interleaved, phase_means, phase_table, side_process_main
-from bench_grpo import G, LR, PROMPTS, SEED, STEPS, TOKENS, prepare, vader_reward
+from bench_grpo import LR, PROMPTS, SEED, STEPS, TOKENS, G, prepare, vader_reward
 
 from rlhf_core.demo_world import DemoWorld, world_rows
 

@@ -17,6 +17,7 @@ from prefect import flow
 from prefect.logging import get_run_logger
 
 from rlhf_core.config import PipelineConfig, load_config
+from rlhf_core.parallel import use_cpu_threads
 from rlhf_core.promotion import Decision, decide
 from rlhf_core.redaction import refuse_secret_overrides
 from tasks import registry, tracking
@@ -150,6 +151,7 @@ def rlhf_promote(config_path: str | None = "configs/demo.yaml", overrides: list[
     """Promote `models:/<policy>@candidate` to `@champion` when it passes the promote.* gates."""
     refuse_secret_overrides(overrides)  # Prefect stores parameters: credentials come from MLflow's env variables
     cfg = load_config(config_path, overrides or [])
+    use_cpu_threads(cfg.run.cpu_threads)
     cfg.promotion_gates()  # outside the demo an explicit gate is needed: checked before any registry call
     logger = get_run_logger()
     name = cfg.registry.policy_model_name

@@ -21,6 +21,7 @@ from prefect.states import Failed
 
 from rlhf_core.config import load_config
 from rlhf_core.ownership import check_pipeline_outputs
+from rlhf_core.parallel import use_cpu_threads
 from rlhf_core.redaction import redact, refuse_secret_overrides
 from tasks import registry, tracking
 from tasks.data import PreparedData, data_stage
@@ -156,6 +157,7 @@ def rlhf_pipeline(
     refuse_secret_overrides(overrides)  # Prefect stores parameters: credentials come from MLflow's env variables
     cfg = load_config(config_path, overrides or [])
     check_preflight(cfg)  # everything that can be checked without training, before any run, file or stage
+    use_cpu_threads(cfg.run.cpu_threads)
     logger = get_run_logger()
     logger.info("config %s (hash %s), output in %s", config_path, cfg.config_hash(), cfg.run.output_dir)
 

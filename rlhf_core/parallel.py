@@ -248,3 +248,9 @@ def portable_error(error: Exception | None) -> Exception | None:
     except Exception:  # noqa: BLE001 (an exception that does not pickle is described instead)
         pass
     return RuntimeError(f"the evaluating process (rank 0) failed: {type(error).__name__}: {error}")
+
+
+def use_cpu_threads(threads: int | None) -> None:
+    """run.cpu_threads: torch's intra-op threads for this process (null leaves torch's default)."""
+    if threads is not None:
+        torch.set_num_threads(threads)

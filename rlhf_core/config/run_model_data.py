@@ -23,6 +23,11 @@ class RunConfig(Section):
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="Where training runs: auto picks CUDA when available."
     )
+    cpu_threads: int | None = Field(
+        None,
+        ge=1,
+        description="Torch's intra-op threads in this process; null: torch's default (one per core). Tiny models (the demo's, configs/rlvr.yaml) train fastest on 1, and on a busy machine more threads than free cores can be many times slower.",
+    )
     mixed_precision: Literal["no", "fp16", "bf16"] = Field(
         "no", description="Accelerate mixed precision for training loops."
     )

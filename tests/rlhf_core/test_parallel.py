@@ -108,3 +108,18 @@ def test_ppo_wrapper_exposes_the_decoder_layer_class_for_fsdp_auto_wrap(smoke_wo
         load_causal_lm(str(smoke_world.base_model)), load_reward_model(str(smoke_world.base_model), tok)
     )
     assert both._no_split_modules == ["LlamaDecoderLayer"]
+
+
+def test_cpu_threads_sets_torchs_intra_op_threads_and_none_leaves_them():
+    import torch
+
+    from rlhf_core.parallel import use_cpu_threads
+
+    before = torch.get_num_threads()
+    try:
+        use_cpu_threads(1)
+        assert torch.get_num_threads() == 1
+        use_cpu_threads(None)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)

@@ -1,0 +1,155 @@
+"""RLVR against its control, on several seeds: `make rlvr` (docs/rlvr.md).
+
+For each seed, `rlhf run --config configs/rlvr.yaml` (SFT on the labelled problems to its plateau, then
+RL on problems without answers, scored by the exact-match checker), then the control a skeptic asks for:
+continued SFT from the same SFT checkpoint on the same labelled problems, for --control-steps optimizer
+steps (default: twice the RL steps, which takes more wall time than the RL stage's optimizer loop; both
+times are in the table). The SFT checkpoint, the exported policy and the control are evaluated the same
+way: greedy exact match on the world's held-out problems (in neither training set). Writes
+bench/results/rlvr.md and .json.
+
+    python bench/rlvr.py [--seeds 1 2 3] [--config configs/rlvr.yaml] [--set section.field=value ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+OUT = REPO / "outputs" / "rlvr-showcase"
+
+
+def held_out_accuracy(model_dir: Path, world: Path, cfg) -> float:
+    """Greedy exact match of the model at `model_dir` on the world's held-out problems."""
+    from rlhf_core.data import read_rows
+    from rlhf_core.evaluation import evaluate_generations
+    from rlhf_core.models import load_causal_lm, load_tokenizer, run_stop_ids
+    from rlhf_core.reward_functions import exact_match
+
+    rows = read_rows(str(world / "prompts" / "test.jsonl"))
+    tokenizer, model = load_tokenizer(str(model_dir)), load_causal_lm(str(model_dir))
+    scored = evaluate_generations(
+        model,
+        None,
+        None,
+        tokenizer,
+        [r["prompt"] for r in rows],
+        response_length=cfg.rl.response_length,
+        max_prompt_length=cfg.data.max_prompt_length,
+        metrics={"exact_match": exact_match},
+        batch_size=len(rows),
+        greedy=True,
+        stop_token_ids=run_stop_ids(tokenizer, model.generation_config, cfg.rl),
+        columns={"answer": [r["answer"] for r in rows]},
+    )
+    return sum(r["exact_match"] for r in scored) / len(scored)
+
+
+def rl_seconds(tracking_uri: str, algorithm: str) -> float:
+    """The RL stage's optimizer-loop seconds: the sum of its logged perf/step_seconds (evaluations excluded)."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri)
+    [run] = [
+        r
+        for e in client.search_experiments()
+        for r in client.search_runs([e.experiment_id])
+        if r.info.run_name == algorithm
+    ]
+    history = client.get_metric_history(run.info.run_id, "perf/step_seconds")
+    steps = sorted({m.step for m in history})
+    logged = {m.step: m.value for m in history}
+    # logged every rl.log_steps: each value stands for the steps since the previous one
+    return sum(logged[s] * (s - p) for p, s in zip([0, *steps[:-1]], steps))
+
+
+def control(sft_dir: Path, world: Path, cfg, steps: int, out: Path) -> tuple[float, float]:
+    """Continued SFT from the SFT checkpoint on the labelled problems: (seconds, held-out accuracy)."""
+    from rlhf_core.data import read_rows
+    from rlhf_core.models import load_causal_lm, load_tokenizer
+    from rlhf_core.parallel import use_cpu_threads
+    from rlhf_core.sft import train_sft
+
+    use_cpu_threads(cfg.run.cpu_threads)
+    tokenizer, model = load_tokenizer(str(sft_dir)), load_causal_lm(str(sft_dir))
+    texts = [r["text"] for r in read_rows(str(world / "corpus.jsonl"))]
+    start = time.perf_counter()
+    settings = cfg.sft.model_copy(update={"max_steps": steps, "log_steps": steps})
+    run = cfg.run.model_copy(update={"seed": cfg.run.seed + 1})  # a fresh order of the same examples
+    train_sft(
+        model, tokenizer, texts, settings, run, max_length=cfg.data.max_length, output_dir=out, show_progress=False
+    )
+    seconds = time.perf_counter() - start
+    return seconds, held_out_accuracy(out, world, cfg)
+
+
+def one_seed(config: str, seed: int, overrides: list[str], control_steps: int | None) -> dict:
+    from rlhf_core.config import load_config
+
+    out = OUT / f"seed-{seed}"
+    uri = f"sqlite:///{out / 'mlflow.db'}"
+    sets = [f"run.seed={seed}", f"run.output_dir={out / 'run'}", f"tracking.uri={uri}", *overrides]
+    cfg = load_config(config, sets)
+    start = time.perf_counter()
+    command = [str(Path(sys.executable).parent / "rlhf"), "run", "--config", config]
+    subprocess.run([*command, *(a for s in sets for a in ("--set", s))], check=True, stdout=subprocess.DEVNULL)
+    pipeline_seconds = time.perf_counter() - start
+    world, run_dir = out / "run" / "demo_world", out / "run"
+    steps = control_steps or 2 * cfg.rl.total_steps
+    shutil.rmtree(out / "control", ignore_errors=True)  # this script's own: a rerun trains the control afresh
+    control_seconds, control_accuracy = control(run_dir / "sft", world, cfg, steps, out / "control")
+    return {
+        "seed": seed,
+        "pipeline_seconds": round(pipeline_seconds, 1),
+        "sft": held_out_accuracy(run_dir / "sft", world, cfg),
+        "rl": held_out_accuracy(run_dir / "export", world, cfg),
+        "control": control_accuracy,
+        "rl_steps": cfg.rl.total_steps,
+        "rl_seconds": round(rl_seconds(uri, cfg.rl.algorithm), 1),
+        "control_steps": steps,
+        "control_seconds": round(control_seconds, 1),
+    }
+
+
+def report(results: list[dict], config: str, overrides: list[str]) -> str:
+    lines = [
+        f"# RLVR against continued SFT (`{config}`{' ' + ' '.join(overrides) if overrides else ''})",
+        "",
+        "Greedy exact match on the held-out problems (in neither training set).",
+        "",
+        "| seed | SFT (plateau) | RL (exported) | continued SFT (control) | RL - SFT | RL - control | RL steps, s | control steps, s | pipeline s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        lines.append(
+            f"| {r['seed']} | {r['sft']:.3f} | {r['rl']:.3f} | {r['control']:.3f} | {r['rl'] - r['sft']:+.3f} | "
+            f"{r['rl'] - r['control']:+.3f} | {r['rl_steps']}, {r['rl_seconds']} | {r['control_steps']}, "
+            f"{r['control_seconds']} | {r['pipeline_seconds']} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="configs/rlvr.yaml")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE")
+    parser.add_argument("--control-steps", type=int, default=None, help="default: 2 x rl.total_steps")
+    args = parser.parse_args()
+    results = [one_seed(args.config, seed, args.overrides, args.control_steps) for seed in args.seeds]
+    text = report(results, args.config, args.overrides)
+    (HERE / "results").mkdir(exist_ok=True)
+    (HERE / "results" / "rlvr.md").write_text(text)
+    (HERE / "results" / "rlvr.json").write_text(json.dumps(results, indent=2))
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
