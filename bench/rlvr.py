@@ -2,9 +2,9 @@
 
 For each seed, `rlhf run --config configs/rlvr.yaml` (SFT on the labelled problems to its plateau, then
 RL on problems without answers, scored by the exact-match checker), then the control a skeptic asks for:
-continued SFT from the same SFT checkpoint on the same labelled problems, for --control-steps optimizer
-steps (default: twice the RL steps, which takes more wall time than the RL stage's optimizer loop; both
-times are in the table). The SFT checkpoint, the exported policy and the control are evaluated the same
+continued SFT from the same SFT checkpoint on the same labelled problems, with the same compute: as many
+optimizer steps as take the RL stage's optimizer-loop seconds (its logged perf/step_seconds; evaluations
+left out of both), timed on a 100-step probe first, or --control-steps. Both times are in the table. The SFT checkpoint, the exported policy and the control are evaluated the same
 way: greedy exact match on the world's held-out problems (in neither training set). Writes
 bench/results/rlvr.md and .json.
 
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shutil
 import subprocess
 import sys
@@ -70,30 +71,43 @@ def rl_seconds(tracking_uri: str, algorithm: str) -> float:
     return sum(logged[s] * (s - p) for p, s in zip([0, *steps[:-1]], steps))
 
 
-def control(sft_dir: Path, world: Path, cfg, steps: int, out: Path) -> tuple[float, float]:
-    """Continued SFT from the SFT checkpoint on the labelled problems: (seconds, held-out accuracy)."""
+def continued_sft(sft_dir: Path, world: Path, cfg, steps: int, out: Path) -> float:
+    """Continued SFT from the SFT checkpoint on the labelled problems for `steps` steps into `out`: seconds."""
     from rlhf_core.data import read_rows
     from rlhf_core.models import load_causal_lm, load_tokenizer
-    from rlhf_core.parallel import use_cpu_threads
     from rlhf_core.sft import train_sft
 
-    use_cpu_threads(cfg.run.cpu_threads)
+    shutil.rmtree(out, ignore_errors=True)  # this script's own: a rerun trains afresh
     tokenizer, model = load_tokenizer(str(sft_dir)), load_causal_lm(str(sft_dir))
     texts = [r["text"] for r in read_rows(str(world / "corpus.jsonl"))]
-    start = time.perf_counter()
     settings = cfg.sft.model_copy(update={"max_steps": steps, "log_steps": steps})
     run = cfg.run.model_copy(update={"seed": cfg.run.seed + 1})  # a fresh order of the same examples
+    start = time.perf_counter()
     train_sft(
         model, tokenizer, texts, settings, run, max_length=cfg.data.max_length, output_dir=out, show_progress=False
     )
-    seconds = time.perf_counter() - start
-    return seconds, held_out_accuracy(out, world, cfg)
+    return time.perf_counter() - start
+
+
+def control(sft_dir: Path, world: Path, cfg, seconds: float, out: Path, steps: int | None) -> tuple[int, float, float]:
+    """The control: continued SFT for as many steps as take the RL stage's optimizer seconds (timed on a short
+    run first), or `steps`: (steps, seconds, held-out accuracy)."""
+    from rlhf_core.parallel import use_cpu_threads
+
+    use_cpu_threads(cfg.run.cpu_threads)
+    if steps is None:
+        probe = 100
+        per_step = continued_sft(sft_dir, world, cfg, probe, out) / probe
+        steps = max(1, math.ceil(seconds / per_step))
+    spent = continued_sft(sft_dir, world, cfg, steps, out)
+    return steps, spent, held_out_accuracy(out, world, cfg)
 
 
 def one_seed(config: str, seed: int, overrides: list[str], control_steps: int | None) -> dict:
     from rlhf_core.config import load_config
 
     out = OUT / f"seed-{seed}"
+    out.mkdir(parents=True, exist_ok=True)
     uri = f"sqlite:///{out / 'mlflow.db'}"
     sets = [f"run.seed={seed}", f"run.output_dir={out / 'run'}", f"tracking.uri={uri}", *overrides]
     cfg = load_config(config, sets)
@@ -102,9 +116,10 @@ def one_seed(config: str, seed: int, overrides: list[str], control_steps: int | 
     subprocess.run([*command, *(a for s in sets for a in ("--set", s))], check=True, stdout=subprocess.DEVNULL)
     pipeline_seconds = time.perf_counter() - start
     world, run_dir = out / "run" / "demo_world", out / "run"
-    steps = control_steps or 2 * cfg.rl.total_steps
-    shutil.rmtree(out / "control", ignore_errors=True)  # this script's own: a rerun trains the control afresh
-    control_seconds, control_accuracy = control(run_dir / "sft", world, cfg, steps, out / "control")
+    seconds = rl_seconds(uri, cfg.rl.algorithm)
+    steps, control_seconds, control_accuracy = control(
+        run_dir / "sft", world, cfg, seconds, out / "control", control_steps
+    )
     return {
         "seed": seed,
         "pipeline_seconds": round(pipeline_seconds, 1),
@@ -112,7 +127,7 @@ def one_seed(config: str, seed: int, overrides: list[str], control_steps: int | 
         "rl": held_out_accuracy(run_dir / "export", world, cfg),
         "control": control_accuracy,
         "rl_steps": cfg.rl.total_steps,
-        "rl_seconds": round(rl_seconds(uri, cfg.rl.algorithm), 1),
+        "rl_seconds": round(seconds, 1),
         "control_steps": steps,
         "control_seconds": round(control_seconds, 1),
     }
@@ -139,9 +154,9 @@ def report(results: list[dict], config: str, overrides: list[str]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="configs/rlvr.yaml")
-    parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE")
-    parser.add_argument("--control-steps", type=int, default=None, help="default: 2 x rl.total_steps")
+    parser.add_argument("--control-steps", type=int, default=None, help="default: the RL stage's optimizer seconds")
     args = parser.parse_args()
     results = [one_seed(args.config, seed, args.overrides, args.control_steps) for seed in args.seeds]
     text = report(results, args.config, args.overrides)
