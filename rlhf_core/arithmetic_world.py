@@ -9,14 +9,13 @@ Llama sized by `DemoModelConfig` (`demo_models.build_demo_model`), and the 10,00
     eval   {"prompt": "a+b=", "answer": "c"}  held-out problems
 
 The prompt is the raw text `a+b=` (the tokenizer has no chat template); the policy answers with the digits
-of the sum and eos. `reward_functions.exact_match` checks the answer.
+of the sum and eos. `reward_functions.exact_match` checks the answer. `demo_world.build_demo_world` writes
+the world (data.demo.world 'arithmetic') as the pipeline reads it.
 """
 
 from __future__ import annotations
 
-import json
 import random
-from pathlib import Path
 
 from rlhf_core.config import DemoModelConfig
 
@@ -112,30 +111,3 @@ def world_splits(seed: int, num_sft: int = 800, num_rl: int = 4000, num_eval: in
     """The rows of every split: {"sft": text rows, "rl": prompt rows, "eval": prompt rows}."""
     problems = split_problems(seed, num_sft=num_sft, num_rl=num_rl, num_eval=num_eval)
     return {"sft": sft_rows(problems["sft"]), "rl": prompt_rows(problems["rl"]), "eval": prompt_rows(problems["eval"])}
-
-
-def write_jsonl(path: Path, rows: list[dict]) -> None:
-    """One JSON object per line, keys sorted."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", encoding="utf-8") as fh:
-        for row in rows:
-            fh.write(json.dumps(row, sort_keys=True) + "\n")
-
-
-def write_arithmetic_world(
-    root: str | Path,
-    seed: int,
-    model: DemoModelConfig,
-    *,
-    num_sft: int = 800,
-    num_rl: int = 4000,
-    num_eval: int = 200,
-) -> Path:
-    """Write the world into `root`: sft.jsonl, rl.jsonl, eval.jsonl, tokenizer/ and base_model/ (random init)."""
-    root = Path(root)
-    for split, rows in world_splits(seed, num_sft=num_sft, num_rl=num_rl, num_eval=num_eval).items():
-        write_jsonl(root / f"{split}.jsonl", rows)
-    tokenizer = build_digit_tokenizer()
-    tokenizer.save_pretrained(root / "tokenizer")
-    build_arithmetic_model(tokenizer, model, seed).save_pretrained(root / "base_model")
-    return root

@@ -10,7 +10,6 @@ from rlhf_core.arithmetic_world import (
     build_digit_tokenizer,
     split_problems,
     world_splits,
-    write_arithmetic_world,
 )
 from rlhf_core.config import DemoModelConfig
 from rlhf_core.generation import decode_responses
@@ -85,9 +84,14 @@ def test_rows_hold_the_problem_and_its_sum():
 
 
 def test_a_written_world_loads_as_the_pipeline_loads_models(tmp_path):
-    root = write_arithmetic_world(tmp_path / "w", 0, SMALL, num_sft=4, num_rl=4, num_eval=4)
-    assert sum(1 for _ in (root / "rl.jsonl").open()) == 4
-    tok = load_tokenizer(str(root / "tokenizer"))
-    model = load_causal_lm(str(root / "base_model"))
+    from rlhf_core.config import DemoWorldConfig
+    from rlhf_core.demo_world import build_demo_world, world_rows
+
+    world = DemoWorldConfig(world="arithmetic", num_labelled=4, num_train_prompts=4, num_eval_prompts=4)
+    built = build_demo_world(tmp_path / "w", 0, world, SMALL)
+    assert [sorted(r) for r in world_rows(built, "prompt", "test")] == [["answer", "prompt"]] * 4
+    assert len(world_rows(built, "text")) == 4 and not built.preferences("train").exists()
+    tok = load_tokenizer(str(built.tokenizer))
+    model = load_causal_lm(str(built.base_model))
     assert tok.pad_token == "<pad>" and tok.decode(tok("12+3=")["input_ids"], skip_special_tokens=True) == "12+3="
     assert stop_token_ids(tok, model.generation_config) == (tok.eos_token_id,)
