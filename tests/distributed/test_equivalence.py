@@ -316,3 +316,23 @@ def test_two_processes_train_reward_ppo_and_grpo_with_identical_weights(tmp_path
     assert sorted(p.name for p in (out / "reward").iterdir()) == ["checkpoint-3"]
     assert sorted(p.name for p in (out / "ppo").iterdir()) == ["checkpoint-2"]
     assert sorted(p.name for p in (out / "grpo").iterdir()) == ["checkpoint-2"]
+
+
+@pytest.mark.parametrize(
+    "algorithm,grpo",
+    [("rloo", {"normalize_advantages": True}), ("reinforce_plus_plus", {"gamma": 0.9})],
+)
+def test_rloo_and_reinforce_pp_accumulating_four_micro_batches_is_one_big_batch(
+    tmp_path, smoke_world, initial, algorithm, grpo
+):
+    """The other group estimators (KL in the reward, beta 0.04; RLOO's sequence loss, REINFORCE++'s per-token
+    advantages under dapo): 4 accumulated micro-batches train as the whole batch."""
+    rl = {"algorithm": algorithm}
+    worker.run_grpo(smoke_world.root, tmp_path, 8, "ga1", grpo=grpo, rl=rl)
+    worker.run_grpo(smoke_world.root, tmp_path, 8, "ga4", grpo=grpo, rl={**rl, "gradient_accumulation_steps": 4})
+    assert_equivalent(
+        load_steps(tmp_path, "grpo", "ga4", 2),
+        load_steps(tmp_path, "grpo", "ga1", 2),
+        f"{algorithm} ga",
+        initial,
+    )
