@@ -133,15 +133,7 @@ def group_relative_estimate(batch: RolloutBatch, ctx: EstimatorContext) -> Estim
         aggregation=grpo.multi_objective_aggregation,
         penalty=collectives.gather(batch.penalty) if batch.penalty is not None else None,
     )
-    mine = slice(collectives.rank * len(batch), (collectives.rank + 1) * len(batch))
-    stats = {
-        "rewards": everyone.rewards,
-        "std": everyone.std,
-        "unscorable": everyone.unscorable,
-        "per_source": everyone_sources,
-        "my_rewards": everyone.rewards[mine],
-    }
-    return Estimate(everyone.advantages[mine], stats=stats)
+    return _group_estimate(batch, ctx, everyone, everyone_sources)
 
 
 def _group_estimate(
