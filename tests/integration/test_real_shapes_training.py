@@ -8,6 +8,8 @@ right after the text (and trains on it), and an SFT warm start makes PPO's and G
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -161,3 +163,25 @@ def test_sft_warm_start_then_ppo_and_grpo_responses_stop(family_root, tmp_path, 
     for logged in grpo_logs:
         assert logged["completions/clipped_ratio"] < 0.5, logged
         assert 0 < logged["completions/mean_terminated_length"] <= length
+    # the estimators that put a KL summed over the response mask into the reward (RLOO) or spread per-token
+    # advantages over it (REINFORCE++): pad == eos, two stop ids and no pad must give finite statistics
+    for algorithm in ("rloo", "reinforce_plus_plus"):
+        logs = []
+        train_grpo(
+            load_causal_lm(str(sft_dir)),
+            load_causal_lm(str(sft_dir)),
+            [has_a],
+            tok,
+            [{"prompt": p} for p in prompts],
+            RLConfig(algorithm=algorithm, **rl),
+            GRPOConfig(num_generations=4, beta=0.05),
+            RunConfig(device="cpu", seed=3),
+            max_prompt_length=48,
+            output_dir=tmp_path / algorithm,
+            on_log=lambda m, s, logs=logs: logs.append(m),
+            show_progress=False,
+        )
+        assert len(logs) == 2
+        for logged in logs:
+            assert logged["completions/clipped_ratio"] < 0.5, (algorithm, logged)
+            assert math.isfinite(logged["kl"]) and math.isfinite(logged["loss"]), (algorithm, logged)
