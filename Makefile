@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 # Nothing in the demo, the tests or the benchmarks downloads a model or a data set.
 OFFLINE := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
-.PHONY: venv demo lint test test-fast chaos bench rlvr clean
+.PHONY: venv demo demo-seeds lint test test-fast chaos bench rlvr clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -50,6 +50,11 @@ chaos: venv
 
 bench: venv
 	$(OFFLINE) $(BIN)/python bench/run.py
+
+# configs/demo.yaml on seeds 1-5 for PPO and GRPO, two runs at a time, one line per run: gold gain, eval KL,
+# length and distinct-2 against the SFT policy, guard triggers and rollbacks, the reward model's length bias
+demo-seeds: venv
+	$(OFFLINE) $(BIN)/python bench/demo_seeds.py
 
 # configs/rlvr.yaml on 3 seeds beside its continued-SFT control (docs/rlvr.md): bench/results/rlvr.md
 rlvr: venv

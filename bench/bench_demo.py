@@ -5,7 +5,7 @@ it learns from preference pairs) over the policy it started from, on the same he
 "ours" is the final policy's mean gold score, "anchor" the starting (SFT) policy's, both from the
 pipeline's own evaluations in this run (sampled at the training temperature); the table shows the
 gain (ours - anchor) since a ratio of scores near zero means nothing. Beside it, what tells learning
-from reward hacking: the exported policy's eval KL to the starting one (k3, nats), its mean
+from reward hacking: the exported policy's eval KL to the starting one (exact, nats), its mean
 completion length and distinct-2 as ratios to the starting policy's, and the guard's triggers.
 """
 
@@ -25,6 +25,7 @@ from anchors import pipeline_main  # noqa: E402  (after the repository root is o
 def measure(root: Path, server_startup_s: float) -> dict:
     from flows.rlhf_pipeline import rlhf_pipeline
     from rlhf_core.config import load_config
+    from rlhf_core.promotion import eval_kl
 
     overrides = [f"run.output_dir={root / 'demo'}", f"tracking.uri=sqlite:///{root / 'mlflow.db'}"]
     start = time.perf_counter()
@@ -35,7 +36,7 @@ def measure(root: Path, server_startup_s: float) -> dict:
     step = summary.get("selected_step") if summary.get("selected_step") in history else max(history)
     first, last = history[min(history)], history[step]
     before, after = first[f"eval/{gold}_mean"], last[f"eval/{gold}_mean"]
-    kl = last.get("eval/kl_k3_mean", last.get("eval/kl_mean", float("nan")))
+    kl = eval_kl(last) if eval_kl(last) is not None else float("nan")
     length = last.get("eval/length_ratio", float("nan"))
     distinct = last.get("eval/distinct_2_ratio", float("nan"))
     triggers = len(summary.get("guard_triggers") or [])

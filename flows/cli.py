@@ -138,7 +138,10 @@ def print_summary(summary: dict) -> None:
 ALIGNMENT_ROWS = [
     ("gold", "eval/{gold}_mean", "{:.3f}"),
     ("proxy (reward model score)", "eval/score_mean", "{:.3f}"),
-    ("eval KL to the initial policy (k3, nats)", "eval/kl_k3_mean", "{:.3f}"),
+    ("eval KL to the initial policy (exact, nats: mean)", "eval/kl_exact_mean", "{:.3f}"),
+    ("eval KL: median, p90 of the completions", "eval/kl_exact_median", "{:.3f}"),
+    ("", "eval/kl_exact_p90", "{:.3f}"),
+    ("eval KL estimate k3 (diagnostic)", "eval/kl_k3_mean", "{:.3f}"),
     ("mean completion length (tokens)", "eval/length_mean", "{:.2f}"),
     ("distinct-2", "eval/distinct_2", "{:.3f}"),
     ("repeated bigram rate", "eval/repeated_ngram_rate", "{:.3f}"),

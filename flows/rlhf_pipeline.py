@@ -22,6 +22,7 @@ from prefect.states import Failed
 from rlhf_core.config import load_config
 from rlhf_core.ownership import check_pipeline_outputs
 from rlhf_core.parallel import use_cpu_threads
+from rlhf_core.promotion import eval_kl
 from rlhf_core.redaction import redact, refuse_secret_overrides
 from tasks import registry, tracking
 from tasks.data import PreparedData, data_stage
@@ -84,7 +85,7 @@ def _final_samples(cfg, trained: Checkpoint) -> list[dict]:
 
 def summary_metrics(cfg, reward: Checkpoint | None, trained: Checkpoint) -> dict[str, float]:
     """What a reviewer reads first on the pipeline's run: `summary/gold` (cfg.gold_metric()),
-    `summary/proxy` (the reward model's score), `summary/kl` (k3 when evaluated, else the mean KL),
+    `summary/proxy` (the reward model's score), `summary/kl` (the eval KL: exact when measured, else k3 or k1),
     `summary/reward_accuracy` (the reward model's eval accuracy) and `summary/guard_triggers` (0 when the
     stage reports none). Those the stages did not measure are left out."""
     final = _final_metrics(trained)
@@ -92,7 +93,7 @@ def summary_metrics(cfg, reward: Checkpoint | None, trained: Checkpoint) -> dict
     found = {
         "summary/gold": final.get(f"eval/{gold}_mean") if gold else None,
         "summary/proxy": final.get("eval/score_mean", final.get(f"eval/{proxy}_mean")),
-        "summary/kl": final.get("eval/kl_k3_mean", final.get("eval/kl_mean")),
+        "summary/kl": eval_kl(final),
         "summary/reward_accuracy": reward.metrics.get("eval_accuracy") if reward is not None else None,
         "summary/guard_triggers": final.get("guard/triggers", 0.0),
     }

@@ -176,6 +176,22 @@ def preference_pairs(writer: ReviewWriter, prefixes: list[tuple[str, str]], min_
     return rows
 
 
+def equal_gold_length_pairs(writer: ReviewWriter, prefixes: list[tuple[str, str]]) -> list[dict]:
+    """Pairs of answers that VADER scores the same ("gold") but differ in length: a description alone, and
+    the same with a neutral clause ("and the soup was plain"), in random order as "a" and "b". A reward
+    model without a length bias scores them alike (`rlhf_core.reward_model.length_bias`)."""
+    vader = vader_analyzer()
+    rows = []
+    for prompt, _ in prefixes:
+        short = f" {writer.descriptor()} ."
+        long = f"{short[:-2]} and the {writer.rng.choice(NOUNS)} was {writer.rng.choice(writer.neutral)} ."
+        a, b = (short, long) if writer.rng.random() < 0.5 else (long, short)
+        gold_a, gold_b = (vader.polarity_scores(prompt + text)["compound"] for text in (a, b))
+        if gold_a == gold_b:
+            rows.append({"prompt": user_turn(prompt), "a": assistant_turn(a), "b": assistant_turn(b), "gold": gold_a})
+    return rows
+
+
 def distinct_prompts(writer: ReviewWriter, want_eval: bool, n: int) -> list[dict]:
     seen: dict[str, None] = {}
     attempts = 0

@@ -3,11 +3,16 @@
 Completions are sampled as in training (the sampling temperature, top-k, top-p), so that what is
 measured is what the policy does: near-greedy decoding would hide collapse and make the KL estimate
 meaningless. Each row holds the prompt, the completion, the reward model's score, every metric
-function's value, the KL of the completion under the policy against the reference at the sampling
-temperature (k1 `kl` and k3 `kl_k3`, sums over its tokens; absent when no reference is loaded), its
-length in tokens and whether it stopped. `summarize_rows` adds what only the whole set shows:
-distinct-1/2, the repeated n-gram rate and the stop rate. The caller turns rows into MLflow
-tables, Prefect artifacts and Parquet.
+function's value, the KL of the policy to the reference along the completion at the sampling
+temperature (sums over its tokens; absent when no reference is loaded), its length in tokens and
+whether it stopped. The KL is measured three ways: `kl_exact`, the exact KL of the two next-token
+distributions over the whole vocabulary at each position (both models' logits are at hand), which
+the guard and promotion read (`promotion.eval_kl`); and the sampling estimators k1 (`kl`) and k3
+(`kl_k3`), kept as diagnostics beside training's. k3 = exp(r) - 1 - r (r = log ref - log policy)
+explodes on the rare sampled token that the policy finds unlikely and the reference likes: one such
+sample in 64 can move its mean by tens of nats; the exact KL does not move. `summarize_rows` adds
+what only the whole set shows: distinct-1/2, the repeated n-gram rate, the stop rate, and the exact
+KL's median and p90. The caller turns rows into MLflow tables, Prefect artifacts and Parquet.
 """
 
 from __future__ import annotations
@@ -19,11 +24,13 @@ import torch
 from rlhf_core.chat import assistant_messages
 from rlhf_core.generation import decode_responses, generate, left_pad, tokenize_prompts
 from rlhf_core.reward_functions import accepts, call_scoring_function, completion_ids
-from rlhf_core.rl_math import kl_per_token, response_mask
+from rlhf_core.rl_math import exact_kl_per_token, kl_per_token, response_mask
 from rlhf_core.rollout import reference_context
 from rlhf_core.sampling import SamplingSettings
 from rlhf_core.saving import is_peft
-from rlhf_core.scoring import response_logprobs, sequence_scores
+from rlhf_core.scoring import logprobs_from_logits, response_logits, sequence_scores
+
+SPREAD_COLUMNS = ("kl_exact",)  # columns whose median and p90 the summary adds (a mean alone hides the tail)
 
 
 @torch.no_grad()
@@ -74,10 +81,10 @@ def evaluate_generations(
             policy, query_ids, query_mask, settings, pad_token_id=tokenizer.pad_token_id, stop_token_ids=stop_token_ids
         )
         resp_mask, last_index, has_stop = response_mask(responses, stop_token_ids)
-        kl = kl3 = None
+        kls = {}
         if ref_model is not None or is_peft(policy):  # the caller loads a reference even for GRPO with beta 0
             args = (query_ids, query_mask, responses, resp_mask)
-            kl, kl3 = completion_kl(policy, ref_model, *args, temperature=kl_temperature)
+            kls = completion_kl(policy, ref_model, *args, temperature=kl_temperature)
         scores = (
             sequence_scores(reward_model, query_ids, query_mask, responses, resp_mask, last_index)
             if reward_model is not None
@@ -107,9 +114,7 @@ def evaluate_generations(
             if scores is not None:
                 row["score"] = float(scores[i])
             row.update({name: values[i] for name, values in extra.items()})
-            if kl is not None:
-                row["kl"] = float(kl[i])
-                row["kl_k3"] = float(kl3[i])
+            row.update({name: float(values[i]) for name, values in kls.items()})
             row["length"] = int(resp_mask[i].sum())
             row["stopped"] = bool(has_stop[i])
             rows.append(row)
@@ -117,6 +122,7 @@ def evaluate_generations(
     return rows
 
 
+@torch.no_grad()
 def completion_kl(
     policy,
     ref_model,
@@ -126,16 +132,23 @@ def completion_kl(
     resp_mask: torch.Tensor,
     *,
     temperature: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(k1, k3) estimates of KL(policy || reference) per completion (B,), summed over its tokens, both
-    distributions at `temperature` (logits / temperature). From the policy's own samples, k1 is unbiased
-    and k3 unbiased and never negative. `ref_model` None: a PEFT policy with its adapters disabled."""
+) -> dict[str, torch.Tensor]:
+    """KL(policy || reference) per completion (B,), summed over its tokens, both distributions at
+    `temperature` (logits / temperature): {"kl_exact": over the whole vocabulary at each position, "kl": k1,
+    "kl_k3": k3}. From the policy's own samples k1 is unbiased and k3 unbiased and never negative; the
+    exact one needs no sample at all. `ref_model` None: a PEFT policy with its adapters disabled."""
     args = (query_ids, query_mask, responses, resp_mask)
-    logp, _ = response_logprobs(policy, *args, temperature=temperature)
+    logits = response_logits(policy, *args, temperature=temperature)
     with reference_context(policy, ref_model):
-        ref_logp, _ = response_logprobs(ref_model or policy, *args, temperature=temperature)
+        ref_logits = response_logits(ref_model or policy, *args, temperature=temperature)
     mask = resp_mask.float()
-    return (kl_per_token(logp, ref_logp, "k1") * mask).sum(1), (kl_per_token(logp, ref_logp, "k3") * mask).sum(1)
+    logp, _ = logprobs_from_logits(logits, responses, resp_mask)
+    ref_logp, _ = logprobs_from_logits(ref_logits, responses, resp_mask)
+    return {
+        "kl_exact": (exact_kl_per_token(logits, ref_logits) * mask).sum(1),
+        "kl": (kl_per_token(logp, ref_logp, "k1") * mask).sum(1),
+        "kl_k3": (kl_per_token(logp, ref_logp, "k3") * mask).sum(1),
+    }
 
 
 def ngrams(words: list[str], n: int) -> list[tuple[str, ...]]:
@@ -159,8 +172,18 @@ def repeated_ngram_rate(texts: Sequence[str], n: int = 2) -> float:
     return repeats / total if total else 0.0
 
 
+def quantile(values: Sequence[float], q: float) -> float:
+    """The q-quantile of `values` by linear interpolation (numpy's default)."""
+    ordered = sorted(values)
+    position = q * (len(ordered) - 1)
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
 def summarize_rows(rows: list[dict]) -> dict[str, float]:
-    """Means of every numeric column (eval/<column>_mean), and over the completions: eval/distinct_1,
+    """Means of every numeric column (eval/<column>_mean), the median and p90 of SPREAD_COLUMNS
+    (eval/kl_exact_median, eval/kl_exact_p90), and over the completions: eval/distinct_1,
     eval/distinct_2, eval/repeated_ngram_rate (bigrams) and eval/stop_rate."""
     keys = [k for k, v in rows[0].items() if isinstance(v, (int, float)) and not isinstance(v, bool)] if rows else []
     out = {}
@@ -168,6 +191,9 @@ def summarize_rows(rows: list[dict]) -> dict[str, float]:
         values = [r[key] for r in rows if r.get(key) is not None]
         if values:
             out[f"eval/{key}_mean"] = sum(values) / len(values)
+            if key in SPREAD_COLUMNS:
+                out[f"eval/{key}_median"] = quantile(values, 0.5)
+                out[f"eval/{key}_p90"] = quantile(values, 0.9)
     if rows and "completion" in rows[0]:
         texts = [str(r["completion"]) for r in rows]
         out["eval/distinct_1"] = distinct_n(texts, 1)

@@ -18,9 +18,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from rlhf_core.config import GuardConfig
+from rlhf_core.promotion import eval_kl
 
 SEVERITY = {"warn": 0, "stop": 1, "rollback": 2}
-KL_KEYS = ("eval/kl_k3_mean", "eval/kl_mean")  # k3: never negative; k1 when k3 is missing
 
 
 @dataclass(frozen=True)
@@ -56,10 +56,6 @@ class GuardStop(GuardBreach):
 
 class GuardRollback(GuardBreach):
     """The breach's action is 'rollback'."""
-
-
-def eval_kl(summary: dict[str, float]) -> float | None:
-    return next((summary[k] for k in KL_KEYS if summary.get(k) is not None), None)
 
 
 def relative_to_initial(summary: dict[str, float], initial: dict[str, float]) -> dict[str, float]:

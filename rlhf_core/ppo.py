@@ -199,7 +199,7 @@ class PPOSteps:
         loop.trainable.train()
         stats = StepStats()
         with self.timer("optimize"):
-            for _ in range(self.ppo.num_ppo_epochs):
+            for epoch in range(self.ppo.num_ppo_epochs):
                 order = torch.randperm(sizes.rollout, device=loop.device)
                 for start in range(0, sizes.rollout, sizes.mini_batch):
                     mini = order[start : start + sizes.mini_batch]
@@ -207,12 +207,23 @@ class PPOSteps:
                     for micro in range(0, sizes.mini_batch, sizes.micro_batch):
                         self._micro_batch(batch, estimate, mini[micro : micro + sizes.micro_batch], mini_tokens, stats)
                     loop.optimizer_step()
+                stats.add(epochs=torch.tensor(float(epoch + 1)))
+                if self._stop_epochs(stats):
+                    break
         # the adaptive controller needs the KL of the whole global batch now, not at logging time
         kl = estimate.stats["kl"]
         self.observed_kl = reduce_metrics(loop.accelerator, {"kl": kl.sum(1).mean()})["kl"]
         self.kl_ctl.update(self.observed_kl, sizes.rollout * loop.world)
         loop.state["kl_coef"] = self.kl_ctl.value
         return stats
+
+    def _stop_epochs(self, stats: StepStats) -> bool:
+        """Whether the step's approximate KL to the rollout policy (the mean over every process's micro-batches
+        so far) passed ppo.early_stop_approx_kl: then the remaining PPO epochs are skipped, on every process."""
+        limit = self.ppo.early_stop_approx_kl
+        if limit is None:
+            return False
+        return bool(self.loop.global_sum(stats.mean("approxkl")) / self.loop.world > limit)
 
     def _micro_batch(self, batch, estimate, rows: torch.Tensor, mini_tokens: torch.Tensor, stats: StepStats) -> None:
         """Forward and backward of the policy and value losses on one micro-batch."""
@@ -247,6 +258,7 @@ class PPOSteps:
             "objective/scores": scores.mean(),
             "objective/kl_coef": self.kl_ctl.value,
             "policy/approxkl_avg": stats.mean("approxkl"),
+            "policy/ppo_epochs": stats.last("epochs"),
             "policy/clipfrac_avg": stats.mean("pg_clipfrac"),
             "policy/entropy_avg": stats.mean("entropy"),
             "loss/policy_avg": stats.mean("pg_loss"),

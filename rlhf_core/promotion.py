@@ -29,6 +29,16 @@ class Decision:
     candidate_kl: float | None
 
 
+# the eval columns of the KL to the reference (rlhf_core/evaluation.py), the one to trust first: exact, else
+# the sampling estimators k3, k1
+EVAL_KL_COLUMNS = ("kl_exact", "kl_k3", "kl")
+
+
+def eval_kl(summary: dict[str, float]) -> float | None:
+    """An evaluation summary's KL to the reference: the exact one's mean when measured, else k3's, else k1's."""
+    return next((summary[k] for c in EVAL_KL_COLUMNS if summary.get(k := f"eval/{c}_mean") is not None), None)
+
+
 def _mean(summary: dict[str, float], column: str) -> float | None:
     return summary.get(f"eval/{column}_mean")
 
@@ -37,17 +47,16 @@ def decide(
     candidate: dict[str, float], champion: dict[str, float] | None, gates: Gates, broken: Sequence[str] = ()
 ) -> Decision:
     """Promote when the candidate broke no guard rule during training (`broken`: the rules its checkpoint's
-    evaluation broke), its KL to the reference (k3 when measured, else k1) stays at or under max_kl, its
-    metric reaches min_value (when set) and, with a champion, beats the champion's by at least
-    min_improvement (when set) or is strictly higher (when min_improvement is None)."""
+    evaluation broke), its KL to the reference (`eval_kl`: exact when measured, else k3, else k1)
+    stays at or under max_kl, its metric reaches min_value (when set) and, with a champion, beats the
+    champion's by at least min_improvement (when set) or is strictly higher (when min_improvement is None)."""
     value = _mean(candidate, gates.metric)
     if value is None:
         raise ValueError(
             f"promote.metric {gates.metric!r}: the evaluation has no column {gates.metric!r} "
             f"(it has {', '.join(sorted(candidate)) or 'nothing'})"
         )
-    kl = _mean(candidate, "kl_k3")
-    kl = _mean(candidate, "kl") if kl is None else kl
+    kl = eval_kl(candidate)
     champion_value = _mean(champion, gates.metric) if champion is not None else None
 
     def verdict(promote: bool, reason: str) -> Decision:

@@ -21,7 +21,15 @@ from rlhf_core.loop import LoopResult, LoopSettings, OnCheckpoint, OnLog, OnStep
 from rlhf_core.model_card import write_model_card
 from rlhf_core.scoring import head_per_token
 
-EVAL_METRICS = ("eval_loss", "eval_accuracy", "eval_margin", "eval_min_reward", "eval_mean_reward", "eval_max_reward")
+EVAL_METRICS = (
+    "eval_loss",
+    "eval_accuracy",
+    "eval_margin",
+    "eval_min_reward",
+    "eval_mean_reward",
+    "eval_max_reward",
+    "eval_length_correlation",
+)
 
 
 def bradley_terry_loss(
@@ -42,6 +50,22 @@ def bradley_terry_loss(
     if center_rewards_coefficient:
         loss = loss + center_rewards_coefficient * ((r_chosen + r_rejected) ** 2).mean()
     return loss
+
+
+def pearson(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The Pearson correlation of x and y (N,), differentiable; 0 when either is constant."""
+    x, y = x - x.mean(), y - y.mean()
+    denominator = (x.square().sum() * y.square().sum()).sqrt()
+    return (x * y).sum() / denominator if denominator > 0 else x.new_zeros(())
+
+
+def length_correlation(
+    r_chosen: torch.Tensor, r_rejected: torch.Tensor, len_chosen: torch.Tensor, len_rejected: torch.Tensor
+) -> torch.Tensor:
+    """The correlation, over pairs, of the reward difference chosen - rejected with the length difference
+    (tokens). Where length predicts no preference, a reward model that scores quality alone has about 0;
+    negative: the shorter answer is scored up for being short."""
+    return pearson(r_chosen - r_rejected, (len_chosen - len_rejected).to(r_chosen.dtype))
 
 
 def preference_stats(r_chosen: torch.Tensor, r_rejected: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -152,16 +176,10 @@ def evaluate_reward_model(
 
 
 @torch.no_grad()
-def evaluate_encoded(
-    model,
-    items: list[dict],
-    pad_token_id: int,
-    *,
-    batch_size: int,
-    center_rewards_coefficient: float | None = None,
-    device=None,
-) -> dict[str, float]:
-    """`evaluate_reward_model` on pairs already tokenized by `tokenize_pairs`."""
+def encoded_scores(
+    model, items: list[dict], pad_token_id: int, *, batch_size: int, device=None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The scores of pairs tokenized by `tokenize_pairs`: (r_chosen, r_rejected, margin), each (N,), on the CPU."""
     was_training = model.training
     model.eval()
     chosen, rejected, margins = [], [], []
@@ -173,10 +191,40 @@ def evaluate_encoded(
         rejected.append(rr.float().cpu())
         margins.append(batch["margin"].cpu() if "margin" in batch else torch.zeros_like(rc.cpu()))
     model.train(was_training)
-    rc, rr, margin = torch.cat(chosen), torch.cat(rejected), torch.cat(margins)
+    return torch.cat(chosen), torch.cat(rejected), torch.cat(margins)
+
+
+def evaluate_encoded(
+    model,
+    items: list[dict],
+    pad_token_id: int,
+    *,
+    batch_size: int,
+    center_rewards_coefficient: float | None = None,
+    device=None,
+) -> dict[str, float]:
+    """`evaluate_reward_model` on pairs already tokenized by `tokenize_pairs`."""
+    rc, rr, margin = encoded_scores(model, items, pad_token_id, batch_size=batch_size, device=device)
     metrics = {"eval_loss": bradley_terry_loss(rc, rr, margin, center_rewards_coefficient).item()}
     metrics.update({f"eval_{k}": v for k, v in preference_metrics(rc, rr).items()})
+    lengths = [torch.tensor([len(it[k]) for it in items], dtype=torch.float) for k in ("chosen", "rejected")]
+    metrics["eval_length_correlation"] = length_correlation(rc, rr, *lengths).item()
     return metrics
+
+
+def length_bias(
+    score_a: torch.Tensor, score_b: torch.Tensor, length_a: torch.Tensor, length_b: torch.Tensor
+) -> dict[str, float]:
+    """A reward model's length bias, from pairs of answers that are equally good but differ in length (N,):
+    `length_correlation`, the correlation of the score difference a - b with the length difference a - b
+    (0: length alone moves no score; negative: the shorter answer wins), and `longer_preferred`, the share
+    of pairs where the longer answer scores higher (0.5: no preference)."""
+    longer_wins = ((score_a - score_b) * (length_a - length_b).sign() > 0).double()
+    decided = length_a != length_b
+    return {
+        "length_correlation": length_correlation(score_a.double(), score_b.double(), length_a, length_b).item(),
+        "longer_preferred": float(longer_wins[decided].mean()) if decided.any() else float("nan"),
+    }
 
 
 def load_reward_model(

@@ -112,6 +112,20 @@ def kl_per_token(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: Literal[
     return torch.expm1(-log_ratio) + log_ratio
 
 
+def exact_kl_per_token(logits: torch.Tensor, ref_logits: torch.Tensor, chunk: int = 64) -> torch.Tensor:
+    """KL(policy || reference) of the next-token distributions at each position, summed over the whole
+    vocabulary: sum_v p(v) (log p(v) - log q(v)). Exact, never negative, and blind to which token was
+    then sampled (no estimator's variance). (B, T, V) x 2 -> (B, T); `chunk` positions at a time bound the
+    temporaries."""
+    out = torch.empty(logits.shape[:-1], dtype=torch.float32, device=logits.device)
+    flat, ref_flat, out_flat = logits.flatten(0, -2), ref_logits.flatten(0, -2), out.view(-1)
+    for start in range(0, flat.shape[0], chunk):
+        logp = torch.log_softmax(flat[start : start + chunk].float(), dim=-1)
+        ref_logp = torch.log_softmax(ref_flat[start : start + chunk].float(), dim=-1)
+        out_flat[start : start + chunk] = (logp.exp() * (logp - ref_logp)).sum(-1).clamp(min=0.0)
+    return out
+
+
 def kl_penalized_rewards(
     scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, last_index: torch.Tensor, kl_coef: float
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -162,6 +162,10 @@ class StepStats:
         """The mean over the step's micro-batches; NaN when none recorded `key`."""
         return torch.stack(self.values[key]).float().mean() if self.values.get(key) else float("nan")
 
+    def last(self, key: str) -> torch.Tensor | float:
+        """The latest value recorded for `key`; NaN when none was."""
+        return self.values[key][-1] if self.values.get(key) else float("nan")
+
     def __contains__(self, key: str) -> bool:
         return bool(self.values.get(key))
 

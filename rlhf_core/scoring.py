@@ -14,16 +14,15 @@ def _full_mask(query_mask: torch.Tensor, resp_mask: torch.Tensor) -> torch.Tenso
     return torch.cat([query_mask, resp_mask], dim=1)
 
 
-def response_logprobs(
+def response_logits(
     model,
     query_ids: torch.Tensor,
     query_mask: torch.Tensor,
     responses: torch.Tensor,
     resp_mask: torch.Tensor,
     temperature: float = 1.0,
-    with_entropy: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log pi(response token | prefix) for each response token, INVALID_LOGPROB on padding. (B, R)"""
+) -> torch.Tensor:
+    """The logits (divided by `temperature`, float32) that predict each response token. (B, R, V)"""
     input_ids = torch.cat([query_ids, responses], dim=1)
     attention_mask = _full_mask(query_mask, resp_mask)
     # logits only where they predict a response token: the vocabulary projection is most of the cost
@@ -34,9 +33,29 @@ def response_logprobs(
         use_cache=False,
         logits_to_keep=responses.shape[1] + 1,
     )
-    logits = out.logits[:, :-1].float()  # (B, R, V)
-    if temperature != 1.0:
-        logits = logits / temperature
+    logits = out.logits[:, :-1].float()
+    return logits / temperature if temperature != 1.0 else logits
+
+
+def response_logprobs(
+    model,
+    query_ids: torch.Tensor,
+    query_mask: torch.Tensor,
+    responses: torch.Tensor,
+    resp_mask: torch.Tensor,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log pi(response token | prefix) for each response token, INVALID_LOGPROB on padding. (B, R)"""
+    logits = response_logits(model, query_ids, query_mask, responses, resp_mask, temperature)
+    return logprobs_from_logits(logits, responses, resp_mask, with_entropy)
+
+
+def logprobs_from_logits(
+    logits: torch.Tensor, responses: torch.Tensor, resp_mask: torch.Tensor, with_entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The response tokens' log-probabilities under `logits` (B, R, V), INVALID_LOGPROB on padding, and the
+    entropies when asked. (B, R)"""
     lse = torch.logsumexp(logits, dim=-1)
     logp = selective_log_softmax(logits, responses, lse).masked_fill(resp_mask == 0, INVALID_LOGPROB)
     entropy = None

@@ -163,7 +163,7 @@ def report_evaluations(run_id: str, algorithm: str, evals: dict[int, list[dict]]
     if not evals:
         return
     summaries = {step: summarize_rows(rows) for step, rows in sorted(evals.items())}
-    columns = [c for c in ("score", gold, "kl", "length") if c]
+    columns = [c for c in ("score", gold, "kl_exact", "length") if c]
     series = {c: [(s, m[f"eval/{c}_mean"]) for s, m in summaries.items() if f"eval/{c}_mean" in m] for c in columns}
     series = {f"eval {c}" + (" (gold)" if c == gold else ""): v for c, v in series.items() if v}
     artifact = "eval/eval_curves.png"

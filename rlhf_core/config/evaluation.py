@@ -82,7 +82,7 @@ class DivergenceRule(Section):
 class GuardConfig(Section):
     kl_budget: GuardRule = Field(
         default_factory=GuardRule,
-        description="Eval KL to the initial policy (k3, nats per completion) above `limit`.",
+        description="Mean eval KL to the initial policy above `limit` (nats per completion; exact over the vocabulary at each position of the sampled completions, not a sampling estimate).",
     )
     min_distinct_ratio: GuardRule = Field(
         default_factory=lambda: GuardRule(limit=0.5),

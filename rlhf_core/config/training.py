@@ -174,6 +174,11 @@ class PPOConfig(Section):
     gamma: float = Field(1.0, ge=0.0, le=1.0, description="Discount factor of GAE.")
     lam: float = Field(0.95, ge=0.0, le=1.0, description="Lambda of GAE.")
     num_ppo_epochs: int = Field(4, ge=1, description="Passes over each rollout batch.")
+    early_stop_approx_kl: float | None = Field(
+        None,
+        gt=0.0,
+        description="Skip a step's remaining PPO epochs once the approximate KL to the rollout policy (0.5 x the mean squared log ratio per token, measured at each mini-batch before its update, averaged over the step's so far; the first mini-batch is on-policy) exceeds this (the early stopping of OpenAI's baselines and TRL's old target_kl); policy/ppo_epochs logs the epochs run. Null: always ppo.num_ppo_epochs.",
+    )
     num_mini_batches: int = Field(1, ge=1, description="Mini-batches per PPO epoch.")
     whiten_rewards: bool = Field(False, description="Whiten the KL-penalized rewards before GAE.")
     whiten_advantages: bool = Field(True, description="Whiten advantages before the policy loss.")

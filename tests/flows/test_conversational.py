@@ -92,8 +92,9 @@ def test_smoke_pipeline_on_conversational_data(prefect_harness, tmp_path, mlflow
     # GRPO with beta 0 trains without a reference, yet its evaluations measure the KL to the initial policy,
     # and score its reward function (with the prompt's extra columns) beside the reward model
     (grpo,) = [r for r in runs if r.info.run_name == "grpo"]
-    assert {"eval/kl_k3_mean", "eval/kl_mean", "eval/reward_words_mean", "eval/distinct_2"} <= set(grpo.data.metrics)
-    assert grpo.data.metrics["eval/kl_k3_mean"] >= 0
+    expected = {"eval/kl_exact_mean", "eval/kl_k3_mean", "eval/kl_mean", "eval/reward_words_mean", "eval/distinct_2"}
+    assert expected <= set(grpo.data.metrics)
+    assert grpo.data.metrics["eval/kl_exact_mean"] >= 0 and grpo.data.metrics["eval/kl_k3_mean"] >= 0
     data = tmp_path / "out" / "data"
     [first] = read_rows(data / "prompts.jsonl")[:1]
     assert first["prompt"] == "user : the food was . assistant : "

@@ -35,7 +35,7 @@ def scripted_kl(monkeypatch, breaches: set[int]) -> list[int]:
         kl = 5.0 if step in breaches else 0.1
         breaches.discard(step)
         seen.append(step)
-        return [{**row, "kl_k3": kl} for row in rows]
+        return [{**row, "kl_exact": kl} for row in rows]
 
     monkeypatch.setattr(tasks.rl, "evaluate_policy", evaluate)
     return seen

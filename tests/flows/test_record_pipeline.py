@@ -87,7 +87,7 @@ def test_the_pipeline_run_carries_summary_metrics_and_the_final_samples(record):
         metrics = parent.data.metrics
         assert metrics["summary/gold"] == pytest.approx(history_at(client, ppo_run, "eval/vader_compound_mean", 2))
         assert metrics["summary/proxy"] == pytest.approx(history_at(client, ppo_run, "eval/score_mean", 2))
-        kl_key = "eval/kl_k3_mean"  # k3: never negative
+        kl_key = "eval/kl_exact_mean"  # exact over the vocabulary: what the guard reads
         assert metrics["summary/kl"] == pytest.approx(history_at(client, ppo_run, kl_key, 2))
         assert metrics["summary/reward_accuracy"] == pytest.approx(summary["metrics"]["reward/eval_accuracy"])
         assert metrics["summary/guard_triggers"] == stages["ppo"].data.metrics.get("guard/triggers", 0.0)

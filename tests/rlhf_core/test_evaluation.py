@@ -94,7 +94,7 @@ def test_eval_kl_equals_the_hand_computed_value_at_the_sampling_temperature():
     policy, ref = FixedLM([2.0, 0.0, 0.0]), FixedLM([0.0, 0.0, 0.0])
     query, query_mask = torch.tensor([[1], [1]]), torch.ones(2, 1, dtype=torch.long)
     responses, resp_mask = torch.tensor([[0, 1], [2, 0]]), torch.tensor([[1, 1], [1, 0]])
-    k1, k3 = completion_kl(policy, ref, query, query_mask, responses, resp_mask, temperature=2.0)
+    kls = completion_kl(policy, ref, query, query_mask, responses, resp_mask, temperature=2.0)
     # at temperature 2: p = softmax([1, 0, 0]) = [e, 1, 1] / (e + 2); the reference is uniform, q = 1/3
     e = math.e
     p = [e / (e + 2), 1 / (e + 2), 1 / (e + 2)]
@@ -105,11 +105,55 @@ def test_eval_kl_equals_the_hand_computed_value_at_the_sampling_temperature():
 
     expected_k1 = [math.log(3 * p[0]) + math.log(3 * p[1]), math.log(3 * p[2])]
     expected_k3 = [k3_token(0) + k3_token(1), k3_token(2)]
-    torch.testing.assert_close(k1, torch.tensor(expected_k1))
-    torch.testing.assert_close(k3, torch.tensor(expected_k3))
-    assert (k3 >= 0).all()
-    # the exact KL of one token is k1's expectation under p, never negative
-    assert sum(pi * math.log(3 * pi) for pi in p) > 0
+    torch.testing.assert_close(kls["kl"], torch.tensor(expected_k1))
+    torch.testing.assert_close(kls["kl_k3"], torch.tensor(expected_k3))
+    assert (kls["kl_k3"] >= 0).all()
+    # the exact KL of one position is k1's expectation under p, whatever token was sampled there
+    exact = sum(pi * math.log(3 * pi) for pi in p)
+    torch.testing.assert_close(kls["kl_exact"], torch.tensor([2 * exact, exact]))
+
+
+def rare_token_batch(policy_probs, ref_probs, rare_rows: int, n: int = 64, length: int = 4):
+    """Rows of completion_kl for `n` completions of token 0 repeated, `rare_rows` of them with token 1 second."""
+    from rlhf_core.evaluation import completion_kl
+
+    policy, ref = FixedLM([math.log(x) for x in policy_probs]), FixedLM([math.log(x) for x in ref_probs])
+    responses = torch.zeros(n, length, dtype=torch.long)
+    responses[:rare_rows, 1] = 1
+    query, query_mask = torch.zeros(n, 1, dtype=torch.long), torch.ones(n, 1, dtype=torch.long)
+    kls = completion_kl(policy, ref, query, query_mask, responses, torch.ones_like(responses), temperature=1.0)
+    return [{name: float(values[i]) for name, values in kls.items()} for i in range(n)]
+
+
+def test_one_rare_sampled_token_makes_k3_explode_but_neither_the_exact_kl_nor_the_guard():
+    from rlhf_core.config import GuardConfig, GuardRule
+    from rlhf_core.guard import check
+
+    guard = GuardConfig(kl_budget=GuardRule(limit=3.0, action="rollback"))
+    # the policy gives token 1 a chance of 1e-5, the reference 0.05; one completion in 64 sampled it
+    calm = summarize_rows(rare_token_batch([1 - 2e-5, 1e-5, 1e-5], [0.94, 0.05, 0.01], rare_rows=1))
+    assert calm["eval/kl_k3_mean"] > 50  # k3 of that token: 5000 - 1 - log 5000; over 64 completions, 78 nats
+    exact_position = (1 - 2e-5) * math.log((1 - 2e-5) / 0.94) + 1e-5 * math.log(1e-5 / 0.05) + 1e-5 * math.log(1e-3)
+    assert calm["eval/kl_exact_mean"] == pytest.approx(4 * exact_position, rel=1e-4)  # 0.25 nats
+    assert calm["eval/kl_exact_median"] == calm["eval/kl_exact_p90"] == pytest.approx(4 * exact_position, rel=1e-4)
+    initial = {"eval/kl_exact_mean": 0.0}
+    assert check([(0, initial), (20, calm)], guard, None) == []
+    k3_only = {k: v for k, v in calm.items() if not k.startswith("eval/kl_exact")}
+    assert [t.rule for t in check([(0, initial), (20, k3_only)], guard, None)] == ["kl_budget"]  # the old guard
+
+    # a policy that truly drifted: most of its mass where the reference puts little
+    drifted = summarize_rows(rare_token_batch([0.1, 0.1, 0.8], [0.94, 0.05, 0.01], rare_rows=0))
+    (trigger,) = check([(0, initial), (20, drifted)], guard, None)
+    assert trigger.rule == "kl_budget" and trigger.action == "rollback" and trigger.value > 12
+
+
+def test_summary_spread_of_the_exact_kl():
+    rows = [{"kl_exact": float(v)} for v in [0.0, 1.0, 2.0, 3.0, 100.0]]
+    summary = summarize_rows(rows)
+    assert summary["eval/kl_exact_mean"] == pytest.approx(21.2)
+    assert summary["eval/kl_exact_median"] == 2.0  # the tail moves the mean, not the median
+    assert summary["eval/kl_exact_p90"] == pytest.approx(3.0 + 0.6 * 97.0)  # numpy's linear interpolation
+    assert "eval/kl_median" not in summarize_rows([{"kl": 1.0}])
 
 
 def test_distinct_n_and_repetition_on_fixed_strings():

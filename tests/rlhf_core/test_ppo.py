@@ -281,6 +281,26 @@ def test_reward_rises_on_an_easy_reward(tmp_path, smoke_world):
     assert last > first + 1.5, f"scores did not rise: {scores}"
 
 
+def test_epochs_stop_early_once_the_approximate_kl_passes_its_limit(tmp_path, smoke_world):
+    fast = dict(steps=3, learning_rate=3e-2, lr_scheduler="constant", save_steps=100)
+    # one mini-batch: the first epoch is on-policy (approximate KL 0) and its update moves the policy far,
+    # which the second epoch measures: every step stops after it
+    *_, stopped, _ = run(
+        smoke_world, tmp_path / "stop", ppo=PPOConfig(num_ppo_epochs=4, early_stop_approx_kl=1e-6), **fast
+    )
+    assert [m["policy/ppo_epochs"] for _, m in stopped] == [2.0, 2.0, 2.0]
+    *_, unlimited, _ = run(smoke_world, tmp_path / "all", ppo=PPOConfig(num_ppo_epochs=4), **fast)
+    assert [m["policy/ppo_epochs"] for _, m in unlimited] == [4.0, 4.0, 4.0]
+    assert all(m["policy/approxkl_avg"] > 1e-6 for _, m in unlimited)
+    *_, loose, _ = run(
+        smoke_world, tmp_path / "loose", ppo=PPOConfig(num_ppo_epochs=4, early_stop_approx_kl=1e6), **fast
+    )
+    assert [m["policy/ppo_epochs"] for _, m in loose] == [4.0, 4.0, 4.0]
+    assert loose[-1][1]["objective/kl"] == pytest.approx(
+        unlimited[-1][1]["objective/kl"]
+    )  # a limit never hit changes nothing
+
+
 @pytest.mark.parametrize("disable", [True, False])
 def test_ppo_ratio_is_one_on_policy_only_with_dropout_off(tmp_path, smoke_world, disable):
     tok, _, _, value, reward = setup(smoke_world)

@@ -290,3 +290,25 @@ def test_conversational_pairs_end_where_rl_stops(tmp_path):
     assert without["chosen"] == item["chosen"] + [tok.eos_token_id]
     (plain,) = tokenize_pairs(tok, [{"prompt": "a", "chosen": " b", "rejected": " c"}], 64, (im_end,))
     assert plain["chosen"][-1] == tok.eos_token_id
+
+
+def test_length_correlation_and_bias_by_hand():
+    from rlhf_core.reward_model import length_bias, length_correlation, pearson
+
+    x, y = torch.tensor([1.0, 2.0, 3.0]), torch.tensor([2.0, 4.0, 7.0])
+    # centred: (-1, 0, 1) and (-7/3, -1/3, 8/3): r = (7/3 + 8/3) / sqrt(2 * (49 + 1 + 64) / 9)
+    assert pearson(x, y).item() == pytest.approx(5 / math.sqrt(2 * 114 / 9))
+    assert pearson(x, torch.ones(3)).item() == 0.0
+    # the longer answer always scored up by 1: the score difference follows the length difference exactly
+    len_a, len_b = torch.tensor([5.0, 3.0, 5.0, 3.0]), torch.tensor([3.0, 5.0, 3.0, 5.0])
+    score_b = torch.tensor([0.2, -0.4, 1.0, 0.3])
+    score_a = score_b + (len_a - len_b).sign()
+    assert length_correlation(score_a, score_b, len_a, len_b).item() == pytest.approx(1.0)
+    assert length_bias(score_a, score_b, len_a, len_b) == pytest.approx(
+        {"length_correlation": 1.0, "longer_preferred": 1.0}
+    )
+    biased_short = length_bias(score_b, score_a, len_a, len_b)
+    assert biased_short == pytest.approx({"length_correlation": -1.0, "longer_preferred": 0.0})
+    even = torch.tensor([3.0, 5.0, 7.0, 1.0])  # the longer one wins the first two pairs and loses the others
+    unbiased = length_bias(torch.tensor([1.0, 0.0, 1.0, 0.0]), torch.tensor([0.0, 1.0, 0.0, 1.0]), len_a, even)
+    assert unbiased == pytest.approx({"length_correlation": 0.0, "longer_preferred": 0.5})

@@ -5,6 +5,7 @@ import torch
 
 from rlhf_core.rl_math import (
     entropy_from_logits,
+    exact_kl_per_token,
     first_true_indices,
     kl_per_token,
     masked_mean,
@@ -74,3 +75,20 @@ def test_discounted_returns_match_the_plain_loop():
     torch.testing.assert_close(
         discounted_returns(rewards, mask, 0.5), torch.tensor([[1.5, 1.0, 2.0, 0.0], [0.0, -1.0, 0.0, 0.0]])
     )
+
+
+def test_exact_kl_matches_a_loop_torch_kl_div_and_is_chunk_free():
+    torch.manual_seed(0)
+    logits, ref_logits = torch.randn(3, 5, 7) * 2, torch.randn(3, 5, 7)
+    exact = exact_kl_per_token(logits, ref_logits)
+    p, q = torch.softmax(logits, -1), torch.softmax(ref_logits, -1)
+    for b in range(3):
+        for t in range(5):
+            by_hand = sum(float(p[b, t, v] * math.log(p[b, t, v] / q[b, t, v])) for v in range(7))
+            assert exact[b, t].item() == pytest.approx(by_hand, rel=1e-5)
+    anchor = torch.nn.functional.kl_div(
+        torch.log_softmax(ref_logits, -1), torch.log_softmax(logits, -1), log_target=True, reduction="none"
+    ).sum(-1)
+    torch.testing.assert_close(exact, anchor)
+    torch.testing.assert_close(exact_kl_per_token(logits, ref_logits, chunk=2), exact)
+    assert exact_kl_per_token(logits, logits).abs().max() < 1e-6 and (exact >= 0).all()
