@@ -52,7 +52,7 @@ def error_of(*overrides: str) -> str:
             "rl.missing_eos_penalty is subtracted from the summed reward",
         ),
         (
-            ["rl.algorithm=grpo", "grpo.sync_ref_model=true"],
+            ["rl.algorithm=grpo", "grpo.sync_ref_model=true", "grpo.beta=0"],
             "grpo.sync_ref_model needs a reference model, but grpo.beta is 0",
         ),
         (
@@ -70,18 +70,24 @@ def error_of(*overrides: str) -> str:
             "grpo.normalize_advantages applies to rl.algorithm rloo, not 'grpo'",
         ),
         (
-            ["rl.algorithm=reinforce_plus_plus_baseline", "grpo.gamma=0.9"],
+            ["rl.algorithm=reinforce_plus_plus_baseline", "grpo.scale_rewards=group", "grpo.gamma=0.9"],
             "grpo.gamma applies to rl.algorithm reinforce_plus_plus, not 'reinforce_plus_plus_baseline'",
         ),
         (
-            ["rl.algorithm=rloo", "grpo.reward_clip_range=[2, 1]"],
+            ["rl.algorithm=rloo", "grpo.scale_rewards=group", "grpo.reward_clip_range=[2, 1]"],
             "grpo.reward_clip_range [2.0, 1.0] must be [low, high]",
         ),
         (["rl.algorithm=ppo", "rl.dynamic_sampling.enabled=true"], "rl.dynamic_sampling drops groups of completions"),
-        (["rl.algorithm=rloo", "rl.batch_size=12"], "rl.batch_size 12 must be a multiple of grpo.num_generations 8"),
+        (
+            ["rl.algorithm=rloo", "grpo.scale_rewards=group", "grpo.num_generations=8", "rl.batch_size=12"],
+            "rl.batch_size 12 must be a multiple of grpo.num_generations 8",
+        ),
         (["ppo.cliprange=-1"], "`ppo.cliprange` got -1: Input should be greater than 0"),
         (["run.seed=abc"], "`run.seed` must be an integer, but got 'abc' (a string)"),
-        (["rl.algorithm=grpo", "rl.batch_size=12"], "rl.batch_size 12 must be a multiple of grpo.num_generations 8"),
+        (
+            ["rl.algorithm=grpo", "grpo.num_generations=8", "rl.batch_size=12"],
+            "rl.batch_size 12 must be a multiple of grpo.num_generations 8",
+        ),
         (
             [
                 "rl.algorithm=grpo",
