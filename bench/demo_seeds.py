@@ -126,7 +126,8 @@ def one_run(config: str, seed: int, algorithm: str, overrides: list[str], thread
         f"run.cpu_threads={threads}",
         *overrides,
     ]
-    env = {**os.environ, "PREFECT_HOME": str(out / "prefect"), "PYTHONPATH": str(ROOT)}
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PREFECT_HOME": str(out / "prefect"), "PYTHONPATH": path}
     args = [sys.executable, __file__, "--worker", json.dumps({"config": config, "out": str(out), "sets": sets})]
     with (out / "log.txt").open("w") as log:
         done = subprocess.run(args, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, check=False)

@@ -57,15 +57,16 @@ def mix_into_reference(ref_model: torch.nn.Module, policy: torch.nn.Module, alph
 
 
 def grpo_batch_sizes(rl: RLConfig, grpo: GRPOConfig) -> BatchSizes:
-    """rl.batch_size completions per generation batch, cut into steps_per_generation micro-batches (TRL's
-    name), rl.gradient_accumulation_steps of them per optimizer step."""
+    """grpo.generation_batch_size (or rl.batch_size) completions per generation batch, cut into
+    steps_per_generation micro-batches (TRL's name), rl.gradient_accumulation_steps of them per optimizer step."""
+    batch = grpo.generation_batch(rl.batch_size)
     micro_per_generation = grpo.steps_per_generation or rl.gradient_accumulation_steps
     optimizer_steps = max(1, micro_per_generation // rl.gradient_accumulation_steps)
     return BatchSizes(
-        prompts_per_step=rl.batch_size // grpo.num_generations,
+        prompts_per_step=batch // grpo.num_generations,
         generations_per_prompt=grpo.num_generations,
-        mini_batch=rl.batch_size // optimizer_steps,
-        micro_batch=max(1, rl.batch_size // micro_per_generation),
+        mini_batch=batch // optimizer_steps,
+        micro_batch=max(1, batch // micro_per_generation),
     )
 
 

@@ -38,7 +38,7 @@ class BatchSizes:
 
     @property
     def rollout(self) -> int:
-        """Completions per step (rl.batch_size)."""
+        """Completions per step (rl.batch_size; grpo.generation_batch_size for the group algorithms where set)."""
         return self.prompts_per_step * self.generations_per_prompt
 
     @property

@@ -28,7 +28,10 @@ TRL_NAMES: dict[tuple[str | None, str], str] = {
         None,
         "per_device_train_batch_size",
     ): "rl.batch_size (completions per RL step, for GRPO TRL's per_device_train_batch_size x steps_per_generation)",
-    (None, "generation_batch_size"): "rl.batch_size (per process, TRL's is over all processes)",
+    (
+        None,
+        "generation_batch_size",
+    ): "grpo.generation_batch_size or rl.batch_size (per process, TRL's is over all processes)",
     ("sft", "per_device_train_batch_size"): "sft.batch_size",
     ("reward", "per_device_train_batch_size"): "reward.batch_size",
     (None, "per_device_eval_batch_size"): "eval.batch_size",

@@ -117,10 +117,6 @@ class PipelineConfig(Section):
 
     @model_validator(mode="after")
     def _cross_checks(self) -> PipelineConfig:
-        if self.rl.algorithm in GROUP_ALGORITHMS and self.rl.batch_size % self.grpo.num_generations:
-            raise ValueError(
-                f"rl.batch_size {self.rl.batch_size} must be a multiple of grpo.num_generations {self.grpo.num_generations}"
-            )
         if self.rl.algorithm == "ppo" and self.rl.batch_size % self.ppo.num_mini_batches:
             raise ValueError(
                 f"rl.batch_size {self.rl.batch_size} must be a multiple of ppo.num_mini_batches {self.ppo.num_mini_batches}"
@@ -195,6 +191,10 @@ class PipelineConfig(Section):
                 f"guard.divergence.gold {guard.divergence.gold!r} is not an eval metric; allowed: {allowed}"
             )
 
+    def _group_batch_name(self) -> str:
+        """The field that sets the group algorithms' generation batch here."""
+        return "rl.batch_size" if self.grpo.generation_batch_size is None else "grpo.generation_batch_size"
+
     def _grpo_checks(self) -> None:
         grpo, rl = self.grpo, self.rl
         for name, algorithms in GROUP_FIELDS_FOR.items():  # a changed value the algorithm would never read
@@ -212,14 +212,17 @@ class PipelineConfig(Section):
                 f"grpo.steps_per_generation {grpo.steps_per_generation} must be a multiple of "
                 f"rl.gradient_accumulation_steps {rl.gradient_accumulation_steps}"
             )
-        if grpo.steps_per_generation is not None and rl.batch_size % grpo.steps_per_generation:
+        batch, name = grpo.generation_batch(rl.batch_size), self._group_batch_name()
+        if batch % grpo.num_generations:
+            raise ValueError(f"{name} {batch} must be a multiple of grpo.num_generations {grpo.num_generations}")
+        if grpo.steps_per_generation is not None and batch % grpo.steps_per_generation:
             raise ValueError(
-                f"rl.batch_size {rl.batch_size} (the generation batch) must be a multiple of "
+                f"{name} {batch} (the generation batch) must be a multiple of "
                 f"grpo.steps_per_generation {grpo.steps_per_generation}, the micro-batches it is split into"
             )
-        if grpo.steps_per_generation is None and rl.batch_size % rl.gradient_accumulation_steps:
+        if grpo.steps_per_generation is None and batch % rl.gradient_accumulation_steps:
             raise ValueError(
-                f"rl.batch_size {rl.batch_size} (the generation batch) must be a multiple of "
+                f"{name} {batch} (the generation batch) must be a multiple of "
                 f"rl.gradient_accumulation_steps {rl.gradient_accumulation_steps}, the micro-batches it is "
                 "split into while grpo.steps_per_generation is null"
             )

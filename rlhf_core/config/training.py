@@ -215,6 +215,11 @@ class GRPOConfig(Section):
     """The group algorithms' section (rl.algorithm grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline)."""
 
     num_generations: int = Field(8, ge=2, description="Completions sampled per prompt (the group).")
+    generation_batch_size: int | None = Field(
+        None,
+        ge=2,
+        description="Completions generated per RL step by the group algorithms, num_generations per prompt (TRL's name, per process here); null: rl.batch_size. Lets one config give PPO and GRPO each their own batch.",
+    )
     epsilon: float = Field(0.2, gt=0.0, description="Lower clip of the importance ratio.")
     epsilon_high: float | None = Field(
         None,
@@ -282,7 +287,7 @@ class GRPOConfig(Section):
     steps_per_generation: int | None = Field(
         None,
         ge=1,
-        description="Micro-batches the generation batch (rl.batch_size completions) is split into (TRL's name); a multiple of rl.gradient_accumulation_steps; null: rl.gradient_accumulation_steps, i.e. one optimizer step per generation batch.",
+        description="Micro-batches the generation batch (grpo.generation_batch_size or rl.batch_size completions) is split into (TRL's name); a multiple of rl.gradient_accumulation_steps; null: rl.gradient_accumulation_steps, i.e. one optimizer step per generation batch.",
     )
     mask_truncated_completions: bool = Field(
         False, description="Leave completions without a stop token out of the loss."
@@ -300,6 +305,10 @@ class GRPOConfig(Section):
     log_completions_steps: int = Field(
         10, ge=1, description="Write a Parquet of completions and rewards every this many steps."
     )
+
+    def generation_batch(self, rl_batch_size: int) -> int:
+        """Completions per RL step: generation_batch_size, or rl.batch_size where it is null."""
+        return self.generation_batch_size or rl_batch_size
 
 
 # grpo-section fields that only some group algorithms read; setting one for another algorithm is an error

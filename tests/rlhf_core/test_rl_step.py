@@ -32,6 +32,9 @@ def test_ppo_and_grpo_cut_their_batches_under_the_same_names():
     # without steps_per_generation: one optimizer step per generation batch, accumulated over 2 micro-batches
     one = grpo_batch_sizes(rl, GRPOConfig(num_generations=4))
     assert (one.mini_batch, one.micro_batch, one.mini_batches, one.micro_batches) == (16, 8, 1, 2)
+    # grpo.generation_batch_size, where set, is the group algorithms' batch whatever rl.batch_size says (PPO's)
+    own = grpo_batch_sizes(rl, GRPOConfig(num_generations=4, generation_batch_size=64, steps_per_generation=4))
+    assert own == BatchSizes(prompts_per_step=16, generations_per_prompt=4, mini_batch=32, micro_batch=16)
 
 
 def test_a_short_last_micro_batch_still_counts_as_a_backward_pass():

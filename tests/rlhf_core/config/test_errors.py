@@ -79,18 +79,24 @@ def error_of(*overrides: str) -> str:
         ),
         (["rl.algorithm=ppo", "rl.dynamic_sampling.enabled=true"], "rl.dynamic_sampling drops groups of completions"),
         (
-            ["rl.algorithm=rloo", "grpo.scale_rewards=group", "grpo.num_generations=8", "rl.batch_size=12"],
-            "rl.batch_size 12 must be a multiple of grpo.num_generations 8",
+            [
+                "rl.algorithm=rloo",
+                "grpo.scale_rewards=group",
+                "grpo.num_generations=8",
+                "grpo.generation_batch_size=12",
+            ],
+            "grpo.generation_batch_size 12 must be a multiple of grpo.num_generations 8",
         ),
         (["ppo.cliprange=-1"], "`ppo.cliprange` got -1: Input should be greater than 0"),
         (["run.seed=abc"], "`run.seed` must be an integer, but got 'abc' (a string)"),
         (
-            ["rl.algorithm=grpo", "grpo.num_generations=8", "rl.batch_size=12"],
+            ["rl.algorithm=grpo", "grpo.num_generations=8", "grpo.generation_batch_size=null", "rl.batch_size=12"],
             "rl.batch_size 12 must be a multiple of grpo.num_generations 8",
         ),
         (
             [
                 "rl.algorithm=grpo",
+                "grpo.generation_batch_size=null",
                 "rl.batch_size=8",
                 "grpo.num_generations=4",
                 "rl.gradient_accumulation_steps=2",
@@ -99,8 +105,8 @@ def error_of(*overrides: str) -> str:
             "rl.batch_size 8 (the generation batch) must be a multiple of grpo.steps_per_generation 16",
         ),
         (
-            ["rl.algorithm=grpo", "rl.batch_size=8", "grpo.num_generations=4", "rl.gradient_accumulation_steps=16"],
-            "rl.batch_size 8 (the generation batch) must be a multiple of rl.gradient_accumulation_steps 16",
+            ["rl.algorithm=grpo", "grpo.generation_batch_size=8", "rl.gradient_accumulation_steps=16"],
+            "grpo.generation_batch_size 8 (the generation batch) must be a multiple of rl.gradient_accumulation_steps 16",
         ),
         (["data.prompts.split=validation"], "`data.prompts`: split 'validation' does not exist in the demo world"),
         (["grpo.rewards=[{name: x}]"], "reward 'x' must set exactly one of model or function"),
@@ -199,7 +205,6 @@ def test_removed_fields_name_their_replacement(override, expected):
 
 
 def test_trl_generation_batch_names_point_at_rl_batch_size():
-    assert "(TRL's `generation_batch_size` is `rl.batch_size` here, per process" in error_of(
-        "rl.generation_batch_size=64"
-    )
+    expected = "(TRL's `generation_batch_size` is `grpo.generation_batch_size` or `rl.batch_size` here, per process"
+    assert expected in error_of("rl.generation_batch_size=64")
     assert "completions per RL step" in error_of("rl.per_device_train_batch_size=8")
