@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,24 @@ from rlhf_core.config.errors import describe_error
 from rlhf_core.config.pipeline import PipelineConfig
 
 
+class _Loader(yaml.SafeLoader):
+    """PyYAML's safe loader with YAML 1.2's floats: `5e-4`, `1e3` and `.5` are numbers, as people write them
+    (YAML 1.1's resolver wants a dot and a signed exponent, so `5e-4` was the string '5e-4')."""
+
+
+_Loader.yaml_implicit_resolvers = {k: list(v) for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."),
+)
+
+
+def read_yaml(text: str) -> Any:
+    """YAML text as the config reads it (safe, with YAML 1.2's floats)."""
+    return yaml.load(text, Loader=_Loader)  # noqa: S506 - _Loader is a SafeLoader
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
     """`ppo.kl_coef=0.1` -> (['ppo', 'kl_coef'], 0.1); the value is parsed as YAML."""
     key, sep, raw = text.partition("=")
@@ -21,7 +40,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if not sep or not key or any(not part for part in key.split(".")):
         raise ConfigError(f"override '{text}' must look like section.field=value, e.g. ppo.kl_coef=0.1")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = read_yaml(raw) if raw.strip() else ""
     except yaml.YAMLError as err:
         raise ConfigError(f"override '{text}' has a value that is not valid YAML ({err.__class__.__name__})") from None
     return key.split("."), value
@@ -60,7 +79,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not path.is_file():
             raise ConfigError(f"config file {path} does not exist")
         try:
-            raw = yaml.safe_load(path.read_text()) or {}
+            raw = read_yaml(path.read_text()) or {}
         except yaml.YAMLError as err:
             mark = getattr(err, "problem_mark", None)
             where = f" at line {mark.line + 1}" if mark else ""

@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from rlhf_core.config.base import DEMO, ConfigError, Section
+from rlhf_core.config.base import DEMO, ConfigError, ExpandedPath, Section
 from rlhf_core.config.evaluation import EvalConfig, GuardConfig
 from rlhf_core.config.run_model_data import DataConfig, DatasetSpec, ModelConfig, RunConfig
 from rlhf_core.config.training import (
@@ -30,7 +30,7 @@ DEMO_MIN_IMPROVEMENT = 0.01  # the demo's promote.min_improvement when it is nul
 
 
 class ExportConfig(Section):
-    output_dir: Path | None = Field(
+    output_dir: ExpandedPath | None = Field(
         None, strict=False, description="Where the final policy is exported; null means <run.output_dir>/export."
     )
     merge: bool = Field(False, description="With LoRA, also export the adapter merged into the base weights.")

@@ -7,14 +7,14 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from rlhf_core.config.base import DEMO, Section
+from rlhf_core.config.base import DEMO, ExpandedPath, PathText, Section
 
 
 class RunConfig(Section):
     name: str = Field(
         "rlhf", min_length=1, description="Name of the pipeline run, used for the MLflow run and Prefect artifacts."
     )
-    output_dir: Path = Field(
+    output_dir: ExpandedPath = Field(
         Path("outputs/rlhf"),
         strict=False,
         description="Directory for the demo world, checkpoints and exports of this run.",
@@ -58,7 +58,7 @@ class RunConfig(Section):
         ge=0,
         description="Restarts of a stage's processes after one of them dies (Ray Train's FailureConfig.max_failures; torchrun's --max-restarts with launcher 'local'); each restart resumes from the stage's newest complete checkpoint.",
     )
-    accelerate_config: Path | None = Field(
+    accelerate_config: ExpandedPath | None = Field(
         None, strict=False, description="accelerate launch config file (DeepSpeed, FSDP) for num_processes > 1 on CUDA."
     )
     keep_last_checkpoints: int | None = Field(
@@ -95,12 +95,12 @@ class LoraSettings(Section):
 
 
 class ModelConfig(Section):
-    base: str = Field(
+    base: PathText = Field(
         DEMO,
         min_length=1,
         description="Base policy: 'demo' (built offline), a local directory, a hub name or a models:/ URI.",
     )
-    tokenizer: str | None = Field(
+    tokenizer: PathText | None = Field(
         None, description="Tokenizer source when it differs from `base`; defaults to the base's own."
     )
     revision: str | None = Field(None, description="Hub revision (branch, tag or commit) for hub names.")
@@ -110,7 +110,7 @@ class ModelConfig(Section):
     torch_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "float32", description="Dtype the weights are loaded in."
     )
-    chat_template: str | None = Field(
+    chat_template: PathText | None = Field(
         None,
         description="Chat template (a Jinja file path or the template itself) for conversational data when the tokenizer has none.",
     )
@@ -138,7 +138,7 @@ class ColumnMap(Section):
 
 
 class DatasetSpec(Section):
-    path: str = Field(
+    path: PathText = Field(
         DEMO,
         min_length=1,
         description="'demo', a local json/jsonl/parquet/csv file, directory or glob (data/prefs/*.jsonl), a save_to_disk directory, or a hub dataset name.",

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from rlhf_core.config.base import Section
+from rlhf_core.config.base import PathText, Section
 from rlhf_core.config.run_model_data import DatasetSpec
 
 
@@ -38,7 +38,7 @@ class SFTConfig(OptimSettings):
 
 
 class RewardConfig(OptimSettings):
-    base: str = Field(
+    base: PathText = Field(
         "policy",
         min_length=1,
         description="Reward model start: 'policy' (the SFT/base policy), a directory, hub name or models:/ URI.",
@@ -186,7 +186,7 @@ class PPOConfig(Section):
 
 class RewardSource(Section):
     name: str = Field(..., min_length=1, description="Name of this reward in metrics (rewards/<name>/mean).")
-    model: str | None = Field(
+    model: PathText | None = Field(
         None, description="A reward model: 'reward_stage' (this run's), a directory, hub name or models:/ URI."
     )
     function: str | None = Field(None, description="A Python reward function as 'package.module:function'.")

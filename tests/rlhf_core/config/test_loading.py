@@ -77,3 +77,43 @@ def test_missing_and_malformed_files(tmp_path):
 def test_every_shipped_config_loads_and_round_trips_through_json(path):
     cfg = load_config(REPO / path)
     assert PipelineConfig.model_validate(cfg.model_dump(mode="json")) == cfg  # as tasks.distributed does
+
+
+@pytest.mark.parametrize("text, value", [("5e-4", 5e-4), ("1e-3", 1e-3), (".5", 0.5), ("1E+2", 100.0), ("2E-5", 2e-5)])
+def test_numbers_as_people_write_them_are_floats_in_overrides_and_files(tmp_path, text, value):
+    assert load_config(REPO / "configs" / "smoke.yaml", [f"rl.learning_rate={text}"]).rl.learning_rate == value
+    config = tmp_path / "c.yaml"
+    config.write_text(f"rl:\n  learning_rate: {text}\nppo:\n  kl_coef: {text}\n")
+    cfg = load_config(config)
+    assert (cfg.rl.learning_rate, cfg.ppo.kl_coef) == (value, value)
+    # the loader is the config's own: PyYAML's shared safe loader keeps YAML 1.1's rules
+    assert yaml.safe_load("5e-4") == "5e-4"
+    assert parse_override("run.name=e5") == (["run", "name"], "e5")
+
+
+def test_tilde_and_environment_variables_expand_in_path_fields(monkeypatch, tmp_path):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("RLHF_DATA", str(tmp_path / "data"))
+    cfg = load_config(
+        None,
+        [
+            "run.output_dir=~/rlhf-x",
+            "export.output_dir=${RLHF_DATA}/export",
+            "model.base=~/models/qwen",
+            "data.prompts.path=$RLHF_DATA/prompts.jsonl",
+            "reward.base=Qwen/Qwen2.5-0.5B",
+        ],
+    )
+    assert cfg.run.output_dir == tmp_path / "rlhf-x"
+    assert cfg.export.output_dir == tmp_path / "data" / "export"
+    assert cfg.model.base == f"{tmp_path}/models/qwen"
+    assert cfg.data.prompts.path == f"{tmp_path}/data/prompts.jsonl"
+    assert cfg.reward.base == "Qwen/Qwen2.5-0.5B"  # a hub name passes unchanged
+    inline = "{% for m in messages %}{{ m.content }}{% endfor %}"  # a template, not a path: left alone
+    assert load_config(None, [f'model.chat_template="{inline}"']).model.chat_template == inline
+
+
+def test_an_unset_environment_variable_in_a_path_is_refused(monkeypatch):
+    monkeypatch.delenv("RLHF_NOT_SET", raising=False)
+    with pytest.raises(ConfigError, match=r"run.output_dir.*environment variable RLHF_NOT_SET is not set"):
+        load_config(None, ["run.output_dir=$RLHF_NOT_SET/x"])
