@@ -97,8 +97,9 @@ def rl_key(cfg: PipelineConfig, data: PreparedData, plan: InitPlan) -> str:
             cfg.rl.algorithm: algorithm_cfg.model_dump(mode="json"),
             "init": cfg.init.model_dump(),
             "lora": cfg.model.lora.model_dump(),
+            # identities, never paths: a run directory that is moved keeps its keys (the value model's
+            # source is init.value_from over these two)
             "policy": plan.policy_identity,
-            "value": plan.value_path,
             "reward": plan.reward_identity,
             "prompts": data.fingerprints["prompts"],
             "seed": cfg.run.seed,

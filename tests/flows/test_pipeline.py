@@ -121,6 +121,18 @@ def test_pipeline_runs_registers_and_reuses_finished_stages(prefect_harness, tmp
     assert again["candidate_uri"] == "models:/smoke-policy/4"
     assert again["data_fingerprint"] == summary["data_fingerprint"]
 
+    # a run directory moved elsewhere (another disk, a renamed folder) resumes there: nothing trains again
+    moved = tmp_path / "moved"
+    out.rename(moved)
+    elsewhere = rlhf_pipeline(config_path=SMOKE, overrides=[f"run.output_dir={moved}", f"tracking.uri={mlflow_uri}"])
+    assert (moved / "sft" / "model.safetensors").stat().st_mtime_ns == stamp
+    assert len(client.search_model_versions("name = 'smoke-policy'")) == 4
+    assert (elsewhere["policy_model_uri"], elsewhere["candidate_uri"]) == (
+        "models:/smoke-policy/3",
+        "models:/smoke-policy/4",
+    )
+    assert not out.exists()
+
 
 def test_bad_data_fails_the_flow_and_the_mlflow_run_with_nothing_registered(prefect_harness, tmp_path, mlflow_uri):
     bad = tmp_path / "prefs.jsonl"
