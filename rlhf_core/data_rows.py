@@ -120,6 +120,25 @@ def check_first_rows(
                     return f"{source} row {i} column `{src}` {problem} (accepted formats: {ACCEPTED[kind]})"
             elif not isinstance(value, str):
                 return f"{source} row {i} column `{src}` holds a {type(value).__name__}, not a string"
+            if answer_problem(dst, value):
+                return f"{source} row {i} column `{src}` {answer_problem(dst, value)}"
+    return None
+
+
+ANSWER_COLUMNS = ("chosen", "rejected", "completion")
+
+
+def answer_problem(key: str, value: Any) -> str | None:
+    """Why an answer column's value (a string, or messages ending with the answer) holds no answer, else None:
+    an empty answer would train on the end-of-turn token alone."""
+    if key not in ANSWER_COLUMNS:
+        return None
+    if isinstance(value, str):
+        return None if value.strip() else "is empty"
+    last = value[-1] if isinstance(value, list) and value and isinstance(value[-1], dict) else {}
+    content = last.get("content")
+    if isinstance(content, str) and not content.strip():
+        return f"ends with an empty `{last.get('role')}` message"
     return None
 
 
@@ -162,6 +181,9 @@ class RowConverter:
             self.fail(i, key, "is missing a value")
         elif not isinstance(value, str):
             self.fail(i, key, f"holds a {type(value).__name__}, not a string")
+        problem = answer_problem(key, value)
+        if problem:
+            self.fail(i, key, problem)
         return value
 
     def __call__(self, i: int, row: dict) -> dict:

@@ -11,6 +11,8 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
+from safetensors import SafetensorError, safe_open
+
 if TYPE_CHECKING:
     from rlhf_core.config import LoraSettings, RLConfig
 
@@ -34,6 +36,15 @@ def check_source(source: str, field: str) -> None:
         raise ModelSourceError(f"{field}: directory {source} does not exist")
     if not (path / "config.json").is_file() and not (path / "tokenizer_config.json").is_file():
         raise ModelSourceError(f"{field}: {path} is not a Hugging Face model directory (no config.json)")
+    for weights in sorted(path.glob("*.safetensors")):  # reads each header only: a truncated copy fails here
+        try:
+            with safe_open(str(weights), "pt"):
+                pass
+        except (SafetensorError, OSError) as err:
+            first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+            raise ModelSourceError(
+                f"{field}: {weights} is not a complete safetensors file ({first}); copy or download it again"
+            ) from None
 
 
 # transformers' from_pretrained changes process-wide state while it builds a model (torch's default dtype,

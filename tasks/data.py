@@ -46,6 +46,16 @@ class PreparedData:
         return hashlib.sha256(blob).hexdigest()[:16]
 
 
+def check_prompt_count(cfg: PipelineConfig, report: dict) -> None:
+    """Refuse, before SFT, a prompt set smaller than one RL step (PPO would index past it, GRPO train on less)."""
+    needed, fields = cfg.prompts_per_step()
+    if report["kept"] < needed:
+        raise ValueError(
+            f"data.prompts: {report['source']} has {report['kept']} usable prompts, fewer than the {needed} one RL "
+            f"step takes ({fields}); lower {fields.split()[0]} or add prompts"
+        )
+
+
 def demo_path(world: DemoWorld, kind: Kind, spec: DatasetSpec) -> str:
     """The demo world's file for a 'demo' source of `kind` (split picks train or test)."""
     if kind == "text":
@@ -121,7 +131,11 @@ def prepare_table(
     if report.overlong:
         get_run_logger().warning(report.sentence(source))
     if report.kept == 0:
-        raise ValueError(f"{field_name}: every row of {source} is over the length limit; raise data.max_length")
+        limit = "data.max_prompt_length" if kind == "prompt" else "data.max_length"
+        raise ValueError(
+            f"{field_name}: every row of {source} is over {limit} ({getattr(cfg.data, limit[5:])} tokens) and "
+            f"data.overlong is 'drop'; raise {limit}"
+        )
     path = save_table(ds, cfg.run.output_dir / "data" / f"{name}.jsonl")
     return {
         "table": name,
@@ -182,6 +196,8 @@ def data_stage(cfg: PipelineConfig, parent_run_id: str) -> PreparedData:
             reporter.log(
                 {f"data/{name}/rows": reports[-1]["kept"], f"data/{name}/overlong": reports[-1]["overlong"]}, 0
             )
+        for report in (r for r in reports if r["table"] == "prompts"):
+            check_prompt_count(cfg, report)
         tables = {r["table"]: r.pop("path") for r in reports}
         reporter.publish_table(
             "data-report", reports, "Validated tables: rows, over-long rows and what was done with them"

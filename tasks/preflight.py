@@ -17,6 +17,7 @@ import inspect
 import json
 import os
 import re
+import tempfile
 import urllib.error
 import urllib.request
 from collections.abc import Callable
@@ -78,6 +79,7 @@ def preflight_problems(cfg: PipelineConfig) -> list[str]:
         (_check_models, ModelSourceError),
         (_check_context, PreflightError),
         (_check_tracking, PreflightError),
+        (_check_output, PreflightError),
         (_check_registry, PreflightError),
     ):
         problems += [Problem.of(kind, p) for p in check_one(cfg)]
@@ -342,6 +344,30 @@ def _check_tracking(cfg: PipelineConfig) -> list[str]:
         if not os.access(parent, os.W_OK) or (db.exists() and not os.access(db, os.W_OK)):
             return [f"{field}: the SQLite store {db} is not writable here"]
     return []
+
+
+def _writable_problem(field: str, directory: Path) -> str | None:
+    """Why `directory` (which need not exist yet) cannot be created and written here, else None: its nearest
+    existing ancestor must be a directory that takes a file (tried with a temporary one, removed at once)."""
+    existing = directory
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{field}: {existing} is a file, so {directory} cannot be a directory under it"
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".rlhf-write-check-", dir=existing)
+    except OSError as err:
+        return f"{field}: {directory} cannot be written here ({existing}: {err.strerror or type(err).__name__})"
+    os.close(fd)
+    os.unlink(probe)
+    return None
+
+
+def _check_output(cfg: PipelineConfig) -> list[str]:
+    fields = [("run.output_dir", cfg.run.output_dir)]
+    if cfg.export.output_dir is not None:
+        fields.append(("export.output_dir", cfg.export.output_dir))
+    return [p for p in (_writable_problem(f, Path(d).expanduser().absolute()) for f, d in fields) if p]
 
 
 def registry_name_problem(field: str, name: str) -> str | None:

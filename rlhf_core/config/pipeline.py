@@ -331,6 +331,18 @@ class PipelineConfig(Section):
             tables.append(("sft", "sft.dataset", self.sft.dataset, "text"))
         return tables
 
+    def prompts_per_step(self) -> tuple[int, str]:
+        """(prompts one RL step takes over all processes, the fields that say so), for PPO rl.batch_size, for the
+        group algorithms the generation batch over grpo.num_generations."""
+        per_process = self.rl.batch_size
+        fields = "rl.batch_size"
+        if self.rl.algorithm != "ppo":
+            per_process = self.grpo.generation_batch(self.rl.batch_size) // self.grpo.num_generations
+            fields = f"{self._group_batch_name()} / grpo.num_generations"
+        if self.run.num_processes > 1:
+            fields += " x run.num_processes"
+        return per_process * self.run.num_processes, fields
+
     def uses_demo_world(self) -> bool:
         sources = [
             self.model.base,

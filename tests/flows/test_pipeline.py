@@ -181,3 +181,30 @@ def test_prefect_settings_honour_the_user_environment():
     env.update(PREFECT_API_URL="http://127.0.0.1:4999/api", PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="45")
     user = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True, cwd=REPO)
     assert user.stdout.split() == ["http://127.0.0.1:4999/api", "45"]
+
+
+@pytest.mark.parametrize(
+    "sets, expected",
+    [
+        (["rl.batch_size=64"], "has 32 usable prompts, fewer than the 64 one RL step takes (rl.batch_size)"),
+        (
+            ["rl.algorithm=grpo", "grpo.num_generations=4", "rl.batch_size=160"],
+            "fewer than the 40 one RL step takes (rl.batch_size / grpo.num_generations); lower rl.batch_size",
+        ),
+        (
+            ["data.overlong=drop", "data.max_prompt_length=2"],
+            "is over data.max_prompt_length (2 tokens) and data.overlong is 'drop'; raise data.max_prompt_length",
+        ),
+    ],
+)
+def test_a_prompt_set_one_step_cannot_use_fails_before_any_training(
+    prefect_harness, tmp_path, mlflow_uri, sets, expected
+):
+    overrides = [f"run.output_dir={tmp_path / 'out'}", f"tracking.uri={mlflow_uri}", *sets]
+
+    state = rlhf_pipeline(config_path=SMOKE, overrides=overrides, return_state=True)
+
+    assert state.is_failed()
+    assert state.message.startswith("stage 'data' failed: ValueError: data.") and expected in state.message
+    assert not (tmp_path / "out" / "sft").exists()
+    assert MlflowClient(mlflow_uri, registry_uri=mlflow_uri).search_registered_models() == []

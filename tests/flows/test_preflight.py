@@ -126,6 +126,12 @@ def test_a_function_with_the_right_signature_passes(funcs, tmp_path, capsys):
         ([{"prompt": None}], "data.prompts", "prompts.jsonl row 1 column `prompt` is missing a value"),
         ([{"prompt": "p", "chosen": "a"}], "data.preference", "has no column `rejected`"),
         ([{"text": "t"}], "sft.dataset", None),
+        ([{"prompt": "p", "chosen": "", "rejected": "b"}], "data.preference", "row 1 column `chosen` is empty"),
+        (
+            [{"prompt": "p", "chosen": [{"role": "assistant", "content": ""}], "rejected": "b"}],
+            "data.preference",
+            "row 1 column `chosen` ends with an empty `assistant` message",
+        ),
     ],
 )
 def test_data_paths_exist_and_their_first_rows_parse(tmp_path, capsys, rows, field, expected):
@@ -176,6 +182,30 @@ def test_a_glob_matching_nothing_and_a_renamed_column(tmp_path, capsys):
 def test_model_and_tokenizer_sources(tmp_path, capsys, sets, expected):
     code, err = cli("validate", tmp_path, capsys, *sets)
     assert_one_sentence(code, err, expected, tmp_path)
+
+
+def test_a_truncated_weights_file_is_named_before_any_work(tmp_path, capsys):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "llama", "max_position_embeddings": 64}))
+    (model / "model.safetensors").write_bytes(b"\x40\x00\x00\x00\x00\x00\x00\x00{")  # a header cut short
+    code, err = cli("validate", tmp_path, capsys, f"model.base={model}", "sft.enabled=false", "init.policy=base")
+    assert_one_sentence(
+        code, err, f"model.base: {model}/model.safetensors is not a complete safetensors file (", tmp_path
+    )
+
+
+@pytest.mark.parametrize("where", ["file", "proc"])
+def test_an_output_directory_that_cannot_be_written_is_refused_before_any_work(tmp_path, capsys, where):
+    if where == "file":  # a parent that is a file
+        (tmp_path / "notes.txt").write_text("mine")
+        out, expected = tmp_path / "notes.txt" / "run", f"run.output_dir: {tmp_path}/notes.txt is a file"
+    else:  # a read-only file system (/proc takes no new file, even from root)
+        out, expected = Path("/proc/rlhf-out"), "run.output_dir: /proc/rlhf-out cannot be written here (/proc: "
+    code, err = cli("validate", tmp_path, capsys, f"run.output_dir={out}")
+    assert code == 2 and err.count("\n") == 0 and expected in err, err
+    assert list(tmp_path.iterdir()) == ([tmp_path / "notes.txt"] if where == "file" else [])
+    assert (where != "file") or (tmp_path / "notes.txt").read_text() == "mine"
 
 
 def test_prompt_and_response_must_fit_the_demo_context(tmp_path, capsys):

@@ -137,6 +137,14 @@ def test_format_can_be_forced(tmp_path, chat_tokenizer):
         ),
         ([{"prompt": USER, "chosen": HELLO, "rejected": HELLO}], "row 1: `chosen` is identical to `rejected`"),
         ([{"chosen": HELLO, "rejected": BYE}], "row 1 column `chosen` shares no leading message with `rejected`"),
+        (  # an empty answer would train on the end-of-turn token alone
+            [{"prompt": USER, "chosen": [{"role": "assistant", "content": " "}], "rejected": BYE}],
+            "row 1 column `chosen` ends with an empty `assistant` message",
+        ),
+        (
+            [{"chosen": USER + HELLO, "rejected": [*USER, {"role": "assistant", "content": ""}]}],
+            "row 1 column `rejected` ends with an empty `assistant` message",
+        ),
     ],
 )
 def test_bad_conversational_rows_name_file_row_field_and_formats(tmp_path, chat_tokenizer, rows, message):
@@ -184,6 +192,14 @@ def test_check_first_rows_is_trl_aware():
             {"prompt": USER, "chosen": [{"role": "a"}], "rejected": BYE},
         ]
     )
+    # empty answers are refused in the first rows, before any stage, as strings and as messages
+    assert "row 1 column `chosen` is empty" in check([{"prompt": "p", "chosen": "  ", "rejected": "no"}])
+    assert "row 1 column `completion` is empty" in check([{"prompt": "p", "completion": ""}], "text")
+    empty = [{"role": "assistant", "content": ""}]
+    assert "column `chosen` ends with an empty `assistant` message" in check(
+        [{"prompt": USER, "chosen": empty, "rejected": BYE}]
+    )
+    assert check([{"prompt": "", "chosen": "a", "rejected": "b"}]) is None  # an empty prompt is TRL's implicit one
     assert "has no column `text` (row 1 has ['body']); map it with data.x.columns.text" in check(
         [{"body": "b"}], "text"
     )
