@@ -177,7 +177,10 @@ def dataset_inputs(cfg: PipelineConfig, reports: list[dict]) -> list[dict]:
 @task(name="data", cache_policy=NO_CACHE, **IO_RETRIES)
 def data_stage(cfg: PipelineConfig, parent_run_id: str) -> PreparedData:
     """Build or reuse the demo world, validate every table, write them under <output_dir>/data."""
-    with tracking.runs.stage_run(parent_run_id, "data") as run_id, StageReporter(cfg, "data", run_id) as reporter:
+    with (
+        tracking.runs.stage_run(parent_run_id, "data", tracking.runs.stage_params(cfg, "data")) as run_id,
+        StageReporter(cfg, "data", run_id) as reporter,
+    ):
         world = None
         if cfg.uses_demo_world():
             reporter.start(0, "Building the offline demo world", key="demo-world-progress")

@@ -142,7 +142,7 @@ def export_stage(
 ) -> Checkpoint:
     """Write <export dir> from the RL checkpoint export.select picked, register it as a version (tagged with
     the guard's verdict), point `candidate` at it."""
-    with tracking.runs.stage_run(parent_run_id, "export") as run_id:
+    with tracking.runs.stage_run(parent_run_id, "export", tracking.runs.stage_params(cfg, "export")) as run_id:
         lineage = {
             "stage_key": trained.key,
             "algorithm": cfg.rl.algorithm,

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import mlflow
 from filelock import Timeout
+from mlflow.entities import LoggedModelStatus
 from mlflow.tracking import MlflowClient
 
 # imported here, on the importing (main) thread: resolved first on the registration thread while the training
@@ -128,17 +129,30 @@ def register_checkpoint(
         serving = {"signature": generation_signature(model.generation_config)}
         if input_example:
             serving["input_example"] = INPUT_EXAMPLE
+    # the logged model is created here, in its run's experiment: log_model would put one logged on a thread
+    # without an active run (the registration thread) in the Default experiment
+    run = MlflowClient().get_run(run_id)
+    logged = mlflow.initialize_logged_model(
+        name=f"{tags.get('stage', 'model')}-step-{tags.get('step', '0')}",
+        source_run_id=run_id,
+        experiment_id=run.info.experiment_id,
+        params=dict(run.data.params),
+    )
     try:
         with _random_state_kept() if input_example else nullcontext():
             info = mlflow.transformers.log_model(
                 transformers_model={"model": model, "tokenizer": tokenizer},
-                name=f"{tags.get('stage', 'model')}-step-{tags.get('step', '0')}",
+                name=logged.name,
+                model_id=logged.model_id,
                 task=task,
                 pip_requirements=requirements,
                 step=_step_of(tags),  # the run's metrics of this step become the logged model's (MLflow: 0)
                 run_id=run_id,  # passed on to mlflow.models.Model.log
                 **serving,
             )
+    except BaseException:
+        mlflow.finalize_logged_model(logged.model_id, LoggedModelStatus.FAILED)
+        raise
     finally:
         flavor_log.setLevel(level)
     link_identical_files(_local_artifact_dir(info.model_id), checkpoint_dir)

@@ -177,7 +177,7 @@ def reward_stage(cfg: PipelineConfig, data: PreparedData, policy: Checkpoint | N
     key = reward_key(cfg, data, base_identity)
     out_dir = cfg.run.output_dir / "reward" / key
     with (
-        tracking.runs.stage_run(parent_run_id, "reward") as run_id,
+        tracking.runs.stage_run(parent_run_id, "reward", tracking.runs.stage_params(cfg, "reward")) as run_id,
         RewardReporter(cfg, run_id, data, key, base_identity) as reporter,
     ):
         reused = reuse_registered(cfg, key, out_dir)

@@ -266,7 +266,9 @@ def rl_stage(cfg: PipelineConfig, data: PreparedData, plan: InitPlan, parent_run
     key = rl_key(cfg, data, plan)
     out_dir = cfg.run.output_dir / cfg.rl.algorithm / key
     with (
-        tracking.runs.stage_run(parent_run_id, cfg.rl.algorithm) as run_id,
+        tracking.runs.stage_run(
+            parent_run_id, cfg.rl.algorithm, tracking.runs.stage_params(cfg, cfg.rl.algorithm)
+        ) as run_id,
         PolicyReporter(cfg, run_id, data, plan, key, out_dir, gold=cfg.gold_metric()) as reporter,
     ):
         reporter.register_saved(out_dir, "policy")

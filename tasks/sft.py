@@ -84,7 +84,7 @@ def sft_stage(cfg: PipelineConfig, data: PreparedData, parent_run_id: str) -> Ch
     key = sft_key(cfg, data)
     lineage, curves = {"stage_key": key}, {"sft/loss": ("sft/loss",)}
     with (
-        tracking.runs.stage_run(parent_run_id, "sft") as run_id,
+        tracking.runs.stage_run(parent_run_id, "sft", tracking.runs.stage_params(cfg, "sft")) as run_id,
         StageReporter(
             cfg,
             "sft",

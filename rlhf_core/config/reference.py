@@ -1,9 +1,11 @@
 """The configuration reference: every leaf field, its default and its description, rendered as the
-Markdown table of README.md's "Configuration reference" (and of `rlhf fields`).
+Markdown table of docs/configuration.md (and of `rlhf fields`).
 
-    python -m rlhf_core.config.reference                    # print the table
-    python -m rlhf_core.config.reference --write README.md  # rewrite the README's block between the markers
-    python -m rlhf_core.config.reference --check README.md  # exit 1 when that block is stale
+    python -m rlhf_core.config.reference                                # print the table
+    python -m rlhf_core.config.reference --write docs/configuration.md  # rewrite the block between the markers
+    python -m rlhf_core.config.reference --check docs/configuration.md  # exit 1 when that block is stale
+
+`--write` and `--check` without a file take docs/configuration.md of this checkout.
 """
 
 from __future__ import annotations
@@ -20,18 +22,28 @@ from rlhf_core.config.pipeline import PipelineConfig
 
 START = "<!-- config-reference:start -->"
 END = "<!-- config-reference:end -->"
-WRITE_COMMAND = ".venv/bin/python -m rlhf_core.config.reference --write README.md"
+# the page that holds the generated block, in this checkout
+DOC = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
+WRITE_COMMAND = ".venv/bin/python -m rlhf_core.config.reference --write docs/configuration.md"
 
 
-def describe_fields(model: type[BaseModel] = PipelineConfig, prefix: str = "") -> list[tuple[str, str, str]]:
-    """(dotted field, default, description) for every leaf field: the README's config reference."""
+def describe_fields(
+    model: type[BaseModel] = PipelineConfig, prefix: str = "", defaults: BaseModel | None = None
+) -> list[tuple[str, str, str]]:
+    """(dotted field, default, description) for every leaf field: the configuration reference.
+
+    A section's defaults are those of the section as its parent builds it (`defaults`): a parent's
+    default_factory may set a leaf other than the leaf's own default (guard.min_distinct_ratio.limit is 0.5,
+    GuardRule.limit None)."""
     rows = []
     for name, field in model.model_fields.items():
         path = f"{prefix}{name}"
+        default = getattr(defaults, name) if defaults is not None else field.get_default(call_default_factory=True)
         if field.annotation is nested_section(field.annotation):
-            rows.extend(describe_fields(field.annotation, path + "."))
+            rows.extend(
+                describe_fields(field.annotation, path + ".", default if isinstance(default, BaseModel) else None)
+            )
             continue
-        default = field.get_default(call_default_factory=True)
         if isinstance(default, list):
             default = [d.model_dump(exclude_none=True) if isinstance(d, BaseModel) else d for d in default]
         rows.append((path, json.dumps(default, default=str), field.description or ""))
@@ -76,8 +88,22 @@ def main(argv: list[str] | None = None) -> int:
         description="Render the configuration reference (Markdown) from the schema.",
     )
     group = parser.add_mutually_exclusive_group()
-    group.add_argument("--write", metavar="FILE", type=Path, help=f"rewrite the block between {START} and {END}")
-    group.add_argument("--check", metavar="FILE", type=Path, help="exit 1 when that block differs from the schema")
+    group.add_argument(
+        "--write",
+        metavar="FILE",
+        type=Path,
+        nargs="?",
+        const=DOC,
+        help=f"rewrite the block between {START} and {END} (default docs/configuration.md)",
+    )
+    group.add_argument(
+        "--check",
+        metavar="FILE",
+        type=Path,
+        nargs="?",
+        const=DOC,
+        help="exit 1 when that block differs from the schema (default docs/configuration.md)",
+    )
     args = parser.parse_args(argv)
     table = render_reference()
     target = args.write or args.check

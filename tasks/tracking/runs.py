@@ -190,10 +190,11 @@ def pipeline_run(cfg: PipelineConfig, tags: dict[str, str] | None = None, run_na
 
 
 def run_is_empty(run_id: str) -> bool:
-    """True when the run recorded nothing a reviewer could read: no metrics, params, artifacts, datasets or models."""
+    """True when the run recorded nothing a reviewer could read: no metrics, artifacts, datasets or models
+    (a stage run's parameters are its config section, logged at its start: they alone say nothing happened)."""
     client = MlflowClient()
     run = client.get_run(run_id)
-    if run.data.metrics or run.data.params:
+    if run.data.metrics:
         return False
     if run.inputs is not None and (run.inputs.dataset_inputs or run.inputs.model_inputs):
         return False
@@ -219,13 +220,28 @@ def _drop_empty_stage_run(run_id: str, parent_run_id: str, stage: str) -> None:
     client.delete_run(run_id)
 
 
+STAGE_SECTIONS = {  # the config sections whose fields a stage run logs as its parameters
+    "data": ("data",),
+    "sft": ("sft", "model"),
+    "reward": ("reward",),
+    "export": ("export", "registry"),
+}
+
+
+def stage_params(cfg: PipelineConfig, stage: str) -> dict[str, str]:
+    """The stage's config sections, flattened as the pipeline run's params are (secrets left out): an RL
+    stage logs rl, its algorithm's section, init, guard and eval, so that two PPO runs compare on them."""
+    sections = STAGE_SECTIONS.get(stage, ("rl", "ppo" if stage == "ppo" else "grpo", "init", "guard", "eval"))
+    return {k: v for k, v in flatten_config(cfg).items() if k.split(".", 1)[0] in sections}
+
+
 @contextmanager
-def stage_run(parent_run_id: str, stage: str) -> Iterator[str]:
-    """A nested run for one stage under the pipeline run; FAILED if the stage raises.
+def stage_run(parent_run_id: str, stage: str, params: dict[str, str] | None = None) -> Iterator[str]:
+    """A nested run for one stage under the pipeline run, with `params` (`stage_params`); FAILED if the stage raises.
 
     Tagged `rlhf.stage`, `rlhf.run_kind=stage` and with the Prefect flow run (this process's, else the
     parent's: a launched worker process has no Prefect context). A run that ends FINISHED with nothing
-    recorded is deleted again (see _drop_empty_stage_run).
+    recorded but its params is deleted again (see _drop_empty_stage_run).
     """
     if not writes():
         yield ""
@@ -240,6 +256,7 @@ def stage_run(parent_run_id: str, stage: str) -> Iterator[str]:
         tags={"rlhf.stage": stage, RUN_KIND: "stage", **inherited, **prefect_tags()},
     )
     try:
+        _log_params(run.info.run_id, params or {})
         yield run.info.run_id
     except BaseException as err:
         mlflow.end_run(_end_status(err))

@@ -43,6 +43,16 @@ def test_pipeline_runs_registers_and_reuses_finished_stages(prefect_harness, tmp
         "export": "FINISHED",
     }
     assert client.get_metric_history(stages["sft"].info.run_id, "sft/loss")[-1].step == 8
+    # each stage run carries its config section as parameters: two runs compare on them in the UI
+    assert stages["ppo"].data.params["ppo.kl_coef"] and stages["ppo"].data.params["rl.learning_rate"]
+    assert "sft.learning_rate" in stages["sft"].data.params and "reward.max_steps" in stages["reward"].data.params
+    assert not any(k.startswith(("sft.", "reward.")) for k in stages["ppo"].data.params)
+    # every logged model, also those the background registration thread logs, is in the run's experiment
+    experiment = client.get_run(summary["mlflow_run_id"]).info.experiment_id
+    logged = client.search_logged_models([experiment, "0"], max_results=100)
+    assert len(logged) == 6 and {m.experiment_id for m in logged} == {experiment}
+    ppo_model = next(m for m in logged if m.name == "ppo-step-2")
+    assert ppo_model.params["ppo.kl_coef"] == stages["ppo"].data.params["ppo.kl_coef"]
     assert "sft_loss.png" in [a.path for a in client.list_artifacts(stages["sft"].info.run_id)]
     assert stages["data"].data.tags["data_fingerprint"] == summary["data_fingerprint"]
 
