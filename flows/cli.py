@@ -135,29 +135,13 @@ def print_summary(summary: dict) -> None:
         console.print(f"MLflow UI: {redact(uri)}")
 
 
-ALIGNMENT_ROWS = [
-    ("gold", "eval/{gold}_mean", "{:.3f}"),
-    ("proxy (reward model score)", "eval/score_mean", "{:.3f}"),
-    ("eval KL to the initial policy (exact, nats: mean)", "eval/kl_exact_mean", "{:.3f}"),
-    ("eval KL: median, p90 of the completions", "eval/kl_exact_median", "{:.3f}"),
-    ("", "eval/kl_exact_p90", "{:.3f}"),
-    ("eval KL estimate k3 (diagnostic)", "eval/kl_k3_mean", "{:.3f}"),
-    ("mean completion length (tokens)", "eval/length_mean", "{:.2f}"),
-    ("distinct-2", "eval/distinct_2", "{:.3f}"),
-    ("repeated bigram rate", "eval/repeated_ngram_rate", "{:.3f}"),
-    ("completions that stop", "eval/stop_rate", "{:.2f}"),
-]
-
-
-# the guard's ratios to the initial policy, which the RL stage's evaluations already carry
-RATIOS = {"eval/length_mean": "eval/length_ratio", "eval/distinct_2": "eval/distinct_2_ratio"}
-
-
 def print_alignment(console, summary: dict) -> None:
     """Before (the initial policy, step 0) and after (the exported checkpoint) side by side: the gold and
     proxy rewards, the KL, length and diversity, the guard's verdict, and three completions of the same
     prompts; then the one-line gold gain."""
     from rich.table import Table
+
+    from rlhf_core.promotion import alignment_rows
 
     gold, history = summary.get("gold_metric"), {int(k): v for k, v in (summary.get("eval_history") or {}).items()}
     if 0 not in history or len(history) < 2:
@@ -168,13 +152,8 @@ def print_alignment(console, summary: dict) -> None:
     table = Table(title=f"Alignment: the initial policy (step 0) and the exported one (step {after_step})")
     for column in ("", "before", "after", "after / before"):
         table.add_column(column)
-    for label, key, fmt in ALIGNMENT_ROWS:
-        key = key.format(gold=gold)
-        if key in before and key in after:
-            ratio = f"{after[RATIOS[key]]:.2f}" if RATIOS.get(key) in after else ""
-            table.add_row(
-                label.replace("gold", f"gold ({gold})"), fmt.format(before[key]), fmt.format(after[key]), ratio
-            )
+    for row in alignment_rows(before, after, gold):
+        table.add_row(*row)
     console.print(table)
     triggers = summary.get("guard_triggers") or []
     console.print(f"Guard: {len(triggers)} trigger(s)" + "".join(f"\n  {t}" for t in triggers[:10]))

@@ -94,3 +94,48 @@ def decide(
             f"promote.min_improvement {gates.min_improvement}",
         )
     return verdict(True, f"{gates.metric} {value:.4f} vs champion {champion_value:.4f}: gain {gain:+.4f}")
+
+
+# the before/after table of a run: (label, summary column, format); "{gold}" is the gold metric's name
+ALIGNMENT_ROWS = [
+    ("gold ({gold})", "eval/{gold}_mean", "{:.3f}"),
+    ("proxy (reward model score)", "eval/score_mean", "{:.3f}"),
+    ("eval KL to the initial policy (exact, nats: mean)", "eval/kl_exact_mean", "{:.3f}"),
+    ("eval KL: median, p90 of the completions", "eval/kl_exact_median", "{:.3f}"),
+    ("", "eval/kl_exact_p90", "{:.3f}"),
+    ("eval KL estimate k3 (diagnostic)", "eval/kl_k3_mean", "{:.3f}"),
+    ("mean completion length (tokens)", "eval/length_mean", "{:.2f}"),
+    ("distinct-2", "eval/distinct_2", "{:.3f}"),
+    ("repeated bigram rate", "eval/repeated_ngram_rate", "{:.3f}"),
+    ("completions that stop", "eval/stop_rate", "{:.2f}"),
+]
+# the guard's ratios to the initial policy, which the RL stage's evaluations already carry
+RATIOS = {"eval/length_mean": "eval/length_ratio", "eval/distinct_2": "eval/distinct_2_ratio"}
+
+
+def alignment_rows(before: dict[str, float], after: dict[str, float], gold: str | None) -> list[tuple[str, ...]]:
+    """(label, before, after, after/before) as text for each ALIGNMENT_ROWS column both evaluations hold."""
+    rows = []
+    for label, key, fmt in ALIGNMENT_ROWS:
+        key = key.format(gold=gold)
+        if key in before and key in after:
+            ratio = f"{after[RATIOS[key]]:.2f}" if RATIOS.get(key) in after else ""
+            rows.append((label.format(gold=gold), fmt.format(before[key]), fmt.format(after[key]), ratio))
+    return rows
+
+
+def alignment_markdown(
+    history: dict[int, dict[str, float]], step: int, gold: str | None, guard_triggers: list[str]
+) -> str:
+    """The before (step 0) / after (`step`) table and the guard's verdict as Markdown: what a model version's
+    description and the flow's summary artifact say. Empty when the history has no step 0 or no `step`."""
+    if 0 not in history or step not in history:
+        return ""
+    lines = [
+        f"| | before (step 0) | after (step {step}) | after / before |",
+        "|---|---|---|---|",
+        *(f"| {' | '.join(row)} |" for row in alignment_rows(history[0], history[step], gold)),
+        "",
+        f"Guard: {len(guard_triggers)} trigger(s)" + "".join(f"\n- {t}" for t in guard_triggers[:10]),
+    ]
+    return "\n".join(lines)

@@ -13,7 +13,8 @@ from rlhf_core.config.training import GROUP_FIELDS_FOR
 from rlhf_core.export import ExportInfo, export_policy, generation_settings
 from rlhf_core.model_card import card_field, card_license, source_name
 from rlhf_core.models import generation_config_of, load_tokenizer, run_stop_ids
-from tasks import tracking
+from rlhf_core.promotion import alignment_markdown
+from tasks import registry, tracking
 from tasks.data import PreparedData
 from tasks.initialization import InitPlan
 from tasks.reporting import StageReporter
@@ -122,6 +123,18 @@ def guard_tags(trained: Checkpoint) -> dict[str, str]:
     }
 
 
+def version_description(cfg: PipelineConfig, trained: Checkpoint) -> str:
+    """The candidate version's description: what was trained, the before/after table and the guard's verdict."""
+    history = {int(k): v for k, v in trained.extra.get("eval_history", {}).items()}
+    table = alignment_markdown(history, trained.step, cfg.gold_metric(), trained.extra.get("guard_triggers", []))
+    head = (
+        f"{cfg.rl.algorithm.upper()} policy of run `{cfg.run.name}` (seed {cfg.run.seed}), exported at step "
+        f"{trained.step} ({trained.extra.get('selected', 'last')} checkpoint), "
+        f"{trained.extra.get('rollbacks', 0)} guard rollback(s)."
+    )
+    return f"{head}\n\n{table}" if table else head
+
+
 def publish_candidate(reporter: StageReporter, out: Path, uri: str) -> None:
     """Point `candidate` at the exported version and say where it is."""
     reporter.alias(CANDIDATE, uri)
@@ -165,9 +178,12 @@ def export_stage(
             )
             # an adapter-only export has no full weights to log; the checkpoint it came from has them merged
             full = out if (out / "config.json").is_file() else Path(trained.path)
-            scores = {k.replace("/", "_"): f"{v:.4f}" for k, v in trained.extra.get("final_eval", {}).items()}
-            uri = reporter.register(full, trained.step, **scores, **guard_tags(trained))
+            final = trained.extra.get("final_eval", {})
+            reporter.log(final, trained.step)  # the export run's metrics, which its logged model then carries
+            uri = reporter.register(full, trained.step, **guard_tags(trained))
             if uri is not None:
+                registry.describe_version(uri, version_description(cfg, trained))
+                tracking.logs.link_model(parent_run_id, uri, trained.step)
                 publish_candidate(reporter, out, uri)
         return Checkpoint(
             path=str(out.resolve()),

@@ -392,3 +392,9 @@ def set_version_tags(model_name: str, version: str, tags: dict[str, str]) -> Non
     client = MlflowClient()
     for key, value in tags.items():
         client.set_model_version_tag(model_name, str(version), key, str(value))
+
+
+def describe_version(uri: str, description: str) -> None:
+    """Set the description of the version `uri` (models:/name/N): what the registry UI shows on its page."""
+    name, version = uri.removeprefix("models:/").rsplit("/", 1)
+    MlflowClient().update_model_version(name, version, description=description)

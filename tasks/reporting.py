@@ -150,10 +150,11 @@ class StageReporter:
 
     # the registry
     def eval_tags(self, step: int) -> dict[str, str]:
-        """The held-out evaluation of `step` (its `eval/...` metrics seen by `record`) as version tags
-        `eval_<name>` (the export's naming), so each version carries its own step's evaluation."""
+        """The numbers of `step`'s held-out evaluation a person filters versions on (gold, proxy score, exact
+        eval KL) as version tags `eval_<name>`; the whole evaluation is the logged model's metrics."""
         metrics = self.step_metrics.get(step, {})
-        return {k.replace("/", "_"): f"{v:.4f}" for k, v in metrics.items() if k.startswith("eval/")}
+        keys = (f"eval/{self.cfg.gold_metric()}_mean", "eval/score_mean", "eval/kl_exact_mean")
+        return {k.replace("/", "_"): f"{metrics[k]:.4f}" for k in keys if k in metrics}
 
     def lineage_tags(self, step: int, **tags) -> dict[str, str]:
         """A version's tags: the stage's lineage, the evaluation of its own step (`eval_tags`) and `tags`."""

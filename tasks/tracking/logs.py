@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 import mlflow
-from mlflow.entities import Metric
+from mlflow.entities import LoggedModelOutput, Metric
 from mlflow.tracking import MlflowClient
 
 from rlhf_core.redaction import redact
@@ -105,3 +105,20 @@ def artifact_link(run_id: str, artifact_path: str) -> str:
             f"{redact(uri).rstrip('/')}/#/experiments/{run.info.experiment_id}/runs/{run_id}/artifacts/{artifact_path}"
         )
     return f"{run.info.artifact_uri.rstrip('/')}/{artifact_path}"
+
+
+def link_model(run_id: str, uri: str, step: int) -> None:
+    """List the model version `uri` (models:/name/N) among the run's logged models, and name it in the tag
+    `rlhf.candidate`: the pipeline's run links to the candidate its export stage registered."""
+    if not writes():
+        return
+    client = MlflowClient()
+    name, version = uri.removeprefix("models:/").rsplit("/", 1)
+    found = client.get_model_version(name, version)
+    # a version registered from a logged model's URI (models:/m-...) names it in its source
+    model_id = found.model_id or (
+        found.source.removeprefix("models:/") if found.source.startswith("models:/m-") else None
+    )
+    if model_id:
+        client.log_outputs(run_id, [LoggedModelOutput(model_id, step)])
+    client.set_tag(run_id, "rlhf.candidate", uri)

@@ -15,6 +15,7 @@ import socket
 import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import datetime
 from functools import lru_cache
 from importlib import metadata
 from pathlib import Path
@@ -153,6 +154,12 @@ def prefect_tags() -> dict[str, str]:
     return {FLOW_RUN_ID: str(run_id), **({FLOW_RUN_URL: redact(url)} if url else {})}
 
 
+def pipeline_run_name(cfg: PipelineConfig) -> str:
+    """What tells two pipeline runs apart in MLflow's run list: run.name, the algorithm, the seed and the start
+    time (demo-ppo-seed42-20261126-095012)."""
+    return f"{cfg.run.name}-{cfg.rl.algorithm}-seed{cfg.run.seed}-{datetime.now():%Y%m%d-%H%M%S}"
+
+
 @contextmanager
 def pipeline_run(cfg: PipelineConfig, tags: dict[str, str] | None = None, run_name: str | None = None) -> Iterator[str]:
     """Start the pipeline's MLflow run (config as params), yield its id, end it FINISHED, FAILED or KILLED.
@@ -160,7 +167,7 @@ def pipeline_run(cfg: PipelineConfig, tags: dict[str, str] | None = None, run_na
     KILLED: interrupted (Ctrl-C, SIGTERM). The run is tagged with its run directory, host and pid, the
     Prefect flow run (`prefect_tags`) and `rlhf.run_kind=pipeline` (`tags` may override it), and RUNNING
     runs of the same directory whose process is gone are marked KILLED first (see end_abandoned_runs).
-    `run_name` defaults to run.name.
+    `run_name` defaults to `pipeline_run_name(cfg)`.
     """
     uri = cfg.tracking_uri()
     configure(uri)
@@ -177,7 +184,7 @@ def pipeline_run(cfg: PipelineConfig, tags: dict[str, str] | None = None, run_na
         **prefect_tags(),
         **(tags or {}),
     }
-    run = mlflow.start_run(experiment_id=experiment_id, run_name=run_name or cfg.run.name, tags=run_tags)
+    run = mlflow.start_run(experiment_id=experiment_id, run_name=run_name or pipeline_run_name(cfg), tags=run_tags)
     run_id = run.info.run_id
     try:
         _log_params(run_id, flatten_config(cfg))

@@ -188,7 +188,9 @@ def pipeline_run_statuses(uri: str) -> list[str]:
     """The statuses of the pipeline's (top-level) MLflow runs, oldest first."""
     client = MlflowClient(uri)
     experiments = [e.experiment_id for e in client.search_experiments()]
-    runs = client.search_runs(experiments, "attributes.run_name = 'smoke'", order_by=["attributes.start_time ASC"])
+    runs = client.search_runs(
+        experiments, "attributes.run_name LIKE 'smoke-ppo-seed7-%'", order_by=["attributes.start_time ASC"]
+    )
     return [r.info.status for r in runs if "mlflow.parentRunId" not in r.data.tags]
 
 

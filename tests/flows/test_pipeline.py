@@ -107,6 +107,20 @@ def test_pipeline_runs_registers_and_reuses_finished_stages(prefect_harness, tmp
     assert summary["candidate_uri"] == "models:/smoke-policy/4"
     candidate = client.get_model_version_by_alias("smoke-policy", "candidate")
     assert str(candidate.version) == "4" and candidate.tags["stage"] == "export"
+    # the candidate carries the numbers that justify it: the export run's metrics (also its logged model's),
+    # a description with the before/after table and the guard's verdict, and the pipeline run links to it
+    export_run = client.get_run(stages["export"].info.run_id)
+    assert export_run.data.metrics["eval/vader_compound_mean"] == pytest.approx(
+        summary["eval_history"][2]["eval/vader_compound_mean"]
+    )
+    model_id = candidate.source.removeprefix("models:/")
+    assert "eval/vader_compound_mean" in {m.key for m in client.get_logged_model(model_id).metrics}
+    assert "| before (step 0) | after (step 2) |" in candidate.description and "Guard: " in candidate.description
+    assert "eval_length_mean" not in candidate.tags and "eval_vader_compound_mean" in candidate.tags
+    parent = client.get_run(summary["mlflow_run_id"])
+    assert parent.data.tags["rlhf.candidate"] == "models:/smoke-policy/4"
+    assert model_id in [o.model_id for o in parent.outputs.model_outputs]
+    assert parent.info.run_name.startswith("smoke-ppo-seed7-")
     assert candidate.tags["source_checkpoint"] == "models:/smoke-policy/3"
     card = read_front_matter(out / "export" / "README.md")  # the root base, not the SFT version URI
     assert card["base_model"] == "demo" and card["base_model_relation"] == "finetune" and card["datasets"] == ["demo"]
@@ -159,7 +173,7 @@ def test_bad_data_fails_the_flow_and_the_mlflow_run_with_nothing_registered(pref
         state.result()
     client = MlflowClient(mlflow_uri, registry_uri=mlflow_uri)
     [run] = client.search_runs(
-        [client.get_experiment_by_name("rlhf-smoke").experiment_id], "attributes.run_name = 'smoke'"
+        [client.get_experiment_by_name("rlhf-smoke").experiment_id], "attributes.run_name LIKE 'smoke-ppo-seed7-%'"
     )
     assert run.info.status == "FAILED"
     assert client.search_registered_models() == []
