@@ -175,7 +175,7 @@ def report_evaluations(run_id: str, algorithm: str, evals: dict[int, list[dict]]
     lines = [
         f"# {algorithm.upper()} evaluation on held-out prompts",
         "",
-        f"Reward, gold metric and KL against step: [{artifact}]({link})",
+        f"Reward, gold metric and KL against step: {link}",
         "",
         "| step | " + " | ".join(present) + " |",
         "|---" * (len(present) + 1) + "|",

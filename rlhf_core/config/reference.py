@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -55,10 +56,24 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|")
 
 
+# a placeholder such as pass_at_<k>, which Markdown would take for an HTML tag and hide
+_TAG_LIKE = re.compile(r"<([A-Za-z][A-Za-z0-9-]*)>")
+
+
+def _prose_cell(text: str) -> str:
+    """A description's cell: as `_cell`, and a tag-like placeholder outside backticks escaped (`\\<k>`)."""
+    parts = re.split(r"(`[^`]*`)", text)
+    return "".join(part if part.startswith("`") else _TAG_LIKE.sub(r"\\<\1>", part) for part in parts).replace(
+        "|", "\\|"
+    )
+
+
 def render_reference(model: type[BaseModel] = PipelineConfig) -> str:
     """The Markdown table of every leaf field: `| field | default | meaning |`, one row each."""
     lines = ["| field | default | meaning |", "|---|---|---|"]
-    lines += [f"| `{path}` | `{_cell(default)}` | {_cell(text)} |" for path, default, text in describe_fields(model)]
+    lines += [
+        f"| `{path}` | `{_cell(default)}` | {_prose_cell(text)} |" for path, default, text in describe_fields(model)
+    ]
     return "\n".join(lines)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from urllib.parse import unquote, urlparse
 
 import mlflow
 from mlflow.entities import LoggedModelOutput, Metric
@@ -97,14 +98,19 @@ def set_run_tags(run_id: str, tags: dict[str, str]) -> None:
 
 
 def artifact_link(run_id: str, artifact_path: str) -> str:
-    """Where a person opens a run's artifact: the MLflow UI page on a server, else the artifact's URI."""
+    """Where a person opens a run's artifact, as Markdown: a link to the MLflow UI's page when the tracking
+    server is http(s), else the file's path on this machine as code (an http page cannot open file:// links)."""
     run = MlflowClient().get_run(run_id)
     uri = mlflow.get_tracking_uri()
     if uri.startswith(("http://", "https://")):
-        return (
+        page = (
             f"{redact(uri).rstrip('/')}/#/experiments/{run.info.experiment_id}/runs/{run_id}/artifacts/{artifact_path}"
         )
-    return f"{run.info.artifact_uri.rstrip('/')}/{artifact_path}"
+        return f"[{artifact_path}]({page})"
+    location = f"{run.info.artifact_uri.rstrip('/')}/{artifact_path}"
+    if location.startswith("file:"):
+        location = unquote(urlparse(location).path)
+    return f"`{location}`"
 
 
 def link_model(run_id: str, uri: str, step: int) -> None:

@@ -12,6 +12,7 @@ from mlflow.tracking import MlflowClient
 from flows.rlhf_pipeline import rlhf_pipeline
 from rlhf_core.data_rows import DataValidationError
 from rlhf_core.model_card import read_front_matter
+from tests.flows.test_secrets import prefect_records
 
 REPO = Path(__file__).resolve().parents[2]
 SMOKE = str(REPO / "configs" / "smoke.yaml")
@@ -121,6 +122,10 @@ def test_pipeline_runs_registers_and_reuses_finished_stages(prefect_harness, tmp
     assert parent.data.tags["rlhf.candidate"] == "models:/smoke-policy/4"
     assert model_id in [o.model_id for o in parent.outputs.model_outputs]
     assert parent.info.run_name.startswith("smoke-ppo-seed7-")
+    # what the Prefect UI shows: no library noise in the logs, no file:// link an http page cannot open
+    records = prefect_records()
+    assert "LOAD_GLOBAL" not in records and "RESUME" not in records
+    assert "file://" not in records
     assert candidate.tags["source_checkpoint"] == "models:/smoke-policy/3"
     card = read_front_matter(out / "export" / "README.md")  # the root base, not the SFT version URI
     assert card["base_model"] == "demo" and card["base_model_relation"] == "finetune" and card["datasets"] == ["demo"]
