@@ -120,9 +120,10 @@ def print_summary(summary: dict) -> None:
         table.add_row(key, f"{value:.4f}")
     console = Console(width=max(140, Console().width))  # paths stay on one line in logs
     if summary.get("final_eval_rows"):
+        from rlhf_core.chat import shown_prompt
         from tasks.progress import print_rows
 
-        rows = [{**row, "prompt": _shown_prompt(row["prompt"])} for row in summary["final_eval_rows"]]
+        rows = [{**row, "prompt": shown_prompt(row["prompt"])} for row in summary["final_eval_rows"]]
         print_rows(rows, "Held-out completions of the exported policy (first 5)")
     console.print(table)
     print_alignment(console, summary)
@@ -141,6 +142,7 @@ def print_alignment(console, summary: dict) -> None:
     prompts; then the one-line gold gain."""
     from rich.table import Table
 
+    from rlhf_core.chat import shown_prompt
     from rlhf_core.promotion import alignment_rows
 
     gold, history = summary.get("gold_metric"), {int(k): v for k, v in (summary.get("eval_history") or {}).items()}
@@ -163,7 +165,7 @@ def print_alignment(console, summary: dict) -> None:
         for column in ("prompt", "before", "after"):
             samples.add_column(column, overflow="fold")
         for first, last in pairs:
-            samples.add_row(_shown_prompt(first["prompt"]), first["completion"], last["completion"])
+            samples.add_row(shown_prompt(first["prompt"]), first["completion"], last["completion"])
         console.print(samples)
     key = f"eval/{gold}_mean"
     if key in before and key in after:
@@ -171,15 +173,6 @@ def print_alignment(console, summary: dict) -> None:
             f"Gold metric {gold}: {before[key]:.3f} at step 0 -> {after[key]:.3f} at step {after_step} "
             f"({after[key] - before[key]:+.3f})"
         )
-
-
-def _shown_prompt(prompt: str) -> str:
-    """A templated prompt as a reader wants it: the text of its turns, without special tokens or role lines."""
-    import re
-
-    text = re.sub(r"<\|[^|>]+\|>|<bos>", "\n", prompt)
-    lines = [line.strip() for line in text.splitlines()]
-    return " ".join(line for line in lines if line and line not in ("user", "assistant", "system"))
 
 
 def user_error_types() -> tuple[type[BaseException], ...]:

@@ -19,17 +19,19 @@ from prefect import flow
 from prefect.logging import get_run_logger
 from prefect.states import Failed
 
+from rlhf_core.chat import shown_prompt
 from rlhf_core.config import load_config
 from rlhf_core.ownership import check_pipeline_outputs
 from rlhf_core.parallel import use_cpu_threads
-from rlhf_core.promotion import eval_kl
+from rlhf_core.promotion import alignment_markdown, eval_kl
 from rlhf_core.redaction import redact, refuse_secret_overrides
 from tasks import registry, tracking
 from tasks.data import PreparedData, data_stage
-from tasks.eval_rows import load_eval_history
+from tasks.eval_rows import load_eval_history, readable_rows
 from tasks.export import CANDIDATE, export_stage
 from tasks.initialization import init_stage
 from tasks.preflight import check_preflight
+from tasks.progress import publish_markdown
 from tasks.reward_model import reward_stage
 from tasks.rl import rl_stage
 from tasks.run_lock import run_lock, terminate_on_sigterm
@@ -79,8 +81,8 @@ def _final_samples(cfg, trained: Checkpoint) -> list[dict]:
     history = load_eval_history(cfg.run.output_dir / cfg.rl.algorithm / trained.key) if trained.key else {}
     step = trained.step if trained.step in history else max(history, default=None)
     if step is not None:
-        return [{"step": step, **row} for row in history[step]]
-    return list(trained.extra.get("final_rows", []))
+        return readable_rows(history[step], step)
+    return readable_rows(trained.extra.get("final_rows", []))
 
 
 def summary_metrics(cfg, reward: Checkpoint | None, trained: Checkpoint) -> dict[str, float]:
@@ -100,11 +102,36 @@ def summary_metrics(cfg, reward: Checkpoint | None, trained: Checkpoint) -> dict
     return {k: float(v) for k, v in found.items() if v is not None}
 
 
-def record_summary(cfg, run_id: str, reward: Checkpoint | None, trained: Checkpoint) -> None:
+def record_summary(cfg, run_id: str, reward: Checkpoint | None, trained: Checkpoint, exported: Checkpoint) -> None:
     """The summary metrics (at the RL stage's final step) and the final held-out samples
-    (`final_samples.json`, an MLflow table) on the pipeline's run."""
+    (`final_samples.json`, an MLflow table) on the pipeline's run, and the flow's summary artifact."""
     tracking.logs.log_metrics(run_id, summary_metrics(cfg, reward, trained), trained.step)
     tracking.logs.log_table(run_id, _final_samples(cfg, trained), "final_samples.json")
+    publish_markdown(SUMMARY_ARTIFACT, summary_markdown(cfg, run_id, trained, exported), "What this run produced")
+
+
+SUMMARY_ARTIFACT = "rlhf-summary"
+
+
+def summary_markdown(cfg, run_id: str, trained: Checkpoint, exported: Checkpoint) -> str:
+    """The flow run's summary artifact: where the MLflow run and the candidate are, the before/after table
+    and the guard's verdict, and two held-out prompts before and after."""
+    history = {int(k): v for k, v in trained.extra.get("eval_history", {}).items()}
+    candidate = tracking.logs.version_link(exported.model_uri) if exported.model_uri else "not registered"
+    lines = [
+        f"# {cfg.rl.algorithm.upper()} run `{cfg.run.name}`, seed {cfg.run.seed}",
+        "",
+        f"- MLflow: {tracking.logs.run_link(run_id)}",
+        f"- candidate: {candidate} (alias `candidate`), exported to `{exported.path}`",
+        f"- exported step {trained.step} of {cfg.rl.total_steps}",
+        "",
+        alignment_markdown(history, trained.step, cfg.gold_metric(), trained.extra.get("guard_triggers", [])),
+    ]
+    pairs = list(zip(trained.extra.get("initial_rows", []), trained.extra.get("final_rows", [])))[:2]
+    if pairs:
+        lines += ["", "| prompt | before | after |", "|---|---|---|"]
+        lines += [f"| {shown_prompt(a['prompt'])} | {a['completion']} | {b['completion']} |" for a, b in pairs]
+    return "\n".join(lines)
 
 
 def _summary(
@@ -189,7 +216,7 @@ def rlhf_pipeline(
                 trained = rl_stage.with_options(name=cfg.rl.algorithm)(cfg, data, plan, run_id)
             with stage("export"):
                 exported = export_stage(cfg, data, plan, trained, run_id)
-            record_summary(cfg, run_id, reward, trained)
+            record_summary(cfg, run_id, reward, trained, exported)
     except Exception as err:  # the MLflow run is FAILED by now; say which stage failed and why
         logger.error("stage %s failed: %s", stage.current, redact(str(err)))
         return Failed(message=redact(f"stage '{stage.current}' failed: {type(err).__name__}: {err}"), data=err)

@@ -9,6 +9,7 @@ does, so prompts end with the generation prompt and prompt + completion is the w
 
 from __future__ import annotations
 
+import re
 from itertools import takewhile
 from typing import Any, Literal
 
@@ -46,6 +47,14 @@ def message_problem(value: Any) -> str | None:
         if not isinstance(msg.get("content"), str):
             return f"message {j} has no string `content`"
     return None
+
+
+def shown_prompt(prompt: str) -> str:
+    """A templated prompt as a reader wants it: the text of its turns, without special tokens or role lines
+    (`<bos><|im_start|>user\\nthe movie was<|im_end|>...` -> `the movie was`); plain text passes unchanged."""
+    text = re.sub(r"<\|[^|>]+\|>|<bos>|<s>|</s>", "\n", prompt)
+    lines = [line.strip() for line in text.splitlines()]
+    return " ".join(line for line in lines if line and line not in ("user", "assistant", "system"))
 
 
 def has_chat_template(tokenizer) -> bool:

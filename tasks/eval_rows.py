@@ -9,6 +9,23 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from rlhf_core.chat import shown_prompt
+
+
+def readable_rows(rows: list[dict], step: int | None = None) -> list[dict]:
+    """Rows as a person reads them in MLflow's and Prefect's tables: `prompt` is the user's text, the
+    templated prompt the policy saw is kept as `rendered_prompt`, and `step` leads when given."""
+    lead = {"step": step} if step is not None else {}
+    return [
+        {
+            **lead,
+            "prompt": shown_prompt(r["prompt"]),
+            **{k: v for k, v in r.items() if k != "prompt"},
+            "rendered_prompt": r["prompt"],
+        }
+        for r in rows
+    ]
+
 
 def save_eval_rows(out_dir: Path, rows: list[dict], step: int) -> Path:
     """<out_dir>/eval/eval_step_NNNNNN.parquet: the rows of one evaluation, with their step."""

@@ -19,7 +19,7 @@ from rlhf_core.rl_step import training_metric_names
 from tasks import launcher, tracking
 from tasks.checkpoint_selection import select_step
 from tasks.data import PreparedData
-from tasks.eval_rows import load_eval_history, save_eval_rows
+from tasks.eval_rows import load_eval_history, readable_rows, save_eval_rows
 from tasks.guard import load_ledger, save_ledger
 from tasks.initialization import InitPlan
 from tasks.plots import close, curve_figure
@@ -81,13 +81,13 @@ class PolicyReporter(StageReporter):
         save_ledger(self.ledger, self.out_dir)
         tracking.logs.log_metrics(self.run_id, summary, step)
         # one MLflow table and one Parquet file per evaluation step: nothing is overwritten
-        tracking.logs.log_table(
-            self.run_id, [{"step": step, **r} for r in rows], f"eval/completions_step_{step:06d}.json"
-        )
+        readable = readable_rows(rows, step)
+        tracking.logs.log_table(self.run_id, readable, f"eval/completions_step_{step:06d}.json")
         self.artifact(save_eval_rows(self.out_dir, rows, step), "eval")
         self.record(summary, step)
-        self.publish_table(f"{self.stage}-eval-step-{step}", rows[:20], f"Held-out completions at step {step}")
-        print_rows(rows[:5], f"{self.stage.upper()} held-out completions at step {step} (first 5 of {len(rows)})")
+        shown = [{k: v for k, v in r.items() if k != "rendered_prompt"} for r in readable[:20]]
+        self.publish_table(f"{self.stage}-eval-step-{step}", shown, f"Held-out completions at step {step}")
+        print_rows(shown[:5], f"{self.stage.upper()} held-out completions at step {step} (first 5 of {len(rows)})")
         self.logger.info("eval at step %d: %s", step, ", ".join(f"{k}={v:.3f}" for k, v in summary.items()))
         self.report_triggers(triggers, step)
         trigger = strongest(triggers)

@@ -97,20 +97,38 @@ def set_run_tags(run_id: str, tags: dict[str, str]) -> None:
         client.set_tag(run_id, key, str(value))
 
 
+def ui_page(fragment: str, label: str) -> str | None:
+    """A Markdown link to the MLflow UI page `#/<fragment>` when the tracking server is http(s), else None."""
+    uri = mlflow.get_tracking_uri()
+    if not uri.startswith(("http://", "https://")):
+        return None
+    return f"[{label}]({redact(uri).rstrip('/')}/#/{fragment})"
+
+
 def artifact_link(run_id: str, artifact_path: str) -> str:
     """Where a person opens a run's artifact, as Markdown: a link to the MLflow UI's page when the tracking
     server is http(s), else the file's path on this machine as code (an http page cannot open file:// links)."""
     run = MlflowClient().get_run(run_id)
-    uri = mlflow.get_tracking_uri()
-    if uri.startswith(("http://", "https://")):
-        page = (
-            f"{redact(uri).rstrip('/')}/#/experiments/{run.info.experiment_id}/runs/{run_id}/artifacts/{artifact_path}"
-        )
-        return f"[{artifact_path}]({page})"
+    page = ui_page(f"experiments/{run.info.experiment_id}/runs/{run_id}/artifacts/{artifact_path}", artifact_path)
+    if page:
+        return page
     location = f"{run.info.artifact_uri.rstrip('/')}/{artifact_path}"
     if location.startswith("file:"):
         location = unquote(urlparse(location).path)
     return f"`{location}`"
+
+
+def run_link(run_id: str) -> str:
+    """The run's MLflow UI page as a Markdown link on a server, else its id and the store to open it from."""
+    run = MlflowClient().get_run(run_id)
+    page = ui_page(f"experiments/{run.info.experiment_id}/runs/{run_id}", f"run {run.info.run_name}")
+    return page or f"run `{run.info.run_name}` ({run_id}) in `{redact(mlflow.get_tracking_uri())}`"
+
+
+def version_link(uri: str) -> str:
+    """A model version (models:/name/N) as a link to its MLflow UI page on a server, else as code."""
+    name, version = uri.removeprefix("models:/").rsplit("/", 1)
+    return ui_page(f"models/{name}/versions/{version}", uri) or f"`{uri}`"
 
 
 def link_model(run_id: str, uri: str, step: int) -> None:

@@ -96,6 +96,9 @@ def test_pipeline_runs_registers_and_reuses_finished_stages(prefect_harness, tmp
         table = pd.read_json(local, orient="split")
         assert set(table["step"]) == {step} and len(table) == 8
         assert {"prompt", "completion", "score", "vader_compound", "kl", "length"} <= set(table.columns)
+        # the user's text where a person reads it; the templated prompt the policy saw beside it
+        assert not table["prompt"].str.contains("<|im_start|>", regex=False).any()
+        assert table["rendered_prompt"].str.contains("<|im_start|>", regex=False).all()
     out = tmp_path / "out"
     [parquet] = (out / "ppo").glob("*/eval/eval_step_000002.parquet")
     frame = pd.read_parquet(parquet)
@@ -126,6 +129,7 @@ def test_pipeline_runs_registers_and_reuses_finished_stages(prefect_harness, tmp
     records = prefect_records()
     assert "LOAD_GLOBAL" not in records and "RESUME" not in records
     assert "file://" not in records
+    assert '"key":"rlhf-summary"' in records and "| before (step 0) | after (step 2) |" in records
     assert candidate.tags["source_checkpoint"] == "models:/smoke-policy/3"
     card = read_front_matter(out / "export" / "README.md")  # the root base, not the SFT version URI
     assert card["base_model"] == "demo" and card["base_model_relation"] == "finetune" and card["datasets"] == ["demo"]

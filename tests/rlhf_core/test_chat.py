@@ -183,3 +183,11 @@ def test_the_shared_prefix_of_a_prompt_and_its_conversation(prompt, full, shared
     from rlhf_core.chat import _common_prefix
 
     assert _common_prefix(prompt, full) == shared
+
+
+def test_shown_prompt_keeps_the_users_text_of_a_templated_prompt():
+    from rlhf_core.chat import shown_prompt
+
+    assert shown_prompt("<bos><|im_start|>user\nthe movie was<|im_end|>\n<|im_start|>assistant\n") == "the movie was"
+    assert shown_prompt("<|start_header_id|>user<|end_header_id|>\n\nHi there<|eot_id|>") == "Hi there"
+    assert shown_prompt("plain text prompt") == "plain text prompt"

@@ -72,3 +72,22 @@ def test_the_kl_gate_reads_k3_when_it_was_measured():
     # k1 can read low (or negative) on few samples; k3 is never negative and is preferred
     decision = decide({"eval/vader_compound_mean": 0.9, "eval/kl_mean": 1.0, "eval/kl_k3_mean": 4.0}, None, gates)
     assert not decision.promote and decision.candidate_kl == 4.0 and "exceeds promote.max_kl 3.0" in decision.reason
+
+
+def test_alignment_markdown_tables_before_and_after_with_the_guards_verdict():
+    from rlhf_core.promotion import alignment_markdown
+
+    history = {
+        0: {"eval/vader_mean": 0.0, "eval/kl_exact_mean": 0.0, "eval/length_mean": 4.0},
+        40: {"eval/vader_mean": 0.5, "eval/kl_exact_mean": 2.5, "eval/length_mean": 3.6, "eval/length_ratio": 0.9},
+    }
+    text = alignment_markdown(history, 40, "vader", ["guard kl_budget at step 20: eval KL 3.4 nats > 3"])
+    assert text.splitlines()[:5] == [
+        "| | before (step 0) | after (step 40) | after / before |",
+        "|---|---|---|---|",
+        "| gold (vader) | 0.000 | 0.500 |  |",
+        "| eval KL to the initial policy (exact, nats: mean) | 0.000 | 2.500 |  |",
+        "| mean completion length (tokens) | 4.00 | 3.60 | 0.90 |",
+    ]
+    assert text.endswith("Guard: 1 trigger(s)\n- guard kl_budget at step 20: eval KL 3.4 nats > 3")
+    assert alignment_markdown(history, 80, "vader", []) == ""  # no evaluation of that step
