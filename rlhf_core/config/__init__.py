@@ -11,7 +11,7 @@ Split by concern, everything importable from here:
   reward, init, RL, PPO and GRPO sections; ``pipeline``: eval, export, promote, tracking, registry and
   ``PipelineConfig`` with its cross-field checks and derived values;
 - ``loading``: YAML, ``--set`` overrides, validation; ``errors``: one-sentence messages and hints;
-- ``reference``: the README's configuration reference, rendered from the field descriptions.
+- ``reference``: docs/configuration.md, the configuration reference, rendered from the field descriptions.
 """
 
 from rlhf_core.config.base import DEMO, ConfigError, Section

@@ -165,7 +165,7 @@ def describe_error(err: dict[str, Any], root: type[BaseModel]) -> str:
     kind = err["type"]
     if kind == "extra_forbidden":
         parent = section_at(err["loc"][:-1], root)
-        allowed = ", ".join(parent.model_fields) if parent else "see README"
+        allowed = ", ".join(parent.model_fields) if parent else "see docs/configuration.md"
         where = ".".join(str(p) for p in err["loc"][:-1]) or "the top level"
         hint = unknown_key_hint(tuple(err["loc"]), root)
         hint = f" ({hint})" if hint else ""

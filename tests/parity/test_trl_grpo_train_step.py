@@ -44,7 +44,7 @@ def test_train_grpo_step_advantages_and_reward_metrics_match_trl(
     """One `train_grpo` step (tiny policy, two reward functions returning fixed values with None) ->
     the advantages in its completions table and its logged `reward`, `reward_std`,
     `frac_reward_zero_std`, `rewards/<name>/mean|std` == TRL's `_generate_and_score_completions`
-    output and `_metrics` for the same rewards (README: "Metrics with TRL's names").
+    output and `_metrics` for the same rewards (docs/algorithms.md: GRPO, "Metrics with TRL's names").
     Tolerance atol 1e-5, rtol 1e-5 (the loop's metrics pass through floats)."""
 
     def source(name):
