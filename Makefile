@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 # Nothing in the demo, the tests or the benchmarks downloads a model or a data set.
 OFFLINE := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
-.PHONY: venv demo demo-seeds lint test test-fast chaos bench rlvr clean
+.PHONY: venv demo ui demo-seeds lint test test-fast chaos bench rlvr clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -28,6 +28,11 @@ venv: $(STAMP)
 
 demo: venv
 	$(OFFLINE) $(BIN)/rlhf run --config configs/demo.yaml
+
+# a Prefect server and the MLflow UI on 127.0.0.1 (ports 4200 and 5000), the demo run against them, both URLs
+# printed; Ctrl-C stops both (make demo's temporary Prefect server stops with the run)
+ui: venv
+	$(OFFLINE) $(BIN)/rlhf ui --config configs/demo.yaml
 
 # the layering contracts (flows -> tasks -> rlhf_core, rlhf_core without prefect or mlflow, no import
 # cycles) and ruff's lint and format rules, all configured in pyproject.toml

@@ -34,6 +34,12 @@ def _parser() -> argparse.ArgumentParser:
             help="override a config field, e.g. --set ppo.kl_coef=0.1 (repeatable)",
         )
     sub.add_parser("fields", help="print every config field, its default and meaning as a Markdown table")
+    ui = sub.add_parser("ui", help="start a Prefect server and the MLflow UI on 127.0.0.1, run the demo against them")
+    ui.add_argument("--config", "-c", default="configs/demo.yaml", help="YAML config file of the run")
+    ui.add_argument("--set", dest="overrides", action="append", default=[], type=credential_free_override)
+    ui.add_argument("--mlflow-port", type=int, default=5000)
+    ui.add_argument("--prefect-port", type=int, default=4200)
+    ui.add_argument("--no-run", action="store_true", help="only start the two servers")
     deploy = sub.add_parser(
         "deploy", help="create the work pool (if missing) and every deployment in deployments/prefect.yaml"
     )
@@ -222,6 +228,11 @@ def _run_command(args: argparse.Namespace) -> int:
     if args.command == "deploy":
         return deploy(args.pool)
     cfg = load_config(args.config, args.overrides)
+    if args.command == "ui":  # the config is checked here, the run checks the rest against the servers
+        from flows.ui import serve
+
+        config = None if args.no_run else args.config
+        return serve(config, args.overrides, args.mlflow_port, args.prefect_port, cfg.run.output_dir / "ui-logs")
     if args.command in ("validate", "run"):
         from tasks.preflight import check_preflight
 

@@ -1,0 +1,109 @@
+"""`rlhf ui` (`make ui`): a Prefect server and the MLflow UI on 127.0.0.1, a run of the pipeline against
+them (the demo unless --config says otherwise), both URLs printed, and both stopped on Ctrl-C.
+
+`make demo` uses Prefect's temporary server, which stops when the run ends; this keeps one to browse. The
+Prefect server stores its runs in PREFECT_HOME (~/.prefect by default), so they stay for the next `rlhf ui`;
+the MLflow UI serves ./mlflow.db, the store `make demo` writes, and the run logs to it through the server
+so that the Prefect artifacts link to MLflow's pages.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+BIN = Path(sys.executable).parent
+START_TIMEOUT_S = 120.0
+
+
+def port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _start(command: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
+    with log.open("w") as out:  # the child keeps its own descriptor
+        return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def _wait_healthy(proc: subprocess.Popen, url: str, log: Path, what: str) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            tail = log.read_text()[-600:].strip().splitlines()
+            raise RuntimeError(f"the {what} exited at start ({tail[-1] if tail else 'no output'}; see {log})")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.5)
+    raise RuntimeError(f"the {what} did not answer {url} within {START_TIMEOUT_S:.0f} s (see {log})")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def serve(config: str | None, overrides: list[str], mlflow_port: int, prefect_port: int, logs: Path) -> int:
+    """Start both UIs, run the pipeline against them (unless `config` is None), then wait for Ctrl-C."""
+    for port, flag in ((mlflow_port, "--mlflow-port"), (prefect_port, "--prefect-port")):
+        if not port_free(port):
+            raise ValueError(f"port {port} on 127.0.0.1 is in use; stop what holds it or pass {flag}")
+    logs.mkdir(parents=True, exist_ok=True)
+    mlflow_url, prefect_url = f"http://127.0.0.1:{mlflow_port}", f"http://127.0.0.1:{prefect_port}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API_")}
+    servers = []
+    try:
+        servers.append(
+            _start(
+                [str(BIN / "mlflow"), "server", "--backend-store-uri", f"sqlite:///{Path.cwd() / 'mlflow.db'}"]
+                + ["--host", "127.0.0.1", "--port", str(mlflow_port), "--workers", "1"],
+                logs / "mlflow.log",
+                env,
+            )
+        )
+        servers.append(
+            _start(
+                [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(prefect_port)],
+                logs / "prefect.log",
+                env,
+            )
+        )
+        _wait_healthy(servers[0], f"{mlflow_url}/health", logs / "mlflow.log", "MLflow server")
+        _wait_healthy(servers[1], f"{prefect_url}/api/health", logs / "prefect.log", "Prefect server")
+        print(f"MLflow UI:  {mlflow_url}  (pick 'Model training' at the top left to see runs and models)")
+        print(f"Prefect UI: {prefect_url}", flush=True)
+        if config is not None:
+            run_env = {**env, "PREFECT_API_URL": f"{prefect_url}/api"}
+            command = [str(BIN / "rlhf"), "run", "--config", config, "--set", f"tracking.uri={mlflow_url}"]
+            for text in overrides:
+                command += ["--set", text]
+            done = subprocess.run(command, env=run_env, check=False)
+            print(f"the run ended (exit {done.returncode}); both UIs stay up", flush=True)
+        print("Ctrl-C stops both", flush=True)
+        while all(s.poll() is None for s in servers):
+            time.sleep(1)
+        return 1  # a server stopped by itself
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        for proc in servers:
+            _stop(proc)
