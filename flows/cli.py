@@ -232,7 +232,8 @@ def _run_command(args: argparse.Namespace) -> int:
         from flows.ui import serve
 
         config = None if args.no_run else args.config
-        return serve(config, args.overrides, args.mlflow_port, args.prefect_port, cfg.run.output_dir / "ui-logs")
+        # the servers' logs beside ./mlflow.db, never in run.output_dir (the run wants it empty or its own)
+        return serve(config, args.overrides, args.mlflow_port, args.prefect_port, Path.cwd() / ".rlhf-ui")
     if args.command in ("validate", "run"):
         from tasks.preflight import check_preflight
 

@@ -27,18 +27,23 @@ def ui_process(tmp_path: Path, *args: str) -> subprocess.Popen:
     return subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def test_ui_serves_both_and_ctrl_c_stops_both(tmp_path):
+def test_ui_serves_both_runs_against_them_and_ctrl_c_stops_both(tmp_path):
     mlflow_port, prefect_port = free_port(), free_port()
-    proc = ui_process(tmp_path, "--no-run", "--mlflow-port", str(mlflow_port), "--prefect-port", str(prefect_port))
+    proc = ui_process(tmp_path, "--mlflow-port", str(mlflow_port), "--prefect-port", str(prefect_port))
     lines = []
     try:
-        deadline = time.monotonic() + 180
+        deadline = time.monotonic() + 420
         while not any(line.startswith("Ctrl-C stops both") for line in lines):
             assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)
             lines.append(proc.stdout.readline())
         text = "".join(lines)
         assert f"MLflow UI:  http://127.0.0.1:{mlflow_port}" in text and "'Model training'" in text
         assert f"Prefect UI: http://127.0.0.1:{prefect_port}" in text
+        assert "the run ended (exit 0); both UIs stay up" in text  # the smoke run, logged to both servers
+        with urllib.request.urlopen(
+            f"http://127.0.0.1:{prefect_port}/api/flow_runs/filter", data=b"{}", timeout=10
+        ) as response:
+            assert '"state_type":"COMPLETED"' in response.read().decode().replace(" ", "")
         for url in (f"http://127.0.0.1:{mlflow_port}/health", f"http://127.0.0.1:{prefect_port}/api/health"):
             with urllib.request.urlopen(url, timeout=10) as response:
                 assert response.status == 200
