@@ -68,6 +68,7 @@ def serve(config: str | None, overrides: list[str], mlflow_port: int, prefect_po
         if not port_free(port):
             raise ValueError(f"port {port} on 127.0.0.1 is in use; stop what holds it or pass {flag}")
     logs.mkdir(parents=True, exist_ok=True)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill` stops both servers as Ctrl-C does
     mlflow_url, prefect_url = f"http://127.0.0.1:{mlflow_port}", f"http://127.0.0.1:{prefect_port}"
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API_")}
     servers = []

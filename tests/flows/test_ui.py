@@ -49,7 +49,7 @@ def test_ui_serves_both_runs_against_them_and_ctrl_c_stops_both(tmp_path):
                 assert response.status == 200
         assert (tmp_path / "mlflow.db").is_file()  # the store `make demo` writes, in the working directory
     finally:
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signal.SIGTERM)  # as `kill` does; Ctrl-C's SIGINT takes the same path
         code = proc.wait(timeout=60)
     assert code == 0, "".join(lines) + proc.stdout.read()
     for port in (mlflow_port, prefect_port):  # nothing answers any more (a bind may still meet TIME_WAIT)
