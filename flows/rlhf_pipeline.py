@@ -104,10 +104,13 @@ def summary_metrics(cfg, reward: Checkpoint | None, trained: Checkpoint) -> dict
 
 def record_summary(cfg, run_id: str, reward: Checkpoint | None, trained: Checkpoint, exported: Checkpoint) -> None:
     """The summary metrics (at the RL stage's final step) and the final held-out samples
-    (`final_samples.json`, an MLflow table) on the pipeline's run, and the flow's summary artifact."""
+    (`final_samples.json`, an MLflow table) on the pipeline's run, and the summary (`summary_markdown`) as
+    the flow's artifact and the MLflow run's description."""
     tracking.logs.log_metrics(run_id, summary_metrics(cfg, reward, trained), trained.step)
     tracking.logs.log_table(run_id, _final_samples(cfg, trained), "final_samples.json")
-    publish_markdown(SUMMARY_ARTIFACT, summary_markdown(cfg, run_id, trained, exported), "What this run produced")
+    text = summary_markdown(cfg, run_id, trained, exported)
+    publish_markdown(SUMMARY_ARTIFACT, text, "What this run produced")
+    tracking.logs.set_run_tags(run_id, {"mlflow.note.content": text})  # the run page's description in MLflow
 
 
 SUMMARY_ARTIFACT = "rlhf-summary"

@@ -85,7 +85,8 @@ def serve(config: str | None, overrides: list[str], mlflow_port: int, prefect_po
             _start(
                 [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(prefect_port)],
                 logs / "prefect.log",
-                env,
+                # the UI's pages call the API at PREFECT_UI_API_URL, which --port alone leaves at port 4200
+                {**env, "PREFECT_UI_API_URL": f"{prefect_url}/api", "PREFECT_SERVER_API_PORT": str(prefect_port)},
             )
         )
         _wait_healthy(servers[0], f"{mlflow_url}/health", logs / "mlflow.log", "MLflow server")

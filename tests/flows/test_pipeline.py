@@ -123,6 +123,7 @@ def test_pipeline_runs_registers_and_reuses_finished_stages(prefect_harness, tmp
     assert "eval_length_mean" not in candidate.tags and "eval_vader_compound_mean" in candidate.tags
     parent = client.get_run(summary["mlflow_run_id"])
     assert parent.data.tags["rlhf.candidate"] == "models:/smoke-policy/4"
+    assert "| before (step 0) | after (step 2) |" in parent.data.tags["mlflow.note.content"]  # its description
     assert model_id in [o.model_id for o in parent.outputs.model_outputs]
     assert parent.info.run_name.startswith("smoke-ppo-seed7-")
     # what the Prefect UI shows: no library noise in the logs, no file:// link an http page cannot open

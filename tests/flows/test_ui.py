@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -40,6 +41,8 @@ def test_ui_serves_both_runs_against_them_and_ctrl_c_stops_both(tmp_path):
         assert f"MLflow UI:  http://127.0.0.1:{mlflow_port}" in text and "'Model training'" in text
         assert f"Prefect UI: http://127.0.0.1:{prefect_port}" in text
         assert "the run ended (exit 0); both UIs stay up" in text  # the smoke run, logged to both servers
+        with urllib.request.urlopen(f"http://127.0.0.1:{prefect_port}/ui-settings", timeout=10) as response:
+            assert json.loads(response.read())["api_url"] == f"http://127.0.0.1:{prefect_port}/api"  # its pages work
         with urllib.request.urlopen(
             f"http://127.0.0.1:{prefect_port}/api/flow_runs/filter", data=b"{}", timeout=10
         ) as response:
