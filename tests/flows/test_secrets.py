@@ -108,7 +108,7 @@ def test_a_credential_in_the_tracking_uri_surfaces_nowhere(prefect_harness, mlfl
     )
     # then: it ran against the server, and MLflow printed its own links without the credentials
     assert done.returncode == 0, done.stderr[-3000:]
-    assert f"View run smoke at: http://{host}/#/experiments/" in done.stdout
+    assert "View run smoke-ppo-seed7-" in done.stdout and f" at: http://{host}/#/experiments/" in done.stdout
     assert list((store / "artifacts").rglob("model.safetensors"))
     # and the sentinel is nowhere
     needle = SENTINEL.encode()

@@ -149,14 +149,16 @@ def test_a_registered_checkpoint_carries_the_evaluation_recorded_for_its_step(cf
         return f"models:/{model_name}/{len(seen)}"
 
     monkeypatch.setattr(registry, "register_once", register_once)
-    reporter = StageReporter(cfg, "ppo", "run-id", model_name="p", curves={"gold": ("eval/gold_mean",)})
-    reporter.record({"eval/gold_mean": 0.25, "eval/score_mean": 1.5}, 0)
-    reporter.record({"eval/gold_mean": 0.75, "eval/score_mean": 2.5, "loss": 3.0}, 1)
+    gold = f"eval/{cfg.gold_metric()}_mean"
+    reporter = StageReporter(cfg, "ppo", "run-id", model_name="p", curves={"gold": (gold,)})
+    reporter.record({gold: 0.25, "eval/score_mean": 1.5}, 0)
+    reporter.record({gold: 0.75, "eval/score_mean": 2.5, "eval/length_mean": 4.0, "loss": 3.0}, 1)
     reporter.on_checkpoint(cfg.run.output_dir, 1).result()  # registered in the background
     reporter.register(cfg.run.output_dir, 2)  # no evaluation at step 2: no eval tags
     assert seen[0]["step"] == "1"
-    assert seen[0]["eval_gold_mean"] == "0.7500" and seen[0]["eval_score_mean"] == "2.5000"
-    assert "loss" not in seen[0]
+    assert seen[0][gold.replace("/", "_")] == "0.7500" and seen[0]["eval_score_mean"] == "2.5000"
+    # only what a person filters versions on; the whole evaluation is the logged model's metrics
+    assert "loss" not in seen[0] and "eval_length_mean" not in seen[0]
     assert not any(k.startswith("eval_") for k in seen[1])
 
 
