@@ -91,34 +91,57 @@ def evaluate_generations(
             else None
         )
         completions = decode_responses(tokenizer, responses, resp_mask)
-        scored = (
-            (chunk, completions)
-            if prompt_messages is None
-            else (list(prompt_messages[start : start + batch_size]), assistant_messages(completions))
-        )
-        kwargs = {k: list(v[start : start + batch_size]) for k, v in (columns or {}).items()}
-        ids = completion_ids(responses, resp_mask)
-        extra = {
-            name: call_scoring_function(
-                name,
-                fn,
-                prompts=scored[0],
-                completions=scored[1],
-                **kwargs,
-                **({"completion_ids": ids} if accepts(fn, "completion_ids") and "completion_ids" not in kwargs else {}),
-            )
-            for name, fn in metrics.items()
-        }
-        for i, (prompt, completion) in enumerate(zip(chunk, completions)):
-            row = {"prompt": prompt, "completion": completion}
-            if scores is not None:
-                row["score"] = float(scores[i])
-            row.update({name: values[i] for name, values in extra.items()})
-            row.update({name: float(values[i]) for name, values in kls.items()})
-            row["length"] = int(resp_mask[i].sum())
-            row["stopped"] = bool(has_stop[i])
-            rows.append(row)
+        batch = slice(start, start + batch_size)
+        extra = _metric_values(metrics, chunk, completions, prompt_messages, columns, batch, responses, resp_mask)
+        rows += _rows(chunk, completions, scores, extra, kls, resp_mask, has_stop)
     policy.train(was_training)
+    return rows
+
+
+def _metric_values(
+    metrics: dict[str, object],
+    chunk: list[str],
+    completions: list[str],
+    prompt_messages: Sequence[list[dict]] | None,
+    columns: dict[str, Sequence] | None,
+    batch: slice,
+    responses: torch.Tensor,
+    resp_mask: torch.Tensor,
+) -> dict[str, list]:
+    """Each metric function's values on one batch, called as GRPO calls its reward functions: messages for
+    conversational prompts, the dataset's other columns as keywords, `completion_ids` to those that take it."""
+    scored = (
+        (chunk, completions)
+        if prompt_messages is None
+        else (list(prompt_messages[batch]), assistant_messages(completions))
+    )
+    kwargs = {k: list(v[batch]) for k, v in (columns or {}).items()}
+    ids = completion_ids(responses, resp_mask)
+    return {
+        name: call_scoring_function(
+            name,
+            fn,
+            prompts=scored[0],
+            completions=scored[1],
+            **kwargs,
+            **({"completion_ids": ids} if accepts(fn, "completion_ids") and "completion_ids" not in kwargs else {}),
+        )
+        for name, fn in metrics.items()
+    }
+
+
+def _rows(chunk, completions, scores, extra, kls, resp_mask, has_stop) -> list[dict]:
+    """One batch's rows: prompt, completion, score, metric values, KLs, length, whether it stopped."""
+    rows = []
+    for i, (prompt, completion) in enumerate(zip(chunk, completions)):
+        row = {"prompt": prompt, "completion": completion}
+        if scores is not None:
+            row["score"] = float(scores[i])
+        row.update({name: values[i] for name, values in extra.items()})
+        row.update({name: float(values[i]) for name, values in kls.items()})
+        row["length"] = int(resp_mask[i].sum())
+        row["stopped"] = bool(has_stop[i])
+        rows.append(row)
     return rows
 
 
