@@ -36,27 +36,34 @@ def _start(command: list[str], log: Path, env: dict[str, str]) -> subprocess.Pop
         return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
-def _wait_healthy(proc: subprocess.Popen, url: str, log: Path, what: str) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
+def wait_healthy(
+    proc: subprocess.Popen, url: str, what: str, log: Path | None = None, timeout_s: float = START_TIMEOUT_S
+) -> None:
+    """Return once `url` answers 200; raise when `proc` exits first (naming its log's last line) or after
+    `timeout_s`. The servers `rlhf ui` starts, and those the tests start, wait on it."""
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            tail = log.read_text()[-600:].strip().splitlines()
-            raise RuntimeError(f"the {what} exited at start ({tail[-1] if tail else 'no output'}; see {log})")
+            tail = log.read_text(errors="replace")[-600:].strip().splitlines() if log else []
+            where = f"; see {log}" if log else ""
+            raise RuntimeError(
+                f"the {what} exited at start (exit {proc.returncode}: {tail[-1] if tail else 'no output'}{where})"
+            )
         try:
             with urllib.request.urlopen(url, timeout=2) as response:
                 if response.status == 200:
                     return
         except OSError:
             time.sleep(0.5)
-    raise RuntimeError(f"the {what} did not answer {url} within {START_TIMEOUT_S:.0f} s (see {log})")
+    raise TimeoutError(f"the {what} did not answer {url} within {timeout_s:.0f} s")
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is not None:
-        return
-    os.killpg(proc.pid, signal.SIGTERM)
+def stop_group(proc: subprocess.Popen, grace_s: float = 20) -> None:
+    """SIGTERM to the process group a server was started in (start_new_session), SIGKILL after `grace_s`."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
     try:
-        proc.wait(timeout=20)
+        proc.wait(timeout=grace_s)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
@@ -89,8 +96,8 @@ def serve(config: str | None, overrides: list[str], mlflow_port: int, prefect_po
                 {**env, "PREFECT_UI_API_URL": f"{prefect_url}/api", "PREFECT_SERVER_API_PORT": str(prefect_port)},
             )
         )
-        _wait_healthy(servers[0], f"{mlflow_url}/health", logs / "mlflow.log", "MLflow server")
-        _wait_healthy(servers[1], f"{prefect_url}/api/health", logs / "prefect.log", "Prefect server")
+        wait_healthy(servers[0], f"{mlflow_url}/health", "MLflow server", logs / "mlflow.log")
+        wait_healthy(servers[1], f"{prefect_url}/api/health", "Prefect server", logs / "prefect.log")
         print(f"MLflow UI:  {mlflow_url}  (pick 'Model training' at the top left to see runs and models)")
         print(f"Prefect UI: {prefect_url}", flush=True)
         if config is not None:
@@ -108,4 +115,4 @@ def serve(config: str | None, overrides: list[str], mlflow_port: int, prefect_po
         return 0
     finally:
         for proc in servers:
-            _stop(proc)
+            stop_group(proc)

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from flows.ui import wait_healthy
+
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
@@ -46,18 +48,7 @@ class Services:
         )
 
     def wait_http(self, name: str, url: str, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.procs[name].poll() is not None:
-                raise RuntimeError(f"{name} exited with {self.procs[name].returncode}")
-            try:
-                with urllib.request.urlopen(url, timeout=2) as response:
-                    if response.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(0.5)
-        raise TimeoutError(f"{name} did not answer {url} within {timeout_s:.0f} s")
+        wait_healthy(self.procs[name], url, name, self.root / f"{name}.log", timeout_s=timeout_s)
 
     def logs(self) -> str:
         return "\n".join(

@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
@@ -21,6 +19,7 @@ import pytest
 from transformers import pipeline
 
 from flows.rlhf_pipeline import rlhf_pipeline
+from flows.ui import stop_group, wait_healthy
 from rlhf_core.models import load_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -34,21 +33,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def wait_ping(proc: subprocess.Popen, url: str, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"mlflow models serve exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"mlflow models serve did not answer {url} within {timeout_s:.0f} s")
 
 
 def invoke(base: str, body: dict) -> dict:
@@ -90,7 +74,7 @@ def test_the_candidate_is_served_and_obeys_generation_params(prefect_harness, tm
         )
     base = f"http://127.0.0.1:{port}"
     try:
-        wait_ping(proc, f"{base}/ping", 120)
+        wait_healthy(proc, f"{base}/ping", "mlflow models serve", log_path, timeout_s=120)
         default = invoke(base, {"inputs": [prompt]})
         short = invoke(base, {"inputs": [prompt], "params": {"max_new_tokens": 2, "do_sample": False}})
         print(json.dumps({"default": default, "short": short}))
@@ -115,10 +99,4 @@ def test_the_candidate_is_served_and_obeys_generation_params(prefect_harness, tm
         print(log_path.read_text(errors="replace")[-6000:])
         raise
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop_group(proc)
