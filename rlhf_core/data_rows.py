@@ -120,8 +120,9 @@ def check_first_rows(
                     return f"{source} row {i} column `{src}` {problem} (accepted formats: {ACCEPTED[kind]})"
             elif not isinstance(value, str):
                 return f"{source} row {i} column `{src}` holds a {type(value).__name__}, not a string"
-            if answer_problem(dst, value):
-                return f"{source} row {i} column `{src}` {answer_problem(dst, value)}"
+            problem = answer_problem(dst, value)
+            if problem:
+                return f"{source} row {i} column `{src}` {problem}"
     return None
 
 
