@@ -31,6 +31,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 from rlhf_core.checkpoint import link_identical_files
 from rlhf_core.models import MODEL_BUILDING, load_pretrained
 from rlhf_core.redaction import redact
+from tasks import served_policy
 from tasks.tracking.runs import code_version
 from tasks.tracking.store import store_lock, writes
 
@@ -38,35 +39,10 @@ from tasks.tracking.store import store_lock, writes
 # default requirements looks for torchvision, which has no CPU build in our registries.
 MODEL_REQUIREMENTS = ("torch", "transformers", "tokenizers", "safetensors", "accelerate")
 
-# A served text-generation version takes max_new_tokens, temperature, top_p and do_sample per request
-# (`params` in an /invocations body); their defaults are the version's own generation_config.
-DEFAULT_MAX_NEW_TOKENS = 32  # when the generation_config sets no max_new_tokens
-# MLflow runs the example once when the version is logged (short). That run goes through a transformers
-# pipeline, whose DataLoader draws a seed from torch's global generator; the caller's random state is
-# restored afterwards, which is only right on the thread that trains: a registration on the background
-# thread (tasks/reporting.py) logs no example.
+# MLflow runs the example once when the version is logged (short). The caller's random state is restored
+# afterwards, which is only right on the thread that trains: a registration on the background thread
+# (tasks/reporting.py) logs no example.
 INPUT_EXAMPLE = (["Hello"], {"max_new_tokens": 2})
-
-
-def generation_signature(generation_config):
-    """The signature of a text-generation version: strings in, strings out, and GENERATION_PARAMS with the
-    defaults of `generation_config` (greedy, temperature 1.0, top_p 1.0 where it sets none)."""
-    from mlflow.models import ModelSignature
-    from mlflow.types.schema import ColSpec, ParamSchema, ParamSpec, Schema
-
-    def value(name, default):
-        found = getattr(generation_config, name, None)
-        return default if found is None else found
-
-    params = ParamSchema(
-        [
-            ParamSpec("max_new_tokens", "long", int(value("max_new_tokens", DEFAULT_MAX_NEW_TOKENS))),
-            ParamSpec("temperature", "double", float(value("temperature", 1.0))),
-            ParamSpec("top_p", "double", float(value("top_p", 1.0))),
-            ParamSpec("do_sample", "boolean", bool(value("do_sample", False))),
-        ]
-    )
-    return ModelSignature(inputs=Schema([ColSpec("string")]), outputs=Schema([ColSpec("string")]), params=params)
 
 
 def lineage_tags(*, stage: str, step: int, config_hash: str, data_fingerprint: str, **extra: str) -> dict[str, str]:
@@ -105,9 +81,9 @@ def register_checkpoint(
     """Log a Hugging Face checkpoint directory as a new version of `model_name`.
 
     `task` is the transformers pipeline task ("text-generation" for policies,
-    "text-classification" for reward models). A text-generation version carries `generation_signature`
-    (per-request params max_new_tokens, temperature, top_p, do_sample; defaults from the checkpoint's
-    generation_config) and, with input_example, a short input example whose run leaves the random
+    "text-classification" for reward models). A text-generation version is served by
+    tasks/served_policy.py (its signature: per-request params max_new_tokens, temperature, top_p, do_sample with
+    defaults from the checkpoint's generation_config; completions, finish reasons and token counts out) and, with input_example, a short input example whose run leaves the random
     state as it was (without one, nothing here draws from the global random generators). The logged model
     belongs to the run `run_id` (active or not: this may run on a background thread) and carries its
     metrics of the checkpoint's own step (tag `step`; MLflow would take step 0). The version is created
@@ -126,7 +102,7 @@ def register_checkpoint(
     flavor_log.setLevel(logging.ERROR)  # local checkpoints have no hub model card or license to find
     serving = {}
     if task == "text-generation":
-        serving = {"signature": generation_signature(model.generation_config)}
+        serving = {"signature": served_policy.generation_signature(model.generation_config)}
         if input_example:
             serving["input_example"] = INPUT_EXAMPLE
     # the logged model is created here, in its run's experiment: log_model would put one logged on a thread
@@ -140,7 +116,8 @@ def register_checkpoint(
     )
     try:
         with _random_state_kept() if input_example else nullcontext():
-            info = mlflow.transformers.log_model(
+            log_model = served_policy.log_model if task == "text-generation" else mlflow.transformers.log_model
+            info = log_model(
                 transformers_model={"model": model, "tokenizer": tokenizer},
                 name=logged.name,
                 model_id=logged.model_id,

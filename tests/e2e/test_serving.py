@@ -1,5 +1,6 @@
 """Serving the registered policy: `mlflow models serve` on `models:/smoke-policy@candidate`, posts to
-/invocations with and without generation params, and the exported generation_config.
+/invocations with and without generation params, a prompt longer than the context, bad requests, and the
+exported generation_config (tests/tasks/test_served_policy.py has the served policy's answers in detail).
 
 The smoke pipeline trains and registers the policy; the server runs in this environment
 (`--env-manager local`) on a free loopback port and is stopped (its process group) at the end.
@@ -12,6 +13,7 @@ import os
 import socket
 import subprocess
 import sys
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -43,6 +45,14 @@ def invoke(base: str, body: dict) -> dict:
         return json.loads(response.read())
 
 
+def refused(base: str, body: dict) -> tuple[int, dict]:
+    try:
+        invoke(base, body)
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+    raise AssertionError(f"{body} was answered 200")
+
+
 def test_the_candidate_is_served_and_obeys_generation_params(prefect_harness, tmp_path, mlflow_uri):
     # SFT long enough that the smoke policy answers in words rather than in special tokens
     overrides = [f"run.output_dir={tmp_path / 'out'}", f"tracking.uri={mlflow_uri}", "sft.max_steps=150"]
@@ -56,10 +66,6 @@ def test_the_candidate_is_served_and_obeys_generation_params(prefect_harness, tm
     # the demo policy is a chat model: a served prompt is the chat template's, as a client renders it
     prompt = tok.apply_chat_template(USER, add_generation_prompt=True, tokenize=False)
     assert prompt == "<bos><|im_start|>user\ni thought the food was<|im_end|>\n<|im_start|>assistant\n"
-
-    def new_tokens(text: str) -> int:
-        assert text.startswith(prompt)  # the flavor returns the prompt with its continuation
-        return len(tok(text)["input_ids"]) - len(tok(prompt)["input_ids"])
 
     port = free_port()
     env = {**os.environ, "MLFLOW_TRACKING_URI": mlflow_uri, "MLFLOW_REGISTRY_URI": mlflow_uri}
@@ -78,23 +84,44 @@ def test_the_candidate_is_served_and_obeys_generation_params(prefect_harness, tm
         default = invoke(base, {"inputs": [prompt]})
         short = invoke(base, {"inputs": [prompt], "params": {"max_new_tokens": 2, "do_sample": False}})
         print(json.dumps({"default": default, "short": short}))
-        assert set(default) == {"predictions"} and set(short) == {"predictions"}
-        assert all(isinstance(p, str) for p in default["predictions"] + short["predictions"])
-        assert len(default["predictions"]) == len(short["predictions"]) == 1
         (served_default,), (served_short,) = default["predictions"], short["predictions"]
-        assert new_tokens(served_short) <= 2
+        assert set(served_default) == {
+            "completion",
+            "finish_reason",
+            "prompt_tokens",
+            "completion_tokens",
+            "truncated_prompt_tokens",
+        }
+        assert served_default["prompt_tokens"] == len(tok(prompt, add_special_tokens=False)["input_ids"])
+        assert served_short["completion_tokens"] <= 2
         # without params: the signature's defaults, i.e. the exported generation_config (greedy, 6 new tokens)
-        assert new_tokens(served_short) <= new_tokens(served_default) <= 6
+        assert served_short["completion_tokens"] <= served_default["completion_tokens"] <= 6
         assert invoke(base, {"inputs": [prompt]}) == default  # greedy: the same text again
-        assert served_default.startswith(served_short)  # greedy: the short one is its first two tokens
-        # and exactly what transformers' own pipeline makes of the export directory
+        assert served_default["completion"].startswith(served_short["completion"])  # greedy: its first two tokens
+        # the new text alone, exactly what transformers' own pipeline makes of the export directory
         local = pipeline("text-generation", model=str(export_dir))
-        assert served_short == local(prompt, max_new_tokens=2, do_sample=False)[0]["generated_text"]
-        assert served_default == local(prompt)[0]["generated_text"]  # the export's generation_config
+        ids = tok(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]
+        anchor = local.model.generate(ids, max_new_tokens=2, do_sample=False)[0, ids.shape[1] :]
+        assert served_short["completion"] == tok.decode(anchor, skip_special_tokens=True)
         # transformers applies the template itself to messages, and the reply stops at <|im_end|>
         reply = local(USER)[0]["generated_text"][-1]
-        assert reply["role"] == "assistant" and served_default[len(prompt) :].strip() == reply["content"].strip()
+        assert reply["role"] == "assistant" and served_default["completion"].strip() == reply["content"].strip()
         assert "<|im_end|>" not in reply["content"] and " " in reply["content"]  # words with spaces between
+        # a prompt 40x the context is cut from the left and the answer says so
+        (long,) = invoke(base, {"inputs": [prompt * 200]})["predictions"]
+        context = json.loads((export_dir / "config.json").read_text())["max_position_embeddings"]
+        assert long["truncated_prompt_tokens"] > 1000 and long["prompt_tokens"] == context - 6
+        # bad requests: 400 and one sentence, no stack trace
+        for body, start in [
+            ({"inputs": [prompt], "params": {"max_new_tokens": -1}}, "params.max_new_tokens must be"),
+            ({"inputs": [prompt], "params": {"temperature": -1.0, "do_sample": True}}, "params.temperature must be"),
+            ({"inputs": 5}, "inputs[0] must be a prompt string"),
+        ]:
+            status, answer = refused(base, body)
+            assert status == 400 and answer["message"].startswith(start) and "\n" not in answer["message"]
+            assert "stack_trace" not in answer
+        greedy = invoke(base, {"inputs": [prompt], "params": {"temperature": 0.0, "do_sample": True}})
+        assert greedy == default  # temperature 0: greedy
     except BaseException:
         print(log_path.read_text(errors="replace")[-6000:])
         raise

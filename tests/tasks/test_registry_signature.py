@@ -1,5 +1,5 @@
 """A registered text-generation version carries a signature with per-request generation params and an
-input example; pyfunc obeys the params."""
+input example; pyfunc obeys the params (tests/tasks/test_served_policy.py has the served answers)."""
 
 import json
 from pathlib import Path
@@ -48,7 +48,9 @@ def test_a_policy_version_has_the_generation_params_and_an_input_example(cfg, sm
         "top_p": ("double", 1.0),
         "do_sample": ("boolean", False),
     }
-    assert [c.type.name for c in info.signature.inputs.inputs] == ["string"]
+    # prompts in (checked by the served policy itself), a completion and its counts out
+    assert info.signature.inputs is None
+    assert [c.name for c in info.signature.outputs.inputs][:2] == ["completion", "finish_reason"]
     assert info.saved_input_example_info is not None
     local = Path(mlflow.artifacts.download_artifacts(uri))
     example = json.loads((local / "serving_input_example.json").read_text())
@@ -56,13 +58,12 @@ def test_a_policy_version_has_the_generation_params_and_an_input_example(cfg, sm
 
     served = mlflow.pyfunc.load_model(uri)
     prompt = "the food was"
-    prompt_len = len(tok(prompt)["input_ids"])
-    short = served.predict([prompt], params={"max_new_tokens": 1})
-    default = served.predict([prompt])
-    assert isinstance(short[0], str) and short[0].startswith(prompt)  # the text comes back with its prompt
-    assert len(tok(short[0])["input_ids"]) - prompt_len <= 1
-    assert len(tok(default[0])["input_ids"]) - prompt_len <= 5
-    assert default == served.predict([prompt])  # greedy by default: the same text twice
+    short = served.predict([prompt], params={"max_new_tokens": 1}).to_dict("records")
+    default = served.predict([prompt]).to_dict("records")
+    assert short[0]["prompt_tokens"] == default[0]["prompt_tokens"] == len(tok(prompt)["input_ids"])
+    assert short[0]["completion_tokens"] <= 1 and default[0]["completion_tokens"] <= 5
+    assert default[0]["completion"].startswith(short[0]["completion"])  # the new text only, greedy
+    assert default == served.predict([prompt]).to_dict("records")  # greedy by default: the same text twice
 
 
 def test_a_reward_model_version_has_no_generation_params(cfg, smoke_world, tmp_path):
