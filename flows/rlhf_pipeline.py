@@ -14,9 +14,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 from prefect import flow
 from prefect.logging import get_run_logger
+from prefect.runtime import flow_run as prefect_flow_run
 from prefect.states import Failed
 
 from rlhf_core.chat import shown_prompt
@@ -176,7 +178,18 @@ def _summary(
     }
 
 
-@flow(name="rlhf-pipeline", log_prints=True)
+def flow_run_name() -> str:
+    """The flow run's name in Prefect's UI: the config's run_label (demo-ppo-seed42), or the config file's
+    name when the config does not load (the flow then stops on it, in one sentence)."""
+    parameters = prefect_flow_run.parameters
+    config_path = parameters.get("config_path")
+    try:
+        return load_config(config_path, parameters.get("overrides") or []).run_label()
+    except Exception:  # noqa: BLE001 - a name must never fail the run; the flow reports the config's error
+        return Path(config_path).stem if config_path else "rlhf-pipeline"
+
+
+@flow(name="rlhf-pipeline", log_prints=True, flow_run_name=flow_run_name)
 def rlhf_pipeline(
     config_path: str | None = "configs/demo.yaml", overrides: list[str] | None = None, only_if_new_data: bool = False
 ) -> dict:

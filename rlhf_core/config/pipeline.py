@@ -259,6 +259,11 @@ class PipelineConfig(Section):
     def export_dir(self) -> Path:
         return self.export.output_dir or self.run.output_dir / "export"
 
+    def run_label(self) -> str:
+        """What tells two runs apart: run.name, the algorithm and the seed (demo-ppo-seed42); the Prefect flow
+        run's name, and the MLflow run's with the start time after it."""
+        return f"{self.run.name}-{self.rl.algorithm}-seed{self.run.seed}"
+
     def metric_names(self) -> list[str]:
         """Eval column names of eval.metrics ('package.module:function' is named 'function'), then the sampled
         evaluation's pass_at_<k> and maj_at_<n>."""

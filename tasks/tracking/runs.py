@@ -155,9 +155,9 @@ def prefect_tags() -> dict[str, str]:
 
 
 def pipeline_run_name(cfg: PipelineConfig) -> str:
-    """What tells two pipeline runs apart in MLflow's run list: run.name, the algorithm, the seed and the start
-    time (demo-ppo-seed42-20261126-095012)."""
-    return f"{cfg.run.name}-{cfg.rl.algorithm}-seed{cfg.run.seed}-{datetime.now():%Y%m%d-%H%M%S}"
+    """What tells two pipeline runs apart in MLflow's run list: the config's run_label and the start time
+    (demo-ppo-seed42-20261126-095012)."""
+    return f"{cfg.run_label()}-{datetime.now():%Y%m%d-%H%M%S}"
 
 
 @contextmanager

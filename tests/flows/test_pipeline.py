@@ -131,6 +131,7 @@ def test_pipeline_runs_registers_and_reuses_finished_stages(prefect_harness, tmp
     assert "LOAD_GLOBAL" not in records and "RESUME" not in records
     assert "file://" not in records
     assert '"key":"rlhf-summary"' in records and "| before (step 0) | after (step 2) |" in records
+    assert '"name":"smoke-ppo-seed7"' in records  # the flow run's name, not a random one
     assert candidate.tags["source_checkpoint"] == "models:/smoke-policy/3"
     card = read_front_matter(out / "export" / "README.md")  # the root base, not the SFT version URI
     assert card["base_model"] == "demo" and card["base_model_relation"] == "finetune" and card["datasets"] == ["demo"]
@@ -242,3 +243,18 @@ def test_a_prompt_set_one_step_cannot_use_fails_before_any_training(
     assert state.message.startswith("stage 'data' failed: ValueError: data.") and expected in state.message
     assert not (tmp_path / "out" / "sft").exists()
     assert MlflowClient(mlflow_uri, registry_uri=mlflow_uri).search_registered_models() == []
+
+
+def test_the_flow_run_is_named_for_its_config_and_a_bad_config_still_gets_a_name(monkeypatch):
+    from types import SimpleNamespace
+
+    from flows import rlhf_pipeline as module
+
+    def named(**parameters):
+        monkeypatch.setattr(module, "prefect_flow_run", SimpleNamespace(parameters=parameters))
+        return module.flow_run_name()
+
+    assert named(config_path=SMOKE, overrides=["rl.algorithm=grpo", "run.seed=3"]) == "smoke-grpo-seed3"
+    assert named(config_path=SMOKE, overrides=["rl.no_such_field=1"]) == "smoke"
+    assert named(config_path=None) == "rlhf-ppo-seed42"  # no file: the defaults
+
