@@ -61,7 +61,11 @@ GuardAction = Literal["warn", "stop", "rollback"]
 
 
 class GuardRule(Section):
-    limit: float | None = Field(None, ge=0.0, description="The rule's threshold; null: the rule is off.")
+    limit: float | None = Field(
+        None,
+        ge=0.0,
+        description="The rule's threshold; null: the rule is off. kl_budget: the most mean eval KL to the initial policy, in nats per completion (exact over the vocabulary); min_distinct_ratio: the least distinct-2 of the eval completions as a fraction of the initial policy's; max_length_change: the most |mean completion length / the initial policy's - 1|.",
+    )
     action: GuardAction = Field(
         "warn",
         description="On a breach: 'warn' (log it; the checkpoint is marked), 'stop' (end RL), 'rollback' (restore the last checkpoint that passed every rule, strengthen the KL coefficient and go on).",
