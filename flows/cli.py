@@ -182,14 +182,24 @@ def print_alignment(console, summary: dict) -> None:
 
 
 def user_error_types() -> tuple[type[BaseException], ...]:
-    """Exceptions a user causes (a config, a file, a model source, a reward function): one sentence, exit 2."""
+    """Exceptions a user causes (a config, a file, a model source, a reward function, a guard set to stop
+    that stopped RL before any checkpoint): one sentence, exit 2."""
     from rlhf_core.data_rows import DataValidationError
+    from rlhf_core.guard import GuardStopError
     from rlhf_core.models import ModelSourceError
     from rlhf_core.ownership import OwnershipError
     from rlhf_core.reward_functions import RewardFunctionError
     from tasks.preflight import PreflightError
 
-    return ConfigError, ModelSourceError, DataValidationError, RewardFunctionError, PreflightError, OwnershipError
+    return (
+        ConfigError,
+        ModelSourceError,
+        DataValidationError,
+        RewardFunctionError,
+        PreflightError,
+        OwnershipError,
+        GuardStopError,
+    )
 
 
 OUR_PACKAGES = tuple(str(REPO / name) + "/" for name in ("rlhf_core", "tasks", "flows"))

@@ -383,4 +383,7 @@ def test_only_our_own_value_errors_count_as_user_errors():
         int("not a number")
     assert not is_user_error(theirs.value)
     assert not is_user_error(KeyError("x"))
+    from rlhf_core.guard import GuardStopError
+
+    assert is_user_error(GuardStopError("the guard stopped ppo at step 20 before any checkpoint was saved"))
     assert flows.cli.one_sentence(ValueError("two\nlines")) == "two lines"
