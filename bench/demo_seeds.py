@@ -104,7 +104,8 @@ def worker(config: str, out: Path, overrides: list[str]) -> None:
     start = time.perf_counter()
     summary = rlhf_pipeline(config_path=config, overrides=overrides)
     seconds = time.perf_counter() - start
-    ledger_path = next(Path(summary["output_dir"]).rglob("guard.json"), None)
+    # this run's ledger: the newest (a run directory reused with another RL config holds older ones)
+    ledger_path = max(Path(summary["output_dir"]).rglob("guard.json"), key=lambda p: p.stat().st_mtime, default=None)
     ledger = json.loads(ledger_path.read_text()) if ledger_path else {}
     row = row_from_summary(summary, ledger)
     row["seconds"] = seconds
