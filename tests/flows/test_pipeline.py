@@ -257,4 +257,3 @@ def test_the_flow_run_is_named_for_its_config_and_a_bad_config_still_gets_a_name
     assert named(config_path=SMOKE, overrides=["rl.algorithm=grpo", "run.seed=3"]) == "smoke-grpo-seed3"
     assert named(config_path=SMOKE, overrides=["rl.no_such_field=1"]) == "smoke"
     assert named(config_path=None) == "rlhf-ppo-seed42"  # no file: the defaults
-
