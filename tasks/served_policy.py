@@ -193,7 +193,7 @@ class ServedPolicy:
 
         prompts = prompts_of(data)
         settings = generation_settings(params, self.defaults, self.context)
-        rows = [self._complete(prompt, settings) for prompt in prompts]
+        rows = [self._complete(index, prompt, settings) for index, prompt in enumerate(prompts)]
         return pd.DataFrame(rows, columns=[name for name, _ in OUTPUT_COLUMNS])
 
     def _encode(self, prompt: str) -> tuple[list[int], bool]:
@@ -205,12 +205,12 @@ class ServedPolicy:
         has_bos = bool(ids) and self.tokenizer.bos_token_id is not None and ids[0] == self.tokenizer.bos_token_id
         return list(ids), has_bos
 
-    def _complete(self, prompt: str, settings: dict) -> dict:
+    def _complete(self, index: int, prompt: str, settings: dict) -> dict:
         import torch
 
         ids, has_bos = self._encode(prompt)
         if not ids:
-            raise bad_request("an input prompt is empty and the tokenizer adds no start token to generate from")
+            raise bad_request(f"inputs[{index}] is empty and this tokenizer adds no start token to generate from")
         ids, cut = fit_prompt(ids, self.context - settings["max_new_tokens"], keep_first=has_bos)
         sampling = {"temperature": settings["temperature"], "top_p": settings["top_p"]} if settings["do_sample"] else {}
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(self.stop_ids or {0})

@@ -155,6 +155,7 @@ BAD_REQUESTS = [
     ({"inputs": 5}, "inputs[0] must be a prompt string, got int 5"),
     ({"inputs": [0.5, 2.0]}, "inputs[0] must be a prompt string, got float 0.5"),
     ({"inputs": []}, "inputs must hold at least one prompt string"),
+    ({"inputs": ["the cat", ""]}, "inputs[1] is empty and this tokenizer adds no start token to generate from"),
     ({"inputs": {"a": ["x"]}}, "inputs must be a prompt string or a list of them, got dict"),
 ]
 
