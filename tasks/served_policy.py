@@ -39,23 +39,34 @@ OUTPUT_COLUMNS = (
 LOADER_MODULE = Path(__file__).stem  # the module's name inside a version's code/ folder
 
 
+# the per-request generation params: name -> (MLflow type, Python type, default where the generation_config sets none)
+GENERATION_PARAMS = {
+    "max_new_tokens": ("long", int, DEFAULT_MAX_NEW_TOKENS),
+    "temperature": ("double", float, 1.0),
+    "top_p": ("double", float, 1.0),
+    "do_sample": ("boolean", bool, False),
+}
+
+
+def generation_defaults(generation_config) -> dict:
+    """GENERATION_PARAMS' defaults as `generation_config` sets them (greedy, temperature 1.0, top_p 1.0 where it
+    sets none): the signature's defaults and what a request without params gets."""
+    defaults = {}
+    for name, (_, kind, fallback) in GENERATION_PARAMS.items():
+        found = getattr(generation_config, name, None)
+        defaults[name] = kind(fallback if found is None else found)
+    return defaults
+
+
 def generation_signature(generation_config):
-    """Prompt strings in (checked by `prompts_of`), OUTPUT_COLUMNS out, and per-request params max_new_tokens, temperature, top_p and
-    do_sample with the defaults of `generation_config` (greedy, temperature 1.0, top_p 1.0 where it sets none)."""
+    """Prompt strings in (checked by `prompts_of`), OUTPUT_COLUMNS out, and GENERATION_PARAMS per request with
+    the defaults of `generation_defaults`."""
     from mlflow.models import ModelSignature
     from mlflow.types.schema import ColSpec, ParamSchema, ParamSpec, Schema
 
-    def value(name, default):
-        found = getattr(generation_config, name, None)
-        return default if found is None else found
-
+    defaults = generation_defaults(generation_config)
     params = ParamSchema(
-        [
-            ParamSpec("max_new_tokens", "long", int(value("max_new_tokens", DEFAULT_MAX_NEW_TOKENS))),
-            ParamSpec("temperature", "double", float(value("temperature", 1.0))),
-            ParamSpec("top_p", "double", float(value("top_p", 1.0))),
-            ParamSpec("do_sample", "boolean", bool(value("do_sample", False))),
-        ]
+        [ParamSpec(name, mlflow_type, defaults[name]) for name, (mlflow_type, _, _) in GENERATION_PARAMS.items()]
     )
     outputs = Schema([ColSpec(dtype, name) for name, dtype in OUTPUT_COLUMNS])
     # no input schema: MLflow's enforcement of one would turn `"inputs": 5` into the prompt "5"; `prompts_of`
@@ -178,12 +189,7 @@ class ServedPolicy:
     def __init__(self, model, tokenizer):
         self.model, self.tokenizer = model, tokenizer
         config = model.generation_config
-        self.defaults = {
-            "max_new_tokens": int(getattr(config, "max_new_tokens", None) or DEFAULT_MAX_NEW_TOKENS),
-            "temperature": float(getattr(config, "temperature", None) or 1.0),
-            "top_p": float(getattr(config, "top_p", None) or 1.0),
-            "do_sample": bool(getattr(config, "do_sample", False)),
-        }
+        self.defaults = generation_defaults(config)
         stop = config.eos_token_id if config.eos_token_id is not None else tokenizer.eos_token_id
         self.stop_ids = {int(i) for i in (stop if isinstance(stop, (list, tuple)) else [stop]) if i is not None}
         self.context = context_length(model.config, tokenizer)
