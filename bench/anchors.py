@@ -112,7 +112,7 @@ def pipeline_main(measure: Callable[[Path, float], dict]) -> None:
     print(json.dumps(result, indent=2))
 
 
-# the phases of one RL step (rlhf_core/timing.py), in the order a step runs them
+# the phases of one RL step (rlhf_core/training/timing.py), in the order a step runs them
 STEP_PHASES = ("generate", "policy_logprobs", "reference", "reward", "value", "optimize")
 
 

@@ -25,7 +25,7 @@ from anchors import pipeline_main  # noqa: E402  (after the repository root is o
 def measure(root: Path, server_startup_s: float) -> dict:
     from flows.rlhf_pipeline import rlhf_pipeline
     from rlhf_core.config import load_config
-    from rlhf_core.promotion import eval_kl
+    from rlhf_core.evaluation.promotion import eval_kl
 
     overrides = [f"run.output_dir={root / 'demo'}", f"tracking.uri=sqlite:///{root / 'mlflow.db'}"]
     start = time.perf_counter()

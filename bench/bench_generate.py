@@ -1,4 +1,4 @@
-"""Rollout generation: seconds per batch of rlhf_core.rollout.generate against transformers' own
+"""Rollout generation: seconds per batch of rlhf_core.rollout.collect.generate against transformers' own
 `model.generate` on the same batch, the floor an RL step's generate phase cannot beat without another
 engine (the target is within 10%).
 
@@ -18,10 +18,10 @@ from pathlib import Path
 import torch
 
 from rlhf_core.config import DemoModelConfig, DemoWorldConfig
-from rlhf_core.demo_world import build_demo_world, world_rows
-from rlhf_core.generation import generate, left_pad, tokenize_prompts
-from rlhf_core.models import load_causal_lm, load_tokenizer
-from rlhf_core.sampling import SamplingSettings
+from rlhf_core.demo.world import build_demo_world, world_rows
+from rlhf_core.models.loading import load_causal_lm, load_tokenizer
+from rlhf_core.rollout.generation import generate, left_pad, tokenize_prompts
+from rlhf_core.rollout.sampling import SamplingSettings
 
 BATCH, RESPONSE, REPEATS, SEED = 32, 64, 5, 42
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from anchors import interleaved, phase_means, phase_table, side_process_main
 
-from rlhf_core.demo_world import DemoWorld, world_rows
+from rlhf_core.demo.world import DemoWorld, world_rows
 
 HERE = Path(__file__).resolve().parent
 STEPS, PROMPTS, G, TOKENS, SEED, LR = 30, 4, 8, 16, 42, 2e-3
@@ -27,9 +27,9 @@ LEARNING_BETA, LEARNING_STEPS = 0.04, 120
 
 def prepare(root: Path) -> None:
     from rlhf_core.config import DemoModelConfig, DemoWorldConfig, RunConfig, SFTConfig
-    from rlhf_core.demo_world import build_demo_world, world_rows
-    from rlhf_core.models import load_causal_lm, load_tokenizer
-    from rlhf_core.sft import train_sft
+    from rlhf_core.demo.world import build_demo_world, world_rows
+    from rlhf_core.models.loading import load_causal_lm, load_tokenizer
+    from rlhf_core.training.sft import train_sft
 
     world = build_demo_world(root / "world", SEED, DemoWorldConfig(), DemoModelConfig())
     model, tok = load_causal_lm(str(world.base_model)), load_tokenizer(str(world.tokenizer))
@@ -46,16 +46,16 @@ def prepare(root: Path) -> None:
 
 
 def vader_reward(prompts, completions, **kwargs):
-    from rlhf_core.reward_functions import vader_compound
+    from rlhf_core.rewards.functions import vader_compound
 
     return vader_compound(completions=completions)
 
 
 def side_ours(root: Path) -> dict:
     from rlhf_core.config import GRPOConfig, RLConfig, RunConfig
-    from rlhf_core.grpo import train_grpo
-    from rlhf_core.models import load_causal_lm, load_tokenizer
-    from rlhf_core.reward_sources import function_reward
+    from rlhf_core.models.loading import load_causal_lm, load_tokenizer
+    from rlhf_core.rewards.sources import function_reward
+    from rlhf_core.rl.grpo import train_grpo
 
     tok = load_tokenizer(str(root / "sft"))
     policy, ref = load_causal_lm(str(root / "sft")), load_causal_lm(str(root / "sft"))
@@ -103,7 +103,7 @@ def side_trl(root: Path) -> dict:
     from trl import GRPOConfig as TRLGRPOConfig
     from trl import GRPOTrainer
 
-    from rlhf_core.models import load_tokenizer
+    from rlhf_core.models.loading import load_tokenizer
 
     tok = load_tokenizer(str(root / "sft"))
     tok.padding_side = "left"
@@ -157,11 +157,11 @@ def side_trl(root: Path) -> dict:
 def learning(root: Path) -> dict:
     """Part B: GRPO on the demo world with VADER as the reward function; gold and KL before and after."""
     from rlhf_core.config import GRPOConfig, RLConfig, load_config
-    from rlhf_core.evaluation import evaluate_generations, summarize_rows
-    from rlhf_core.grpo import train_grpo
-    from rlhf_core.models import load_causal_lm, load_tokenizer
-    from rlhf_core.reward_functions import vader_compound
-    from rlhf_core.reward_sources import function_reward
+    from rlhf_core.evaluation.generations import evaluate_generations, summarize_rows
+    from rlhf_core.models.loading import load_causal_lm, load_tokenizer
+    from rlhf_core.rewards.functions import vader_compound
+    from rlhf_core.rewards.sources import function_reward
+    from rlhf_core.rl.grpo import train_grpo
 
     cfg = load_config(HERE.parent / "configs" / "demo.yaml")
     tok = load_tokenizer(str(root / "sft"))

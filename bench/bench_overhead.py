@@ -36,11 +36,11 @@ OVERRIDES = [
 def bare(cfg, root: Path, out: Path) -> tuple[dict[str, float], dict[str, float]]:
     """Seconds of each training loop alone ("sft", "reward", "rl"), as a user would call them, writing under
     `out`, and the PPO loop's mean `time/<phase>_s` (what it logs, kept in a list)."""
-    from rlhf_core.demo_world import build_demo_world, world_rows
-    from rlhf_core.models import load_causal_lm, load_tokenizer
-    from rlhf_core.ppo import train_ppo
-    from rlhf_core.reward_model import load_reward_model, train_reward_model
-    from rlhf_core.sft import train_sft
+    from rlhf_core.demo.world import build_demo_world, world_rows
+    from rlhf_core.models.loading import load_causal_lm, load_tokenizer
+    from rlhf_core.rewards.reward_model import load_reward_model, train_reward_model
+    from rlhf_core.rl.ppo import train_ppo
+    from rlhf_core.training.sft import train_sft
 
     world = build_demo_world(root / "demo_world", cfg.run.seed, cfg.data.demo, cfg.model.demo)  # cached: built before
     seconds, start = {}, time.perf_counter()
@@ -135,12 +135,12 @@ def flow(root: Path, out: Path, store: str) -> tuple[float, dict, dict[str, floa
     """The pipeline's wall time into `out` and `store`, its summary, and the seconds of its evaluations and
     registrations."""
     import tasks.registry
-    import tasks.rl
+    import tasks.stages.rl
     from flows.rlhf_pipeline import rlhf_pipeline
-    from tasks.reporting import StageReporter
+    from tasks.reporting.reporter import StageReporter
 
     if not WATCH.wrapped:
-        WATCH.wrap(tasks.rl, "evaluate_policy", "eval_s")  # every evaluation: step 0, in the loop, the last
+        WATCH.wrap(tasks.stages.rl, "evaluate_policy", "eval_s")  # every evaluation: step 0, in the loop, the last
         WATCH.wrap(tasks.registry, "register_once", "registration_s")  # background thread and stage ends alike
         WATCH.wrap(StageReporter, "wait_registrations", "registration_wait_s")
     WATCH.seconds = {}
@@ -261,8 +261,8 @@ def measure(root: Path, server_startup_s: float) -> dict:
     from mlflow.tracking import MlflowClient
 
     from rlhf_core.config import load_config
-    from rlhf_core.demo_world import build_demo_world
-    from rlhf_core.ownership import claim_dir
+    from rlhf_core.demo.world import build_demo_world
+    from rlhf_core.storage.ownership import claim_dir
 
     cfg = load_config(HERE.parent / "configs" / "demo.yaml", OVERRIDES)
     world = build_demo_world(root / "demo_world", cfg.run.seed, cfg.data.demo, cfg.model.demo)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from anchors import interleaved, phase_means, phase_table, side_process_main
 
-from rlhf_core.demo_world import DemoWorld, world_rows
+from rlhf_core.demo.world import DemoWorld, world_rows
 
 HERE = Path(__file__).resolve().parent
 BATCHES, BATCH, RESPONSE, SEED = 8, 32, 16, 42
@@ -24,10 +24,10 @@ BATCHES, BATCH, RESPONSE, SEED = 8, 32, 16, 42
 def prepare(root: Path) -> None:
     """World, SFT policy and reward model, shared by every side."""
     from rlhf_core.config import DemoModelConfig, DemoWorldConfig, RewardConfig, RunConfig, SFTConfig
-    from rlhf_core.demo_world import build_demo_world, world_rows
-    from rlhf_core.models import load_causal_lm, load_tokenizer
-    from rlhf_core.reward_model import load_reward_model, train_reward_model
-    from rlhf_core.sft import train_sft
+    from rlhf_core.demo.world import build_demo_world, world_rows
+    from rlhf_core.models.loading import load_causal_lm, load_tokenizer
+    from rlhf_core.rewards.reward_model import load_reward_model, train_reward_model
+    from rlhf_core.training.sft import train_sft
 
     world = build_demo_world(root / "world", SEED, DemoWorldConfig(), DemoModelConfig())
     run = RunConfig(device="cpu", seed=SEED)
@@ -62,7 +62,7 @@ def load_models(root: Path):
     """(tokenizer, policy, reference, value model, reward model): SFT policy twice, reward model twice."""
     from transformers import AutoModelForSequenceClassification
 
-    from rlhf_core.models import load_causal_lm, load_tokenizer
+    from rlhf_core.models.loading import load_causal_lm, load_tokenizer
 
     reward_dir = (root / "reward_dir").read_text()
     tok = load_tokenizer(str(root / "sft"))
@@ -74,7 +74,7 @@ def load_models(root: Path):
 
 def side_ours(root: Path) -> dict:
     from rlhf_core.config import PPOConfig, RLConfig, RunConfig
-    from rlhf_core.ppo import train_ppo
+    from rlhf_core.rl.ppo import train_ppo
 
     tok, policy, ref, value, reward = load_models(root)
     prompts = [r["prompt"] for r in world_rows(DemoWorld(root / "world"), "prompt", "train")]
@@ -113,7 +113,7 @@ def side_trl(root: Path) -> dict:
     from trl.experimental.ppo import PPOConfig as TRLPPOConfig
     from trl.experimental.ppo import PPOTrainer
 
-    from rlhf_core.models import load_tokenizer
+    from rlhf_core.models.loading import load_tokenizer
 
     reward_dir = (root / "reward_dir").read_text()
     tok = load_tokenizer(str(root / "sft"))
@@ -161,9 +161,9 @@ def side_trl(root: Path) -> dict:
 def learning(root: Path) -> dict:
     """Part B: demo-config PPO, gold (VADER) and KL of near-greedy held-out completions before and after."""
     from rlhf_core.config import load_config
-    from rlhf_core.evaluation import evaluate_generations, summarize_rows
-    from rlhf_core.ppo import train_ppo
-    from rlhf_core.reward_functions import vader_compound
+    from rlhf_core.evaluation.generations import evaluate_generations, summarize_rows
+    from rlhf_core.rewards.functions import vader_compound
+    from rlhf_core.rl.ppo import train_ppo
 
     cfg = load_config(HERE.parent / "configs" / "demo.yaml")
     tok, policy, ref, value, reward = load_models(root)

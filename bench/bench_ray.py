@@ -1,6 +1,6 @@
 """The Ray launcher: one stage on 2 Ray workers against 2 torchrun processes and 1 process, and Ray's start-up.
 
-The stage is the pipeline's reward task (`tasks.reward_model.reward_stage`, the whole task: launch, the
+The stage is the pipeline's reward task (`tasks.stages.reward_model.reward_stage`, the whole task: launch, the
 workers' start, training, checkpoints, registration into a SQLite store, the result back) on the demo
 world of configs/demo.yaml with STEPS steps of a global batch of BATCH pairs: 1 process with 2 torch
 threads; `run.launcher: local` (torchrun, 2 gloo processes x 1 thread, BATCH / 2 pairs each); and
@@ -50,7 +50,7 @@ def prepare(root: Path) -> None:
     from prefect.testing.utilities import prefect_test_harness
 
     from tasks import tracking
-    from tasks.data import data_stage
+    from tasks.stages.data import data_stage
 
     cfg = config(root, "base")
 
@@ -66,8 +66,8 @@ def prepare(root: Path) -> None:
 def stage(shape: str):
     def run(root: Path) -> dict:
         from tasks import tracking
-        from tasks.data import PreparedData
-        from tasks.reward_model import reward_stage
+        from tasks.stages.data import PreparedData
+        from tasks.stages.reward_model import reward_stage
 
         launcher, processes = SHAPES[shape]
         data = PreparedData(**json.loads((root / "data.json").read_text()))

@@ -18,9 +18,9 @@ from pathlib import Path
 from anchors import interleaved, side_process_main
 
 from rlhf_core.config import RewardConfig, RunConfig
-from rlhf_core.demo_world import DemoWorld, world_rows
-from rlhf_core.models import load_tokenizer
-from rlhf_core.reward_model import evaluate_reward_model, load_reward_model, train_reward_model
+from rlhf_core.demo.world import DemoWorld, world_rows
+from rlhf_core.models.loading import load_tokenizer
+from rlhf_core.rewards.reward_model import evaluate_reward_model, load_reward_model, train_reward_model
 
 STEPS, BATCH, MAX_LEN, LR, SEED = 200, 32, 48, 1e-3, 42
 TRL_VERSION = "1.16.0"
@@ -101,9 +101,9 @@ def run_trl(sft_dir: Path, train, test, out: Path) -> tuple[float, dict]:
 def prepare(root: Path) -> None:
     """The world and the SFT model every side starts from."""
     from rlhf_core.config import DemoModelConfig, DemoWorldConfig, RunConfig, SFTConfig
-    from rlhf_core.demo_world import build_demo_world
-    from rlhf_core.models import load_causal_lm, load_tokenizer
-    from rlhf_core.sft import train_sft
+    from rlhf_core.demo.world import build_demo_world
+    from rlhf_core.models.loading import load_causal_lm, load_tokenizer
+    from rlhf_core.training.sft import train_sft
 
     world = build_demo_world(root / "world", SEED, DemoWorldConfig(), DemoModelConfig())
     model, tok = load_causal_lm(str(world.base_model)), load_tokenizer(str(world.tokenizer))

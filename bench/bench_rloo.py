@@ -19,16 +19,16 @@ from pathlib import Path
 from anchors import interleaved, phase_means, phase_table, side_process_main
 from bench_grpo import LR, PROMPTS, SEED, STEPS, TOKENS, G, prepare, vader_reward
 
-from rlhf_core.demo_world import DemoWorld, world_rows
+from rlhf_core.demo.world import DemoWorld, world_rows
 
 BETA = 0.05  # TRL RLOOConfig's default
 
 
 def side_ours(root: Path) -> dict:
     from rlhf_core.config import GRPOConfig, RLConfig, RunConfig
-    from rlhf_core.grpo import train_grpo
-    from rlhf_core.models import load_causal_lm, load_tokenizer
-    from rlhf_core.reward_sources import function_reward
+    from rlhf_core.models.loading import load_causal_lm, load_tokenizer
+    from rlhf_core.rewards.sources import function_reward
+    from rlhf_core.rl.grpo import train_grpo
 
     tok = load_tokenizer(str(root / "sft"))
     policy, ref = load_causal_lm(str(root / "sft")), load_causal_lm(str(root / "sft"))
@@ -75,7 +75,7 @@ def side_trl(root: Path) -> dict:
     from transformers import AutoModelForCausalLM, TrainerCallback
     from trl import RLOOConfig, RLOOTrainer
 
-    from rlhf_core.models import load_tokenizer
+    from rlhf_core.models.loading import load_tokenizer
 
     tok = load_tokenizer(str(root / "sft"))
     tok.padding_side = "left"

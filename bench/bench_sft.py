@@ -1,4 +1,4 @@
-"""SFT warm start: seconds per optimizer step of rlhf_core.sft.train_sft against transformers.Trainer.
+"""SFT warm start: seconds per optimizer step of rlhf_core.training.sft.train_sft against transformers.Trainer.
 
 Same tiny Llama (the demo world's), same corpus, batch size, sequence length, learning rate and
 steps; both on the CPU, each run in its own process (so the peak RSS reported beside the time is
@@ -20,13 +20,13 @@ STEPS, BATCH, MAX_LEN, LR = 60, 32, 48, 3e-3
 
 def prepare(root: Path) -> None:
     from rlhf_core.config import DemoModelConfig, DemoWorldConfig
-    from rlhf_core.demo_world import build_demo_world
+    from rlhf_core.demo.world import build_demo_world
 
     build_demo_world(root / "world", 42, DemoWorldConfig(), DemoModelConfig())
 
 
 def _world_texts(root: Path):
-    from rlhf_core.demo_world import DemoWorld, world_rows
+    from rlhf_core.demo.world import DemoWorld, world_rows
 
     world = DemoWorld(root / "world")
     return world, [r["text"] for r in world_rows(world, "text")]
@@ -34,8 +34,8 @@ def _world_texts(root: Path):
 
 def side_ours(root: Path) -> dict:
     from rlhf_core.config import RunConfig, SFTConfig
-    from rlhf_core.models import load_causal_lm, load_tokenizer
-    from rlhf_core.sft import train_sft
+    from rlhf_core.models.loading import load_causal_lm, load_tokenizer
+    from rlhf_core.training.sft import train_sft
 
     world, texts = _world_texts(root)
     model, tok = load_causal_lm(str(world.base_model)), load_tokenizer(str(world.tokenizer))
@@ -57,8 +57,8 @@ def side_ours(root: Path) -> dict:
 def side_trainer(root: Path) -> dict:
     from transformers import Trainer, TrainingArguments
 
-    from rlhf_core.models import load_causal_lm, load_tokenizer
-    from rlhf_core.sft import tokenize_corpus
+    from rlhf_core.models.loading import load_causal_lm, load_tokenizer
+    from rlhf_core.training.sft import tokenize_corpus
 
     world, texts = _world_texts(root)
     out = root / f"trainer-{time.time_ns()}"

@@ -33,7 +33,7 @@ TARGETS = {"gain": 0.45, "length_change": 0.30, "distinct_2_ratio": 0.5, "kl": 3
 
 def row_from_summary(summary: dict, ledger: dict) -> dict:
     """One run's line from the pipeline's summary and the guard's ledger (guard.json)."""
-    from rlhf_core.promotion import eval_kl
+    from rlhf_core.evaluation.promotion import eval_kl
 
     gold = summary["gold_metric"]
     history = {int(step): row for step, row in summary["eval_history"].items()}
@@ -75,10 +75,10 @@ def reward_length_bias(reward_model_path: str, seed: int, num_pairs: int = 400) 
     import torch
     from transformers import AutoModelForSequenceClassification
 
-    from rlhf_core.chat import render_completions
-    from rlhf_core.demo_text import ReviewWriter, equal_gold_length_pairs, load_vader_lexicon, sample_prefixes
-    from rlhf_core.models import load_tokenizer
-    from rlhf_core.reward_model import encoded_scores, length_bias, tokenize_pairs
+    from rlhf_core.data.chat import render_completions
+    from rlhf_core.demo.text import ReviewWriter, equal_gold_length_pairs, load_vader_lexicon, sample_prefixes
+    from rlhf_core.models.loading import load_tokenizer
+    from rlhf_core.rewards.reward_model import encoded_scores, length_bias, tokenize_pairs
 
     writer = ReviewWriter(random.Random(10_000 + seed), load_vader_lexicon())
     pairs = equal_gold_length_pairs(writer, sample_prefixes(writer, True, num_pairs))

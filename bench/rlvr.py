@@ -29,10 +29,10 @@ OUT = REPO / "outputs" / "rlvr-showcase"
 
 def held_out_accuracy(model_dir: Path, world: Path, cfg) -> float:
     """Greedy exact match of the model at `model_dir` on the world's held-out problems."""
-    from rlhf_core.data import read_rows
-    from rlhf_core.evaluation import evaluate_generations
-    from rlhf_core.models import load_causal_lm, load_tokenizer, run_stop_ids
-    from rlhf_core.reward_functions import exact_match
+    from rlhf_core.data.tables import read_rows
+    from rlhf_core.evaluation.generations import evaluate_generations
+    from rlhf_core.models.loading import load_causal_lm, load_tokenizer, run_stop_ids
+    from rlhf_core.rewards.functions import exact_match
 
     rows = read_rows(str(world / "prompts" / "test.jsonl"))
     tokenizer, model = load_tokenizer(str(model_dir)), load_causal_lm(str(model_dir))
@@ -73,9 +73,9 @@ def rl_seconds(tracking_uri: str, algorithm: str) -> float:
 
 def continued_sft(sft_dir: Path, world: Path, cfg, steps: int, out: Path) -> float:
     """Continued SFT from the SFT checkpoint on the labelled problems for `steps` steps into `out`: seconds."""
-    from rlhf_core.data import read_rows
-    from rlhf_core.models import load_causal_lm, load_tokenizer
-    from rlhf_core.sft import train_sft
+    from rlhf_core.data.tables import read_rows
+    from rlhf_core.models.loading import load_causal_lm, load_tokenizer
+    from rlhf_core.training.sft import train_sft
 
     shutil.rmtree(out, ignore_errors=True)  # this script's own: a rerun trains afresh
     tokenizer, model = load_tokenizer(str(sft_dir)), load_causal_lm(str(sft_dir))
@@ -92,7 +92,7 @@ def continued_sft(sft_dir: Path, world: Path, cfg, steps: int, out: Path) -> flo
 def control(sft_dir: Path, world: Path, cfg, seconds: float, out: Path, steps: int | None) -> tuple[int, float, float]:
     """The control: continued SFT for as many steps as take the RL stage's optimizer seconds (timed on a short
     run first), or `steps`: (steps, seconds, held-out accuracy)."""
-    from rlhf_core.parallel import use_cpu_threads
+    from rlhf_core.training.parallel import use_cpu_threads
 
     use_cpu_threads(cfg.run.cpu_threads)
     if steps is None:

@@ -46,10 +46,10 @@ def grid_points(grid: str) -> list[tuple[str, int]]:
 def prepare(root: Path) -> None:
     """The demo world (tokenizer and prompts) and, per size, a random policy and a reward model (value model init)."""
     from rlhf_core.config import DemoModelConfig, DemoWorldConfig
-    from rlhf_core.demo_models import build_demo_model
-    from rlhf_core.demo_world import build_demo_world
-    from rlhf_core.models import load_tokenizer
-    from rlhf_core.reward_model import load_reward_model
+    from rlhf_core.demo.models import build_demo_model
+    from rlhf_core.demo.world import build_demo_world
+    from rlhf_core.models.loading import load_tokenizer
+    from rlhf_core.rewards.reward_model import load_reward_model
 
     world = build_demo_world(
         root / "world", SEED, DemoWorldConfig(), DemoModelConfig(**SIZES["1M"], max_position_embeddings=MAX_POSITIONS)
@@ -66,13 +66,13 @@ def prepare(root: Path) -> None:
 
 
 def prompt_texts(root: Path) -> list[str]:
-    from rlhf_core.demo_world import DemoWorld, world_rows
+    from rlhf_core.demo.world import DemoWorld, world_rows
 
     return [r["prompt"] for r in world_rows(DemoWorld(root / "world"), "prompt", "train")]
 
 
 def vader_reward(prompts, completions, **kwargs):
-    from rlhf_core.reward_functions import vader_compound
+    from rlhf_core.rewards.functions import vader_compound
 
     return vader_compound(completions=completions)
 
@@ -91,8 +91,8 @@ def ours_ppo(root: Path, size: str, length: int) -> dict:
     from transformers import AutoModelForSequenceClassification
 
     from rlhf_core.config import PPOConfig, RLConfig, RunConfig
-    from rlhf_core.models import load_causal_lm, load_tokenizer
-    from rlhf_core.ppo import train_ppo
+    from rlhf_core.models.loading import load_causal_lm, load_tokenizer
+    from rlhf_core.rl.ppo import train_ppo
 
     policy_dir, reward_dir = str(root / f"policy-{size}"), str(root / f"reward-{size}")
     tok = load_tokenizer(policy_dir)
@@ -137,7 +137,7 @@ def trl_ppo(root: Path, size: str, length: int) -> dict:
     from trl.experimental.ppo import PPOConfig as TRLPPOConfig
     from trl.experimental.ppo import PPOTrainer
 
-    from rlhf_core.models import load_tokenizer
+    from rlhf_core.models.loading import load_tokenizer
 
     policy_dir, reward_dir = root / f"policy-{size}", root / f"reward-{size}"
     tok = load_tokenizer(str(policy_dir))
@@ -199,10 +199,10 @@ def ours_grpo(root: Path, size: str, length: int) -> dict:
     import torch
 
     from rlhf_core.config import GRPOConfig, RLConfig, RunConfig
-    from rlhf_core.demo_world import DemoWorld, world_rows
-    from rlhf_core.grpo import train_grpo
-    from rlhf_core.models import load_causal_lm, load_tokenizer
-    from rlhf_core.reward_sources import function_reward
+    from rlhf_core.demo.world import DemoWorld, world_rows
+    from rlhf_core.models.loading import load_causal_lm, load_tokenizer
+    from rlhf_core.rewards.sources import function_reward
+    from rlhf_core.rl.grpo import train_grpo
 
     policy_dir = str(root / f"policy-{size}")
     tok = load_tokenizer(policy_dir)
@@ -245,7 +245,7 @@ def trl_grpo(root: Path, size: str, length: int) -> dict:
     from trl import GRPOConfig as TRLGRPOConfig
     from trl import GRPOTrainer
 
-    from rlhf_core.models import load_tokenizer
+    from rlhf_core.models.loading import load_tokenizer
 
     policy_dir = root / f"policy-{size}"
     tok = load_tokenizer(str(policy_dir))

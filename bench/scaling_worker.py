@@ -25,9 +25,9 @@ def main(root: str, size: str, length: str, batch: str, steps: str, warmup: str,
     from transformers import AutoModelForSequenceClassification
 
     from rlhf_core.config import PPOConfig, RLConfig, RunConfig
-    from rlhf_core.demo_world import DemoWorld, world_rows
-    from rlhf_core.models import load_causal_lm, load_tokenizer
-    from rlhf_core.ppo import train_ppo
+    from rlhf_core.demo.world import DemoWorld, world_rows
+    from rlhf_core.models.loading import load_causal_lm, load_tokenizer
+    from rlhf_core.rl.ppo import train_ppo
 
     root_dir, n, steps_n, warm = Path(root), int(length), int(steps), int(warmup)
     policy_dir, reward_dir = str(root_dir / f"policy-{size}"), str(root_dir / f"reward-{size}")

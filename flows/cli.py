@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from rlhf_core.config import ConfigError, load_config
-from rlhf_core.redaction import redact
+from rlhf_core.config.redaction import redact
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -61,7 +61,7 @@ def credential_free_override(text: str) -> str:
     import os
 
     from rlhf_core.config import parse_override
-    from rlhf_core.redaction import has_secret, split_credentials
+    from rlhf_core.config.redaction import has_secret, split_credentials
 
     key, sep, raw = text.partition("=")
     if key.strip() != "tracking.uri" or not has_secret(raw):
@@ -126,8 +126,8 @@ def print_summary(summary: dict) -> None:
         table.add_row(key, f"{value:.4f}")
     console = Console(width=max(140, Console().width))  # paths stay on one line in logs
     if summary.get("final_eval_rows"):
-        from rlhf_core.chat import shown_prompt
-        from tasks.progress import print_rows
+        from rlhf_core.data.chat import shown_prompt
+        from tasks.reporting.progress import print_rows
 
         rows = [{**row, "prompt": shown_prompt(row["prompt"])} for row in summary["final_eval_rows"]]
         print_rows(rows, "Held-out completions of the exported policy (first 5)")
@@ -148,8 +148,8 @@ def print_alignment(console, summary: dict) -> None:
     prompts; then the one-line gold gain."""
     from rich.table import Table
 
-    from rlhf_core.chat import shown_prompt
-    from rlhf_core.promotion import alignment_rows
+    from rlhf_core.data.chat import shown_prompt
+    from rlhf_core.evaluation.promotion import alignment_rows
 
     gold, history = summary.get("gold_metric"), {int(k): v for k, v in (summary.get("eval_history") or {}).items()}
     if 0 not in history or len(history) < 2:
@@ -184,11 +184,11 @@ def print_alignment(console, summary: dict) -> None:
 def user_error_types() -> tuple[type[BaseException], ...]:
     """Exceptions a user causes (a config, a file, a model source, a reward function, a guard set to stop
     that stopped RL before any checkpoint): one sentence, exit 2."""
-    from rlhf_core.data_rows import DataValidationError
-    from rlhf_core.guard import GuardStopError
-    from rlhf_core.models import ModelSourceError
-    from rlhf_core.ownership import OwnershipError
-    from rlhf_core.reward_functions import RewardFunctionError
+    from rlhf_core.data.rows import DataValidationError
+    from rlhf_core.evaluation.guard import GuardStopError
+    from rlhf_core.models.loading import ModelSourceError
+    from rlhf_core.rewards.functions import RewardFunctionError
+    from rlhf_core.storage.ownership import OwnershipError
     from tasks.preflight import PreflightError
 
     return (
@@ -248,7 +248,7 @@ def _run_command(args: argparse.Namespace) -> int:
         from tasks.preflight import check_preflight
 
         check_preflight(cfg)  # files, functions, models, context, tracking server, registry names: before any work
-        from rlhf_core.ownership import check_pipeline_outputs
+        from rlhf_core.storage.ownership import check_pipeline_outputs
 
         check_pipeline_outputs(cfg, config_path=args.config, claim=False)  # owned writes only; writes nothing here
     if args.command == "validate":

@@ -1,8 +1,8 @@
 """Promotion: evaluate the `candidate` policy version against the `champion` and move `champion` when it wins.
 
-Both are evaluated (tasks/version_evaluation.py) on the same held-out prompts, with the same reward model (the candidate's
+Both are evaluated (tasks/stages/version_evaluation.py) on the same held-out prompts, with the same reward model (the candidate's
 `reward_model_version`), metric functions (`eval.metrics`) and reference (the candidate's
-`base_model`), sampled as in training and seeded. `rlhf_core.promotion.decide` applies `promote.*`. The
+`base_model`), sampled as in training and seeded. `rlhf_core.evaluation.promotion.decide` applies `promote.*`. The
 decision and its numbers become tags of the candidate version and a Prefect markdown artifact.
 A candidate already judged against the current champion (or already champion) is left alone, so a
 second run changes nothing.
@@ -17,14 +17,14 @@ from prefect import flow
 from prefect.logging import get_run_logger
 
 from rlhf_core.config import PipelineConfig, load_config
-from rlhf_core.parallel import use_cpu_threads
-from rlhf_core.promotion import Decision, decide
-from rlhf_core.redaction import refuse_secret_overrides
+from rlhf_core.config.redaction import refuse_secret_overrides
+from rlhf_core.evaluation.promotion import Decision, decide
+from rlhf_core.training.parallel import use_cpu_threads
 from tasks import registry, tracking
-from tasks.data import PreparedData, data_stage
-from tasks.export import CANDIDATE
-from tasks.progress import print_rows, publish_markdown
-from tasks.version_evaluation import evaluate_version
+from tasks.reporting.progress import print_rows, publish_markdown
+from tasks.stages.data import PreparedData, data_stage
+from tasks.stages.export import CANDIDATE
+from tasks.stages.version_evaluation import evaluate_version
 
 CHAMPION = "champion"
 TAG = "promotion."

@@ -21,24 +21,24 @@ from prefect.logging import get_run_logger
 from prefect.runtime import flow_run as prefect_flow_run
 from prefect.states import Failed
 
-from rlhf_core.chat import shown_prompt
 from rlhf_core.config import load_config
-from rlhf_core.ownership import check_pipeline_outputs
-from rlhf_core.parallel import use_cpu_threads
-from rlhf_core.promotion import alignment_markdown, eval_kl
-from rlhf_core.redaction import redact, refuse_secret_overrides
+from rlhf_core.config.redaction import redact, refuse_secret_overrides
+from rlhf_core.data.chat import shown_prompt
+from rlhf_core.evaluation.promotion import alignment_markdown, eval_kl
+from rlhf_core.storage.ownership import check_pipeline_outputs
+from rlhf_core.training.parallel import use_cpu_threads
 from tasks import registry, tracking
-from tasks.data import PreparedData, data_stage
-from tasks.eval_rows import load_eval_history, readable_rows
-from tasks.export import CANDIDATE, export_stage
-from tasks.initialization import init_stage
 from tasks.preflight import check_preflight
-from tasks.progress import publish_markdown
-from tasks.reward_model import reward_stage
-from tasks.rl import rl_stage
+from tasks.reporting.progress import publish_markdown
 from tasks.run_lock import run_lock, terminate_on_sigterm
-from tasks.sft import sft_stage
 from tasks.stage_io import Checkpoint
+from tasks.stages.data import PreparedData, data_stage
+from tasks.stages.eval_rows import load_eval_history, readable_rows
+from tasks.stages.export import CANDIDATE, export_stage
+from tasks.stages.initialization import init_stage
+from tasks.stages.reward_model import reward_stage
+from tasks.stages.rl import rl_stage
+from tasks.stages.sft import sft_stage
 
 
 class StageMarker:

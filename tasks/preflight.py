@@ -25,11 +25,11 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_core.config import DEMO, DatasetSpec, PipelineConfig
-from rlhf_core.data_rows import DataValidationError, Kind, check_first_rows, is_conversational_table
-from rlhf_core.data_sources import _glob_files, _local_files, is_glob, is_saved_dataset, looks_local
-from rlhf_core.models import ModelSourceError, check_source, looks_like_path
-from rlhf_core.redaction import redact
-from rlhf_core.reward_functions import RewardFunctionError, load_function
+from rlhf_core.config.redaction import redact
+from rlhf_core.data.rows import DataValidationError, Kind, check_first_rows, is_conversational_table
+from rlhf_core.data.sources import _glob_files, _local_files, is_glob, is_saved_dataset, looks_local
+from rlhf_core.models.loading import ModelSourceError, check_source, looks_like_path
+from rlhf_core.rewards.functions import RewardFunctionError, load_function
 
 TRACKING_TIMEOUT_S = 10.0
 FIRST_ROWS = 5

@@ -28,9 +28,9 @@ from mlflow.tracking import MlflowClient
 # "cannot import name 'AutoModelForCausalLM'" (a stage resumed by a fresh process registers at once)
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
-from rlhf_core.checkpoint import link_identical_files
-from rlhf_core.models import MODEL_BUILDING, load_pretrained
-from rlhf_core.redaction import redact
+from rlhf_core.config.redaction import redact
+from rlhf_core.models.loading import MODEL_BUILDING, load_pretrained
+from rlhf_core.storage.checkpoints import link_identical_files
 from tasks import served_policy
 from tasks.tracking.runs import code_version
 from tasks.tracking.store import store_lock, writes
@@ -41,7 +41,7 @@ MODEL_REQUIREMENTS = ("torch", "transformers", "tokenizers", "safetensors", "acc
 
 # MLflow runs the example once when the version is logged (short). The caller's random state is restored
 # afterwards, which is only right on the thread that trains: a registration on the background thread
-# (tasks/reporting.py) logs no example.
+# (tasks/reporting/reporter.py) logs no example.
 INPUT_EXAMPLE = (["Hello"], {"max_new_tokens": 2})
 
 
@@ -152,7 +152,7 @@ def warm_up() -> None:
     """Pay a process's one-time costs of its first registration ahead of it (about a second on 2 cores:
     importing MLflow's transformers flavor and PEFT, which the flavor checks for, and MLflow's map of every
     installed package, which it builds to compare a model's requirements with the environment). A stage runs
-    this on its registration thread while it trains (tasks/reporting.py). Never raises: a failure here only
+    this on its registration thread while it trains (tasks/reporting/reporter.py). Never raises: a failure here only
     means the first registration pays the cost itself."""
     try:
         import mlflow.transformers  # noqa: F401
@@ -344,7 +344,7 @@ def materialize_model(uri: str, destination: str | Path) -> Path:
     if (destination / "config.json").is_file():
         return destination
     components = mlflow.transformers.load_model(uri, return_type="components")
-    from rlhf_core.saving import save_pretrained_atomic
+    from rlhf_core.storage.saving import save_pretrained_atomic
 
     return save_pretrained_atomic(components["model"], components["tokenizer"], destination)
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from filelock import FileLock, Timeout
 
-from rlhf_core.ownership import OwnershipError
+from rlhf_core.storage.ownership import OwnershipError
 
 LOCK_FILE = ".rlhf-run.lock"
 HOLDER_FILE = ".rlhf-run.json"

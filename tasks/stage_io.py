@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rlhf_core.checkpoint import has_training_state, list_checkpoints
+from rlhf_core.storage.checkpoints import has_training_state, list_checkpoints
 
 
 @dataclass(frozen=True)

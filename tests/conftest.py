@@ -23,7 +23,7 @@ os.environ.setdefault("RLHF_CACHE_DIR", tempfile.mkdtemp(prefix="rlhf-tests-cach
 import pytest  # noqa: E402
 
 from rlhf_core.config import PipelineConfig, load_config  # noqa: E402
-from rlhf_core.demo_world import DemoWorld, build_demo_world  # noqa: E402
+from rlhf_core.demo.world import DemoWorld, build_demo_world  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SMOKE = REPO / "configs" / "smoke.yaml"

@@ -32,7 +32,7 @@ from rlhf_core.config.pipeline import (
     PromoteConfig,
     RegistryConfig,
     TrackingConfig,
-    accelerate_strategy_of,
+    accelerate_strategy,
 )
 from rlhf_core.config.run_model_data import (
     ColumnMap,
@@ -81,7 +81,7 @@ __all__ = [
     "PromoteConfig",
     "RegistryConfig",
     "TrackingConfig",
-    "accelerate_strategy_of",
+    "accelerate_strategy",
     "describe_fields",
     "render_reference",
     "ColumnMap",

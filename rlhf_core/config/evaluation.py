@@ -3,6 +3,7 @@ with a verifier's pass@k and maj@n) and the guard's rules against over-optimizat
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import Field, model_validator
@@ -24,7 +25,7 @@ class EvalConfig(Section):
         description="Sampling temperature of evaluation (top_k and top_p are rl's); null: rl.temperature, so that the KL is measured on the policy's own samples.",
     )
     metrics: list[str] = Field(
-        default_factory=lambda: ["rlhf_core.reward_functions:vader_compound"],
+        default_factory=lambda: ["rlhf_core.rewards.functions:vader_compound"],
         description="Extra metric functions 'module:function' scored on each completion.",
     )
     samples_per_prompt: int = Field(
@@ -105,3 +106,13 @@ class GuardConfig(Section):
     max_rollbacks: int = Field(
         2, ge=0, description="Rollbacks allowed in a run; one more breach that asks for one stops RL."
     )
+
+
+@dataclass(frozen=True)
+class Gates:
+    """The promote.* gates as promotion (rlhf_core/evaluation/promotion.py) reads them."""
+
+    metric: str  # eval column: "score" or a metric function's name
+    min_improvement: float | None  # None: the candidate need only be strictly better than the champion
+    max_kl: float | None
+    min_value: float | None  # absolute floor, with or without a champion

@@ -11,8 +11,9 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+from rlhf_core.config.accelerate import accelerate_strategy
 from rlhf_core.config.base import DEMO, ConfigError, ExpandedPath, Section
-from rlhf_core.config.evaluation import EvalConfig, GuardConfig
+from rlhf_core.config.evaluation import EvalConfig, Gates, GuardConfig
 from rlhf_core.config.run_model_data import DataConfig, DatasetSpec, ModelConfig, RunConfig
 from rlhf_core.config.training import (
     GROUP_ALGORITHMS,
@@ -24,7 +25,6 @@ from rlhf_core.config.training import (
     RLConfig,
     SFTConfig,
 )
-from rlhf_core.promotion import Gates
 
 DEMO_MIN_IMPROVEMENT = 0.01  # the demo's promote.min_improvement when it is null
 
@@ -138,7 +138,7 @@ class PipelineConfig(Section):
                 "leave run.accelerate_config unset with the ray launcher, or use run.launcher 'local'"
             )
         if self.run.accelerate_config is not None:
-            strategy = accelerate_strategy_of(self.run.accelerate_config)
+            strategy = accelerate_strategy(self.run.accelerate_config)
             if strategy == "fsdp1":
                 raise ValueError(
                     f"run.accelerate_config {self.run.accelerate_config} uses FSDP version 1; set "
@@ -157,7 +157,7 @@ class PipelineConfig(Section):
                 f"rl.dynamic_sampling drops groups of completions, which rl.algorithm {self.rl.algorithm!r} does not "
                 f"sample; use one of {', '.join(GROUP_ALGORITHMS)} or turn rl.dynamic_sampling.enabled off"
             )
-        if self.run.accelerate_config is not None and accelerate_strategy_of(self.run.accelerate_config).startswith(
+        if self.run.accelerate_config is not None and accelerate_strategy(self.run.accelerate_config).startswith(
             "zero"
         ):
             for name, stage in (("rl", self.rl), ("reward", self.reward)):
@@ -244,7 +244,7 @@ class PipelineConfig(Section):
                     "grpo.sync_ref_model needs a reference copy to mix into, but with model.lora.enabled the "
                     "reference is the policy with its adapters disabled"
                 )
-            if self.run.accelerate_config is not None and accelerate_strategy_of(self.run.accelerate_config) in (
+            if self.run.accelerate_config is not None and accelerate_strategy(self.run.accelerate_config) in (
                 "zero3",
                 "fsdp",
             ):
@@ -374,10 +374,3 @@ class PipelineConfig(Section):
         """Stable short hash of the whole config (JSON with sorted keys)."""
         blob = json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
-
-
-def accelerate_strategy_of(path) -> str:
-    """`rlhf_core.parallel.accelerate_strategy`, imported when a config names a launch file (it imports torch)."""
-    from rlhf_core.parallel import accelerate_strategy
-
-    return accelerate_strategy(path)

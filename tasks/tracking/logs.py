@@ -12,7 +12,7 @@ import mlflow
 from mlflow.entities import LoggedModelOutput, Metric
 from mlflow.tracking import MlflowClient
 
-from rlhf_core.redaction import redact
+from rlhf_core.config.redaction import redact
 from tasks.tracking.store import writes
 
 

@@ -25,8 +25,8 @@ from mlflow.entities import Param, RunStatus
 from mlflow.tracking import MlflowClient
 
 from rlhf_core.config import PipelineConfig
-from rlhf_core.ownership import pid_alive
-from rlhf_core.redaction import flatten_config, redact
+from rlhf_core.config.redaction import flatten_config, redact
+from rlhf_core.storage.ownership import pid_alive
 from tasks.tracking.store import configure, ensure_experiment, writes
 
 RUN_KIND = "rlhf.run_kind"  # pipeline, stage or promotion

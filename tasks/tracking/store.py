@@ -24,11 +24,11 @@ import mlflow
 from filelock import FileLock
 from mlflow.tracking import MlflowClient
 
-from rlhf_core.redaction import has_secret, install_log_redaction, split_credentials
+from rlhf_core.config.redaction import has_secret, install_log_redaction, split_credentials
 
 
 def writes() -> bool:
-    """Only rank 0 of a data-parallel stage talks to MLflow (see tasks/launcher.py); the others skip writes."""
+    """Only rank 0 of a data-parallel stage talks to MLflow (see tasks/launch/launcher.py); the others skip writes."""
     return int(os.environ.get("RANK", "0")) == 0
 
 

@@ -13,13 +13,13 @@ from pathlib import Path
 import torch
 
 from rlhf_core.config import GRPOConfig, PPOConfig, RewardConfig, RLConfig, RunConfig, load_config
-from rlhf_core.demo_world import build_demo_world, world_rows
-from rlhf_core.grpo import train_grpo
-from rlhf_core.models import load_causal_lm, load_tokenizer
-from rlhf_core.ppo import train_ppo
-from rlhf_core.reward_functions import vader_compound
-from rlhf_core.reward_model import load_reward_model, train_reward_model
-from rlhf_core.reward_sources import function_reward
+from rlhf_core.demo.world import build_demo_world, world_rows
+from rlhf_core.models.loading import load_causal_lm, load_tokenizer
+from rlhf_core.rewards.functions import vader_compound
+from rlhf_core.rewards.reward_model import load_reward_model, train_reward_model
+from rlhf_core.rewards.sources import function_reward
+from rlhf_core.rl.grpo import train_grpo
+from rlhf_core.rl.ppo import train_ppo
 
 
 def fingerprint(*models) -> str:
@@ -42,7 +42,7 @@ def main(world_root: str, out: str) -> None:
 
     from accelerate import Accelerator
 
-    from rlhf_core.parallel import reduce_metrics
+    from rlhf_core.training.parallel import reduce_metrics
 
     # metrics: the mean over processes, the total for the summed keys, one all-reduce
     reduced = reduce_metrics(

@@ -10,7 +10,7 @@ independent of the random generator: the first response token of each row and th
 emits its stop token are fixed functions of the row's prompt ids (and, in GRPO, of its place in the
 group, so that a group's completions differ), and every other token is the argmax. The lengths vary,
 so the processes hold different numbers of tokens (what the token normalizations must get right).
-Only the token choice is replaced (`rlhf_core.rollout.sample_next`): generation, masks,
+Only the token choice is replaced (`rlhf_core.rollout.collect.sample_next`): generation, masks,
 log-probabilities and reference log-probabilities all come from the real code and the real models.
 
 After every optimizer step each run records the summed gradient it stepped with (before clipping);
@@ -31,13 +31,13 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-import rlhf_core.generation as generation_mod
-import rlhf_core.grpo as grpo_mod
-import rlhf_core.ppo as ppo_mod
-import rlhf_core.rollout as rollout_mod
+import rlhf_core.rl.grpo as grpo_mod
+import rlhf_core.rl.ppo as ppo_mod
+import rlhf_core.rollout.collect as rollout_mod
+import rlhf_core.rollout.generation as generation_mod
 from rlhf_core.config import GRPOConfig, PPOConfig, RLConfig, RunConfig
-from rlhf_core.loop import TrainingLoop
-from rlhf_core.reward_sources import function_reward
+from rlhf_core.rewards.sources import function_reward
+from rlhf_core.training.loop import TrainingLoop
 
 FIRST_FREE_ID = 5  # ids 0..4 are the demo tokenizer's unk, bos, eos (== pad), <|im_start|> and <|im_end|>
 
@@ -196,8 +196,8 @@ def run_ppo(
     deterministic: bool = True,
     show_progress: bool = False,
 ) -> Recorder:
-    from rlhf_core.models import load_causal_lm, load_tokenizer
-    from rlhf_core.reward_model import load_reward_model
+    from rlhf_core.models.loading import load_causal_lm, load_tokenizer
+    from rlhf_core.rewards.reward_model import load_reward_model
 
     world_root, out = Path(world_root), Path(out)
     tok = load_tokenizer(str(world_root / "tokenizer"))
@@ -238,7 +238,7 @@ def run_grpo(
     deterministic: bool = True,
     show_progress: bool = False,
 ) -> Recorder:
-    from rlhf_core.models import load_causal_lm, load_tokenizer
+    from rlhf_core.models.loading import load_causal_lm, load_tokenizer
 
     world_root, out = Path(world_root), Path(out)
     tok = load_tokenizer(str(world_root / "tokenizer"))
@@ -267,7 +267,7 @@ def run_grpo(
 
 def train_prompts(world_root: str | Path) -> list[str]:
     """The world's RL prompts as the pipeline reads them (templated)."""
-    from rlhf_core.demo_world import DemoWorld, world_rows
+    from rlhf_core.demo.world import DemoWorld, world_rows
 
     return [row["prompt"] for row in world_rows(DemoWorld(Path(world_root)), "prompt", "train")]
 

@@ -35,10 +35,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlhf_core.generation import left_pad, tokenize_prompts
-from rlhf_core.models import load_causal_lm, load_tokenizer, stop_token_ids
+from rlhf_core.models.forward import response_logprobs
+from rlhf_core.models.loading import load_causal_lm, load_tokenizer, stop_token_ids
 from rlhf_core.rl_math import INVALID_LOGPROB, response_mask
-from rlhf_core.scoring import response_logprobs
+from rlhf_core.rollout.generation import left_pad, tokenize_prompts
 
 REPO = Path(__file__).resolve().parents[2]
 

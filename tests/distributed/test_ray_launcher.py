@@ -33,11 +33,12 @@ import torch
 from mlflow.tracking import MlflowClient
 from safetensors.torch import load_file
 
-import tasks.launcher
+import tasks.launch.launcher
 from flows.rlhf_pipeline import rlhf_pipeline
 from rlhf_core.config import load_config
-from rlhf_core.guard import GuardLedger
+from rlhf_core.evaluation.guard import GuardLedger
 from tasks.stage_io import checkpoint_steps
+from tasks.stages.reward_model import worker_body as reward_worker_body
 from tests.distributed.ray_nodes import blind_node, can_unshare, start_cluster
 from tests.fixtures.servers import MLFLOW_ENV, running_mlflow_server
 
@@ -48,7 +49,7 @@ PLANTED = {"MLFLOW_TRACKING_USERNAME": "alice", "MLFLOW_TRACKING_PASSWORD": SENT
 # the reward model, then GRPO scored by it: 4 steps, a checkpoint after each (no SFT warm start: from the base)
 PIPELINE = ["run.num_processes=2", "rl.algorithm=grpo", "rl.total_steps=4", "rl.save_steps=1"]
 PIPELINE += ["sft.enabled=false", "init.policy=base"]
-VADER_ONLY = "grpo.rewards=[{name: vader, function: 'rlhf_core.reward_functions:vader_compound'}]"
+VADER_ONLY = "grpo.rewards=[{name: vader, function: 'rlhf_core.rewards.functions:vader_compound'}]"
 ONLY_KL = ["guard.min_distinct_ratio.limit=null", "guard.max_length_change.limit=null", "guard.divergence.evals=null"]
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore")]
 
@@ -158,7 +159,7 @@ def ray_run(cluster, tmp_path_factory):
     started, ray_temp = cluster
     tmp = tmp_path_factory.mktemp("ray-run")
     out, specs, killed = tmp / "out", [], []
-    real_command = tasks.launcher.launch_command
+    real_command = tasks.launch.launcher.launch_command
 
     def recording_command(cfg, spec, result):  # every spec file, read while it exists
         specs.append(Path(spec).read_text())
@@ -170,7 +171,7 @@ def ray_run(cluster, tmp_path_factory):
         running_mlflow_server(tmp / "server") as (host, store),
         environment(PLANTED),
     ):
-        mp.setattr(tasks.launcher, "launch_command", recording_command)
+        mp.setattr(tasks.launch.launcher, "launch_command", recording_command)
         overrides = [f"run.output_dir={out}", f"tracking.uri=http://{host}", *PIPELINE]
         overrides += ["run.launcher=ray", f"run.ray_address={started.address}", "run.max_failures=1"]
         port = int(host.rsplit(":", 1)[1])
@@ -248,7 +249,7 @@ def test_ray_workers_ran_on_both_nodes_and_trained_the_weights_torchrun_trains(p
     placed = [m for m in ray_run["messages"] if "[rank " in m and "] on node " in m]
     nodes = {m.split(" on node ")[1].split()[0] for m in placed}
     assert len(nodes) == 2, placed
-    assert any("reward stage on 2 processes: " in m and "tasks.ray_driver" in m for m in ray_run["messages"])
+    assert any("reward stage on 2 processes: " in m and "tasks.launch.ray_driver" in m for m in ray_run["messages"])
     # the same reward model, and the same exported policy, as torchrun's uninterrupted run
     for pattern in ("reward/*/checkpoint-4/model.safetensors", "export/model.safetensors"):
         ray_weights, torchrun_weights = weights(ray_run["out"], pattern), weights(torchrun_run["out"], pattern)
@@ -330,7 +331,7 @@ def test_an_output_directory_one_node_does_not_share_fails_in_seconds_naming_it_
     with blind_node(started.address, ray_temp, out) as blind:
         begin = time.monotonic()
         with deadline(120, "the stage"), pytest.raises(RuntimeError) as failed:
-            tasks.launcher.launch("reward", cfg, data={}, policy=None, parent_run_id=None)
+            tasks.launch.launcher.launch("reward", reward_worker_body, cfg, data={}, policy=None, parent_run_id=None)
         took = time.monotonic() - begin
     message = str(failed.value)
     assert message.startswith(f"run.output_dir {out} is not shared storage: the worker of rank ")

@@ -22,7 +22,7 @@ from transformers import pipeline
 
 from flows.rlhf_pipeline import rlhf_pipeline
 from flows.ui import stop_group, wait_healthy
-from rlhf_core.models import load_tokenizer
+from rlhf_core.models.loading import load_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent

@@ -8,7 +8,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from flows.rlhf_pipeline import rlhf_pipeline
-from rlhf_core.data import read_rows
+from rlhf_core.data.tables import read_rows
 
 REPO = Path(__file__).resolve().parents[2]
 SMOKE = str(REPO / "configs" / "smoke.yaml")

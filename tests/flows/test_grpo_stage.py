@@ -10,11 +10,11 @@ from mlflow.tracking import MlflowClient
 from transformers import AutoModelForCausalLM
 
 from flows.rlhf_pipeline import rlhf_pipeline
-from rlhf_core.reward_functions import RewardFunctionError
+from rlhf_core.rewards.functions import RewardFunctionError
 
 SMOKE = str(Path(__file__).resolve().parents[2] / "configs" / "smoke.yaml")
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore")]
-VADER_ONLY = "grpo.rewards=[{name: vader, function: 'rlhf_core.reward_functions:vader_compound'}]"
+VADER_ONLY = "grpo.rewards=[{name: vader, function: 'rlhf_core.rewards.functions:vader_compound'}]"
 
 
 def test_grpo_with_only_callable_rewards_runs_without_a_reward_model(prefect_harness, tmp_path, mlflow_uri):
@@ -71,7 +71,7 @@ def test_a_lora_run_exports_adapter_and_merged_model_and_registers_the_merged_on
 ):
     from peft import AutoPeftModelForCausalLM
 
-    from rlhf_core.model_card import read_front_matter
+    from rlhf_core.models.card import read_front_matter
 
     overrides = [
         f"run.output_dir={tmp_path / 'out'}",

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-import tasks.rl
+import tasks.stages.rl
 from flows.rlhf_pipeline import rlhf_pipeline
-from rlhf_core.guard import GuardLedger
+from rlhf_core.evaluation.guard import GuardLedger
 
 REPO = Path(__file__).resolve().parents[2]
 SMOKE = str(REPO / "configs" / "smoke.yaml")
@@ -28,7 +28,7 @@ ONLY_KL = [
 def scripted_kl(monkeypatch, breaches: set[int]) -> list[int]:
     """The evaluation's KL replaced by 5.0 nats at the steps in `breaches` (each once) and 0.1 elsewhere;
     returns the steps evaluated, in order."""
-    real, seen = tasks.rl.evaluate_policy, []
+    real, seen = tasks.stages.rl.evaluate_policy, []
 
     def evaluate(model, step, **kwargs):
         rows = real(model, step, **kwargs)
@@ -37,7 +37,7 @@ def scripted_kl(monkeypatch, breaches: set[int]) -> list[int]:
         seen.append(step)
         return [{**row, "kl_exact": kl} for row in rows]
 
-    monkeypatch.setattr(tasks.rl, "evaluate_policy", evaluate)
+    monkeypatch.setattr(tasks.stages.rl, "evaluate_policy", evaluate)
     return seen
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from flows.rlhf_pipeline import rlhf_pipeline
-from rlhf_core.ownership import MARKER, OwnershipError, read_marker
+from rlhf_core.storage.ownership import MARKER, OwnershipError, read_marker
 from tests.fixtures.user_files import filled, tree_hash
 
 SMOKE = str(Path(__file__).resolve().parents[2] / "configs" / "smoke.yaml")

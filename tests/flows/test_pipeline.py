@@ -10,8 +10,8 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from flows.rlhf_pipeline import rlhf_pipeline
-from rlhf_core.data_rows import DataValidationError
-from rlhf_core.model_card import read_front_matter
+from rlhf_core.data.rows import DataValidationError
+from rlhf_core.models.card import read_front_matter
 from tests.flows.test_secrets import prefect_records
 
 REPO = Path(__file__).resolve().parents[2]

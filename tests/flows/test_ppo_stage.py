@@ -5,11 +5,11 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-import tasks.rl
+import tasks.stages.rl
 from flows.rlhf_pipeline import rlhf_pipeline
 from rlhf_core.config import load_config
-from rlhf_core.demo_world import build_demo_world
-from rlhf_core.models import ModelSourceError
+from rlhf_core.demo.world import build_demo_world
+from rlhf_core.models.loading import ModelSourceError
 
 SMOKE = str(Path(__file__).resolve().parents[2] / "configs" / "smoke.yaml")
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore")]
@@ -24,7 +24,7 @@ def test_a_crash_in_ppo_resumes_from_the_last_checkpoint_without_duplicate_versi
     prefect_harness, tmp_path, mlflow_uri, monkeypatch
 ):
     overrides = [f"run.output_dir={tmp_path / 'out'}", f"tracking.uri={mlflow_uri}", "rl.total_steps=3"]
-    real = tasks.rl.train_ppo
+    real = tasks.stages.rl.train_ppo
 
     def crashing(*args, on_log, **kwargs):
         def log(metrics, step):
@@ -34,12 +34,12 @@ def test_a_crash_in_ppo_resumes_from_the_last_checkpoint_without_duplicate_versi
 
         return real(*args, on_log=log, **kwargs)
 
-    monkeypatch.setattr(tasks.rl, "train_ppo", crashing)
+    monkeypatch.setattr(tasks.stages.rl, "train_ppo", crashing)
     assert rlhf_pipeline(config_path=SMOKE, overrides=overrides, return_state=True).is_failed()
     client = MlflowClient(mlflow_uri, registry_uri=mlflow_uri)
     assert [s for _, _, s in ppo_versions(client)] == ["1"]
 
-    monkeypatch.setattr(tasks.rl, "train_ppo", real)
+    monkeypatch.setattr(tasks.stages.rl, "train_ppo", real)
     summary = rlhf_pipeline(config_path=SMOKE, overrides=overrides)
     assert [s for _, _, s in ppo_versions(client)] == ["1", "2", "3"]
     runs = client.search_runs(

@@ -14,7 +14,7 @@ import pytest
 import flows.cli
 from flows.cli import is_user_error, main
 from rlhf_core.config import load_config
-from rlhf_core.data_rows import DataValidationError
+from rlhf_core.data.rows import DataValidationError
 from tasks.preflight import preflight_problems
 
 SMOKE = str(Path(__file__).resolve().parents[2] / "configs" / "smoke.yaml")
@@ -86,8 +86,8 @@ def test_a_valid_config_passes(tmp_path, capsys):
         ),
         (["rl.algorithm=grpo", "grpo.rewards=[{name: r, function: 'preflight_funcs:positional'}]"], "cannot be called"),
         (
-            ["eval.metrics=['rlhf_core.reward_functions:no_such_metric']"],
-            "eval.metrics: module 'rlhf_core.reward_functions' has no function 'no_such_metric'",
+            ["eval.metrics=['rlhf_core.rewards.functions:no_such_metric']"],
+            "eval.metrics: module 'rlhf_core.rewards.functions' has no function 'no_such_metric'",
         ),
         (
             ["eval.metrics=['preflight_funcs:positional']"],
@@ -357,8 +357,8 @@ def test_a_user_error_inside_the_flow_exits_2_and_a_bug_keeps_its_traceback(tmp_
 
 
 def test_check_preflight_raises_what_the_stage_would_have_raised(tmp_path):
-    from rlhf_core.models import ModelSourceError
-    from rlhf_core.reward_functions import RewardFunctionError
+    from rlhf_core.models.loading import ModelSourceError
+    from rlhf_core.rewards.functions import RewardFunctionError
     from tasks.preflight import PreflightError, check_preflight
 
     cases = [
@@ -374,7 +374,7 @@ def test_check_preflight_raises_what_the_stage_would_have_raised(tmp_path):
 
 
 def test_only_our_own_value_errors_count_as_user_errors():
-    from rlhf_core.reward_functions import vader_compound
+    from rlhf_core.rewards.functions import vader_compound
 
     with pytest.raises(ValueError) as ours:
         vader_compound(prompts=["p"])
@@ -383,7 +383,7 @@ def test_only_our_own_value_errors_count_as_user_errors():
         int("not a number")
     assert not is_user_error(theirs.value)
     assert not is_user_error(KeyError("x"))
-    from rlhf_core.guard import GuardStopError
+    from rlhf_core.evaluation.guard import GuardStopError
 
     assert is_user_error(GuardStopError("the guard stopped ppo at step 20 before any checkpoint was saved"))
     assert flows.cli.one_sentence(ValueError("two\nlines")) == "two lines"

@@ -9,11 +9,11 @@ import torch
 from mlflow.tracking import MlflowClient
 
 from flows.promote import rlhf_promote
-from rlhf_core.chat import prompt_columns
 from rlhf_core.config import ConfigError
-from rlhf_core.demo_world import world_rows
-from rlhf_core.evaluation import evaluate_generations
-from rlhf_core.models import generation_config_of, load_causal_lm, load_tokenizer, stop_token_ids
+from rlhf_core.data.chat import prompt_columns
+from rlhf_core.demo.world import world_rows
+from rlhf_core.evaluation.generations import evaluate_generations
+from rlhf_core.models.loading import generation_config_of, load_causal_lm, load_tokenizer, stop_token_ids
 from tasks import registry, tracking
 
 SMOKE = str(Path(__file__).resolve().parents[2] / "configs" / "smoke.yaml")

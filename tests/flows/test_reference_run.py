@@ -21,7 +21,7 @@ SMOKE = str(REPO / "configs" / "smoke.yaml")
 REFERENCE = Path(__file__).with_name("reference_run.json")
 RECORD = os.environ.get("RLHF_RECORD_REFERENCE") == "1"
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore")]
-VADER = "{name: vader, function: 'rlhf_core.reward_functions:vader_compound', weight: 0.5}"
+VADER = "{name: vader, function: 'rlhf_core.rewards.functions:vader_compound', weight: 0.5}"
 CASES = {
     "ppo": ["rl.algorithm=ppo"],
     # a reward model and a function, two optimizer steps per generation batch, a reference model

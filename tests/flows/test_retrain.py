@@ -8,7 +8,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from flows.retrain import rlhf_retrain
-from rlhf_core.data import read_rows
+from rlhf_core.data.tables import read_rows
 from tasks import tracking
 
 SMOKE = str(Path(__file__).resolve().parents[2] / "configs" / "smoke.yaml")

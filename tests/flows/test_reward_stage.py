@@ -7,11 +7,11 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 import flows.rlhf_pipeline
-import tasks.background
 import tasks.registry
-import tasks.reward_model
+import tasks.reporting.background
+import tasks.stages.reward_model
 from flows.rlhf_pipeline import rlhf_pipeline
-from rlhf_core.models import ModelSourceError
+from rlhf_core.models.loading import ModelSourceError
 
 SMOKE = str(Path(__file__).resolve().parents[2] / "configs" / "smoke.yaml")
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore")]
@@ -25,7 +25,7 @@ def reward_versions(client):
 def test_a_crash_mid_training_resumes_without_duplicate_versions(prefect_harness, tmp_path, mlflow_uri, monkeypatch):
     # given a pipeline whose reward training crashes at step 3, after checkpoint-2 was registered
     overrides = [f"run.output_dir={tmp_path / 'out'}", f"tracking.uri={mlflow_uri}", "reward.log_steps=1"]
-    real = tasks.reward_model.train_reward_model
+    real = tasks.stages.reward_model.train_reward_model
 
     def crashing(*args, on_log, **kwargs):
         def log(metrics, step):
@@ -35,14 +35,14 @@ def test_a_crash_mid_training_resumes_without_duplicate_versions(prefect_harness
 
         return real(*args, on_log=log, **kwargs)
 
-    monkeypatch.setattr(tasks.reward_model, "train_reward_model", crashing)
+    monkeypatch.setattr(tasks.stages.reward_model, "train_reward_model", crashing)
     state = rlhf_pipeline(config_path=SMOKE, overrides=overrides, return_state=True)
     assert state.is_failed()
     client = MlflowClient(mlflow_uri, registry_uri=mlflow_uri)
     assert reward_versions(client) == [(1, "2")]
 
     # when it runs again
-    monkeypatch.setattr(tasks.reward_model, "train_reward_model", real)
+    monkeypatch.setattr(tasks.stages.reward_model, "train_reward_model", real)
     summary = rlhf_pipeline(config_path=SMOKE, overrides=overrides)
 
     # then training continued from step 2 and each checkpoint is registered exactly once
@@ -71,9 +71,9 @@ def test_a_checkpoint_saved_but_not_registered_is_registered_on_the_next_run(
     monkeypatch.setattr(tasks.registry, "register_once", registry_down_at_step_4)
     # the task's three retries (tasks/retry.py) and the registration thread's fail the same way: no back-off
     monkeypatch.setattr(
-        flows.rlhf_pipeline, "reward_stage", tasks.reward_model.reward_stage.with_options(retry_delay_seconds=0)
+        flows.rlhf_pipeline, "reward_stage", tasks.stages.reward_model.reward_stage.with_options(retry_delay_seconds=0)
     )
-    monkeypatch.setattr(tasks.background.BackgroundJobs, "backoff_s", 0.0)
+    monkeypatch.setattr(tasks.reporting.background.BackgroundJobs, "backoff_s", 0.0)
     assert rlhf_pipeline(config_path=SMOKE, overrides=overrides, return_state=True).is_failed()
     client = MlflowClient(mlflow_uri, registry_uri=mlflow_uri)
     assert reward_versions(client) == [(1, "2")]
@@ -125,7 +125,7 @@ def test_a_worker_without_the_output_directory_reuses_the_registered_reward_mode
     def must_not_train(*args, **kwargs):
         raise AssertionError("the registered reward model should have been reused")
 
-    monkeypatch.setattr(tasks.reward_model, "train_reward_model", must_not_train)
+    monkeypatch.setattr(tasks.stages.reward_model, "train_reward_model", must_not_train)
     again = rlhf_pipeline(config_path=SMOKE, overrides=overrides)
     assert again["reward_model_uri"] == first["reward_model_uri"]
     assert reward_versions(client) == before

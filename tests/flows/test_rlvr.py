@@ -13,7 +13,7 @@ from flows.rlhf_pipeline import rlhf_pipeline
 
 SMOKE = str(Path(__file__).resolve().parents[2] / "configs" / "smoke.yaml")
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore")]
-EXACT = "rlhf_core.reward_functions:exact_match"
+EXACT = "rlhf_core.rewards.functions:exact_match"
 ARITHMETIC = [
     "data.demo.world=arithmetic",
     "data.demo.num_labelled=64",

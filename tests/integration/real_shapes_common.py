@@ -8,7 +8,7 @@ Llama-3-Instruct (two stop ids in generation_config; Llama has no pad), GPT-2 (b
 
 from __future__ import annotations
 
-from rlhf_core.models import load_causal_lm, load_tokenizer
+from rlhf_core.models.loading import load_causal_lm, load_tokenizer
 from tests.fixtures.real_shapes import build_family
 
 

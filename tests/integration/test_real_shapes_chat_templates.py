@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from rlhf_core.models import load_causal_lm, load_tokenizer, stop_token_ids
+from rlhf_core.models.loading import load_causal_lm, load_tokenizer, stop_token_ids
 from tests.fixtures.real_shapes import FAMILIES, build_family, family, render_prompt
 from tests.integration.real_shapes_common import ids_of, load
 
@@ -63,9 +63,9 @@ def test_conversational_reward_pairs_end_on_the_token_a_rollout_stops_on(family_
     import json
 
     from rlhf_core.config import DatasetSpec
-    from rlhf_core.data import load_table
-    from rlhf_core.models import generation_config_of
-    from rlhf_core.reward_model import tokenize_pairs
+    from rlhf_core.data.tables import load_table
+    from rlhf_core.models.loading import generation_config_of
+    from rlhf_core.rewards.reward_model import tokenize_pairs
     from tests.fixtures.real_shapes import CHATML_TEMPLATE
 
     path = str(build_family(name, family_root))

@@ -12,11 +12,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlhf_core.generation import decode_responses, left_pad, tokenize_prompts
-from rlhf_core.models import stop_token_ids
+from rlhf_core.models.loading import stop_token_ids
 from rlhf_core.rl_math import INVALID_LOGPROB, response_mask
-from rlhf_core.rollout import collect_rollout, completion_metrics
-from rlhf_core.sampling import SamplingSettings
+from rlhf_core.rollout.collect import collect_rollout, completion_metrics
+from rlhf_core.rollout.generation import decode_responses, left_pad, tokenize_prompts
+from rlhf_core.rollout.sampling import SamplingSettings
 from tests.fixtures.real_shapes import (
     FAMILIES,
     ScriptedPolicy,
@@ -90,7 +90,7 @@ def test_rollout_ends_at_either_stop_id_and_nothing_after_it_counts(family_root,
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_missing_eos_penalty_only_hits_rows_without_a_stop(family_root, name):
-    from rlhf_core.ppo import score_rollout
+    from rlhf_core.rl.ppo import score_rollout
 
     tok, model = load(family_root, name)
     stops = stop_token_ids(tok, model.generation_config)
@@ -139,7 +139,7 @@ def test_no_stop_before_min_tokens_even_when_the_model_wants_one(family_root, na
 def test_the_decode_loops_ready_sdpa_mask_samples_what_the_models_own_mask_samples(family_root, name, monkeypatch):
     # the rollout hands SDPA models a ready 4-D boolean mask instead of the 2-D one: on every family's layout
     # (pad == eos, two stop ids, no pad with bos, GPT-2's learned positions) the samples must not change
-    import rlhf_core.generation as generation
+    import rlhf_core.rollout.generation as generation
 
     tok, model = load(family_root, name)
     spec = family(name)

@@ -14,7 +14,7 @@ import pytest
 from transformers import AutoTokenizer, GenerationConfig
 
 from rlhf_core.config import GRPOConfig, PPOConfig, RLConfig, RunConfig
-from rlhf_core.models import ModelSourceError, load_causal_lm, load_tokenizer, stop_token_ids
+from rlhf_core.models.loading import ModelSourceError, load_causal_lm, load_tokenizer, stop_token_ids
 from tests.fixtures.real_shapes import (
     FAMILIES,
     TokenCountReward,
@@ -122,9 +122,9 @@ def test_a_stop_token_the_tokenizer_does_not_know_is_named(family_root, name):
 
 @pytest.mark.parametrize("algorithm", ["ppo", "grpo"])
 def test_an_unknown_stop_token_stops_training_before_the_first_step(family_root, tmp_path, algorithm):
-    from rlhf_core.grpo import train_grpo
-    from rlhf_core.ppo import train_ppo
-    from rlhf_core.reward_sources import function_reward
+    from rlhf_core.rewards.sources import function_reward
+    from rlhf_core.rl.grpo import train_grpo
+    from rlhf_core.rl.ppo import train_ppo
 
     tok, policy = load(family_root, "llama-3-instruct")
     prompts = [q for q, _ in prompts_and_answers()]
@@ -217,7 +217,7 @@ def test_exported_generation_config_keeps_every_stop_id(family_root, name):
     """The exported generation_config keeps every id the run stopped on (both ids of an instruct model,
     and rl.stop_tokens), so transformers' generate, and a later RL run from the export, stop as the
     trained policy learned to; not the tokenizer's eos alone."""
-    from rlhf_core.export import generation_settings
+    from rlhf_core.models.export import generation_settings
 
     tok, model = load(family_root, name)
     stops = stop_token_ids(tok, model.generation_config)

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from rlhf_core.config import GRPOConfig, PPOConfig, RLConfig, RunConfig, SFTConfig
-from rlhf_core.generation import left_pad, tokenize_prompts
-from rlhf_core.models import load_causal_lm, stop_token_ids
-from rlhf_core.rollout import collect_rollout, completion_metrics
-from rlhf_core.sampling import SamplingSettings
+from rlhf_core.models.loading import load_causal_lm, stop_token_ids
+from rlhf_core.rollout.collect import collect_rollout, completion_metrics
+from rlhf_core.rollout.generation import left_pad, tokenize_prompts
+from rlhf_core.rollout.sampling import SamplingSettings
 from tests.fixtures.real_shapes import FAMILIES, family, prompts_and_answers, render_prompt, sft_texts
 from tests.integration.real_shapes_common import load
 
@@ -44,7 +44,7 @@ def _rollout_stats(policy, tok, prompts, stops, response_length, seed=0):
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_sft_corpus_ends_every_answer_with_the_stop_token(family_root, name):
-    from rlhf_core.sft import tokenize_corpus
+    from rlhf_core.training.sft import tokenize_corpus
 
     tok, _ = load(family_root, name)
     stop = tok.convert_tokens_to_ids(family(name).sft_stop)
@@ -61,7 +61,7 @@ def test_sft_corpus_puts_the_stop_right_after_the_answer(family_root, name):
     """tokenize_corpus puts eos right after the text, as TRL does (and not again when the text already
     ends with it). With a byte-level BPE (every family here) a space before it would be a token of its
     own ('Ġ'), and SFT would teach a chat model "content Ġ<|im_end|>" instead of "content<|im_end|>"."""
-    from rlhf_core.sft import tokenize_corpus
+    from rlhf_core.training.sft import tokenize_corpus
 
     tok, _ = load(family_root, name)
     texts = sft_texts(tok, family(name))
@@ -74,11 +74,11 @@ def test_sft_corpus_puts_the_stop_right_after_the_answer(family_root, name):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", FAMILIES)
 def test_sft_warm_start_then_ppo_and_grpo_responses_stop(family_root, tmp_path, name):
-    from rlhf_core.grpo import train_grpo
-    from rlhf_core.ppo import train_ppo
-    from rlhf_core.reward_model import load_reward_model
-    from rlhf_core.reward_sources import function_reward
-    from rlhf_core.sft import train_sft
+    from rlhf_core.rewards.reward_model import load_reward_model
+    from rlhf_core.rewards.sources import function_reward
+    from rlhf_core.rl.grpo import train_grpo
+    from rlhf_core.rl.ppo import train_ppo
+    from rlhf_core.training.sft import train_sft
 
     spec = family(name)
     tok, base = load(family_root, name)

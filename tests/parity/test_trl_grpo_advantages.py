@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlhf_core.group_baselines import grpo_advantages, nanstd
+from rlhf_core.rl.advantages.group_baselines import grpo_advantages, nanstd
 from rlhf_core.rl_math import response_mask
 from tests.parity.trl_grpo_common import EOS, NAN, TOL, drive_trl_scoring, fake_completions
 
@@ -90,7 +90,7 @@ def test_advantages_match_trl_generate_and_score(make_trainer, scenario, scale_r
 
 
 def test_nanstd_matches_trl():
-    """`rlhf_core.grpo.nanstd` == `trl.trainer.utils.nanstd` (whole tensor, per dim, keepdim; rows with 0/1 values)."""
+    """`rlhf_core.rl.grpo.nanstd` == `trl.trainer.utils.nanstd` (whole tensor, per dim, keepdim; rows with 0/1 values)."""
     from trl.trainer.utils import nanstd as trl_nanstd
 
     g = torch.Generator().manual_seed(3)

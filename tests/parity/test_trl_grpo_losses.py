@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from rlhf_core.config import GRPOConfig as OurGRPOConfig
-from rlhf_core.policy_losses import grpo_token_loss, high_entropy_mask, reduce_loss, stat_mean
+from rlhf_core.models.forward import response_logprobs
+from rlhf_core.rl.grpo_losses import grpo_token_loss, high_entropy_mask, reduce_loss, stat_mean
 from rlhf_core.rl_math import masked_mean
-from rlhf_core.scoring import response_logprobs
 from tests.parity.trl_grpo_common import MAX_COMPLETION, PAD, TOL, VOCAB, build_policy
 
 # ------------------------------------------------------------------------------------------

@@ -14,8 +14,8 @@ import torch
 
 from rlhf_core.config import GRPOConfig as OurGRPOConfig
 from rlhf_core.config import RLConfig, RunConfig
-from rlhf_core.grpo import train_grpo
-from rlhf_core.reward_sources import function_reward
+from rlhf_core.rewards.sources import function_reward
+from rlhf_core.rl.grpo import train_grpo
 from tests.parity.trl_grpo_common import MAX_COMPLETION, NAN, build_policy, drive_trl_scoring
 
 # ------------------------------------------------------------------------------------------

@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlhf_core.ppo import score_rollout
-from rlhf_core.rollout import Rollout
-from rlhf_core.scoring import response_logprobs, sequence_scores
+from rlhf_core.models.forward import response_logprobs, sequence_scores
+from rlhf_core.rl.ppo import score_rollout
+from rlhf_core.rollout.collect import Rollout
 from tests.parity.trl_ppo_common import (
     ATOL_MODEL,
     BATCH,

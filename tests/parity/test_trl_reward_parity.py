@@ -1,4 +1,4 @@
-"""Parity of `rlhf_core.reward_model` with TRL 1.16's `RewardTrainer`, driven through TRL's own code.
+"""Parity of `rlhf_core.rewards.reward_model` with TRL 1.16's `RewardTrainer`, driven through TRL's own code.
 
 A real `trl.RewardTrainer` is built offline around a tiny seeded `LlamaForSequenceClassification`
 (one output, pad_token_id set) and a word-level tokenizer made in memory. Compared, on the same
@@ -18,7 +18,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlhf_core.reward_model import bradley_terry_loss, collate_pairs, preference_stats, score_pairs, tokenize_pairs
+from rlhf_core.rewards.reward_model import (
+    bradley_terry_loss,
+    collate_pairs,
+    preference_stats,
+    score_pairs,
+    tokenize_pairs,
+)
 from tests.parity.trl_grpo_common import EOS, PAD, VOCAB, build_tokenizer
 
 MAX_LENGTH = 32

@@ -28,13 +28,13 @@ import math
 import pytest
 import torch
 
-from rlhf_core.advantages import EstimatorContext, leave_one_out_estimate
 from rlhf_core.config import GRPOConfig as OurGRPOConfig
-from rlhf_core.group_baselines import nanstd, rloo_advantages
-from rlhf_core.policy_losses import rloo_sequence_loss, stat_mean
+from rlhf_core.models.forward import response_logprobs
+from rlhf_core.rl.advantages.estimators import EstimatorContext, leave_one_out_estimate
+from rlhf_core.rl.advantages.group_baselines import nanstd, rloo_advantages
+from rlhf_core.rl.grpo_losses import rloo_sequence_loss, stat_mean
 from rlhf_core.rl_math import kl_per_token, masked_mean, response_mask
-from rlhf_core.rollout import Rollout, RolloutBatch
-from rlhf_core.scoring import response_logprobs
+from rlhf_core.rollout.collect import Rollout, RolloutBatch
 from tests.parity.trl_grpo_common import EOS, MAX_COMPLETION, NAN, PAD, TOL, VOCAB, build_policy, fake_completions
 from tests.parity.trl_rloo_common import drive_trl_rloo_scoring
 
@@ -199,7 +199,7 @@ def test_advantages_and_reward_metrics_match_trl(make_rloo_trainer, scenario, be
         if not beta and not normalize:  # zero-std groups: advantage exactly 0
             assert torch.all(out["advantages"][16:24] == 0) and torch.all(ours.advantages[16:24] == 0)
 
-    # what TRL logs against what our metrics phase computes (GRPOTrainer.metrics in rlhf_core/grpo.py)
+    # what TRL logs against what our metrics phase computes (GRPOTrainer.metrics in rlhf_core/rl/grpo.py)
     torch.testing.assert_close(torch.nanmean(ours.rewards).item(), metrics["reward"], **TOL)
     torch.testing.assert_close(nanstd(ours.rewards).item(), metrics["reward_std"], **TOL)
     frac_zero_std = torch.isclose(ours.std, torch.zeros_like(ours.std)).float().mean().item()

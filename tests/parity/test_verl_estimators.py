@@ -43,7 +43,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlhf_core.group_baselines import group_baseline, reinforce_pp_advantages
+from rlhf_core.rl.advantages.group_baselines import group_baseline, reinforce_pp_advantages
 from rlhf_core.rl_math import kl_per_token, masked_whiten
 from tests.parity.verl_common import (
     CASES,

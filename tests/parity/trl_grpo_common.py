@@ -1,4 +1,4 @@
-"""Parity of `rlhf_core.grpo` with TRL 1.16's `GRPOTrainer`: what the test_trl_grpo_*.py modules share.
+"""Parity of `rlhf_core.rl.grpo` with TRL 1.16's `GRPOTrainer`: what the test_trl_grpo_*.py modules share.
 
 Nothing there re-implements TRL: every expected value comes out of a real `trl.GRPOTrainer` built
 offline (the `make_trainer` fixture, tests/parity/conftest.py) around a tiny seeded Llama (vocabulary 64,

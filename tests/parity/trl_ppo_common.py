@@ -174,7 +174,7 @@ def close(name: str, ours: torch.Tensor, theirs: torch.Tensor, atol: float = ATO
 
 
 def our_math(r: dict, logprobs, ref_logprobs, values, scores, mask, last_index):
-    """train_ppo's steps 3-4 (rlhf_core/ppo.py), line for line, on the given tensors."""
+    """train_ppo's steps 3-4 (rlhf_core/rl/ppo.py), line for line, on the given tensors."""
     ppo = r["ppo"]
     kl = kl_per_token(logprobs, ref_logprobs, ppo["kl_estimator"]) * mask
     rewards, non_score = kl_penalized_rewards(scores, kl, mask, last_index, ppo["kl_coef"])

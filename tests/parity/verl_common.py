@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from rlhf_core.group_baselines import reinforce_pp_advantages, rloo_advantages
+from rlhf_core.rl.advantages.group_baselines import reinforce_pp_advantages, rloo_advantages
 from rlhf_core.rl_math import kl_penalized_rewards, kl_per_token
 
 REPO = Path(__file__).resolve().parents[2]

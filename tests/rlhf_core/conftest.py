@@ -3,7 +3,7 @@ template), built offline once per test module."""
 
 import pytest
 
-from rlhf_core.models import load_tokenizer
+from rlhf_core.models.loading import load_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from tasks.background import BackgroundJobs, NotRun
+from tasks.reporting.background import BackgroundJobs, NotRun
 
 
 def jobs(**kw) -> BackgroundJobs:

@@ -15,7 +15,7 @@ from transformers import GenerationConfig
 
 from rlhf_core.config import load_config
 from tasks import registry, tracking
-from tasks.reporting import StageReporter
+from tasks.reporting.reporter import StageReporter
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -76,7 +76,7 @@ def test_the_reporter_registers_in_step_order_while_training_goes_on_and_waits_a
 
 
 def test_a_failed_background_registration_fails_the_stage_with_its_own_error(cfg, monkeypatch):
-    monkeypatch.setattr("tasks.background.BackgroundJobs.backoff_s", 0.01)
+    monkeypatch.setattr("tasks.reporting.background.BackgroundJobs.backoff_s", 0.01)
     tried = []
 
     def register_once(path, model_name, *, task, tags, run_id, keep_last=None, input_example=True):
@@ -203,7 +203,7 @@ def test_the_registry_warm_up_never_fails_a_stage(monkeypatch):
 def test_a_registration_builds_its_model_only_while_no_other_thread_builds_one(cfg, smoke_world, tmp_path):
     # transformers' from_pretrained changes process-wide state while it builds a model: a model built on the
     # registration thread beside one built by training came out with its tied weights on the meta device
-    from rlhf_core.models import MODEL_BUILDING
+    from rlhf_core.models.loading import MODEL_BUILDING
 
     with tracking.runs.pipeline_run(cfg) as parent, tracking.runs.stage_run(parent, "ppo") as run_id:
         tags = registry.lineage_tags(stage="ppo", step=1, config_hash="h", data_fingerprint="d")

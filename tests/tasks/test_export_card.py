@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 
 from rlhf_core.config import load_config
-from rlhf_core.model_card import write_model_card
-from tasks.data import PreparedData
-from tasks.export import base_license, export_info, root_base_name
-from tasks.initialization import InitPlan
+from rlhf_core.models.card import write_model_card
 from tasks.stage_io import Checkpoint
+from tasks.stages.data import PreparedData
+from tasks.stages.export import base_license, export_info, root_base_name
+from tasks.stages.initialization import InitPlan
 
 
 def make(tmp_path, *overrides, base_model="/abs/demo_world/base_model"):

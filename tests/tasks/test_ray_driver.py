@@ -1,11 +1,11 @@
-"""tasks/ray_driver.py: what the driver refuses before it starts workers, and how a failure reads.
+"""tasks/launch/ray_driver.py: what the driver refuses before it starts workers, and how a failure reads.
 
 The driver on a (simulated) cluster is tests/distributed/test_ray_launcher.py."""
 
 from ray.exceptions import ActorDiedError
 from ray.train.v2.api.exceptions import WorkerGroupError
 
-from tasks.ray_driver import capacity_verdict, failure_sentence, hosts_of, local_store_verdict
+from tasks.launch.ray_driver import capacity_verdict, failure_sentence, hosts_of, local_store_verdict
 from tasks.tracking.store import is_local_store
 
 

@@ -1,4 +1,4 @@
-"""tasks/tracking/runs.py, tasks/tracking/logs.py and tasks/reporting.py for a readable record: Prefect links
+"""tasks/tracking/runs.py, tasks/tracking/logs.py and tasks/reporting/reporter.py for a readable record: Prefect links
 without secrets, empty stage runs dropped, data sets as dataset inputs, each version tagged with its own step's
 evaluation."""
 
@@ -11,7 +11,7 @@ from prefect.settings import PREFECT_API_URL, PREFECT_UI_URL, temporary_settings
 
 from rlhf_core.config import load_config
 from tasks import registry, tracking
-from tasks.reporting import StageReporter
+from tasks.reporting.reporter import StageReporter
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -67,7 +67,7 @@ def test_a_stage_run_in_a_launched_process_inherits_the_parents_flow_run(cfg, in
     with tracking.runs.pipeline_run(cfg) as parent:
         from prefect.runtime import flow_run
 
-        monkeypatch.setattr(flow_run, "get_id", lambda: None)  # a worker process started by tasks/launcher.py
+        monkeypatch.setattr(flow_run, "get_id", lambda: None)  # a worker process started by tasks/launch/launcher.py
         with tracking.runs.stage_run(parent, "ppo") as stage:
             tracking.logs.log_metrics(stage, {"loss": 1.0}, 1)
     assert MlflowClient().get_run(stage).data.tags["prefect.flow_run_id"] == "0b1c-flow-run"

@@ -10,8 +10,8 @@ import torch
 from transformers import GenerationConfig
 
 from rlhf_core.config import load_config
-from rlhf_core.models import load_causal_lm, load_tokenizer
-from rlhf_core.saving import save_hf_dir
+from rlhf_core.models.loading import load_causal_lm, load_tokenizer
+from rlhf_core.storage.saving import save_hf_dir
 from tasks import registry, tracking
 
 pytestmark = pytest.mark.filterwarnings("ignore")

@@ -13,7 +13,7 @@ MAX_LINES = 50
 
 def prefect_functions() -> list[tuple[str, ast.FunctionDef]]:
     found = []
-    for path in sorted([*REPO.glob("tasks/*.py"), *REPO.glob("flows/*.py")]):
+    for path in sorted([*REPO.glob("tasks/**/*.py"), *REPO.glob("flows/*.py")]):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.FunctionDef) and any(
                 ast.unparse(d).startswith(("task", "flow")) for d in node.decorator_list
@@ -24,7 +24,7 @@ def prefect_functions() -> list[tuple[str, ast.FunctionDef]]:
 
 def test_there_are_tasks_and_flows_to_check():
     names = [name for name, _ in prefect_functions()]
-    assert "tasks/rl.py:rl_stage" in names and "flows/rlhf_pipeline.py:rlhf_pipeline" in names
+    assert "tasks/stages/rl.py:rl_stage" in names and "flows/rlhf_pipeline.py:rlhf_pipeline" in names
 
 
 @pytest.mark.parametrize("name, node", prefect_functions(), ids=lambda x: x if isinstance(x, str) else "")

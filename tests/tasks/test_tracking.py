@@ -118,8 +118,8 @@ def test_materialize_model_round_trips_a_version(cfg, smoke_world, tmp_path):
 
 
 def test_registry_sources_follow_the_alias_and_a_missing_version_is_named(cfg, smoke_world, tmp_path):
-    from rlhf_core.models import ModelSourceError
-    from tasks.data import resolve_model_source
+    from rlhf_core.models.loading import ModelSourceError
+    from tasks.stages.data import resolve_model_source
 
     with tracking.runs.pipeline_run(cfg) as parent, tracking.runs.stage_run(parent, "export") as run_id:
         versions = [

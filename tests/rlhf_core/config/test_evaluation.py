@@ -17,7 +17,7 @@ def test_pass_at_k_must_fit_the_samples():
 
 
 def test_the_verifier_is_the_first_metric_unless_named_and_must_be_one():
-    metrics = ["rlhf_core.reward_functions:exact_match"]
+    metrics = ["rlhf_core.rewards.functions:exact_match"]
     cfg = PipelineConfig.model_validate({"eval": {"metrics": metrics, "samples_per_prompt": 4, "pass_at_k": [2]}})
     assert cfg.verifier() == "exact_match"
     assert cfg.metric_names() == ["exact_match", "pass_at_2", "maj_at_4"]  # promotion and the guard may name them

@@ -76,7 +76,7 @@ def test_missing_and_malformed_files(tmp_path):
 )
 def test_every_shipped_config_loads_and_round_trips_through_json(path):
     cfg = load_config(REPO / path)
-    assert PipelineConfig.model_validate(cfg.model_dump(mode="json")) == cfg  # as tasks.distributed does
+    assert PipelineConfig.model_validate(cfg.model_dump(mode="json")) == cfg  # as tasks.launch.worker does
 
 
 @pytest.mark.parametrize("text, value", [("5e-4", 5e-4), ("1e-3", 1e-3), (".5", 0.5), ("1E+2", 100.0), ("2E-5", 2e-5)])

@@ -1,0 +1,167 @@
+"""Loading and validating preference, prompt and text data through `datasets`, and the tables a run keeps.
+
+`load_table` reads a source (`rlhf_core.data.sources`: local json/jsonl/parquet/csv files or directories
+of them, save_to_disk directories, hub dataset names), maps and converts its rows to the pipeline's columns
+and checks every one (`rlhf_core.data.rows`), before training, failing with one sentence naming the source,
+the row (counted from 1, as lines in a JSONL file) and the column. Then the length policy, the content
+fingerprint, and the JSONL files the data stage writes and the later stages read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from rlhf_core.config import DatasetSpec
+from rlhf_core.data.chat import ACCEPTED, encode, has_chat_template
+from rlhf_core.data.rows import (
+    ROWS_PER_READ,
+    DataValidationError,
+    Kind,
+    RowConverter,
+    iter_rows,
+    layout,
+    required_columns,
+    table_format,
+    validate_rows,
+)
+from rlhf_core.data.sources import read_source
+
+
+def load_table(
+    spec: DatasetSpec,
+    kind: Kind,
+    *,
+    field: str,
+    resolved_path: str | None = None,
+    tokenizer=None,
+    chat_template_kwargs: dict | None = None,
+):
+    """Read `spec` as a `datasets.Dataset` with the pipeline's column names (see `required_columns`).
+
+    Preference and text tables keep only their pipeline columns; prompt tables keep every column.
+    Every TRL type and format is accepted (see `rlhf_core.data.chat` and `rlhf_core.data.rows`): conversational
+    rows are templated with `tokenizer` (required for them), implicit prompts extracted, prompt/completion
+    joined; a conversational prompt table keeps its messages in `prompt_messages`.
+
+    `field` is the config field the spec came from, for error messages; `resolved_path` replaces
+    `spec.path` (used for 'demo', which the caller resolves to the demo world's file).
+    """
+    path = resolved_path or spec.path
+    ds, source, file_fmt = read_source(spec, path, field)
+    mapping = layout(kind, spec, ds.column_names)
+    missing = [src for src in mapping.values() if src not in ds.column_names]
+    if missing:
+        raise DataValidationError(
+            f"{source} has no column `{missing[0]}` (columns are {ds.column_names}); map it with {field}.columns "
+            f"(accepted formats: {ACCEPTED[kind]})"
+        )
+    if spec.limit is not None and len(ds) > spec.limit:
+        ds = ds.select(range(spec.limit))
+    data_format = table_format(spec, ds, mapping, source, file_fmt) if len(ds) else "standard"
+    if data_format == "standard" and mapping == required_columns(kind, spec):
+        if kind != "prompt":  # prompt tables keep their other columns: GRPO reward functions receive them
+            ds = ds.select_columns(list(mapping.values()))
+        renames = {src: dst for dst, src in mapping.items() if src != dst}
+        if renames:
+            ds = ds.rename_columns(renames)
+        validate_rows(ds, kind, source=source, source_columns=mapping)
+        return ds
+    if data_format == "conversational" and tokenizer is not None and not has_chat_template(tokenizer):
+        raise DataValidationError(
+            f"{source} is conversational (lists of messages) but the tokenizer has no chat template; "
+            "set model.chat_template to a template file or string"
+        )
+    import datasets
+
+    convert = RowConverter(kind, mapping, data_format, source, tokenizer, chat_template_kwargs or {})
+    out = datasets.Dataset.from_list([convert(i, row) for i, row in enumerate(iter_rows(ds), start=1)])
+    names = {"prompt": mapping.get("prompt", mapping.get("chosen")), "text": mapping.get("messages")}
+    names = {**{c: c for c in out.column_names}, **mapping, **{k: v for k, v in names.items() if v}}
+    if "completion" in mapping:
+        names["text"] = f"{mapping['prompt']}` + `{mapping['completion']}"
+    validate_rows(out, kind, source=source, source_columns=names)
+    return out
+
+
+@dataclass
+class LengthReport:
+    """What the length policy did to a table."""
+
+    rows: int
+    overlong: int
+    action: Literal["truncate", "drop"]
+
+    @property
+    def kept(self) -> int:
+        return self.rows - self.overlong if self.action == "drop" else self.rows
+
+    def sentence(self, source: str) -> str:
+        verb = "dropped" if self.action == "drop" else "will be truncated"
+        return f"{source}: {self.overlong} of {self.rows} rows exceed the length limit and {verb}"
+
+
+def _token_lengths(tokenizer, texts: list[str]) -> list[int]:
+    return [len(ids) for ids in encode(tokenizer, texts, add_special_tokens=True)]
+
+
+def apply_length_policy(
+    ds, kind: Kind, tokenizer, *, max_length: int, max_prompt_length: int, action: Literal["truncate", "drop"]
+):
+    """Count rows over the limits; drop them or keep them for truncation at collation. -> (ds, report)
+
+    Limits: preferences use prompt+chosen and prompt+rejected against `max_length`; prompts use
+    `max_prompt_length`; text uses `max_length`.
+    """
+    names = [c for c in ds.column_names if c in ("prompt", "chosen", "rejected", "text")]
+    cols = {c: [] for c in names}
+    for batch in ds.select_columns(names).iter(batch_size=ROWS_PER_READ):
+        for c in names:
+            cols[c].extend(batch[c])
+    if kind == "preference":
+        chosen = _token_lengths(tokenizer, [p + c for p, c in zip(cols["prompt"], cols["chosen"])])
+        rejected = _token_lengths(tokenizer, [p + r for p, r in zip(cols["prompt"], cols["rejected"])])
+        over = [max(a, b) > max_length for a, b in zip(chosen, rejected)]
+    elif kind == "prompt":
+        over = [n > max_prompt_length for n in _token_lengths(tokenizer, cols["prompt"])]
+    else:
+        over = [n > max_length for n in _token_lengths(tokenizer, cols["text"])]
+    report = LengthReport(rows=len(ds), overlong=sum(over), action=action)
+    if action == "drop" and report.overlong:
+        ds = ds.select([i for i, o in enumerate(over) if not o])
+    return ds, report
+
+
+def fingerprint_rows(ds) -> str:
+    """sha256 of the rows as canonical JSON: the same data gives the same fingerprint anywhere."""
+    digest = hashlib.sha256()
+    for row in iter_rows(ds):
+        digest.update(json.dumps(row, sort_keys=True, ensure_ascii=False, default=str).encode())
+        digest.update(b"\n")
+    return digest.hexdigest()[:16]
+
+
+def save_table(ds, path: str | Path) -> Path:
+    """Write a validated table as JSONL (written to a temporary name first, then renamed)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    with tmp.open("w", encoding="utf-8") as fh:
+        for row in iter_rows(ds):
+            fh.write(json.dumps(row, ensure_ascii=False, sort_keys=True) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def read_rows(path: str | Path) -> list[dict[str, Any]]:
+    """The rows of a JSONL file written by `save_table`."""
+    with open(path, encoding="utf-8") as fh:
+        return [json.loads(line) for line in fh if line.strip()]
+
+
+def read_column(path: str | Path, column: str) -> list[Any]:
+    """One column of a JSONL file written by `save_table`."""
+    return [row[column] for row in read_rows(path)]

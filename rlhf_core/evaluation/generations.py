@@ -1,0 +1,227 @@
+"""Generation evaluation: the policy's own samples of held-out prompts, scored every way we can.
+
+Completions are sampled as in training (the sampling temperature, top-k, top-p), so that what is
+measured is what the policy does: near-greedy decoding would hide collapse and make the KL estimate
+meaningless. Each row holds the prompt, the completion, the reward model's score, every metric
+function's value, the KL of the policy to the reference along the completion at the sampling
+temperature (sums over its tokens; absent when no reference is loaded), its length in tokens and
+whether it stopped. The KL is measured three ways: `kl_exact`, the exact KL of the two next-token
+distributions over the whole vocabulary at each position (both models' logits are at hand), which
+the guard and promotion read (`promotion.eval_kl`); and the sampling estimators k1 (`kl`) and k3
+(`kl_k3`), kept as diagnostics beside training's. k3 = exp(r) - 1 - r (r = log ref - log policy)
+explodes on the rare sampled token that the policy finds unlikely and the reference likes: one such
+sample in 64 can move its mean by tens of nats; the exact KL does not move. `summarize_rows` adds
+what only the whole set shows: distinct-1/2, the repeated n-gram rate, the stop rate, and the exact
+KL's median and p90. The caller turns rows into MLflow tables, Prefect artifacts and Parquet.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from rlhf_core.data.chat import assistant_messages
+from rlhf_core.models.forward import logprobs_from_logits, response_logits, sequence_scores
+from rlhf_core.rewards.functions import accepts, call_scoring_function, completion_ids
+from rlhf_core.rl_math import exact_kl_per_token, kl_per_token, response_mask
+from rlhf_core.rollout.collect import reference_context
+from rlhf_core.rollout.generation import decode_responses, generate, left_pad, tokenize_prompts
+from rlhf_core.rollout.sampling import SamplingSettings
+from rlhf_core.storage.saving import is_peft
+
+SPREAD_COLUMNS = ("kl_exact",)  # columns whose median and p90 the summary adds (a mean alone hides the tail)
+
+
+@torch.no_grad()
+def evaluate_generations(
+    policy,
+    ref_model,
+    reward_model,
+    tokenizer,
+    prompts: list[str],
+    *,
+    response_length: int,
+    max_prompt_length: int,
+    metrics: dict[str, object],
+    batch_size: int,
+    greedy: bool = False,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    stop_token_ids: Sequence[int] = (),
+    prompt_messages: Sequence[list[dict]] | None = None,
+    columns: dict[str, Sequence] | None = None,
+    device=None,
+) -> list[dict]:
+    """Rows of sampled (temperature, top_k, top_p; or greedy) completions of `prompts`, scored by the reward
+    model and `metrics`. The KL is of the policy's sampling distribution (logits / temperature) to the
+    reference's at the same temperature, on these samples: an estimate only when they are sampled.
+
+    `prompt_messages`: the prompts' message lists when they are conversational; metric functions then
+    receive them and each completion as [{"role": "assistant", "content": text}], as GRPO's reward
+    functions do (TRL's convention). `columns`: the prompts' other dataset columns, passed to the metric
+    functions as keyword arguments (TRL's convention), and `completion_ids` to those that take it."""
+    settings = SamplingSettings(
+        response_length=response_length, temperature=temperature, top_k=top_k, top_p=top_p, greedy=greedy
+    )
+    kl_temperature = 1.0 if greedy else temperature
+    was_training = policy.training
+    policy.eval()
+    for model in (ref_model, reward_model):
+        if model is not None and device is not None:
+            model.to(device)
+    rows: list[dict] = []
+    for start in range(0, len(prompts), batch_size):
+        chunk = prompts[start : start + batch_size]
+        query_ids, query_mask = left_pad(tokenize_prompts(tokenizer, chunk, max_prompt_length), tokenizer.pad_token_id)
+        if device is not None:
+            query_ids, query_mask = query_ids.to(device), query_mask.to(device)
+        responses = generate(
+            policy, query_ids, query_mask, settings, pad_token_id=tokenizer.pad_token_id, stop_token_ids=stop_token_ids
+        )
+        resp_mask, last_index, has_stop = response_mask(responses, stop_token_ids)
+        kls = {}
+        if ref_model is not None or is_peft(policy):  # the caller loads a reference even for GRPO with beta 0
+            args = (query_ids, query_mask, responses, resp_mask)
+            kls = completion_kl(policy, ref_model, *args, temperature=kl_temperature)
+        scores = (
+            sequence_scores(reward_model, query_ids, query_mask, responses, resp_mask, last_index)
+            if reward_model is not None
+            else None
+        )
+        completions = decode_responses(tokenizer, responses, resp_mask)
+        batch = slice(start, start + batch_size)
+        extra = _metric_values(metrics, chunk, completions, prompt_messages, columns, batch, responses, resp_mask)
+        rows += _rows(chunk, completions, scores, extra, kls, resp_mask, has_stop)
+    policy.train(was_training)
+    return rows
+
+
+def _metric_values(
+    metrics: dict[str, object],
+    chunk: list[str],
+    completions: list[str],
+    prompt_messages: Sequence[list[dict]] | None,
+    columns: dict[str, Sequence] | None,
+    batch: slice,
+    responses: torch.Tensor,
+    resp_mask: torch.Tensor,
+) -> dict[str, list]:
+    """Each metric function's values on one batch, called as GRPO calls its reward functions: messages for
+    conversational prompts, the dataset's other columns as keywords, `completion_ids` to those that take it."""
+    scored = (
+        (chunk, completions)
+        if prompt_messages is None
+        else (list(prompt_messages[batch]), assistant_messages(completions))
+    )
+    kwargs = {k: list(v[batch]) for k, v in (columns or {}).items()}
+    ids = completion_ids(responses, resp_mask)
+    return {
+        name: call_scoring_function(
+            name,
+            fn,
+            prompts=scored[0],
+            completions=scored[1],
+            **kwargs,
+            **({"completion_ids": ids} if accepts(fn, "completion_ids") and "completion_ids" not in kwargs else {}),
+        )
+        for name, fn in metrics.items()
+    }
+
+
+def _rows(chunk, completions, scores, extra, kls, resp_mask, has_stop) -> list[dict]:
+    """One batch's rows: prompt, completion, score, metric values, KLs, length, whether it stopped."""
+    rows = []
+    for i, (prompt, completion) in enumerate(zip(chunk, completions)):
+        row = {"prompt": prompt, "completion": completion}
+        if scores is not None:
+            row["score"] = float(scores[i])
+        row.update({name: values[i] for name, values in extra.items()})
+        row.update({name: float(values[i]) for name, values in kls.items()})
+        row["length"] = int(resp_mask[i].sum())
+        row["stopped"] = bool(has_stop[i])
+        rows.append(row)
+    return rows
+
+
+@torch.no_grad()
+def completion_kl(
+    policy,
+    ref_model,
+    query_ids: torch.Tensor,
+    query_mask: torch.Tensor,
+    responses: torch.Tensor,
+    resp_mask: torch.Tensor,
+    *,
+    temperature: float,
+) -> dict[str, torch.Tensor]:
+    """KL(policy || reference) per completion (B,), summed over its tokens, both distributions at
+    `temperature` (logits / temperature): {"kl_exact": over the whole vocabulary at each position, "kl": k1,
+    "kl_k3": k3}. From the policy's own samples k1 is unbiased and k3 unbiased and never negative; the
+    exact one needs no sample at all. `ref_model` None: a PEFT policy with its adapters disabled."""
+    args = (query_ids, query_mask, responses, resp_mask)
+    logits = response_logits(policy, *args, temperature=temperature)
+    with reference_context(policy, ref_model):
+        ref_logits = response_logits(ref_model or policy, *args, temperature=temperature)
+    mask = resp_mask.float()
+    logp, _ = logprobs_from_logits(logits, responses, resp_mask)
+    ref_logp, _ = logprobs_from_logits(ref_logits, responses, resp_mask)
+    return {
+        "kl_exact": (exact_kl_per_token(logits, ref_logits) * mask).sum(1),
+        "kl": (kl_per_token(logp, ref_logp, "k1") * mask).sum(1),
+        "kl_k3": (kl_per_token(logp, ref_logp, "k3") * mask).sum(1),
+    }
+
+
+def ngrams(words: list[str], n: int) -> list[tuple[str, ...]]:
+    return [tuple(words[i : i + n]) for i in range(len(words) - n + 1)]
+
+
+def distinct_n(texts: Sequence[str], n: int) -> float:
+    """Distinct n-grams over all n-grams of all texts (whitespace words; Li et al. 2016); 0.0 with none."""
+    grams = [g for text in texts for g in ngrams(text.split(), n)]
+    return len(set(grams)) / len(grams) if grams else 0.0
+
+
+def repeated_ngram_rate(texts: Sequence[str], n: int = 2) -> float:
+    """The share of n-grams that repeat an n-gram earlier in the same text ("was good was good": 1 of 3
+    bigrams); degenerate repetition drives it up. 0.0 with no n-grams."""
+    total = repeats = 0
+    for text in texts:
+        grams = ngrams(text.split(), n)
+        total += len(grams)
+        repeats += len(grams) - len(set(grams))
+    return repeats / total if total else 0.0
+
+
+def quantile(values: Sequence[float], q: float) -> float:
+    """The q-quantile of `values` by linear interpolation (numpy's default)."""
+    ordered = sorted(values)
+    position = q * (len(ordered) - 1)
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def summarize_rows(rows: list[dict]) -> dict[str, float]:
+    """Means of every numeric column (eval/<column>_mean), the median and p90 of SPREAD_COLUMNS
+    (eval/kl_exact_median, eval/kl_exact_p90), and over the completions: eval/distinct_1,
+    eval/distinct_2, eval/repeated_ngram_rate (bigrams) and eval/stop_rate."""
+    keys = [k for k, v in rows[0].items() if isinstance(v, (int, float)) and not isinstance(v, bool)] if rows else []
+    out = {}
+    for key in keys:
+        values = [r[key] for r in rows if r.get(key) is not None]
+        if values:
+            out[f"eval/{key}_mean"] = sum(values) / len(values)
+            if key in SPREAD_COLUMNS:
+                out[f"eval/{key}_median"] = quantile(values, 0.5)
+                out[f"eval/{key}_p90"] = quantile(values, 0.9)
+    if rows and "completion" in rows[0]:
+        texts = [str(r["completion"]) for r in rows]
+        out["eval/distinct_1"] = distinct_n(texts, 1)
+        out["eval/distinct_2"] = distinct_n(texts, 2)
+        out["eval/repeated_ngram_rate"] = repeated_ngram_rate(texts)
+        if "stopped" in rows[0]:
+            out["eval/stop_rate"] = sum(bool(r["stopped"]) for r in rows) / len(rows)
+    return out

@@ -1,0 +1,128 @@
+"""The rollout phase of an RL step: sample responses, mark where they stop, and read their log-probabilities
+under the policy and the reference; plus the completion statistics TRL logs for a rollout."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+
+import torch
+
+from rlhf_core.models.forward import response_logprobs
+from rlhf_core.rl_math import response_mask
+from rlhf_core.rollout.generation import generate
+from rlhf_core.rollout.sampling import SamplingSettings
+from rlhf_core.training.timing import PhaseTimer
+
+
+@dataclass
+class Rollout:
+    """One batch of experience: everything PPO or GRPO needs, detached."""
+
+    query_ids: torch.Tensor  # (B, Q) left-padded
+    query_mask: torch.Tensor  # (B, Q)
+    responses: torch.Tensor  # (B, R) right-padded after the stop token
+    resp_mask: torch.Tensor  # (B, R)
+    last_index: torch.Tensor  # (B,) index of the last real response token
+    logprobs: torch.Tensor | None  # (B, R) policy at sampling time; None when not asked for
+    ref_logprobs: torch.Tensor | None  # (B, R)
+    has_stop: torch.Tensor  # (B,) bool: the response ended with a stop token (else it ran to response_length)
+
+    def trained_mask(self, mask_truncated: bool) -> torch.Tensor:
+        """The response tokens the loss sees: all real ones, or with `mask_truncated` (the GRPO family's
+        mask_truncated_completions) none of a response that ran to the length limit without a stop. (B, R)"""
+        return self.resp_mask * self.has_stop.unsqueeze(1).long() if mask_truncated else self.resp_mask
+
+
+@dataclass
+class RolloutBatch:
+    """What the rollout phase of an RL step hands on: the sampled responses and every score of them."""
+
+    rollout: Rollout
+    scores: torch.Tensor  # (B, F) each reward source's score (PPO: F = 1, the reward model); NaN: the source abstained
+    penalty: torch.Tensor | None = None  # (B,) rl.missing_eos_penalty where a response never stopped, else 0
+    values: torch.Tensor | None = None  # (B, R) the value model's, at sampling time (PPO)
+    rows: list[dict] = field(default_factory=list)  # each response's prompt row (reward functions read its columns)
+    completions: list[str] = field(default_factory=list)  # decoded, when a reward function needs the text
+
+    def __len__(self) -> int:
+        return self.scores.shape[0]
+
+    def sequence_scores(self) -> torch.Tensor:
+        """The one score per response of a single-source rollout, minus the penalty. (B,)"""
+        scores = self.scores[:, 0]
+        return scores if self.penalty is None else scores - self.penalty
+
+
+def missing_stop_penalty(rollout: Rollout, penalty: float | None) -> torch.Tensor | None:
+    """rl.missing_eos_penalty on each response that ran to the length limit without a stop token. (B,)"""
+    return None if penalty is None else penalty * (~rollout.has_stop).float()
+
+
+def reference_context(policy, ref_model):
+    """With no separate reference (LoRA), the policy with its adapters disabled is the reference."""
+    if ref_model is None:
+        return policy.disable_adapter()
+    return nullcontext()
+
+
+@torch.no_grad()
+def collect_rollout(
+    policy,
+    ref_model,
+    query_ids,
+    query_mask,
+    settings: SamplingSettings,
+    *,
+    pad_token_id: int,
+    stop_token_ids: Sequence[int] = (),
+    need_reference: bool = True,
+    need_logprobs: bool = True,
+    prompt_repeats: int = 1,
+    timer: PhaseTimer | None = None,
+) -> Rollout:
+    """Generate responses and score them under the policy and, when asked, the reference.
+
+    need_logprobs=False skips the policy's forward pass: with one update per batch the "old"
+    log-probabilities equal the first update's own, detached (GRPO with num_iterations 1, as TRL).
+    prompt_repeats: see `generate`. `timer` times the phases generate, policy_logprobs and reference.
+    """
+    timer = timer or PhaseTimer(enabled=False)
+    policy.eval()
+    with timer("generate"):
+        responses = generate(
+            policy,
+            query_ids,
+            query_mask,
+            settings,
+            pad_token_id=pad_token_id,
+            stop_token_ids=stop_token_ids,
+            prompt_repeats=prompt_repeats,
+        )
+    resp_mask, last_index, has_stop = response_mask(responses, stop_token_ids)
+    logprobs = None
+    if need_logprobs:
+        with timer("policy_logprobs"):
+            logprobs, _ = response_logprobs(policy, query_ids, query_mask, responses, resp_mask, settings.temperature)
+    ref_logprobs = None
+    if need_reference:
+        with timer("reference"), reference_context(policy, ref_model):
+            ref_logprobs, _ = response_logprobs(
+                ref_model or policy, query_ids, query_mask, responses, resp_mask, settings.temperature
+            )
+    return Rollout(query_ids, query_mask, responses, resp_mask, last_index, logprobs, ref_logprobs, has_stop)
+
+
+def completion_metrics(rollout: Rollout) -> dict[str, torch.Tensor]:
+    """TRL's completion statistics of a rollout, as 0-d tensors: lengths in tokens (stop token included),
+    the fraction that never stopped, and the mean length of those that did (0 when none did)."""
+    lengths = rollout.resp_mask.sum(1).float()
+    stopped = rollout.has_stop.float()
+    return {
+        "completions/mean_length": lengths.mean(),
+        "completions/min_length": lengths.min(),
+        "completions/max_length": lengths.max(),
+        "completions/clipped_ratio": 1.0 - stopped.mean(),
+        "completions/mean_terminated_length": (lengths * stopped).sum() / stopped.sum().clamp(min=1.0),
+    }

@@ -1,0 +1,171 @@
+"""Data-parallel stages on Ray: `python -m tasks.launch.ray_driver <spec> <result>`, started by tasks/launch/launcher.py.
+
+The driver joins the cluster at `run.ray_address` ('auto', 'host:port') or, when it is null, starts a
+private local Ray instance sized for the workers and stops it after. It refuses what a cluster cannot do
+for the run (too few CPUs or GPUs for the workers; a tracking store that lives on this machine when the
+nodes are on several hosts) in one sentence, then runs a Ray Train `TorchTrainer` with
+`run.num_processes` workers that each run `tasks.launch.worker.ray_worker` (the same stage body as under
+torchrun), placed by `run.ray_placement_strategy`. When a worker dies, Ray Train restarts the worker
+group up to `run.max_failures` times and the stage resumes from its newest complete checkpoint in
+`run.output_dir`. Rank 0's Checkpoint comes back through Ray as the training function's return value;
+the driver hands it to the launcher in `<result>` beside the spec, on this machine.
+
+A failure ends with one line, `FAILURE_PREFIX` + a sentence, that the launcher raises. The driver runs in
+its own process so that the Ray job's entry point (its command line, which Ray records) holds nothing but
+two temporary file names, and so that `ray.init` never meets Prefect's process.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import sys
+import uuid
+from pathlib import Path
+
+from rlhf_core.config import RunConfig as RunSettings
+from tasks.launch.launcher import FAILURE_PREFIX
+
+
+class StageFailure(RuntimeError):
+    """The stage cannot run, or did not finish, on Ray; the message is the sentence the user sees."""
+
+
+def train_loop(spec: dict) -> dict:
+    """The training function of every Ray Train worker (pickled by reference: `tasks.launch.ray_driver.train_loop`)."""
+    from tasks.launch.worker import ray_worker
+
+    return ray_worker(spec)
+
+
+def hosts_of(nodes: list[dict]) -> list[str]:
+    """The distinct addresses of the alive nodes in `ray.nodes()`, sorted."""
+    return sorted({node["NodeManagerAddress"] for node in nodes if node.get("Alive")})
+
+
+def local_store_verdict(uri: str, nodes: list[dict], is_local_store) -> str | None:
+    """The sentence refusing a tracking store on this machine for a cluster whose nodes span several hosts."""
+    hosts = hosts_of(nodes)
+    if len(hosts) < 2 or not is_local_store(uri):
+        return None
+    return (
+        f"tracking.uri {uri} is a store on this machine only, and the Ray cluster's nodes are on {len(hosts)} "
+        f"hosts ({', '.join(hosts)}): the worker that logs to MLflow (rank 0) may run on another host, and "
+        "SQLite over a network file system is not safe for two writers; use a tracking server (http://...)"
+    )
+
+
+def capacity_verdict(total: dict, workers: int, cpus: float, gpus: float) -> str | None:
+    """The sentence when the cluster's resources (`ray.cluster_resources()`) cannot hold the workers."""
+    short = [
+        f"{need:g} {name} ({workers} workers x {per:g}, {field}) but the cluster has {total.get(name, 0):g}"
+        for name, per, field in (("CPU", cpus, "run.ray_cpus_per_worker"), ("GPU", gpus, "run.device cuda"))
+        if per and (need := workers * per) > total.get(name, 0)
+    ]
+    if not short:
+        return None
+    return f"run.num_processes {workers} needs {'; '.join(short)}; lower run.num_processes or add nodes"
+
+
+def failure_sentence(stage: str, error: BaseException, max_failures: int) -> str:
+    """One sentence for a TorchTrainer that ended in `error` after its restarts."""
+    failures = getattr(error, "worker_failures", None) or {}
+    if failures:
+        rank, cause = sorted(failures.items())[0]
+        first = str(cause).strip().splitlines() or [type(cause).__name__]
+        what = f"the worker of rank {rank} failed: {first[-1]}"
+    else:
+        lines = str(error).strip().splitlines()
+        what = lines[-1] if lines else type(error).__name__
+    restarts = f"{max_failures} restart{'s' if max_failures != 1 else ''}"
+    return f"the {stage} stage failed on Ray after {restarts} (run.max_failures {max_failures}): {what}"
+
+
+def connect(run: RunSettings) -> None:
+    """Connect to run.ray_address, or start a private local instance with CPUs enough for the workers
+    (`ray.shutdown()` stops it)."""
+    import ray
+
+    if run.ray_address is not None:
+        ray.init(address=run.ray_address, log_to_driver=True)
+    else:
+        cpus = max(os.cpu_count() or 1, math.ceil(run.num_processes * run.ray_cpus_per_worker))
+        # the dashboard serves the state API, which Ray Train's placement-group cleaner polls every second
+        ray.init(address="local", num_cpus=cpus, include_dashboard=True, log_to_driver=True)
+
+
+def fit(spec: dict) -> dict:
+    """Run the spec's stage on the cluster; rank 0's Checkpoint as a dict. Raises StageFailure."""
+    import ray
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from tasks.tracking.store import is_local_store
+
+    run, stage = RunSettings.model_validate(spec["config"]["run"]), spec["stage"]
+    gpu = 1.0 if run.device == "cuda" else 0.0
+    verdict = capacity_verdict(ray.cluster_resources(), run.num_processes, run.ray_cpus_per_worker, gpu)
+    uri = spec["config"]["tracking"]["uri"] or os.environ.get("MLFLOW_TRACKING_URI", "")
+    verdict = verdict or local_store_verdict(uri, ray.nodes(), is_local_store)
+    if verdict is not None:
+        raise StageFailure(verdict)
+    resources = {"CPU": run.ray_cpus_per_worker, **({"GPU": gpu} if gpu else {})}
+    storage = Path(run.output_dir) / ".ray-train"
+    name = f"rlhf-{stage}-{uuid.uuid4().hex[:8]}"
+    trainer = TorchTrainer(
+        train_loop,
+        train_loop_config=spec,
+        scaling_config=ScalingConfig(
+            num_workers=run.num_processes,
+            use_gpu=bool(gpu),
+            resources_per_worker=resources,
+            placement_strategy=run.ray_placement_strategy,
+        ),
+        run_config=RunConfig(
+            name=name, storage_path=str(storage), failure_config=FailureConfig(max_failures=run.max_failures)
+        ),
+    )
+    try:
+        result = trainer.fit()
+    except ray.train.TrainingFailedError as err:
+        raise StageFailure(failure_sentence(stage, err, run.max_failures)) from err
+    finally:
+        shutil.rmtree(storage / name, ignore_errors=True)  # Ray Train's own run state; ours is in the checkpoints
+        try:
+            storage.rmdir()
+        except OSError:
+            pass
+    value = result.return_value or {}
+    if "error" in value:
+        raise StageFailure(value["error"])
+    return value["checkpoint"]
+
+
+def main(spec_path: str, result_path: str) -> int:
+    import ray
+
+    spec = json.loads(Path(spec_path).read_text())
+    try:
+        connect(RunSettings.model_validate(spec["config"]["run"]))
+        checkpoint = fit(spec)
+    except StageFailure as err:
+        print(FAILURE_PREFIX + str(err), flush=True)
+        return 1
+    except ConnectionError as err:
+        address = spec["config"]["run"]["ray_address"]
+        print(f"{FAILURE_PREFIX}run.ray_address {address} reaches no Ray cluster: {err}", flush=True)
+        return 1
+    finally:
+        ray.shutdown()  # stops a private instance; leaves a joined cluster running
+    Path(result_path).write_text(json.dumps(checkpoint))
+    return 0
+
+
+if __name__ == "__main__":
+    from tasks.launch.ray_driver import (
+        main as driver_main,  # train_loop pickles as tasks.launch.ray_driver's, not __main__'s
+    )
+
+    sys.exit(driver_main(sys.argv[1], sys.argv[2]))

@@ -1,0 +1,63 @@
+"""A registered policy version evaluated on the held-out prompts, for promotion (flows/promote.py).
+
+`evaluate_version` evaluates as the RL stage does (`tasks.stages.rl.evaluate_policy`: sampled as in training or
+greedy, the prompts' dataset columns for the metric functions, the verifier's pass@k and maj@n), seeded, so
+the candidate and the champion are scored on the same draws: with the candidate's reward model and
+reference, and `eval.metrics`.
+"""
+
+from __future__ import annotations
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from rlhf_core.config import PipelineConfig
+from rlhf_core.data.tables import read_rows
+from rlhf_core.evaluation.generations import summarize_rows
+from rlhf_core.training.determinism import seed_everything
+from tasks.retry import IO_RETRIES
+from tasks.stages.data import PreparedData, resolve_model_source
+from tasks.stages.rl import RLModels, evaluate_policy, metric_functions
+
+
+def _model_dir(source: str, cfg: PipelineConfig, data: PreparedData, field: str) -> str:
+    if source == cfg.model.base and data.demo_world is not None:
+        return data.base_model
+    return resolve_model_source(source, field=field, cfg=cfg, world=None)
+
+
+@task(name="evaluate-version", cache_policy=NO_CACHE, **IO_RETRIES)
+def evaluate_version(
+    cfg: PipelineConfig, data: PreparedData, model_uri: str, reference: str | None, reward_model: str | None
+) -> tuple[dict[str, float], list[dict]]:
+    """Completions sampled as in training of the held-out prompts by `model_uri`, scored; (summary, rows)."""
+    from transformers import AutoModelForSequenceClassification
+
+    from rlhf_core.models.loading import load_causal_lm, load_pretrained, load_tokenizer, run_stop_ids
+
+    policy_dir = _model_dir(model_uri, cfg, data, "registry")
+    tokenizer = load_tokenizer(policy_dir)
+    policy = load_causal_lm(policy_dir).eval()
+    ref = load_causal_lm(_model_dir(reference, cfg, data, "base_model tag")).eval() if reference else None
+    reward = (
+        load_pretrained(
+            AutoModelForSequenceClassification, _model_dir(reward_model, cfg, data, "reward_model_version tag")
+        ).eval()
+        if reward_model
+        else None
+    )
+    rows = read_rows(data.tables["eval_prompts"])[: cfg.promote.num_prompts or cfg.eval.num_prompts]
+    models = RLModels(
+        tokenizer=tokenizer,
+        policy=policy,
+        ref_model=ref,
+        reward_model=reward,
+        stop_ids=run_stop_ids(tokenizer, policy.generation_config, cfg.rl),
+        eval_ref=ref,
+    )
+    seed_everything(cfg.run.seed)  # sampled as in training, seeded: the same draws for candidate and champion
+    # the RL stage's evaluation: dataset columns for the metric functions, the verifier's pass@k and maj@n
+    rows = evaluate_policy(
+        policy, 0, cfg=cfg, models=models, prompt_rows=rows, metrics=metric_functions(cfg.eval.metrics)
+    )
+    return summarize_rows(rows), rows

@@ -1,0 +1,94 @@
+"""rlhf_core/data/tables.py: tables are loaded with the pipeline's columns, measured against the length limits and
+fingerprinted."""
+
+import pandas as pd
+import pytest
+
+from rlhf_core.config import ColumnMap, DatasetSpec
+from rlhf_core.data.rows import DataValidationError
+from rlhf_core.data.tables import apply_length_policy, fingerprint_rows, load_table
+from rlhf_core.models.loading import load_tokenizer
+from tests.fixtures.tables import CHATML_PROMPT, GOOD, USER, load, write_jsonl
+
+
+def test_limit(tmp_path):
+    assert len(load(write_jsonl(tmp_path / "p.jsonl", GOOD), limit=2)) == 2
+
+
+def test_missing_column_names_the_columns_and_the_config_field(tmp_path):
+    path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "p", "chosen": "a"}])
+    with pytest.raises(
+        DataValidationError,
+        match=r"has no column `rejected` \(columns are \['prompt', 'chosen'\]\); map it with data.preference.columns",
+    ):
+        load(path)
+
+
+def test_prompt_and_text_kinds(tmp_path):
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": "a"}, {"prompt": ""}])
+    with pytest.raises(DataValidationError, match="row 2 column `prompt` is empty"):
+        load_table(DatasetSpec(path=str(prompts)), "prompt", field="data.prompts")
+    text = write_jsonl(tmp_path / "text.jsonl", [{"body": "hello there"}])
+    ds = load_table(DatasetSpec(path=str(text), columns=ColumnMap(text="body")), "text", field="sft.dataset")
+    assert ds[0] == {"text": "hello there"}
+
+
+def test_length_policy_counts_truncates_and_drops(tmp_path, smoke_world):
+    tokenizer = load_tokenizer(str(smoke_world.tokenizer))
+    rows = GOOD + [{"prompt": "the food was", "chosen": " great" * 30 + " .", "rejected": " awful ."}]
+    ds = load(write_jsonl(tmp_path / "p.jsonl", rows))
+    kept, report = apply_length_policy(
+        ds, "preference", tokenizer, max_length=10, max_prompt_length=4, action="truncate"
+    )
+    assert (report.rows, report.overlong, report.kept, len(kept)) == (4, 1, 4, 4)
+    assert "1 of 4 rows exceed the length limit and will be truncated" in report.sentence("p.jsonl")
+    kept, report = apply_length_policy(ds, "preference", tokenizer, max_length=10, max_prompt_length=4, action="drop")
+    assert (report.overlong, report.kept, len(kept)) == (1, 3, 3)
+    assert "great great" not in " ".join(kept["chosen"])
+    prompts = load_table(
+        DatasetSpec(path=str(write_jsonl(tmp_path / "q.jsonl", [{"prompt": "a b"}, {"prompt": "a b c d e f"}]))),
+        "prompt",
+        field="x",
+    )
+    _, report = apply_length_policy(prompts, "prompt", tokenizer, max_length=10, max_prompt_length=4, action="drop")
+    assert report.overlong == 1  # bos + 6 words > 4
+
+
+def test_fingerprint_depends_on_content_only(tmp_path):
+    a = load(write_jsonl(tmp_path / "a.jsonl", GOOD))
+    pd.DataFrame(GOOD).to_parquet(tmp_path / "b.parquet")
+    b = load(tmp_path / "b.parquet")
+    c = load(write_jsonl(tmp_path / "c.jsonl", GOOD[:2]))
+    assert fingerprint_rows(a) == fingerprint_rows(b) != fingerprint_rows(c)
+
+
+def test_missing_columns_list_the_accepted_formats(tmp_path):
+    path = write_jsonl(tmp_path / "t.jsonl", [{"body": "x"}])
+    with pytest.raises(DataValidationError) as err:
+        load_table(DatasetSpec(path=str(path)), "text", field="sft.dataset")
+    assert "has no column `text`" in str(err.value) and "accepted formats: language modeling" in str(err.value)
+
+
+def test_conversational_data_needs_a_chat_template(tmp_path, smoke_world):
+    tokenizer = load_tokenizer(str(smoke_world.tokenizer))
+    tokenizer.chat_template = None  # the demo's has one; a base model's often has none
+    path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": USER}])
+    with pytest.raises(
+        DataValidationError,
+        match="is conversational .* but the tokenizer has no chat template; set model.chat_template",
+    ):
+        load_table(DatasetSpec(path=str(path)), "prompt", field="data.prompts", tokenizer=tokenizer)
+
+
+def test_length_policy_measures_the_templated_text(tmp_path, chat_tokenizer):
+    ds = load_table(
+        DatasetSpec(path=str(write_jsonl(tmp_path / "p.jsonl", [{"prompt": USER}]))),
+        "prompt",
+        field="data.prompts",
+        tokenizer=chat_tokenizer,
+    )
+    n = len(chat_tokenizer(CHATML_PROMPT)["input_ids"])
+    _, report = apply_length_policy(ds, "prompt", chat_tokenizer, max_length=64, max_prompt_length=n, action="drop")
+    assert report.overlong == 0
+    _, report = apply_length_policy(ds, "prompt", chat_tokenizer, max_length=64, max_prompt_length=n - 1, action="drop")
+    assert report.overlong == 1

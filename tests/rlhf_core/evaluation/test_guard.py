@@ -1,0 +1,149 @@
+"""rlhf_core/evaluation/guard.py: each rule fires on a synthetic history that breaks it and stays quiet otherwise;
+the ledger keeps branches, picks checkpoints and survives a round trip through JSON."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlhf_core.config import DivergenceRule, GuardConfig, GuardRule
+from rlhf_core.evaluation.guard import GuardLedger, check, relative_to_initial, set_aside, strongest
+
+INITIAL = {
+    "eval/score_mean": 0.0,
+    "eval/vader_compound_mean": 0.0,
+    "eval/kl_k3_mean": 0.0,
+    "eval/length_mean": 4.0,
+    "eval/distinct_2": 0.8,
+}
+
+
+def at(**changes) -> dict[str, float]:
+    return {**INITIAL, **{f"eval/{k}" if not k.startswith("eval/") else k: v for k, v in changes.items()}}
+
+
+def only(**rules) -> GuardConfig:
+    """A guard with every rule off but `rules`."""
+    off = {
+        "kl_budget": GuardRule(),
+        "min_distinct_ratio": GuardRule(),
+        "max_length_change": GuardRule(),
+        "divergence": DivergenceRule(evals=None),
+    }
+    return GuardConfig(**{**off, **rules})
+
+
+def fired(history, guard, gold="vader_compound") -> list[str]:
+    return [t.rule for t in check(list(enumerate(history)), guard, gold)]
+
+
+def test_kl_budget_uses_k3_and_fires_only_above_the_limit():
+    guard = only(kl_budget=GuardRule(limit=3.0, action="rollback"))
+    assert fired([INITIAL, at(kl_k3_mean=2.9)], guard) == []
+    assert fired([INITIAL, at(kl_k3_mean=3.1)], guard) == ["kl_budget"]
+    # k1 only when k3 is missing
+    no_k3 = {k: v for k, v in at(kl_mean=5.0).items() if k != "eval/kl_k3_mean"}
+    assert fired([INITIAL, no_k3], guard) == ["kl_budget"]
+    (trigger,) = check([(0, INITIAL), (40, at(kl_k3_mean=6.25))], guard, None)
+    assert (trigger.action, trigger.step, trigger.value, trigger.limit) == ("rollback", 40, 6.25, 3.0)
+    assert trigger.message == "guard kl_budget at step 40: eval KL 6.250 nats > 3 (action: rollback)"
+
+
+def test_min_distinct_ratio_compares_with_the_initial_policy():
+    guard = only(min_distinct_ratio=GuardRule(limit=0.5))
+    assert fired([INITIAL, at(distinct_2=0.41)], guard) == []  # 0.51 of 0.8
+    assert fired([INITIAL, at(distinct_2=0.39)], guard) == ["min_distinct_ratio"]
+    assert fired([INITIAL], guard) == []  # the initial evaluation breaks nothing
+
+
+def test_max_length_change_fires_both_ways():
+    guard = only(max_length_change=GuardRule(limit=0.3, action="stop"))
+    assert fired([INITIAL, at(length_mean=5.1)], guard) == []  # +27.5%
+    assert fired([INITIAL, at(length_mean=2.9)], guard) == []  # -27.5%
+    assert fired([INITIAL, at(length_mean=5.3)], guard) == ["max_length_change"]
+    assert fired([INITIAL, at(length_mean=2.7)], guard) == ["max_length_change"]
+
+
+def test_divergence_needs_the_proxy_up_and_gold_down_at_each_of_k_evaluations():
+    guard = only(divergence=DivergenceRule(evals=2, action="warn"))
+    rising = [at(score_mean=s, vader_compound_mean=g) for s, g in [(1, 0.5), (2, 0.4), (3, 0.3)]]
+    assert fired([INITIAL, *rising], guard) == ["divergence"]
+    assert fired([INITIAL, *rising[:2]], guard) == []  # gold fell at only one of the last two steps
+    both_up = [at(score_mean=s, vader_compound_mean=g) for s, g in [(1, 0.1), (2, 0.4), (3, 0.5)]]
+    assert fired([INITIAL, *both_up], guard) == []
+    flat_proxy = [at(score_mean=s, vader_compound_mean=g) for s, g in [(1, 0.5), (1, 0.4), (3, 0.3)]]
+    assert fired([INITIAL, *flat_proxy], guard) == []
+    assert fired([INITIAL, *rising], guard, gold=None) == []  # no gold metric, no divergence
+
+
+def test_relative_to_initial_and_the_strongest_action():
+    assert relative_to_initial(at(length_mean=2.0, distinct_2=0.2), INITIAL) == {
+        "eval/length_ratio": 0.5,
+        "eval/distinct_2_ratio": 0.25,
+    }
+    guard = GuardConfig(
+        kl_budget=GuardRule(limit=1.0, action="stop"),
+        min_distinct_ratio=GuardRule(limit=0.9, action="rollback"),
+        max_length_change=GuardRule(limit=0.1, action="warn"),
+    )
+    triggers = check([(0, INITIAL), (5, at(kl_k3_mean=2.0, distinct_2=0.1, length_mean=8.0))], guard, None)
+    assert {t.rule for t in triggers} == {"kl_budget", "min_distinct_ratio", "max_length_change"}
+    assert strongest(triggers).action == "rollback" and strongest([]) is None
+
+
+def test_the_ledger_keeps_a_branch_picks_checkpoints_and_round_trips(tmp_path):
+    guard = only(kl_budget=GuardRule(limit=3.0, action="rollback"))
+    ledger = GuardLedger()
+    assert ledger.observe(0, INITIAL, guard, None) == []
+    ledger.observe(10, at(kl_k3_mean=1.0, score_mean=2.0), guard, None)
+    ledger.observe(20, at(kl_k3_mean=2.0, score_mean=3.0), guard, None)
+    (trigger,) = ledger.observe(30, at(kl_k3_mean=5.0, score_mean=4.0), guard, None)
+    assert ledger.broken(30) == ["kl_budget"] and ledger.passed(20) and not ledger.passed(30)
+    assert not ledger.passed(15)  # no evaluation at that step
+    assert ledger.evals[20]["eval/length_ratio"] == 1.0
+    assert ledger.best([10, 20, 30], "eval/score_mean") == 20  # 30 scores higher but broke a rule
+    assert ledger.last_passed([0, 10, 20, 25, 30]) == 20
+    ledger.rolled_back(20)
+    assert sorted(ledger.evals) == [0, 10, 20] and ledger.triggers == [] and ledger.all_triggers == [trigger]
+    assert ledger.rollbacks == 1
+    ledger.observe(30, at(kl_k3_mean=1.5, score_mean=3.5), guard, None)  # the branch after the rollback
+    assert ledger.passed(30) and ledger.best([10, 20, 30], "eval/score_mean") == 30
+    ledger.stopped_at = 30
+    ledger.save(tmp_path / "guard.json")
+    assert GuardLedger.load(tmp_path / "guard.json") == ledger
+    assert GuardLedger.load(tmp_path / "missing.json") == GuardLedger()
+
+
+def test_set_aside_moves_later_checkpoints_and_deletes_nothing(tmp_path):
+    for step in (10, 20, 30, 40):
+        (tmp_path / f"checkpoint-{step}").mkdir()
+        (tmp_path / f"checkpoint-{step}" / "weights").write_text(str(step))
+    (tmp_path / "checkpoint-notes").mkdir()
+    moved = set_aside(tmp_path, 20, attempt=1)
+    assert [p.name for p in moved] == ["checkpoint-30", "checkpoint-40"]
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == [
+        "checkpoint-10",
+        "checkpoint-20",
+        "checkpoint-notes",
+    ]
+    assert (tmp_path / "rolled_back" / "1" / "checkpoint-40" / "weights").read_text() == "40"
+
+
+@pytest.mark.parametrize("action", ["warn", "stop", "rollback", "explode"])
+def test_actions_are_validated(action):
+    if action == "explode":
+        with pytest.raises(ValueError):
+            GuardRule(limit=1.0, action=action)
+    else:
+        assert GuardRule(limit=1.0, action=action).action == action
+
+
+def test_a_breach_crosses_processes_as_the_same_decision():
+    import pickle
+
+    from rlhf_core.evaluation.guard import GuardBreach, GuardRollback, GuardStop, Trigger
+
+    trigger = Trigger("kl_budget", "rollback", 4, 5.0, 1.0, "eval KL 5.000 nats > 1")
+    for cls in (GuardStop, GuardRollback):
+        copy = pickle.loads(pickle.dumps(cls(trigger)))  # what the broadcast from the evaluating process does
+        assert type(copy) is cls and isinstance(copy, GuardBreach)
+        assert copy.trigger == trigger and str(copy) == trigger.message

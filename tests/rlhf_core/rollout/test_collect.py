@@ -1,0 +1,59 @@
+"""The rollout phase: what a rollout batch carries, the missing-stop penalty, TRL's completion statistics,
+and which forward passes `collect_rollout` runs."""
+
+import pytest
+import torch
+
+from rlhf_core.models.loading import load_causal_lm
+from rlhf_core.rollout.collect import RolloutBatch, collect_rollout, completion_metrics, missing_stop_penalty
+from rlhf_core.rollout.sampling import SamplingSettings
+from tests.fixtures.small_models import batch, rollout_of
+
+
+def test_the_missing_stop_penalty_falls_on_responses_that_never_stopped_and_comes_off_the_score():
+    rollout = rollout_of([[1, 1, 0], [1, 1, 1], [1, 0, 0]], [True, False, True])
+    assert missing_stop_penalty(rollout, None) is None
+    penalty = missing_stop_penalty(rollout, 2.5)
+    assert penalty.tolist() == [0.0, 2.5, 0.0]
+    scored = RolloutBatch(rollout, torch.tensor([[1.0], [1.0], [-0.5]]), penalty)
+    assert len(scored) == 3
+    assert scored.sequence_scores().tolist() == [1.0, -1.5, -0.5]
+    assert RolloutBatch(rollout, torch.tensor([[1.0], [1.0], [-0.5]])).sequence_scores().tolist() == [1.0, 1.0, -0.5]
+
+
+def test_completion_statistics_by_hand():
+    # lengths 2, 3 (never stopped) and 1: mean 2, min 1, max 3; one in three clipped; stopped ones average 1.5
+    metrics = completion_metrics(rollout_of([[1, 1, 0], [1, 1, 1], [1, 0, 0]], [True, False, True]))
+    assert {k: round(float(v), 6) for k, v in metrics.items()} == {
+        "completions/mean_length": 2.0,
+        "completions/min_length": 1.0,
+        "completions/max_length": 3.0,
+        "completions/clipped_ratio": round(1 / 3, 6),
+        "completions/mean_terminated_length": 1.5,
+    }
+    nothing_stopped = completion_metrics(rollout_of([[1, 1], [1, 1]], [False, False]))
+    assert float(nothing_stopped["completions/mean_terminated_length"]) == 0.0
+
+
+@pytest.mark.parametrize("need_logprobs,need_reference", [(True, True), (False, True), (True, False)])
+def test_collect_rollout_runs_only_the_forward_passes_asked_for(smoke_world, need_logprobs, need_reference):
+    tok, ids, mask = batch(smoke_world, n=3)
+    policy = load_causal_lm(str(smoke_world.base_model)).eval()
+    reference = load_causal_lm(str(smoke_world.base_model)).eval()
+    torch.manual_seed(0)
+    rollout = collect_rollout(
+        policy,
+        reference,
+        ids,
+        mask,
+        SamplingSettings(response_length=4),
+        pad_token_id=tok.pad_token_id,
+        stop_token_ids=(tok.eos_token_id,),
+        need_logprobs=need_logprobs,
+        need_reference=need_reference,
+    )
+    assert rollout.responses.shape == (3, 4) and rollout.resp_mask.shape == (3, 4)
+    assert (rollout.logprobs is not None) == need_logprobs
+    assert (rollout.ref_logprobs is not None) == need_reference
+    if need_logprobs and need_reference:  # the same weights: the reference reads what the policy read
+        torch.testing.assert_close(rollout.logprobs, rollout.ref_logprobs)
