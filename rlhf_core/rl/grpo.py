@@ -1,15 +1,17 @@
 """The GRPO family: rl.algorithm grpo, rloo, reinforce_plus_plus and reinforce_plus_plus_baseline. Each samples
 grpo.num_generations completions per prompt, scores them with reward models and Python functions
-(`reward_sources.py`), and trains without a value model; they differ in the advantage estimator
-(`advantages.py`) and the loss (`policy_losses.py`).
+(`rewards/sources.py`), and trains without a value model; they differ in the advantage estimator
+(`advantages/estimators.py`) and the loss (`grpo_losses.py`, picked once by `policy_loss_for`).
 
-`GRPOSteps` holds the rollout (with DAPO's dynamic sampling, `dynamic_sampling.py`), update and metrics
-phases of one step (`rl_step`), then TR-DPO's reference sync (arXiv:2404.09656) and `train_grpo`.
+`GroupSampler` is the rollout phase (with DAPO's dynamic sampling, `dynamic_sampling.py`); `GRPOSteps` runs
+it, then the update and metrics phases of one step (`rl_step`) and TR-DPO's reference sync
+(arXiv:2404.09656); `train_grpo` wires them to the loop. The completions table is `completions.py`'s.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Unpack
 
@@ -20,15 +22,9 @@ from rlhf_core.models.forward import response_logprobs
 from rlhf_core.rewards.sources import RewardSourceFn, score_sources
 from rlhf_core.rl.advantages.estimators import Estimate, EstimatorContext, estimator_for
 from rlhf_core.rl.advantages.group_baselines import nanstd
+from rlhf_core.rl.completions import completions_due, completions_table
 from rlhf_core.rl.dynamic_sampling import GroupFiller
-from rlhf_core.rl.grpo_losses import (
-    TOKEN_NORMALIZED,
-    grpo_token_loss,
-    high_entropy_mask,
-    reduce_loss,
-    rloo_sequence_loss,
-    stat_mean,
-)
+from rlhf_core.rl.grpo_losses import LossInputs, PolicyLoss, policy_loss_for
 from rlhf_core.rl.step import (
     BatchSizes,
     PromptBatch,
@@ -70,11 +66,19 @@ def grpo_batch_sizes(rl: RLConfig, grpo: GRPOConfig) -> BatchSizes:
     )
 
 
-class GRPOSteps:
-    """GRPO's phases of one RL step (`rl_step`): rollout, update and metrics; the advantages are the estimator's.
+def gather_tokens(loop: TrainingLoop, local: torch.Tensor) -> torch.Tensor:
+    """Every process's 1-D values (of different lengths), for the entropy quantile; a collective."""
+    if loop.world == 1:
+        return local
+    padded = loop.accelerator.pad_across_processes(local, dim=0, pad_index=-1e9)
+    pooled = loop.accelerator.gather(padded)
+    return pooled[pooled != -1e9]
 
-    Each generation batch feeds grpo.num_iterations passes of sizes.mini_batches optimizer steps.
-    """
+
+class GroupSampler:
+    """The family's rollout phase: sizes.generations_per_prompt completions per prompt, decoded and scored by
+    every reward source; with rl.dynamic_sampling (DAPO), the groups whose reward has no spread replaced by
+    groups of `more_prompts()`, for at most max_rounds extra rounds."""
 
     def __init__(
         self,
@@ -85,32 +89,33 @@ class GRPOSteps:
         prompt_rows: list[dict],
         rl: RLConfig,
         grpo: GRPOConfig,
+        *,
+        more_prompts: Callable[[], PromptBatch],
     ):
         self.loop, self.settings, self.ref_model, self.rewards = loop, settings, ref_model, rewards
-        self.prompt_rows, self.rl, self.grpo, self.tokenizer = prompt_rows, rl, grpo, loop.tokenizer
+        self.prompt_rows, self.rl, self.more_prompts = prompt_rows, rl, more_prompts
         self.sizes = grpo_batch_sizes(rl, grpo)
         self.weights = torch.tensor([s.weight for s in rewards], dtype=torch.float32)
-        self.optimizer_steps = grpo.num_iterations * self.sizes.mini_batches  # per generation batch
-        self.timer = PhaseTimer(loop.device)
-        self.on_completions: Callable[[list[dict], int], None] | None = None
-        self.more_prompts: Callable[[], PromptBatch] | None = None  # the next prompts (dynamic sampling)
-        self.dynamic: dict[str, float] = {}  # dynamic sampling's counts of this step
+        self.need_reference = grpo.beta > 0
+        # else the update's first pass uses its own, detached (as TRL); a KL in the reward needs them at sampling
+        reused = grpo.num_iterations * self.sizes.mini_batches > 1  # optimizer steps per generation batch
+        self.need_logprobs = reused or (grpo.beta > 0 and rl.algorithm != "grpo")
+        self.timer = PhaseTimer(loop.device)  # generate, reference and reward
+        self.dynamic: dict[str, float] = {}  # dynamic sampling's counts of the latest step
 
-    def rollout(self, prompts: PromptBatch) -> RolloutBatch:
-        """Sample and score the step's groups; with rl.dynamic_sampling, replace the groups whose reward has no
-        spread by groups of more prompts (`dynamic_sampling.py`), for at most max_rounds extra rounds."""
-        batch = self._sample(prompts)
+    def sample(self, prompts: PromptBatch) -> RolloutBatch:
+        """The step's groups, every process sampling while any is short (generation may be collective)."""
+        batch = self._generate_and_score(prompts)
         if not self.rl.dynamic_sampling.enabled:
             return batch
         filler = GroupFiller(self.sizes.prompts_per_step, self.sizes.generations_per_prompt)
         filler.add(batch, self._rewards(batch))
         rounds = 0
-        # every process samples while any is short (generation may be collective: sharded parameters)
         while rounds < self.rl.dynamic_sampling.max_rounds and self.loop.global_sum(
             torch.tensor(float(filler.missing > 0), device=self.loop.device)
         ):
             rounds += 1
-            more = self._sample(self.more_prompts())
+            more = self._generate_and_score(self.more_prompts())
             filler.add(more, self._rewards(more))
         batch, filled = filler.batch(self.settings.pad_token_id)
         self.dynamic = {
@@ -128,7 +133,7 @@ class GRPOSteps:
             rewards = rewards - batch.penalty.to(rewards)
         return rewards.masked_fill(unscorable, float("nan"))
 
-    def _sample(self, prompts: PromptBatch) -> RolloutBatch:
+    def _generate_and_score(self, prompts: PromptBatch) -> RolloutBatch:
         """Sample generations_per_prompt completions per prompt, decode them, score them with every source."""
         loop, settings = self.loop, self.settings
         with loop.full_parameters():
@@ -140,26 +145,49 @@ class GRPOSteps:
                 settings.sampling,
                 pad_token_id=settings.pad_token_id,
                 stop_token_ids=settings.stop_token_ids,
-                need_reference=self.grpo.beta > 0,
-                # else the first update's own, detached (as TRL); a KL in the reward needs them at sampling
-                need_logprobs=self.optimizer_steps > 1 or (self.grpo.beta > 0 and self.rl.algorithm != "grpo"),
+                need_reference=self.need_reference,
+                need_logprobs=self.need_logprobs,
                 prompt_repeats=self.sizes.generations_per_prompt,
                 timer=self.timer,
             )
         rows = [self.prompt_rows[i] for i in prompts.indices]
-        completions = decode_responses(self.tokenizer, rollout.responses, rollout.resp_mask)
+        completions = decode_responses(self.loop.tokenizer, rollout.responses, rollout.resp_mask)
         with self.timer("reward"):
             scores = score_sources(self.rewards, [r["prompt"] for r in rows], completions, rollout, rows)
         penalty = missing_stop_penalty(rollout, self.rl.missing_eos_penalty)
         return RolloutBatch(rollout, scores.to(loop.device), penalty, rows=rows, completions=completions)
 
+
+class GRPOSteps:
+    """The family's phases of one RL step (`rl_step`): the sampler's rollout, then update and metrics; the
+    advantages are the estimator's, the loss `loss`'s. Each generation batch feeds grpo.num_iterations passes of
+    sizes.mini_batches optimizer steps; `on_completions(rows, step)` receives the completions table."""
+
+    def __init__(
+        self,
+        loop: TrainingLoop,
+        sampler: GroupSampler,
+        loss: PolicyLoss,
+        rl: RLConfig,
+        grpo: GRPOConfig,
+        *,
+        on_completions: Callable[[list[dict], int], None] | None = None,
+    ):
+        self.loop, self.sampler, self.loss, self.rl, self.grpo = loop, sampler, loss, rl, grpo
+        self.on_completions, self.sizes = on_completions, sampler.sizes
+        self.optimizer_steps = grpo.num_iterations * self.sizes.mini_batches  # per generation batch
+        self.timer = PhaseTimer(loop.device)  # optimize
+
+    def rollout(self, prompts: PromptBatch) -> RolloutBatch:
+        return self.sampler.sample(prompts)
+
     def estimator_context(self) -> EstimatorContext:
-        return EstimatorContext(self.grpo, self.loop, self.sizes.generations_per_prompt, self.weights)
+        return EstimatorContext(self.grpo, self.loop, self.sizes.generations_per_prompt, self.sampler.weights)
 
     def update(self, batch: RolloutBatch, estimate: Estimate) -> StepStats:
         """num_iterations x mini_batches optimizer steps over the generation batch, each accumulated over
         micro-batches; the reference mixed into after every ref_model_sync_steps optimizer steps."""
-        loop, grpo, sizes = self.loop, self.grpo, self.sizes
+        loop, grpo, sizes, ref_model = self.loop, self.grpo, self.sizes, self.sampler.ref_model
         mask = batch.rollout.trained_mask(grpo.mask_truncated_completions)
         # dapo/cispo divide by the active tokens of the global optimizer batch (TRL: the generation batch's
         # tokens / steps per generation); the processes' gradients are averaged, hence / world
@@ -176,13 +204,13 @@ class GRPOSteps:
                 loop.optimizer_step()
                 stats.add(loss=step_loss)  # the optimizer step's whole loss, not a micro-batch's share
                 done = loop.step * self.optimizer_steps + j + 1  # optimizer steps so far (TRL's global_step)
-                if grpo.sync_ref_model and self.ref_model is not None and done % grpo.ref_model_sync_steps == 0:
-                    mix_into_reference(self.ref_model, loop.unwrapped(), grpo.ref_model_mixup_alpha)
+                if grpo.sync_ref_model and ref_model is not None and done % grpo.ref_model_sync_steps == 0:
+                    mix_into_reference(ref_model, loop.unwrapped(), grpo.ref_model_mixup_alpha)
         return stats
 
     def _micro_batch(self, batch, estimate, mask, rows: slice, total_tokens: float, stats: StepStats) -> torch.Tensor:
         """Forward and backward of one micro-batch; its share of the optimizer step's loss, detached."""
-        rollout, grpo, m = batch.rollout, self.grpo, mask[rows]
+        rollout, m = batch.rollout, mask[rows]
         with self.loop.micro_batch():
             logp, entropy = response_logprobs(
                 self.loop.trainable,
@@ -193,64 +221,29 @@ class GRPOSteps:
                 self.rl.temperature,
                 with_entropy=True,
             )
-            old_logp = rollout.logprobs[rows] if rollout.logprobs is not None else logp.detach()
-            if self.rl.algorithm == "rloo":
-                loss, token_stats = rloo_sequence_loss(
-                    logp, old_logp, estimate.advantages[rows], m, grpo.epsilon, grpo.epsilon_high
+            loss, loss_stats = self.loss(
+                LossInputs(
+                    logp=logp,
+                    old_logp=rollout.logprobs[rows] if rollout.logprobs is not None else logp.detach(),
+                    entropy=entropy,
+                    advantages=estimate.advantages[rows],
+                    mask=m,
+                    ref_logp=rollout.ref_logprobs[rows] if rollout.ref_logprobs is not None else None,
+                    total_tokens=total_tokens,
                 )
-            else:
-                advantages = estimate.advantages[rows]
-                loss, token_stats = self._token_loss(
-                    rollout, rows, logp, old_logp, entropy, advantages, m, total_tokens
-                )
-            if self.rl.algorithm == "rloo" or grpo.loss_type not in TOKEN_NORMALIZED:
-                loss = loss * (m.shape[0] / self.sizes.mini_batch)  # mean over micro-batches
+            )
             self.loop.backward(loss)
-        if "cispo_clipped" in token_stats:
-            stats.add(cispo=stat_mean(token_stats["cispo_clipped"], m))
-        else:
-            low, high = token_stats["low_clipped"], token_stats["high_clipped"]
-            stats.add(low=stat_mean(low, m), high=stat_mean(high, m), region=stat_mean(torch.maximum(low, high), m))
-        stats.add(entropy=masked_mean(entropy.detach(), m))
-        if "kl" in token_stats:
-            stats.add(kl=masked_mean(token_stats["kl"].detach(), m))
+        stats.add(**loss_stats.clip.named(), entropy=masked_mean(entropy.detach(), m))
+        if loss_stats.kl is not None:
+            stats.add(kl=loss_stats.kl)
         return loss.detach()
-
-    def _token_loss(self, rollout, rows: slice, logp, old_logp, entropy, advantages, m, total_tokens: float):
-        """grpo.loss_type's loss of a micro-batch, with the entropy mask; the k3 KL term for rl.algorithm grpo
-        (the others put their KL into the reward)."""
-        grpo = self.grpo
-        entropy_mask = None
-        if grpo.top_entropy_quantile < 1.0:
-            entropy_mask = high_entropy_mask(entropy, m, grpo.top_entropy_quantile, self._gather_tokens)
-        in_loss = self.rl.algorithm == "grpo" and rollout.ref_logprobs is not None
-        per_token, token_stats = grpo_token_loss(
-            logp,
-            old_logp,
-            advantages,
-            m,
-            grpo,
-            entropy_mask=entropy_mask,
-            ref_logp=rollout.ref_logprobs[rows] if in_loss else None,
-        )
-        loss = reduce_loss(
-            per_token, m, grpo.loss_type, max_completion_length=self.rl.response_length, total_tokens=total_tokens
-        )
-        return loss, token_stats
-
-    def _gather_tokens(self, local: torch.Tensor) -> torch.Tensor:
-        """Every process's 1-D values (of different lengths), for the entropy quantile."""
-        if self.loop.world == 1:
-            return local
-        padded = self.loop.accelerator.pad_across_processes(local, dim=0, pad_index=-1e9)
-        pooled = self.loop.accelerator.gather(padded)
-        return pooled[pooled != -1e9]
 
     def metrics(self, batch: RolloutBatch, estimate: Estimate, stats: StepStats) -> dict[str, torch.Tensor | float]:
         """TRL's GRPO metrics; reward statistics over every process's rows (the loop's averaging keeps them)."""
-        self._table(batch, estimate)
+        self._report_completions(batch, estimate)
         everyone = estimate.stats
         metrics = {
+            **self.sampler.timer.pop(),
             **self.timer.pop(),
             "reward": torch.nanmean(everyone["rewards"]),
             "reward_std": nanstd(everyone["rewards"]),
@@ -260,49 +253,25 @@ class GRPOSteps:
             "entropy": stats.mean("entropy"),
             "loss": stats.mean("loss"),
             "_tokens": batch.rollout.resp_mask.sum(),
-            **self.dynamic,
+            **self.sampler.dynamic,
+            **{name: stats.mean(name) for name in self.loss.clip_metrics},
         }
-        if self.grpo.loss_type == "cispo":
-            metrics["cispo_clip_ratio"] = stats.mean("cispo")
-        else:
-            for name, key in (("low_mean", "low"), ("high_mean", "high"), ("region_mean", "region")):
-                metrics[f"clip_ratio/{name}"] = stats.mean(key)
         if "kl" in stats or "kl" in everyone:  # grpo's loss term, or the KL the others put into the reward
             metrics["kl"] = stats.mean("kl") if "kl" in stats else everyone["kl"]
-        for i, source in enumerate(self.rewards):
+        for i, source in enumerate(self.sampler.rewards):
             column = everyone["per_source"][:, i]
             metrics[f"rewards/{source.name}/mean"] = torch.nanmean(column)
             metrics[f"rewards/{source.name}/std"] = nanstd(column)
         return metrics
 
-    def _table(self, batch: RolloutBatch, estimate: Estimate) -> None:
-        """Every grpo.log_completions_steps (and at the end): prompts, completions, rewards and advantages."""
+    def _report_completions(self, batch: RolloutBatch, estimate: Estimate) -> None:
+        """The completions table to on_completions, from the main process, when grpo.log_completions_steps says."""
         step = self.loop.step + 1
-        due = step % self.grpo.log_completions_steps == 0 or step == self.rl.total_steps
+        due = completions_due(step, self.grpo.log_completions_steps, self.rl.total_steps)
         if self.on_completions is None or not self.loop.is_main or not due:
             return
-        advantages = estimate.advantages
-        if advantages.dim() == 2:  # one per token (REINFORCE++): the mean over each completion's tokens
-            advantages = masked_mean(advantages, batch.rollout.resp_mask, dim=1)
-        table = [
-            {
-                "step": step,
-                "prompt": row["prompt"],
-                "completion": completion,
-                "advantage": float(advantage),
-                "reward": _float_or_none(reward),
-                **{s.name: _float_or_none(v) for s, v in zip(self.rewards, batch.scores[i])},
-            }
-            for i, (row, completion, advantage, reward) in enumerate(
-                zip(batch.rows, batch.completions, advantages.tolist(), estimate.stats["my_rewards"])
-            )
-        ]
-        self.on_completions(table, step)
-
-
-def _float_or_none(value: torch.Tensor) -> float | None:
-    """A 0-d tensor as a float for the completions table; None where it is NaN (the source abstained)."""
-    return None if torch.isnan(value) else float(value)
+        names = [source.name for source in self.sampler.rewards]
+        self.on_completions(completions_table(step, batch, estimate, names), step)
 
 
 def train_grpo(
@@ -340,9 +309,8 @@ def train_grpo(
     batches = PromptBatches(tokenizer, prompts, sizes, max_prompt_length=max_prompt_length, seed=run.seed, loop=loop)
     if ref_model is not None:
         ref_model.to(loop.device).eval().requires_grad_(False)
-    steps = GRPOSteps(
-        loop, rollout_settings(tokenizer, policy, rl, stop_token_ids), ref_model, rewards, prompt_rows, rl, grpo
-    )
-    steps.on_completions = hooks.get("on_completions")
-    steps.more_prompts = batches.next
+    sampling = rollout_settings(tokenizer, policy, rl, stop_token_ids)
+    sampler = GroupSampler(loop, sampling, ref_model, rewards, prompt_rows, rl, grpo, more_prompts=batches.next)
+    loss = policy_loss_for(rl, grpo, mini_batch=sizes.mini_batch, gather=partial(gather_tokens, loop))
+    steps = GRPOSteps(loop, sampler, loss, rl, grpo, on_completions=hooks.get("on_completions"))
     return run_rl(loop, steps, estimator, batches, policy, hooks)

@@ -13,16 +13,20 @@
 with GSPO's sequence-level ratio (arXiv:2507.18071), INTELLECT-2's two-sided clip delta
 (arXiv:2505.07291), the high-entropy token mask of arXiv:2506.01939 and the bias-corrected k3 KL of
 DeepSeek-V3.2 (arXiv:2512.02556).
+
+`policy_loss_for` picks the family's loss once per run (`TokenPolicyLoss` or `RLOOPolicyLoss`): it takes a
+micro-batch's `LossInputs` and returns the micro-batch's share of the optimizer step's loss and its `LossStats`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal
+from dataclasses import dataclass
+from typing import ClassVar, Literal, Protocol
 
 import torch
 
-from rlhf_core.config import GRPOConfig
+from rlhf_core.config import GRPOConfig, RLConfig
 from rlhf_core.rl_math import kl_per_token, masked_mean
 
 LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"]
@@ -149,3 +153,152 @@ def rloo_sequence_loss(
         "high_clipped": ((ratio > 1 + eps_high) & (advantages > 0)).float().unsqueeze(1),
     }
     return loss, stats
+
+
+# --- the family's loss of one micro-batch, chosen once per run ---------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LossInputs:
+    """What the family's loss reads of one micro-batch of B completions with T response tokens."""
+
+    logp: torch.Tensor  # (B, T) the policy's log-probabilities, with their gradient
+    old_logp: torch.Tensor  # (B, T) at sampling; on-policy, logp detached (TRL)
+    entropy: torch.Tensor  # (B, T) the policy's, for the high-entropy token mask
+    advantages: torch.Tensor  # (B,) one per completion, or (B, T) one per token (REINFORCE++)
+    mask: torch.Tensor  # (B, T) the trained tokens
+    ref_logp: torch.Tensor | None  # (B, T) the reference's, where the rollout computed them (beta > 0)
+    total_tokens: float  # the optimizer batch's trained tokens over every process / world (dapo, cispo)
+
+
+@dataclass(frozen=True)
+class ClipRatios:
+    """The shares of a micro-batch's tokens (its sequences, where the ratio is one per sequence) whose
+    importance ratio the clip cut: below 1 - epsilon with A < 0, above 1 + epsilon_high with A > 0, either."""
+
+    low: torch.Tensor
+    high: torch.Tensor
+    region: torch.Tensor
+
+    METRICS: ClassVar[tuple[str, ...]] = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
+
+    @classmethod
+    def of(cls, stats: dict[str, torch.Tensor], mask: torch.Tensor) -> ClipRatios:
+        """From a clipped loss's low_clipped and high_clipped indicators."""
+        low, high = stats["low_clipped"], stats["high_clipped"]
+        return cls(stat_mean(low, mask), stat_mean(high, mask), stat_mean(torch.maximum(low, high), mask))
+
+    def named(self) -> dict[str, torch.Tensor]:
+        return dict(zip(self.METRICS, (self.low, self.high, self.region)))
+
+
+@dataclass(frozen=True)
+class CispoClipRatio:
+    """The share of a micro-batch's tokens whose importance weight CISPO capped at epsilon_high (A > 0)."""
+
+    capped: torch.Tensor
+
+    METRICS: ClassVar[tuple[str, ...]] = ("cispo_clip_ratio",)
+
+    @classmethod
+    def of(cls, stats: dict[str, torch.Tensor], mask: torch.Tensor) -> CispoClipRatio:
+        return cls(stat_mean(stats["cispo_clipped"], mask))
+
+    def named(self) -> dict[str, torch.Tensor]:
+        return {self.METRICS[0]: self.capped}
+
+
+@dataclass(frozen=True)
+class LossStats:
+    """A micro-batch's loss statistics, 0-d and detached, under TRL's metric names."""
+
+    clip: ClipRatios | CispoClipRatio
+    kl: torch.Tensor | None = None  # the mean k3 KL term of the loss; None where the KL is in the reward or beta is 0
+
+
+class PolicyLoss(Protocol):
+    """The family's loss of a micro-batch: its share of the optimizer step's loss, and its statistics."""
+
+    clip_metrics: tuple[str, ...]  # the names of its LossStats.clip
+
+    def __call__(self, inputs: LossInputs) -> tuple[torch.Tensor, LossStats]: ...
+
+
+class TokenPolicyLoss:
+    """grpo.loss_type's loss (rl.algorithm grpo and reinforce_plus_plus*): `grpo_token_loss` with the
+    high-entropy mask, normalized by `reduce_loss`; with the k3 KL term only where `kl_in_loss` (rl.algorithm
+    grpo: the others subtract their KL from the reward). `gather` pools every process's entropies."""
+
+    def __init__(
+        self,
+        grpo: GRPOConfig,
+        *,
+        kl_in_loss: bool,
+        max_completion_length: int,
+        mini_batch: int,
+        gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ):
+        self.grpo, self.kl_in_loss, self.max_completion_length = grpo, kl_in_loss, max_completion_length
+        self.mini_batch, self.gather = mini_batch, gather
+        self.clip_ratios = CispoClipRatio if grpo.loss_type == "cispo" else ClipRatios
+        self.clip_metrics = self.clip_ratios.METRICS
+
+    def __call__(self, inputs: LossInputs) -> tuple[torch.Tensor, LossStats]:
+        grpo, mask = self.grpo, inputs.mask
+        entropy_mask = None
+        if grpo.top_entropy_quantile < 1.0:
+            entropy_mask = high_entropy_mask(inputs.entropy, mask, grpo.top_entropy_quantile, self.gather)
+        per_token, stats = grpo_token_loss(
+            inputs.logp,
+            inputs.old_logp,
+            inputs.advantages,
+            mask,
+            grpo,
+            entropy_mask=entropy_mask,
+            ref_logp=inputs.ref_logp if self.kl_in_loss else None,
+        )
+        loss = reduce_loss(
+            per_token,
+            mask,
+            grpo.loss_type,
+            max_completion_length=self.max_completion_length,
+            total_tokens=inputs.total_tokens,
+        )
+        if grpo.loss_type not in TOKEN_NORMALIZED:  # dapo and cispo are normalized over the optimizer batch already
+            loss = loss * (mask.shape[0] / self.mini_batch)  # mean over micro-batches
+        kl = stats.get("kl")
+        return loss, LossStats(self.clip_ratios.of(stats, mask), None if kl is None else masked_mean(kl.detach(), mask))
+
+
+class RLOOPolicyLoss:
+    """rl.algorithm rloo's loss (TRL's RLOOTrainer): `rloo_sequence_loss`, the mean over micro-batches; its KL is
+    in the reward."""
+
+    clip_metrics = ClipRatios.METRICS
+
+    def __init__(self, grpo: GRPOConfig, *, mini_batch: int):
+        self.epsilon, self.epsilon_high, self.mini_batch = grpo.epsilon, grpo.epsilon_high, mini_batch
+
+    def __call__(self, inputs: LossInputs) -> tuple[torch.Tensor, LossStats]:
+        mask = inputs.mask
+        loss, stats = rloo_sequence_loss(
+            inputs.logp, inputs.old_logp, inputs.advantages, mask, self.epsilon, self.epsilon_high
+        )
+        loss = loss * (mask.shape[0] / self.mini_batch)  # mean over micro-batches
+        return loss, LossStats(ClipRatios.of(stats, mask))
+
+
+def policy_loss_for(
+    rl: RLConfig, grpo: GRPOConfig, *, mini_batch: int, gather: Callable[[torch.Tensor], torch.Tensor] | None = None
+) -> PolicyLoss:
+    """rl.algorithm's loss: RLOO's sequence-level one, or grpo.loss_type's token-level one; `mini_batch`
+    completions per optimizer step."""
+    if rl.algorithm == "rloo":
+        return RLOOPolicyLoss(grpo, mini_batch=mini_batch)
+    return TokenPolicyLoss(
+        grpo,
+        kl_in_loss=rl.algorithm == "grpo",
+        max_completion_length=rl.response_length,
+        mini_batch=mini_batch,
+        gather=gather,
+    )

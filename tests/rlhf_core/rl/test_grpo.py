@@ -384,3 +384,19 @@ def test_logged_loss_is_the_optimizer_steps_not_a_micro_batch_share(tmp_path, sm
             grpo=GRPOConfig(num_generations=4, loss_type="grpo"),
         )
     assert split[0]["loss"] == pytest.approx(whole[0]["loss"], rel=1e-4, abs=1e-6)
+
+
+def test_gather_tokens_pools_every_processs_values_without_the_padding():
+    from types import SimpleNamespace
+
+    from rlhf_core.rl.grpo import gather_tokens
+
+    local = torch.tensor([0.5, 2.0])
+    assert gather_tokens(SimpleNamespace(world=1), local) is local  # one process: no collective at all
+    other = torch.tensor([1.0])  # the other process's, one value shorter
+    accelerator = SimpleNamespace(
+        pad_across_processes=lambda x, dim, pad_index: torch.cat([x, torch.full((2 - len(x),), pad_index)]),
+        gather=lambda x: torch.cat([x, torch.cat([other, torch.tensor([-1e9])])]),
+    )
+    pooled = gather_tokens(SimpleNamespace(world=2, accelerator=accelerator), local)
+    assert pooled.tolist() == [0.5, 2.0, 1.0]

@@ -1,13 +1,25 @@
-"""RLOO's sequence-level loss by hand, and per-token advantages through the token-level loss (REINFORCE++);
-the GRPO loss types are pinned in test_grpo.py and against TRL in tests/parity."""
+"""RLOO's sequence-level loss by hand, per-token advantages through the token-level loss (REINFORCE++), and the
+family's loss as `policy_loss_for` picks it; the GRPO loss types are pinned in test_grpo.py and against TRL in
+tests/parity."""
 
 import math
 
 import pytest
 import torch
 
-from rlhf_core.config import GRPOConfig
-from rlhf_core.rl.grpo_losses import grpo_token_loss, rloo_sequence_loss
+from rlhf_core.config import GRPOConfig, RLConfig
+from rlhf_core.rl.grpo_losses import (
+    CispoClipRatio,
+    ClipRatios,
+    LossInputs,
+    RLOOPolicyLoss,
+    TokenPolicyLoss,
+    grpo_token_loss,
+    policy_loss_for,
+    reduce_loss,
+    rloo_sequence_loss,
+)
+from rlhf_core.rl_math import masked_mean
 
 
 def test_rloo_ratio_is_of_the_summed_log_probabilities_and_clipped():
@@ -40,3 +52,91 @@ def test_token_loss_takes_one_advantage_per_token():
     torch.testing.assert_close(loss, -per_token_adv)  # ratio 1: the loss is -A token by token
     same, _ = grpo_token_loss(logp, logp, torch.tensor([1.0, -1.0]), torch.ones(2, 3), GRPOConfig())
     torch.testing.assert_close(same, torch.tensor([[-1.0], [1.0]]).expand(2, 3))
+
+
+# --- the family's loss, chosen once per run ---------------------------------------------------------------------
+
+
+def inputs(logp, advantages, mask, *, old=None, ref=None, total_tokens=0.0):
+    return LossInputs(
+        logp=logp,
+        old_logp=torch.zeros_like(logp) if old is None else old,
+        entropy=torch.zeros_like(logp),
+        advantages=advantages,
+        mask=mask,
+        ref_logp=ref,
+        total_tokens=total_tokens,
+    )
+
+
+def test_policy_loss_for_picks_rloos_sequence_loss_or_the_token_loss_by_loss_type():
+    rloo = policy_loss_for(RLConfig(algorithm="rloo"), GRPOConfig(), mini_batch=4)
+    assert isinstance(rloo, RLOOPolicyLoss) and rloo.clip_metrics == ClipRatios.METRICS
+    for algorithm in ("grpo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"):
+        token = policy_loss_for(RLConfig(algorithm=algorithm, response_length=7), GRPOConfig(), mini_batch=4)
+        assert isinstance(token, TokenPolicyLoss) and token.kl_in_loss == (algorithm == "grpo")
+        assert token.max_completion_length == 7 and token.clip_metrics == ClipRatios.METRICS
+    cispo = policy_loss_for(RLConfig(algorithm="grpo"), GRPOConfig(loss_type="cispo"), mini_batch=4)
+    assert cispo.clip_metrics == ("cispo_clip_ratio",)
+    assert ClipRatios.METRICS == ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
+
+
+def test_token_policy_loss_is_the_micro_batchs_share_with_typed_statistics():
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    logp = torch.log(torch.tensor([[1.5, 1.0, 1.0], [0.5, 1.0, 1.0]]))
+    adv, ref = torch.tensor([1.0, -1.0]), torch.full((2, 3), -0.5)
+    grpo = GRPOConfig(loss_type="grpo", epsilon=0.2, epsilon_high=0.28, beta=0.1)
+    loss, stats = TokenPolicyLoss(grpo, kl_in_loss=True, max_completion_length=3, mini_batch=8)(
+        inputs(logp, adv, mask, ref=ref)
+    )
+    per_token, raw = grpo_token_loss(logp, torch.zeros(2, 3), adv, mask, grpo, ref_logp=ref)
+    expected = reduce_loss(per_token, mask, "grpo", max_completion_length=3, total_tokens=0.0) * (2 / 8)
+    torch.testing.assert_close(loss, expected)  # grpo's loss: the mean over micro-batches, 2 of 8 rows
+    torch.testing.assert_close(stats.kl, masked_mean(raw["kl"], mask))
+    # token 1 of row 1 is cut above (r 1.5, A > 0), token 1 of row 2 below (r 0.5, A < 0): 1 of 5 tokens each
+    assert isinstance(stats.clip, ClipRatios)
+    assert stats.clip.named() == pytest.approx(
+        {"clip_ratio/low_mean": 0.2, "clip_ratio/high_mean": 0.2, "clip_ratio/region_mean": 0.4}
+    )
+    # reinforce_plus_plus*: the KL is in the reward, never in the loss, even with the reference's log-probs at hand
+    no_kl, stats = TokenPolicyLoss(grpo, kl_in_loss=False, max_completion_length=3, mini_batch=8)(
+        inputs(logp, adv, mask, ref=ref)
+    )
+    assert stats.kl is None and no_kl.item() < loss.item()  # k3 > 0: the KL term only adds
+    # dapo and cispo divide by the optimizer batch's tokens already: no micro-batch share on top
+    dapo = GRPOConfig(loss_type="dapo")
+    loss, _ = TokenPolicyLoss(dapo, kl_in_loss=True, max_completion_length=3, mini_batch=8)(
+        inputs(logp, adv, mask, total_tokens=10.0)
+    )
+    per_token, _ = grpo_token_loss(logp, torch.zeros(2, 3), adv, mask, dapo)
+    torch.testing.assert_close(loss, (per_token * mask).sum() / 10.0)
+
+
+def test_token_policy_loss_counts_cispo_caps_and_pools_entropies_through_gather():
+    mask = torch.ones(2, 1)
+    logp = torch.log(torch.tensor([[1.5], [0.5]]))
+    cispo = GRPOConfig(loss_type="cispo", epsilon_high=1.2)
+    _, stats = TokenPolicyLoss(cispo, kl_in_loss=True, max_completion_length=1, mini_batch=2)(
+        inputs(logp, torch.tensor([1.0, -1.0]), mask, total_tokens=2.0)
+    )
+    assert isinstance(stats.clip, CispoClipRatio) and stats.clip.named() == {"cispo_clip_ratio": pytest.approx(0.5)}
+    assert stats.kl is None  # beta 0
+    pooled = []
+    masked = GRPOConfig(top_entropy_quantile=0.5)
+    TokenPolicyLoss(
+        masked, kl_in_loss=True, max_completion_length=1, mini_batch=2, gather=lambda x: pooled.append(x) or x
+    )(inputs(logp, torch.tensor([1.0, -1.0]), mask))
+    assert len(pooled) == 1 and pooled[0].shape == (2,)  # the micro-batch's real tokens, once
+
+
+def test_rloo_policy_loss_is_the_mean_over_micro_batches_with_per_sequence_clip_ratios():
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    new = torch.tensor([[0.3, 0.2, 5.0], [-0.2, -0.2, -0.2]])
+    adv = torch.tensor([1.0, -2.0])
+    grpo = GRPOConfig(epsilon=0.2, epsilon_high=0.28)
+    loss, stats = RLOOPolicyLoss(grpo, mini_batch=4)(inputs(new, adv, mask, ref=torch.zeros(2, 3)))
+    alone, _ = rloo_sequence_loss(new, torch.zeros(2, 3), adv, mask, epsilon=0.2, epsilon_high=0.28)
+    torch.testing.assert_close(loss, alone * (2 / 4))
+    assert stats.kl is None  # RLOO's KL is in the reward
+    # per sequence: the first cut above, the second below
+    assert [stats.clip.low.item(), stats.clip.high.item(), stats.clip.region.item()] == [0.5, 0.5, 1.0]
