@@ -1,7 +1,7 @@
 """Loading tokenizers and models from a local directory or a hub name, with clear errors.
 
 `models:/` registry URIs are resolved to a local directory by the tasks (tasks/stages/data.py `resolve_model_source`,
-through tasks/registry.py) before they get here; the core only sees directories and hub names. `lora_config`
+through tasks/registry/) before they get here; the core only sees directories and hub names. `lora_config`
 is the one place PEFT's LoRA settings are built, for the policy and the reward model alike.
 """
 
@@ -13,13 +13,15 @@ from typing import TYPE_CHECKING, Literal
 
 from safetensors import SafetensorError, safe_open
 
+from rlhf_core.config.errors import UserError
+
 if TYPE_CHECKING:
     from rlhf_core.config import LoraSettings, RLConfig
 
 DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16", "auto": "auto"}
 
 
-class ModelSourceError(ValueError):
+class ModelSourceError(UserError):
     """A model or tokenizer source that cannot be loaded; the message is one sentence."""
 
 

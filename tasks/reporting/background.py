@@ -1,7 +1,7 @@
 """Work that runs beside training: one thread, jobs in the order they were given, transient failures retried.
 
-A stage's reporter (tasks/reporting/reporter.py) has two: one writes the metrics and progress each step logs,
-one logs and registers each checkpoint the training loop saves, while training goes on. Jobs run one
+A stage's reporter (tasks/reporting/reporter.py) runs two: its metrics writer's writes the metrics and progress
+each step logs, its registrar's logs and registers each checkpoint the training loop saves, while training goes on. Jobs run one
 at a time in submission order, so metrics are written and versions created in step order. A transient
 failure (tasks/retry.py `is_transient`) is retried with exponential back-off; the first failure that
 stays stops the rest: the later jobs are not run, and the next `submit` and `wait` raise that failure

@@ -15,11 +15,13 @@ from prefect.cache_policies import NO_CACHE
 from prefect.logging import get_run_logger
 
 from rlhf_core.config import DEMO, DatasetSpec, PipelineConfig
-from rlhf_core.data.rows import Kind
+from rlhf_core.data.rows import DataValidationError, Kind
 from rlhf_core.data.tables import apply_length_policy, fingerprint_rows, load_table, save_table
 from rlhf_core.demo.world import DemoWorld, build_demo_world
 from rlhf_core.models.loading import ModelSourceError, check_source, generation_config_of, load_tokenizer, run_stop_ids
 from tasks import registry, tracking
+from tasks.reporting.identity import StageIdentity
+from tasks.reporting.progress import publish_table
 from tasks.reporting.reporter import StageReporter
 from tasks.retry import IO_RETRIES
 
@@ -50,7 +52,7 @@ def check_prompt_count(cfg: PipelineConfig, report: dict) -> None:
     """Refuse, before SFT, a prompt set smaller than one RL step (PPO would index past it, GRPO train on less)."""
     needed, fields = cfg.prompts_per_step()
     if report["kept"] < needed:
-        raise ValueError(
+        raise DataValidationError(
             f"data.prompts: {report['source']} has {report['kept']} usable prompts, fewer than the {needed} one RL "
             f"step takes ({fields}); lower {fields.split()[0]} or add prompts"
         )
@@ -132,7 +134,7 @@ def prepare_table(
         get_run_logger().warning(report.sentence(source))
     if report.kept == 0:
         limit = "data.max_prompt_length" if kind == "prompt" else "data.max_length"
-        raise ValueError(
+        raise DataValidationError(
             f"{field_name}: every row of {source} is over {limit} ({getattr(cfg.data, limit[5:])} tokens) and "
             f"data.overlong is 'drop'; raise {limit}"
         )
@@ -181,7 +183,7 @@ def data_stage(cfg: PipelineConfig, parent_run_id: str) -> PreparedData:
     """Build or reuse the demo world, validate every table, write them under <output_dir>/data."""
     with (
         tracking.runs.stage_run(parent_run_id, "data", tracking.runs.stage_params(cfg, "data")) as run_id,
-        StageReporter(cfg, "data", run_id) as reporter,
+        StageReporter(StageIdentity(cfg, "data", run_id)) as reporter,
     ):
         world = None
         if cfg.uses_demo_world():
@@ -204,9 +206,7 @@ def data_stage(cfg: PipelineConfig, parent_run_id: str) -> PreparedData:
         for report in (r for r in reports if r["table"] == "prompts"):
             check_prompt_count(cfg, report)
         tables = {r["table"]: r.pop("path") for r in reports}
-        reporter.publish_table(
-            "data-report", reports, "Validated tables: rows, over-long rows and what was done with them"
-        )
+        publish_table("data-report", reports, "Validated tables: rows, over-long rows and what was done with them")
         prepared = PreparedData(
             tables=tables,
             fingerprints={r["table"]: r["fingerprint"] for r in reports},

@@ -15,6 +15,8 @@ from rlhf_core.models.card import card_field, card_license, source_name
 from rlhf_core.models.export import ExportInfo, export_policy, generation_settings
 from rlhf_core.models.loading import generation_config_of, load_tokenizer, run_stop_ids
 from tasks import registry, tracking
+from tasks.reporting.identity import RegisteredModel, StageIdentity
+from tasks.reporting.progress import publish_markdown
 from tasks.reporting.reporter import StageReporter
 from tasks.retry import IO_RETRIES
 from tasks.stage_io import Checkpoint
@@ -140,7 +142,7 @@ def publish_candidate(reporter: StageReporter, out: Path, uri: str) -> None:
     reporter.alias(CANDIDATE, uri)
     reporter.logger.info("%s is %s, alias %s", out, uri, CANDIDATE)
     name = reporter.cfg.registry.policy_model_name
-    reporter.publish_markdown(
+    publish_markdown(
         "policy-export",
         f"# Exported policy\n\n- directory: `{out.resolve()}`\n"
         f"- model version: `{uri}` (alias `{CANDIDATE}`: `models:/{name}@{CANDIDATE}`)\n"
@@ -157,19 +159,14 @@ def export_stage(
     the guard's verdict), point `candidate` at it."""
     with tracking.runs.stage_run(parent_run_id, "export", tracking.runs.stage_params(cfg, "export")) as run_id:
         lineage = {
-            "stage_key": trained.key,
             "algorithm": cfg.rl.algorithm,
             "reward_model_version": plan.reward_identity,
             "base_model": plan.policy_identity,
             "source_checkpoint": trained.model_uri or trained.path,
         }
         with StageReporter(
-            cfg,
-            "export",
-            run_id,
-            data_fingerprint=data.fingerprint,
-            model_name=cfg.registry.policy_model_name,
-            lineage=lineage,
+            StageIdentity(cfg, "export", run_id, trained.key, data.fingerprint),
+            model=RegisteredModel(cfg.registry.policy_model_name, lineage=lineage),
         ) as reporter:
             out = write_export(cfg, data, plan, trained)
             reporter.artifact(out / "README.md", "model_card")

@@ -22,6 +22,8 @@ from rlhf_core.rewards.reward_model import load_reward_model, train_reward_model
 from rlhf_core.storage.checkpoints import list_checkpoints
 from tasks import registry, tracking
 from tasks.launch import launcher
+from tasks.reporting.identity import RegisteredModel, StageIdentity
+from tasks.reporting.progress import publish_table
 from tasks.reporting.reporter import StageReporter
 from tasks.retry import IO_RETRIES
 from tasks.stage_io import Checkpoint, stage_key
@@ -108,13 +110,10 @@ class RewardReporter(StageReporter):
 
     def __init__(self, cfg: PipelineConfig, run_id: str, data: PreparedData, key: str, base_identity: str):
         super().__init__(
-            cfg,
-            "reward",
-            run_id,
-            data_fingerprint=data.fingerprint,
-            model_name=cfg.registry.reward_model_name,
-            task="text-classification",
-            lineage={"stage_key": key, "base_model": base_identity},
+            StageIdentity(cfg, "reward", run_id, key, data.fingerprint),
+            model=RegisteredModel(
+                cfg.registry.reward_model_name, task="text-classification", lineage={"base_model": base_identity}
+            ),
             curves={
                 "reward/loss": ("reward/loss",),
                 "reward/accuracy": ("reward/accuracy",),
@@ -139,7 +138,7 @@ class RewardReporter(StageReporter):
         if result.resumed_from:
             self.logger.info("reward training resumed from step %d", result.resumed_from)
         if self.eval_table:
-            self.publish_table(
+            publish_table(
                 "reward-eval", self.eval_table, "Reward model on held-out preference pairs, per evaluation step"
             )
         if self.history["reward/loss"]:
@@ -150,7 +149,7 @@ class RewardReporter(StageReporter):
             model_uri=self.version_of(result.step),
             step=result.step,
             metrics=result.metrics,
-            key=self.lineage["stage_key"],
+            key=self.identity.key,
             extra={"resumed_from": result.resumed_from},
         )
 

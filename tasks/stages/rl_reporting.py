@@ -18,8 +18,9 @@ from rlhf_core.rl.step import training_metric_names
 from rlhf_core.training.loop import LoopResult
 from tasks import tracking
 from tasks.launch import launcher
+from tasks.reporting.identity import RegisteredModel, StageIdentity
 from tasks.reporting.plots import close, curve_figure
-from tasks.reporting.progress import print_rows, publish_markdown
+from tasks.reporting.progress import print_rows, publish_markdown, publish_table
 from tasks.reporting.reporter import StageReporter
 from tasks.stage_io import Checkpoint
 from tasks.stages.checkpoint_selection import select_step
@@ -44,18 +45,14 @@ class PolicyReporter(StageReporter):
     ):
         algorithm = cfg.rl.algorithm
         self.names = training_metric_names(algorithm)
+        lineage = {
+            "algorithm": algorithm,
+            "reward_model_version": plan.reward_identity,
+            "base_model": plan.policy_identity,
+        }
         super().__init__(
-            cfg,
-            algorithm,
-            run_id,
-            data_fingerprint=data.fingerprint,
-            model_name=cfg.registry.policy_model_name,
-            lineage={
-                "stage_key": key,
-                "algorithm": algorithm,
-                "reward_model_version": plan.reward_identity,
-                "base_model": plan.policy_identity,
-            },
+            StageIdentity(cfg, algorithm, run_id, key, data.fingerprint),
+            model=RegisteredModel(cfg.registry.policy_model_name, lineage=lineage),
             curves={
                 self.names.score: (self.names.score,),
                 "kl": (self.names.kl,),
@@ -65,7 +62,7 @@ class PolicyReporter(StageReporter):
         self.key, self.out_dir, self.gold = key, out_dir, gold
         self.ledger = load_ledger(out_dir)
         for step, summary in sorted(self.ledger.evals.items()):  # a resumed attempt's checkpoints carry them too
-            self.step_metrics[step] = summary
+            self.writer.step_metrics[step] = summary
 
     def checkpoint_tags(self, path: Path, step: int) -> dict[str, str]:
         saved = json.loads((path.parent / "metrics.json").read_text())
@@ -87,7 +84,7 @@ class PolicyReporter(StageReporter):
         self.artifact(save_eval_rows(self.out_dir, rows, step), "eval")
         self.record(summary, step)
         shown = [{k: v for k, v in r.items() if k != "rendered_prompt"} for r in readable[:20]]
-        self.publish_table(f"{self.stage}-eval-step-{step}", shown, f"Held-out completions at step {step}")
+        publish_table(f"{self.stage}-eval-step-{step}", shown, f"Held-out completions at step {step}")
         print_rows(shown[:5], f"{self.stage.upper()} held-out completions at step {step} (first 5 of {len(rows)})")
         self.logger.info("eval at step %d: %s", step, ", ".join(f"{k}={v:.3f}" for k, v in summary.items()))
         self.report_triggers(triggers, step)
@@ -107,7 +104,7 @@ class PolicyReporter(StageReporter):
         for t in triggers:
             self.logger.warning("%s", t.message)
         lines = [f"- **{t.rule}** ({t.action}): {t.message}" for t in triggers]
-        self.publish_markdown(f"{self.stage}-guard-step-{step}", "\n".join(lines), f"Guard rules broken at step {step}")
+        publish_markdown(f"{self.stage}-guard-step-{step}", "\n".join(lines), f"Guard rules broken at step {step}")
 
     def on_completions(self, rows: list[dict], step: int) -> None:
         """GRPO's sampled completions of one step as <out_dir>/completions/completions_step_NNNNNN.parquet."""

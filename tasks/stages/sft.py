@@ -18,6 +18,7 @@ from rlhf_core.data.tables import read_column
 from rlhf_core.models.loading import load_causal_lm, prepare_for_training
 from rlhf_core.training.sft import train_sft
 from tasks import tracking
+from tasks.reporting.identity import RegisteredModel, StageIdentity
 from tasks.reporting.reporter import StageReporter
 from tasks.retry import IO_RETRIES
 from tasks.stage_io import Checkpoint, stage_key
@@ -82,17 +83,13 @@ def sft_stage(cfg: PipelineConfig, data: PreparedData, parent_run_id: str) -> Ch
     """Fine-tune the base policy on the text corpus; reuse a finished run with the same key."""
     out_dir = cfg.run.output_dir / "sft"
     key = sft_key(cfg, data)
-    lineage, curves = {"stage_key": key}, {"sft/loss": ("sft/loss",)}
+    curves = {"sft/loss": ("sft/loss",)}
     with (
         tracking.runs.stage_run(parent_run_id, "sft", tracking.runs.stage_params(cfg, "sft")) as run_id,
         StageReporter(
-            cfg,
-            "sft",
-            run_id,
-            data_fingerprint=data.fingerprint,
+            StageIdentity(cfg, "sft", run_id, key, data.fingerprint),
             curves=curves,
-            model_name=cfg.registry.policy_model_name,
-            lineage=lineage,
+            model=RegisteredModel(cfg.registry.policy_model_name),
         ) as reporter,
     ):
         done = _read_stage_file(out_dir)

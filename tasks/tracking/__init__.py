@@ -1,4 +1,4 @@
-"""All MLflow tracking code (the registry's is `tasks/registry.py`), one module per concern:
+"""All MLflow tracking code (the registry's is the `tasks/registry/` package), one module per concern:
 
 - `store`: where tracking and the registry point, credentials into MLflow's environment, the SQLite store
   and its cached template, locks, experiments, which process writes;

@@ -5,7 +5,7 @@ variables; a fresh SQLite store is a copy of an empty one kept in the cache (`em
 Registrations and the creation of a fresh SQLite store hold file locks (`store_lock`), so concurrent
 processes neither register one checkpoint twice nor collide creating the store's tables. Only rank 0 of
 a data-parallel stage writes (`writes`). Runs are in tasks/tracking/runs.py, what is logged to them in
-tasks/tracking/logs.py, model versions in tasks/registry.py.
+tasks/tracking/logs.py, model versions in tasks/registry/.
 """
 
 from __future__ import annotations

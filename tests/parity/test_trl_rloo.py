@@ -199,7 +199,7 @@ def test_advantages_and_reward_metrics_match_trl(make_rloo_trainer, scenario, be
         if not beta and not normalize:  # zero-std groups: advantage exactly 0
             assert torch.all(out["advantages"][16:24] == 0) and torch.all(ours.advantages[16:24] == 0)
 
-    # what TRL logs against what our metrics phase computes (GRPOTrainer.metrics in rlhf_core/rl/grpo.py)
+    # what TRL logs against what our metrics phase computes (GRPOSteps.metrics in rlhf_core/rl/grpo.py)
     torch.testing.assert_close(torch.nanmean(ours.rewards).item(), metrics["reward"], **TOL)
     torch.testing.assert_close(nanstd(ours.rewards).item(), metrics["reward_std"], **TOL)
     frac_zero_std = torch.isclose(ours.std, torch.zeros_like(ours.std)).float().mean().item()

@@ -15,6 +15,7 @@ from transformers import GenerationConfig
 
 from rlhf_core.config import load_config
 from tasks import registry, tracking
+from tasks.reporting.identity import RegisteredModel, StageIdentity
 from tasks.reporting.reporter import StageReporter
 
 pytestmark = pytest.mark.filterwarnings("ignore")
@@ -67,7 +68,7 @@ def test_the_reporter_registers_in_step_order_while_training_goes_on_and_waits_a
         return f"models:/{model_name}/{len(order)}"
 
     monkeypatch.setattr(registry, "register_once", register_once)
-    with StageReporter(cfg, "ppo", "run-id", model_name="p") as reporter:
+    with StageReporter(StageIdentity(cfg, "ppo", "run-id"), model=RegisteredModel("p")) as reporter:
         futures = [reporter.on_checkpoint(cfg.run.output_dir, step) for step in (2, 4, 6)]
         assert order == [] and not any(f.done() for f in futures)  # training went on
         gate.set()
@@ -85,9 +86,9 @@ def test_a_failed_background_registration_fails_the_stage_with_its_own_error(cfg
 
     monkeypatch.setattr(registry, "register_once", register_once)
     with pytest.raises(ConnectionError, match="unreachable"):
-        with StageReporter(cfg, "reward", "run-id", model_name="r") as reporter:
+        with StageReporter(StageIdentity(cfg, "reward", "run-id"), model=RegisteredModel("r")) as reporter:
             reporter.on_checkpoint(cfg.run.output_dir, 2)
-            reporter.registrations.wait()
+            reporter.wait_registrations()
     assert tried == ["2"] * 4  # retried as a transient failure, then given up
 
 
@@ -96,8 +97,8 @@ def test_training_waits_for_each_registration_when_the_background_is_off(tmp_pat
         None, [f"tracking.uri={mlflow_uri}", f"run.output_dir={tmp_path}", "tracking.register_in_background=false"]
     )
     monkeypatch.setattr(registry, "register_once", lambda path, name, **kw: f"models:/{name}/1")
-    reporter = StageReporter(cfg, "ppo", "run-id", model_name="p")
-    assert reporter.on_checkpoint(tmp_path, 2) is None and reporter.registered == {2: "models:/p/1"}
+    reporter = StageReporter(StageIdentity(cfg, "ppo", "run-id"), model=RegisteredModel("p"))
+    assert reporter.on_checkpoint(tmp_path, 2) is None and reporter.registrar.registered == {2: "models:/p/1"}
 
 
 def test_metrics_are_written_beside_training_and_before_the_version_of_their_step(cfg, monkeypatch):
@@ -114,8 +115,10 @@ def test_metrics_are_written_beside_training_and_before_the_version_of_their_ste
 
     monkeypatch.setattr(tracking.logs, "log_metrics", log_metrics)
     monkeypatch.setattr(registry, "register_once", register_once)
-    with StageReporter(cfg, "ppo", "run-id", model_name="p", curves={"kl": ("kl",)}) as reporter:
-        reporter.metrics_in_background = True  # as for a tracking server
+    with StageReporter(
+        StageIdentity(cfg, "ppo", "run-id"), model=RegisteredModel("p"), curves={"kl": ("kl",)}
+    ) as reporter:
+        reporter.writer.in_background = True  # as for a tracking server
         # when: two steps log and the second one's checkpoint is saved
         reporter.log({"kl": 0.5}, 1)
         reporter.log({"kl": 0.25}, 2)
@@ -137,8 +140,8 @@ def test_a_failing_stage_still_writes_the_metrics_it_logged(cfg, monkeypatch):
 
     monkeypatch.setattr(tracking.logs, "log_metrics", log_metrics)
     with pytest.raises(ValueError, match="loss is nan"):
-        with StageReporter(cfg, "sft", "run-id") as reporter:
-            reporter.metrics_in_background = True
+        with StageReporter(StageIdentity(cfg, "sft", "run-id")) as reporter:
+            reporter.writer.in_background = True
             for step in (1, 2, 3):
                 reporter.log({"loss": float(step)}, step)
             raise ValueError("loss is nan")
@@ -153,8 +156,8 @@ def test_a_metrics_write_that_fails_fails_the_stage(cfg, monkeypatch):
 
     monkeypatch.setattr(tracking.logs, "log_metrics", log_metrics)
     with pytest.raises(MlflowException, match="not a number"):
-        with StageReporter(cfg, "sft", "run-id") as reporter:
-            reporter.metrics_in_background = True
+        with StageReporter(StageIdentity(cfg, "sft", "run-id")) as reporter:
+            reporter.writer.in_background = True
             reporter.log({"loss": 1.0}, 1)
 
 
@@ -176,16 +179,16 @@ def test_metrics_go_to_the_writer_thread_for_a_server_and_inline_for_a_local_sto
     overrides = [f"tracking.uri={uri}", f"run.output_dir={tmp_path}"]
     if setting is not None:
         overrides.append(f"tracking.log_in_background={str(setting).lower()}")
-    with StageReporter(load_config(None, overrides), "sft", "run-id") as reporter:
-        assert reporter.metrics_in_background is in_background
+    with StageReporter(StageIdentity(load_config(None, overrides), "sft", "run-id")) as reporter:
+        assert reporter.writer.in_background is in_background
 
 
 def test_a_stage_that_registers_warms_the_registry_up_on_its_registration_thread(cfg, monkeypatch):
     threads = []
     monkeypatch.setattr(registry, "warm_up", lambda: threads.append(threading.current_thread().name))
-    with StageReporter(cfg, "sft", "run-id", model_name="p") as reporter:
+    with StageReporter(StageIdentity(cfg, "sft", "run-id"), model=RegisteredModel("p")) as reporter:
         reporter.start(10, "SFT")
-    with StageReporter(cfg, "data", "run-id") as reporter:  # registers nothing: no warm-up
+    with StageReporter(StageIdentity(cfg, "data", "run-id")) as reporter:  # registers nothing: no warm-up
         reporter.start(0, "data")
     assert len(threads) == 1 and threads[0].startswith("sft-registration")
 

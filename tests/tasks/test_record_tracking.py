@@ -11,6 +11,7 @@ from prefect.settings import PREFECT_API_URL, PREFECT_UI_URL, temporary_settings
 
 from rlhf_core.config import load_config
 from tasks import registry, tracking
+from tasks.reporting.identity import RegisteredModel, StageIdentity
 from tasks.reporting.reporter import StageReporter
 
 pytestmark = pytest.mark.filterwarnings("ignore")
@@ -150,7 +151,7 @@ def test_a_registered_checkpoint_carries_the_evaluation_recorded_for_its_step(cf
 
     monkeypatch.setattr(registry, "register_once", register_once)
     gold = f"eval/{cfg.gold_metric()}_mean"
-    reporter = StageReporter(cfg, "ppo", "run-id", model_name="p", curves={"gold": (gold,)})
+    reporter = StageReporter(StageIdentity(cfg, "ppo", "run-id"), model=RegisteredModel("p"), curves={"gold": (gold,)})
     reporter.record({gold: 0.25, "eval/score_mean": 1.5}, 0)
     reporter.record({gold: 0.75, "eval/score_mean": 2.5, "eval/length_mean": 4.0, "loss": 3.0}, 1)
     reporter.on_checkpoint(cfg.run.output_dir, 1).result()  # registered in the background

@@ -63,9 +63,9 @@ def test_old_versions_go_and_aliased_and_kept_ones_stay(cfg, smoke_world):
         v5 = client.get_model_version(name, "5")
         assert register(7, run_id) == f"models:/{name}/7"
     assert sorted(int(v.version) for v in client.search_model_versions(f"name = '{name}'")) == [2, 3, 4, 6, 7]
-    assert client.get_logged_model(registry._logged_model_id(client.get_model_version(name, "6"))).model_id
+    assert client.get_logged_model(registry.logged_model_id(client.get_model_version(name, "6"))).model_id
     with pytest.raises(MlflowException, match="not found"):  # the store hides deleted logged models
-        client.get_logged_model(registry._logged_model_id(v5))
+        client.get_logged_model(registry.logged_model_id(v5))
 
 
 def test_prune_versions_keeps_all_without_a_limit_and_refuses_zero(cfg, smoke_world):

@@ -88,7 +88,7 @@ def test_a_failed_registration_leaves_no_version(cfg, smoke_world, monkeypatch):
     def not_ready(name, version, timeout_s=300.0):
         raise RuntimeError("registry went away")
 
-    monkeypatch.setattr(registry, "_await_ready", not_ready)
+    monkeypatch.setattr("tasks.registry.registration.await_ready", not_ready)
     with pytest.raises(RuntimeError, match="registry went away"):
         with tracking.runs.pipeline_run(cfg) as parent, tracking.runs.stage_run(parent, "sft") as run_id:
             registry.register_checkpoint(
@@ -157,7 +157,7 @@ def test_a_local_artifact_store_shares_the_checkpoint_weights_instead_of_copying
         )["uri"]
     weights = smoke_world.base_model / "model.safetensors"
     source = MlflowClient().get_model_version("unit-policy", "1").source  # models:/m-...
-    logged = registry._local_artifact_dir(source.removeprefix("models:/"))
+    logged = registry.local_artifact_dir(source.removeprefix("models:/"))
     [artifact] = list(logged.rglob("model.safetensors"))
     assert os.path.samefile(artifact, weights)  # one copy on disk, two names
     generator = mlflow.transformers.load_model(uri)  # and the version still loads
