@@ -19,7 +19,17 @@ from rlhf_core.data.batching import Grouped, ShardedBatches
 from rlhf_core.data.chat import encode
 from rlhf_core.models.card import write_model_card
 from rlhf_core.models.forward import head_per_token
-from rlhf_core.training.loop import LoopResult, LoopSettings, OnCheckpoint, OnLog, OnStep, TrainingLoop
+from rlhf_core.training.loop import (
+    Cadence,
+    LoopCallbacks,
+    LoopMetrics,
+    LoopResult,
+    LoopSettings,
+    OnCheckpoint,
+    OnLog,
+    OnStep,
+    TrainingLoop,
+)
 
 EVAL_METRICS = (
     "eval_loss",
@@ -276,18 +286,14 @@ def reward_loop_settings(cfg: RewardConfig, run: RunConfig) -> LoopSettings:
         optim=cfg,
         micro_batches=cfg.gradient_accumulation_steps,
         micro_batch_size=cfg.batch_size,
-        log_every=cfg.log_steps,
-        eval_every=cfg.eval_steps,
-        save_every=cfg.save_steps,
         disable_dropout=cfg.disable_dropout,  # the same pair scores the same in every forward (TRL's default)
+        cadence=Cadence(log_every=cfg.log_steps, eval_every=cfg.eval_steps, save_every=cfg.save_steps),
+        log_window="mean",
+        loop_metrics=LoopMetrics(lr="reward/learning_rate", grad_norm="reward/grad_norm", epoch="reward/epoch"),
+        shown=("reward/loss", "reward/accuracy"),
+        checkpoint_metrics="eval",
         keep_last=run.keep_last_checkpoints,
         best_metric=("eval_accuracy",),
-        log_window="mean",
-        checkpoint_metrics="eval",
-        lr_key="reward/learning_rate",
-        grad_norm_key="reward/grad_norm",
-        epoch_key="reward/epoch",
-        shown=("reward/loss", "reward/accuracy"),
     )
 
 
@@ -371,14 +377,13 @@ def train_reward_model(
             directory, title=card["title"], metadata={**card["metadata"], "eval_metrics": metrics}, body=card["body"]
         )
 
-    return loop.run(
-        pair_step(loop, train_items, pad_id, cfg),
-        Grouped(order, cfg.gradient_accumulation_steps),
+    callbacks = LoopCallbacks(
         on_log=on_log,
+        on_step=on_step,
         evaluate=evaluate,
         on_eval=on_eval,
         on_checkpoint=on_checkpoint,
-        on_step=on_step,
         extra_files=card_file,
-        show_progress=show_progress,
     )
+    step = pair_step(loop, train_items, pad_id, cfg)
+    return loop.run(step, Grouped(order, cfg.gradient_accumulation_steps), callbacks, show_progress=show_progress)

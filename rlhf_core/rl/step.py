@@ -19,12 +19,23 @@ import torch
 
 from rlhf_core.config import RLConfig, RunConfig
 from rlhf_core.data.batching import ShardedBatches
+from rlhf_core.data.rows import DataValidationError
 from rlhf_core.models.loading import run_stop_ids
 from rlhf_core.rl.advantages.estimators import Estimate, EstimatorContext
 from rlhf_core.rollout.collect import RolloutBatch
 from rlhf_core.rollout.generation import left_pad, tokenize_prompts
 from rlhf_core.rollout.sampling import SamplingSettings, rl_sampling
-from rlhf_core.training.loop import LoopResult, LoopSettings, OnCheckpoint, OnLog, OnStep, TrainingLoop
+from rlhf_core.training.loop import (
+    Cadence,
+    LoopCallbacks,
+    LoopMetrics,
+    LoopResult,
+    LoopSettings,
+    OnCheckpoint,
+    OnLog,
+    OnStep,
+    TrainingLoop,
+)
 
 
 @dataclass(frozen=True)
@@ -81,7 +92,9 @@ class PromptBatches:
 
     def __init__(self, tokenizer, prompts: list[str], sizes: BatchSizes, *, max_prompt_length: int, seed: int, loop):
         if not prompts:
-            raise ValueError(f"the prompt set is empty; {loop.settings.name.upper()} needs at least one prompt")
+            raise DataValidationError(
+                f"the prompt set is empty; {loop.settings.name.upper()} needs at least one prompt"
+            )
         self.prompt_ids = tokenize_prompts(tokenizer, prompts, max_prompt_length)
         self.pad_id, self.repeat, self.device = tokenizer.pad_token_id, sizes.generations_per_prompt, loop.device
         # data parallel: every process rolls out its own prompts_per_step prompts per step
@@ -136,15 +149,13 @@ def rl_loop_settings(rl: RLConfig, run: RunConfig, sizes: BatchSizes, *, eval_ev
         optim=rl,
         micro_batches=sizes.micro_batches,
         micro_batch_size=sizes.micro_batch,
-        log_every=rl.log_steps,
-        eval_every=eval_every,
-        save_every=rl.save_steps,
         disable_dropout=rl.disable_dropout,
+        cadence=Cadence(log_every=rl.log_steps, eval_every=eval_every, save_every=rl.save_steps),
+        loop_metrics=LoopMetrics(timing=True),
+        shown=(names.score, names.kl),
         keep_last=run.keep_last_checkpoints,
         best_metric=(names.score,),  # the newest N checkpoints and the best by the step's training score
         registered="policy",
-        timing=True,
-        shown=(names.score, names.kl),
     )
 
 
@@ -208,14 +219,17 @@ class RLHooks(TypedDict, total=False):
 def run_rl(loop: TrainingLoop, steps: RLSteps, estimator, batches: PromptBatches, policy, hooks: RLHooks) -> LoopResult:
     """The stage's loop over `rl_step`, with the caller's hooks."""
     evaluate = hooks.get("evaluate")
-    return loop.run(
-        lambda prompts: rl_step(steps, estimator, prompts),
-        batches,
+    callbacks = LoopCallbacks(
         on_log=hooks.get("on_log"),
+        on_step=hooks.get("on_step"),
         evaluate=(lambda at: evaluate(policy, at)) if evaluate else None,
         on_eval=hooks.get("on_eval"),
         on_checkpoint=hooks.get("on_checkpoint"),
-        on_step=hooks.get("on_step"),
+    )
+    return loop.run(
+        lambda prompts: rl_step(steps, estimator, prompts),
+        batches,
+        callbacks,
         show_progress=hooks.get("show_progress", True),
     )
 

@@ -15,7 +15,7 @@ from rlhf_core.config import RunConfig, SFTConfig
 from rlhf_core.data.batching import Grouped, LoaderCycle
 from rlhf_core.data.chat import encode
 from rlhf_core.storage.saving import save_pretrained_atomic
-from rlhf_core.training.loop import LoopSettings, OnCheckpoint, OnLog, TrainingLoop
+from rlhf_core.training.loop import Cadence, LoopCallbacks, LoopMetrics, LoopSettings, OnCheckpoint, OnLog, TrainingLoop
 
 
 def tokenize_corpus(tokenizer, texts: list[str], max_length: int) -> torch.utils.data.TensorDataset:
@@ -75,10 +75,9 @@ def train_sft(
         total_steps=cfg.max_steps,
         optim=cfg,
         micro_batches=cfg.gradient_accumulation_steps,
-        log_every=cfg.log_steps,
+        cadence=Cadence(log_every=cfg.log_steps),
         log_window="mean",
-        lr_key="sft/learning_rate",
-        grad_norm_key="sft/grad_norm",
+        loop_metrics=LoopMetrics(lr="sft/learning_rate", grad_norm="sft/grad_norm"),
         shown=("sft/loss",),
     )
     loop = TrainingLoop(model, {}, tokenizer, settings, run)
@@ -104,7 +103,7 @@ def train_sft(
         loop.optimizer_step()
         return {"sft/loss": total / len(micro_batches)}
 
-    loop.run(step, batches, on_log=on_log, show_progress=show_progress)
+    loop.run(step, batches, LoopCallbacks(on_log=on_log), show_progress=show_progress)
     unwrapped = loop.unwrapped()
     unwrapped.eval()
     if loop.is_main:

@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 from rlhf_core.config import RewardConfig, RunConfig
 from rlhf_core.data.batching import Grouped, ShardedBatches
 from rlhf_core.storage.checkpoints import STATE_DIR
-from rlhf_core.training.loop import LoopSettings, TrainingLoop
+from rlhf_core.training.loop import Cadence, LoopCallbacks, LoopMetrics, LoopResult, LoopSettings, TrainingLoop
 from rlhf_core.training.parallel import portable_error
 
 N_ROWS = 16
@@ -54,9 +54,27 @@ X = torch.randn(N_ROWS, 4, generator=DATA)
 Y = torch.randn(N_ROWS, generator=DATA)
 
 
-def settings(total_steps: int, *, patience: int = 3, scheduler: str = "constant", **kw) -> LoopSettings:
+def settings(
+    total_steps: int,
+    *,
+    patience: int = 3,
+    scheduler: str = "constant",
+    log_every: int = 1,
+    eval_every: int | None = None,
+    save_every: int | None = None,
+    grad_norm_key: str | None = None,
+    **kw,
+) -> LoopSettings:
     optim = RewardConfig(learning_rate=0.05, lr_scheduler=scheduler, max_nonfinite_steps_in_a_row=patience)
-    return LoopSettings(name="test", section="reward", total_steps=total_steps, optim=optim, **kw)
+    return LoopSettings(
+        name="test",
+        section="reward",
+        total_steps=total_steps,
+        optim=optim,
+        cadence=Cadence(log_every, eval_every, save_every),
+        loop_metrics=LoopMetrics(grad_norm=grad_norm_key),
+        **kw,
+    )
 
 
 def make_loop(s: LoopSettings, output_dir=None, seed: int = 0) -> tuple[TrainingLoop, Tiny]:
@@ -65,6 +83,11 @@ def make_loop(s: LoopSettings, output_dir=None, seed: int = 0) -> tuple[Training
         model, {"": model}, StubTokenizer(), s, RunConfig(device="cpu", seed=seed), output_dir=output_dir
     )
     return loop, model
+
+
+def run(loop: TrainingLoop, step, batches, show_progress: bool = False, **callbacks) -> LoopResult:
+    """`loop.run` with the callbacks named as `LoopCallbacks` names them."""
+    return loop.run(step, batches, LoopCallbacks(**callbacks), show_progress=show_progress)
 
 
 def regression_step(loop: TrainingLoop, poisoned: dict[int, float] | None = None):
@@ -115,7 +138,8 @@ def test_a_non_finite_step_is_skipped_and_counted_leaving_weights_and_optimizer_
     def on_step(step):
         seen[step] = (weights(model), len(loop.optimizer.optimizer.state))
 
-    result = loop.run(
+    result = run(
+        loop,
         regression_step(loop, {1: poison}),
         batches(loop),
         on_step=on_step,
@@ -131,8 +155,11 @@ def test_a_non_finite_step_is_skipped_and_counted_leaving_weights_and_optimizer_
 
 def test_a_finite_step_between_non_finite_ones_resets_the_count():
     loop, _ = make_loop(settings(6, patience=1))
-    result = loop.run(
-        regression_step(loop, {1: float("nan"), 3: float("nan"), 5: float("inf")}), batches(loop), show_progress=False
+    result = run(
+        loop,
+        regression_step(loop, {1: float("nan"), 3: float("nan"), 5: float("inf")}),
+        batches(loop),
+        show_progress=False,
     )
     assert result.skipped_steps == 3 and result.step == 6
 
@@ -140,14 +167,20 @@ def test_a_finite_step_between_non_finite_ones_resets_the_count():
 @pytest.mark.parametrize("patience", [1, 2])
 def test_one_more_than_the_patience_in_a_row_stops_naming_the_field(patience):
     loop, _ = make_loop(settings(6, patience=patience))
-    ok = loop.run(
-        regression_step(loop, {s: float("nan") for s in range(2, 2 + patience)}), batches(loop), show_progress=False
+    ok = run(
+        loop,
+        regression_step(loop, {s: float("nan") for s in range(2, 2 + patience)}),
+        batches(loop),
+        show_progress=False,
     )
     assert ok.skipped_steps == patience  # exactly `patience` in a row is tolerated
     loop, model = make_loop(settings(6, patience=patience))
     with pytest.raises(FloatingPointError, match=rf"reward\.max_nonfinite_steps_in_a_row {patience}") as err:
-        loop.run(
-            regression_step(loop, {s: float("nan") for s in range(2, 3 + patience)}), batches(loop), show_progress=False
+        run(
+            loop,
+            regression_step(loop, {s: float("nan") for s in range(2, 3 + patience)}),
+            batches(loop),
+            show_progress=False,
         )
     assert f"{patience + 1} optimizer step(s) in a row (step {patience + 2})" in str(err.value)
     assert loop.skipped == patience + 1
@@ -156,7 +189,7 @@ def test_one_more_than_the_patience_in_a_row_stops_naming_the_field(patience):
 def test_zero_patience_stops_at_the_first_non_finite_step():
     loop, model = make_loop(settings(3, patience=0))
     with pytest.raises(FloatingPointError, match=r"test: .*reward\.max_nonfinite_steps_in_a_row 0"):
-        loop.run(regression_step(loop, {2: float("inf")}), batches(loop), show_progress=False)
+        run(loop, regression_step(loop, {2: float("inf")}), batches(loop), show_progress=False)
     assert loop.step == 1  # the step that failed was not counted as done
 
 
@@ -166,7 +199,8 @@ def test_zero_patience_stops_at_the_first_non_finite_step():
 def test_logs_evaluations_and_checkpoints_come_at_their_multiples_and_the_last_step(tmp_path):
     loop, _ = make_loop(settings(7, log_every=3, eval_every=2, save_every=3), output_dir=tmp_path)
     logged, evaluated, evals_seen, saved = [], [], [], []
-    result = loop.run(
+    result = run(
+        loop,
         regression_step(loop),
         batches(loop),
         on_log=lambda m, s: logged.append((s, m)),
@@ -198,7 +232,7 @@ def test_old_checkpoints_are_pruned_only_once_their_background_registration_succ
         pending[step] = Future()
         return pending[step]
 
-    loop.run(regression_step(loop), batches(loop), on_checkpoint=on_checkpoint, show_progress=False)
+    run(loop, regression_step(loop), batches(loop), on_checkpoint=on_checkpoint, show_progress=False)
 
     def names():
         return sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("checkpoint-"))
@@ -215,10 +249,10 @@ def test_old_checkpoints_are_pruned_only_once_their_background_registration_succ
 
 def test_without_save_every_nothing_is_written_and_eval_metrics_can_be_what_a_checkpoint_records(tmp_path):
     loop, _ = make_loop(settings(2), output_dir=tmp_path / "none")
-    assert loop.run(regression_step(loop), batches(loop), show_progress=False).checkpoint is None
+    assert run(loop, regression_step(loop), batches(loop), show_progress=False).checkpoint is None
     assert not (tmp_path / "none").exists()
     loop, _ = make_loop(settings(2, eval_every=1, save_every=2, checkpoint_metrics="eval"), output_dir=tmp_path / "e")
-    loop.run(regression_step(loop), batches(loop), evaluate=lambda s: {"eval/score": 10.0 * s}, show_progress=False)
+    run(loop, regression_step(loop), batches(loop), evaluate=lambda s: {"eval/score": 10.0 * s}, show_progress=False)
     assert json.loads((tmp_path / "e" / "checkpoint-2" / "metrics.json").read_text()) == {"eval/score": 20.0}
 
 
@@ -228,7 +262,7 @@ def test_without_save_every_nothing_is_written_and_eval_metrics_can_be_what_a_ch
 def test_a_run_killed_after_a_checkpoint_resumes_to_the_weights_of_an_uninterrupted_run(tmp_path):
     # the linear schedule, Adam's moments and the batch position must all come back
     whole, whole_model = make_loop(settings(6, save_every=3, scheduler="linear"), output_dir=tmp_path / "whole")
-    whole.run(regression_step(whole), batches(whole), show_progress=False)
+    run(whole, regression_step(whole), batches(whole), show_progress=False)
 
     class Killed(Exception):
         pass
@@ -238,12 +272,12 @@ def test_a_run_killed_after_a_checkpoint_resumes_to_the_weights_of_an_uninterrup
 
     first, _ = make_loop(settings(6, save_every=3, scheduler="linear"), output_dir=tmp_path / "cut")
     with pytest.raises(Killed):
-        first.run(regression_step(first), batches(first), on_checkpoint=kill, show_progress=False)
+        run(first, regression_step(first), batches(first), on_checkpoint=kill, show_progress=False)
     assert (tmp_path / "cut" / "checkpoint-3").is_dir()
 
     again, again_model = make_loop(settings(6, save_every=3, scheduler="linear"), output_dir=tmp_path / "cut", seed=0)
     assert again.resumed and again.resumed_from == 3 and (again.epoch, again.position) == (0, 3)
-    result = again.run(regression_step(again), batches(again), show_progress=False)
+    result = run(again, regression_step(again), batches(again), show_progress=False)
     assert result.resumed_from == 3 and result.step == 6
     assert same(weights(again_model), weights(whole_model))
     assert again.scheduler.get_last_lr() == whole.scheduler.get_last_lr()
@@ -251,10 +285,10 @@ def test_a_run_killed_after_a_checkpoint_resumes_to_the_weights_of_an_uninterrup
 
 def test_a_finished_run_resumes_to_nothing_to_do(tmp_path):
     loop, _ = make_loop(settings(2, save_every=1), output_dir=tmp_path)
-    loop.run(regression_step(loop), batches(loop), show_progress=False)
+    run(loop, regression_step(loop), batches(loop), show_progress=False)
     again, model = make_loop(settings(2, save_every=1), output_dir=tmp_path)
     calls = []
-    result = again.run(lambda b: calls.append(b) or {}, batches(again), show_progress=False)
+    result = run(again, lambda b: calls.append(b) or {}, batches(again), show_progress=False)
     assert calls == [] and result.step == 2 and result.checkpoint == tmp_path / "checkpoint-2"
     assert result.metrics == json.loads((tmp_path / "checkpoint-2" / "metrics.json").read_text())
 
@@ -265,10 +299,10 @@ def test_a_finished_run_resumes_to_nothing_to_do(tmp_path):
 def test_two_half_micro_batches_make_the_update_of_one_full_batch():
     # Adam hides a loss scale in the weights; the gradient norm (before clipping) shows it
     full, full_model = make_loop(settings(3, grad_norm_key="grad_norm"))
-    full_result = full.run(regression_step(full), batches(full, 4), show_progress=False)
+    full_result = run(full, regression_step(full), batches(full, 4), show_progress=False)
     halves, half_model = make_loop(settings(3, micro_batches=2, grad_norm_key="grad_norm"))
     # the same permutation in batches of 2: two consecutive ones are one batch of 4
-    half_result = halves.run(regression_step(halves), Grouped(batches(halves, 2), 2), show_progress=False)
+    half_result = run(halves, regression_step(halves), Grouped(batches(halves, 2), 2), show_progress=False)
     assert not same(weights(half_model), weights(Tiny()))
     assert same(weights(half_model), weights(full_model), atol=1e-6)
     assert half_result.metrics["loss"] == pytest.approx(full_result.metrics["loss"], rel=1e-5)
@@ -287,7 +321,7 @@ def test_the_mean_window_averages_the_steps_since_the_last_log(window, expected)
         loop.optimizer_step()  # no backward: nothing to clip, a finite step
         return {"value": float(loop.step + 1)}
 
-    loop.run(step, batches(loop), on_log=lambda m, s: logged.append((s, m["value"])), show_progress=False)
+    run(loop, step, batches(loop), on_log=lambda m, s: logged.append((s, m["value"])), show_progress=False)
     assert logged == list(zip([2, 4, 5], expected))
 
 
@@ -302,7 +336,7 @@ def test_what_the_evaluation_raises_ends_the_loop_at_that_step_and_crosses_proce
             raise GuardStop(trigger)
 
     with pytest.raises(GuardStop, match="eval KL 5.000 nats > 1"):
-        loop.run(regression_step(loop), batches(loop), evaluate=lambda s: {}, on_eval=on_eval, show_progress=False)
+        run(loop, regression_step(loop), batches(loop), evaluate=lambda s: {}, on_eval=on_eval, show_progress=False)
     assert loop.step == 4 and sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-2"]
 
     # what is broadcast to the other processes: the exception itself when it pickles, else a description

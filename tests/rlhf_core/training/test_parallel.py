@@ -1,15 +1,13 @@
-"""Scale-out pieces that run without a GPU: metric reduction on one process, the accelerate config
-files and what the config check makes of them, the launch command, FSDP's wrap classes."""
+"""Scale-out pieces that run without a GPU: metric reduction on one process, the launch command, FSDP's wrap
+classes (the accelerate config files: tests/rlhf_core/config/test_accelerate.py)."""
 
 from pathlib import Path
 
 import pytest
 import torch
 from accelerate import Accelerator
-from accelerate.commands.config.config_args import load_config_from_file
 
 from rlhf_core.config import PipelineConfig
-from rlhf_core.config.accelerate import accelerate_strategy
 from rlhf_core.training.parallel import full_parameters, gathered_state_dicts, reduce_metrics
 
 REPO = Path(__file__).resolve().parents[3]
@@ -31,32 +29,6 @@ def test_without_sharding_generation_needs_no_gathering_and_checkpoints_save_the
     with full_parameters(accelerator, model):
         assert model(torch.ones(1, 2)).shape == (1, 2)
     assert gathered_state_dicts(accelerator, model, {"m": model}) is None
-
-
-@pytest.mark.parametrize(
-    ("name", "strategy"), [("ddp", "ddp"), ("deepspeed_zero2", "zero2"), ("deepspeed_zero3", "zero3"), ("fsdp", "fsdp")]
-)
-def test_shipped_accelerate_configs_load_in_accelerate_and_say_what_they_shard(name, strategy):
-    path = ACCELERATE / f"{name}.yaml"
-    loaded = load_config_from_file(str(path))
-    assert loaded.num_processes == -1  # taken from run.num_processes at launch
-    assert loaded.mixed_precision == "bf16"
-    assert accelerate_strategy(path) == strategy
-    if strategy == "zero3":
-        assert loaded.deepspeed_config["zero3_save_16bit_model"] is True  # checkpoints need the gathered weights
-
-
-def test_accelerate_config_errors_name_the_field_and_file(tmp_path):
-    with pytest.raises(ValueError, match=r"run.accelerate_config: .*nope.yaml does not exist"):
-        accelerate_strategy(tmp_path / "nope.yaml")
-    bad = tmp_path / "bad.yaml"
-    bad.write_text("mixed_precision: bf16\n")
-    with pytest.raises(ValueError, match=r"bad.yaml has no distributed_type"):
-        accelerate_strategy(bad)
-    fsdp1 = tmp_path / "fsdp1.yaml"
-    fsdp1.write_text("distributed_type: FSDP\nfsdp_config: {fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP}\n")
-    with pytest.raises(ValueError, match="FSDP version 1"):
-        PipelineConfig.model_validate({"run": {"accelerate_config": str(fsdp1)}})
 
 
 @pytest.mark.parametrize("name", ["deepspeed_zero3", "fsdp"])
