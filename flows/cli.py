@@ -1,17 +1,66 @@
-"""The `rlhf` command: validate a config, run the pipeline, print where everything went."""
+"""The `rlhf` command: validate a config, run the pipeline, print where everything went.
+
+A `UserError` (a config, a file, data, a model source the user supplied) prints one sentence on stderr and
+exits 2; any other exception is a bug in this code: its traceback, a one-line hint, exit 1.
+"""
 
 from __future__ import annotations
 
 import argparse
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
-from rlhf_core.config import ConfigError, load_config
-from rlhf_core.config.redaction import redact
+from flows.console import fields_markdown, print_summary, promotion_line
+from rlhf_core.config import load_config
+from rlhf_core.config.errors import UserError
+
+REPO = Path(__file__).resolve().parents[1]
 
 
-def _parser() -> argparse.ArgumentParser:
+class Override(NamedTuple):
+    """One `--set FIELD=VALUE` as parsed: the override text, which flow runs may show, and the MLflow
+    environment variables that take the credentials it carried (set when the command runs)."""
+
+    text: str
+    environment: dict[str, str]
+
+
+def credential_free_override(text: str) -> Override:
+    """The `--set` parser: a `tracking.uri` that carries credentials leaves them to MLflow's environment.
+
+    The overrides become Prefect flow-run parameters, which Prefect stores and shows, so the secret
+    must not be in them: `http://user:password@host` becomes `http://host` plus MLFLOW_TRACKING_USERNAME
+    and MLFLOW_TRACKING_PASSWORD; any other credentialed URI (a token as the user name, a ?token=
+    parameter) becomes MLFLOW_TRACKING_URI and the override `tracking.uri=null`, which falls back to it.
+    Pure: the variables are only returned here, `export_credentials` sets them.
+    """
+    from rlhf_core.config import parse_override
+    from rlhf_core.config.redaction import has_secret, split_credentials
+
+    key, sep, raw = text.partition("=")
+    if key.strip() != "tracking.uri" or not has_secret(raw):
+        return Override(text, {})
+    uri = str(parse_override(text)[1]).strip()
+    clean, user, password = split_credentials(uri)
+    if user is not None and not has_secret(clean):
+        return Override(
+            f"tracking.uri={clean}", {"MLFLOW_TRACKING_USERNAME": user, "MLFLOW_TRACKING_PASSWORD": password}
+        )
+    return Override("tracking.uri=null", {"MLFLOW_TRACKING_URI": uri})
+
+
+def export_credentials(overrides: list[Override]) -> list[str]:
+    """Set the MLflow variables the overrides carried, in command-line order; the override texts."""
+    for override in overrides:
+        os.environ.update(override.environment)
+    return [override.text for override in overrides]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `rlhf` command line; parsing it is pure (the credentials a `--set` carried are set by `main`)."""
     parser = argparse.ArgumentParser(prog="rlhf", description="RLHF pipeline on Prefect and MLflow.")
     parser.add_argument(
         "--debug", action="store_true", help="show the traceback of an error too (as does RLHF_DEBUG=1)"
@@ -47,34 +96,6 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-REPO = Path(__file__).resolve().parents[1]
-
-
-def credential_free_override(text: str) -> str:
-    """The `--set` parser: a `tracking.uri` that carries credentials leaves them in MLflow's environment.
-
-    The overrides become Prefect flow-run parameters, which Prefect stores and shows, so the secret
-    must not be in them: `http://user:password@host` becomes `http://host` plus MLFLOW_TRACKING_USERNAME
-    and MLFLOW_TRACKING_PASSWORD; any other credentialed URI (a token as the user name, a ?token=
-    parameter) becomes MLFLOW_TRACKING_URI and the override `tracking.uri=null`, which falls back to it.
-    """
-    import os
-
-    from rlhf_core.config import parse_override
-    from rlhf_core.config.redaction import has_secret, split_credentials
-
-    key, sep, raw = text.partition("=")
-    if key.strip() != "tracking.uri" or not has_secret(raw):
-        return text
-    uri = str(parse_override(text)[1]).strip()
-    clean, user, password = split_credentials(uri)
-    if user is not None and not has_secret(clean):
-        os.environ["MLFLOW_TRACKING_USERNAME"], os.environ["MLFLOW_TRACKING_PASSWORD"] = user, password
-        return f"tracking.uri={clean}"
-    os.environ["MLFLOW_TRACKING_URI"] = uri
-    return "tracking.uri=null"
-
-
 def deploy(pool: str) -> int:
     """prefect work-pool create (when missing) + prefect deploy --all, run from the repository root."""
     import subprocess
@@ -91,130 +112,80 @@ def deploy(pool: str) -> int:
     return done.returncode
 
 
-def fields_markdown() -> str:
-    from rlhf_core.config.reference import render_reference
-
-    return render_reference()
+# the commands: each takes the parsed arguments and the `--set` overrides, and returns the exit code ----------
 
 
-def print_summary(summary: dict) -> None:
-    from rich.console import Console
-    from rich.table import Table
+def checked_config(config_path: str, overrides: list[str]):
+    """The config, validated, then checked as far as it can be without training: files, functions, models,
+    context, tracking server, registry names, and that run.output_dir is ours to write (nothing written)."""
+    from rlhf_core.storage.ownership import check_pipeline_outputs
+    from tasks.preflight import check_preflight
 
-    uri = summary["tracking_uri"]
-    table = Table(title="Where everything is", show_header=False)
-    table.add_column("what", no_wrap=True)
-    table.add_column("where", overflow="fold")
-    table.add_row("MLflow store", redact(uri))
-    if uri.startswith("sqlite:///"):
-        table.add_row("MLflow artifacts", str(Path(uri.removeprefix("sqlite:///")).parent / "mlruns"))
-    table.add_row("Output directory", summary["output_dir"])
-    if summary.get("demo_world"):
-        table.add_row("Demo world", summary["demo_world"])
-    table.add_row("Checkpoints", ", ".join(summary["checkpoints"]) or "(none)")
-    table.add_row("Last RL checkpoint", summary["policy_path"])
-    if summary.get("policy_model_uri"):
-        table.add_row("Its model version", summary["policy_model_uri"])
-    table.add_row("Exported policy", summary["export_dir"])
-    if summary.get("candidate_uri"):
-        table.add_row("Exported model version", f"{summary['candidate_uri']} = {summary['candidate_alias']}")
-    if summary.get("reward_model_path"):
-        table.add_row("Reward model (HF format)", summary["reward_model_path"])
-    if summary.get("reward_model_uri"):
-        table.add_row("Reward model version", summary["reward_model_uri"])
-    for key, value in summary.get("metrics", {}).items():
-        table.add_row(key, f"{value:.4f}")
-    console = Console(width=max(140, Console().width))  # paths stay on one line in logs
-    if summary.get("final_eval_rows"):
-        from rlhf_core.data.chat import shown_prompt
-        from tasks.reporting.progress import print_rows
-
-        rows = [{**row, "prompt": shown_prompt(row["prompt"])} for row in summary["final_eval_rows"]]
-        print_rows(rows, "Held-out completions of the exported policy (first 5)")
-    console.print(table)
-    print_alignment(console, summary)
-    if uri.startswith("sqlite"):
-        console.print(
-            f"Open the MLflow UI: .venv/bin/mlflow ui --backend-store-uri {uri} --port 5000"
-            " and browse http://127.0.0.1:5000"
-        )
-    else:
-        console.print(f"MLflow UI: {redact(uri)}")
+    cfg = load_config(config_path, overrides)
+    check_preflight(cfg)
+    check_pipeline_outputs(cfg, config_path=config_path, claim=False)
+    return cfg
 
 
-def print_alignment(console, summary: dict) -> None:
-    """Before (the initial policy, step 0) and after (the exported checkpoint) side by side: the gold and
-    proxy rewards, the KL, length and diversity, the guard's verdict, and three completions of the same
-    prompts; then the one-line gold gain."""
-    from rich.table import Table
-
-    from rlhf_core.data.chat import shown_prompt
-    from rlhf_core.evaluation.promotion import alignment_rows
-
-    gold, history = summary.get("gold_metric"), {int(k): v for k, v in (summary.get("eval_history") or {}).items()}
-    if 0 not in history or len(history) < 2:
-        return
-    after_step = summary.get("selected_step")
-    after_step = after_step if after_step in history else max(history)
-    before, after = history[0], history[after_step]
-    table = Table(title=f"Alignment: the initial policy (step 0) and the exported one (step {after_step})")
-    for column in ("", "before", "after", "after / before"):
-        table.add_column(column)
-    for row in alignment_rows(before, after, gold):
-        table.add_row(*row)
-    console.print(table)
-    triggers = summary.get("guard_triggers") or []
-    console.print(f"Guard: {len(triggers)} trigger(s)" + "".join(f"\n  {t}" for t in triggers[:10]))
-    pairs = list(zip(summary.get("initial_eval_rows") or [], summary.get("final_eval_rows") or []))[:3]
-    if pairs:
-        samples = Table(title="Three held-out prompts, before and after")
-        for column in ("prompt", "before", "after"):
-            samples.add_column(column, overflow="fold")
-        for first, last in pairs:
-            samples.add_row(shown_prompt(first["prompt"]), first["completion"], last["completion"])
-        console.print(samples)
-    key = f"eval/{gold}_mean"
-    if key in before and key in after:
-        console.print(
-            f"Gold metric {gold}: {before[key]:.3f} at step 0 -> {after[key]:.3f} at step {after_step} "
-            f"({after[key] - before[key]:+.3f})"
-        )
+def fields_command(args: argparse.Namespace, overrides: list[str]) -> int:
+    print(fields_markdown())
+    return 0
 
 
-def user_error_types() -> tuple[type[BaseException], ...]:
-    """Exceptions a user causes (a config, a file, a model source, a reward function, a guard set to stop
-    that stopped RL before any checkpoint): one sentence, exit 2."""
-    from rlhf_core.data.rows import DataValidationError
-    from rlhf_core.evaluation.guard import GuardStopError
-    from rlhf_core.models.loading import ModelSourceError
-    from rlhf_core.rewards.functions import RewardFunctionError
-    from rlhf_core.storage.ownership import OwnershipError
-    from tasks.preflight import PreflightError
-
-    return (
-        ConfigError,
-        ModelSourceError,
-        DataValidationError,
-        RewardFunctionError,
-        PreflightError,
-        OwnershipError,
-        GuardStopError,
-    )
+def deploy_command(args: argparse.Namespace, overrides: list[str]) -> int:
+    return deploy(args.pool)
 
 
-OUR_PACKAGES = tuple(str(REPO / name) + "/" for name in ("rlhf_core", "tasks", "flows"))
+def ui_command(args: argparse.Namespace, overrides: list[str]) -> int:
+    load_config(args.config, overrides)  # the config is checked here, the run checks the rest against the servers
+    from flows.ui import serve
+
+    config = None if args.no_run else args.config
+    # the servers' logs beside ./mlflow.db, never in run.output_dir (the run wants it empty or its own)
+    return serve(config, overrides, args.mlflow_port, args.prefect_port, Path.cwd() / ".rlhf-ui")
+
+
+def validate_command(args: argparse.Namespace, overrides: list[str]) -> int:
+    import yaml
+
+    cfg = checked_config(args.config, overrides)
+    print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    return 0
+
+
+def promote_command(args: argparse.Namespace, overrides: list[str]) -> int:
+    from flows.promote import rlhf_promote
+
+    # outside the demo an explicit gate is needed: one sentence before any flow run
+    load_config(args.config, overrides).promotion_gates()
+    print(promotion_line(rlhf_promote(config_path=args.config, overrides=overrides)))
+    return 0
+
+
+def run_command(args: argparse.Namespace, overrides: list[str]) -> int:
+    from flows.rlhf_pipeline import rlhf_pipeline
+
+    checked_config(args.config, overrides)  # before any work
+    print_summary(rlhf_pipeline(config_path=args.config, overrides=overrides))
+    return 0
+
+
+COMMANDS: dict[str, Callable[[argparse.Namespace, list[str]], int]] = {
+    "fields": fields_command,
+    "deploy": deploy_command,
+    "ui": ui_command,
+    "validate": validate_command,
+    "promote": promote_command,
+    "run": run_command,
+}
+
+
+# errors ------------------------------------------------------------------------------------------------------
 
 
 def is_user_error(err: BaseException) -> bool:
-    """One of `user_error_types`, or a plain ValueError that our own checks raised (rlhf_core, tasks, flows)."""
-    if isinstance(err, user_error_types()):
-        return True
-    if type(err) is not ValueError or err.__traceback__ is None:
-        return False
-    tb = err.__traceback__
-    while tb.tb_next is not None:
-        tb = tb.tb_next
-    return tb.tb_frame.f_code.co_filename.startswith(OUR_PACKAGES)
+    """A `UserError`: something the user can change (one sentence, exit 2); anything else is a bug."""
+    return isinstance(err, UserError)
 
 
 def debug_wanted(args: argparse.Namespace | None = None) -> bool:
@@ -227,72 +198,35 @@ def debug_wanted(args: argparse.Namespace | None = None) -> bool:
 
 
 def one_sentence(err: BaseException) -> str:
-    text = " ".join(str(err).split()) or type(err).__name__
-    return text
+    return " ".join(str(err).split()) or type(err).__name__
 
 
-def _run_command(args: argparse.Namespace) -> int:
-    if args.command == "fields":
-        print(fields_markdown())
-        return 0
-    if args.command == "deploy":
-        return deploy(args.pool)
-    cfg = load_config(args.config, args.overrides)
-    if args.command == "ui":  # the config is checked here, the run checks the rest against the servers
-        from flows.ui import serve
-
-        config = None if args.no_run else args.config
-        # the servers' logs beside ./mlflow.db, never in run.output_dir (the run wants it empty or its own)
-        return serve(config, args.overrides, args.mlflow_port, args.prefect_port, Path.cwd() / ".rlhf-ui")
-    if args.command in ("validate", "run"):
-        from tasks.preflight import check_preflight
-
-        check_preflight(cfg)  # files, functions, models, context, tracking server, registry names: before any work
-        from rlhf_core.storage.ownership import check_pipeline_outputs
-
-        check_pipeline_outputs(cfg, config_path=args.config, claim=False)  # owned writes only; writes nothing here
-    if args.command == "validate":
-        import yaml
-
-        print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
-        return 0
-
-    if args.command == "promote":
-        cfg.promotion_gates()  # outside the demo an explicit gate is needed: one sentence before any flow run
-        from flows.promote import rlhf_promote
-
-        result = rlhf_promote(config_path=args.config, overrides=args.overrides)
-        print(
-            f"{result['model']} version {result['candidate']} vs champion {result['champion']}: "
-            f"{result['decision']}{'' if result['changed'] else ' (nothing changed)'}; {result['reason']}"
-        )
-        return 0
-
-    from flows.rlhf_pipeline import rlhf_pipeline
-
-    summary = rlhf_pipeline(config_path=args.config, overrides=args.overrides)
-    print_summary(summary)
-    return 0
+def bug_hint(err: BaseException) -> str:
+    """The line printed under a bug's traceback."""
+    return (
+        f"rlhf: this {type(err).__name__} is a bug in rlhf, not a mistake in the config or data; "
+        "please report it with the traceback above"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run a command; a user error (see `is_user_error`) prints one sentence on stderr and exits 2.
-
-    `--debug` or RLHF_DEBUG=1 prints its traceback as well; any other exception is a bug and
-    propagates with its traceback.
-    """
-    args = _parser().parse_args(argv)
+    """Run a command; a `UserError` prints one sentence on stderr and exits 2 (`--debug` or RLHF_DEBUG=1
+    print its traceback as well). Any other exception is a bug: it propagates with `bug_hint` as a note,
+    so the interpreter prints its traceback, that line under it, and exits 1."""
+    args = build_parser().parse_args(argv)
     try:
-        return _run_command(args)
-    except Exception as err:
-        if not is_user_error(err):
-            raise
+        overrides = export_credentials(getattr(args, "overrides", []))
+        return COMMANDS[args.command](args, overrides)
+    except UserError as err:
         if debug_wanted(args):
             import traceback
 
             traceback.print_exception(err, file=sys.stderr)
         print(f"error: {one_sentence(err)}", file=sys.stderr)
         return 2
+    except Exception as err:
+        err.add_note(bug_hint(err))
+        raise
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from prefect import flow
 from prefect.logging import get_run_logger
 
 from rlhf_core.config import PipelineConfig, load_config
+from rlhf_core.config.errors import UserError
 from rlhf_core.config.redaction import refuse_secret_overrides
 from rlhf_core.evaluation.promotion import Decision, decide
 from rlhf_core.training.parallel import use_cpu_threads
@@ -139,7 +140,7 @@ def _candidate(name: str):
     """The version with the alias `candidate`, or a one-sentence error saying how to make one."""
     candidate = registry.version_by_alias(name, CANDIDATE)
     if candidate is None:
-        raise ValueError(
+        raise UserError(
             f"registry.policy_model_name {name!r} has no version with the alias '{CANDIDATE}'; "
             "run the pipeline first (its export sets it)"
         )

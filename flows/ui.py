@@ -18,6 +18,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from rlhf_core.config.errors import UserError
+
 BIN = Path(sys.executable).parent
 START_TIMEOUT_S = 120.0
 
@@ -73,7 +75,7 @@ def serve(config: str | None, overrides: list[str], mlflow_port: int, prefect_po
     """Start both UIs, run the pipeline against them (unless `config` is None), then wait for Ctrl-C."""
     for port, flag in ((mlflow_port, "--mlflow-port"), (prefect_port, "--prefect-port")):
         if not port_free(port):
-            raise ValueError(f"port {port} on 127.0.0.1 is in use; stop what holds it or pass {flag}")
+            raise UserError(f"port {port} on 127.0.0.1 is in use; stop what holds it or pass {flag}")
     logs.mkdir(parents=True, exist_ok=True)
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill` stops both servers as Ctrl-C does
     mlflow_url, prefect_url = f"http://127.0.0.1:{mlflow_port}", f"http://127.0.0.1:{prefect_port}"

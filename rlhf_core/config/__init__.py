@@ -6,18 +6,22 @@ one raises :class:`ConfigError` with one sentence that names the field and what 
 
 Split by concern, everything importable from here:
 
-- ``base``: ``Section`` (the strict base model), ``ConfigError``, ``DEMO``;
+- ``base``: ``Section`` (the strict base model), ``ConfigError`` (a ``UserError``), ``DEMO``;
 - ``run_model_data``: the run, model and data sections; ``training``: the optimizer settings, SFT,
   reward, init, RL, PPO and GRPO sections; ``pipeline``: eval, export, promote, tracking, registry and
-  ``PipelineConfig`` with its cross-field checks and derived values;
-- ``loading``: YAML, ``--set`` overrides, validation; ``errors``: one-sentence messages and hints;
+  ``PipelineConfig`` with its derived values; ``cross_checks``: the checks across sections, in the order they fire;
+- ``accelerate``: what an accelerate launch file asks for; ``redaction``: secrets out of logs and parameters;
+- ``loading``: YAML, ``--set`` overrides, validation; ``errors``: ``UserError`` (what a user causes: the CLI
+  prints its sentence and exits 2), one-sentence messages and hints;
 - ``reference``: docs/configuration.md, the configuration reference, rendered from the field descriptions.
 """
 
+from rlhf_core.config.accelerate import accelerate_strategy
 from rlhf_core.config.base import DEMO, ConfigError, Section
 from rlhf_core.config.errors import (
     REPLACED_FIELDS,
     TRL_NAMES,
+    UserError,
     describe_error,
     field_paths,
     nested_section,
@@ -32,7 +36,6 @@ from rlhf_core.config.pipeline import (
     PromoteConfig,
     RegistryConfig,
     TrackingConfig,
-    accelerate_strategy,
 )
 from rlhf_core.config.run_model_data import (
     ColumnMap,
@@ -82,6 +85,7 @@ __all__ = [
     "RegistryConfig",
     "TrackingConfig",
     "accelerate_strategy",
+    "UserError",
     "describe_fields",
     "render_reference",
     "ColumnMap",

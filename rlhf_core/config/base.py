@@ -9,6 +9,8 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict
 
+from rlhf_core.config.errors import UserError
+
 DEMO = "demo"  # the reserved source name for the built-in offline demo world
 _VARIABLE = re.compile(r"\$(\w+|\{[^}]*\})")
 
@@ -32,7 +34,7 @@ PathText = Annotated[str, BeforeValidator(expand_path)]
 ExpandedPath = Annotated[Path, BeforeValidator(expand_path)]
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError):
     """A configuration a user wrote that cannot run; the message is one sentence."""
 
 

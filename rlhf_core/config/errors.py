@@ -1,5 +1,6 @@
-"""One-sentence messages for configs that do not validate: which field, what it accepts, and for an
-unknown key the field this config calls it (TRL's names) or the closest spelling.
+"""What a user did wrong, in one sentence: `UserError`, the base of every exception a user causes, and the
+messages for configs that do not validate (which field, what it accepts, and for an unknown key the field
+this config calls it, TRL's names, or the closest spelling).
 
 Kept apart from the schema (the section modules of `rlhf_core.config`); every function takes the root section.
 """
@@ -10,6 +11,13 @@ import re
 from typing import Any
 
 from pydantic import BaseModel
+
+
+class UserError(ValueError):
+    """Something a user wrote or supplied (a config, a file, a data row, a model source) that cannot run; the
+    message is one sentence that says what to change. Any other exception is a bug. A ValueError, so that
+    `except ValueError` around a check keeps catching it."""
+
 
 # TRL's (and transformers') names for what this config calls otherwise: (section or None for any, key) -> our field.
 # A section-specific entry wins over the general one; "{section}" stands for the section the key was written in.

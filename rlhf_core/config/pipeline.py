@@ -1,5 +1,5 @@
-"""The sections after training (export, promotion, tracking, registry) and the whole `PipelineConfig`: its
-cross-field checks and the values derived from it."""
+"""The sections after training (export, promotion, tracking, registry) and the whole `PipelineConfig`: the
+values derived from it, and its cross-field checks (written in `rlhf_core.config.cross_checks`, run here)."""
 
 from __future__ import annotations
 
@@ -11,13 +11,21 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from rlhf_core.config.accelerate import accelerate_strategy
 from rlhf_core.config.base import DEMO, ConfigError, ExpandedPath, Section
+from rlhf_core.config.cross_checks import (
+    check_eval_columns,
+    check_group_family,
+    check_init_policy,
+    check_init_reference,
+    check_launcher,
+    check_nonfinite_skipping,
+    check_ppo_accumulation,
+    check_ppo_mini_batches,
+    group_batch_field,
+)
 from rlhf_core.config.evaluation import EvalConfig, Gates, GuardConfig
 from rlhf_core.config.run_model_data import DataConfig, DatasetSpec, ModelConfig, RunConfig
 from rlhf_core.config.training import (
-    GROUP_ALGORITHMS,
-    GROUP_FIELDS_FOR,
     GRPOConfig,
     InitConfig,
     PPOConfig,
@@ -63,6 +71,24 @@ class PromoteConfig(Section):
         description="The candidate's metric must reach this, with or without a champion; null: no such floor. Outside the demo the first promotion (no champion yet) needs it.",
     )
     num_prompts: int | None = Field(None, ge=1, description="Held-out prompts evaluated; null: eval.num_prompts.")
+
+    def gates(self, metric: str, *, model_base: str, first: bool) -> Gates:
+        """The gates on `metric` (`PipelineConfig.promotion_gates`): in the demo (`model_base` 'demo') an implicit
+        min_improvement; elsewhere an explicit gate, for a `first` champion min_value, else a ConfigError."""
+        min_improvement = self.min_improvement
+        if model_base == DEMO:
+            min_improvement = DEMO_MIN_IMPROVEMENT if min_improvement is None else min_improvement
+        elif self.min_value is None and min_improvement is None:
+            raise ConfigError(
+                f"promote.min_value or promote.min_improvement must be set to promote on {metric!r} outside the "
+                f"demo (model.base is {model_base!r}), so that no value becomes champion by default"
+            )
+        elif first and self.min_value is None:
+            raise ConfigError(
+                f"promote.min_value must be set to promote a first champion on {metric!r} outside the demo: "
+                "there is no champion yet for promote.min_improvement to be measured against"
+            )
+        return Gates(metric, min_improvement, self.max_kl, self.min_value)
 
 
 class TrackingConfig(Section):
@@ -117,141 +143,17 @@ class PipelineConfig(Section):
 
     @model_validator(mode="after")
     def _cross_checks(self) -> PipelineConfig:
-        if self.rl.algorithm == "ppo" and self.rl.batch_size % self.ppo.num_mini_batches:
-            raise ValueError(
-                f"rl.batch_size {self.rl.batch_size} must be a multiple of ppo.num_mini_batches {self.ppo.num_mini_batches}"
-            )
-        if self.init.reference == "adapter_disabled" and not self.model.lora.enabled:
-            raise ValueError("init.reference 'adapter_disabled' needs model.lora.enabled true; use 'copy' or 'auto'")
-        if (
-            self.rl.algorithm == "ppo"
-            and (self.rl.batch_size // self.ppo.num_mini_batches) % self.rl.gradient_accumulation_steps
-        ):
-            raise ValueError(
-                f"a PPO mini-batch of {self.rl.batch_size // self.ppo.num_mini_batches} (rl.batch_size / ppo.num_mini_batches) "
-                f"must be a multiple of rl.gradient_accumulation_steps {self.rl.gradient_accumulation_steps}"
-            )
-        if self.run.accelerate_config is not None and self.run.launcher == "ray":
-            raise ValueError(
-                f"run.accelerate_config {self.run.accelerate_config} is read by `accelerate launch`, which "
-                "run.launcher 'ray' does not run (Ray Train starts the processes and a DDP process group); "
-                "leave run.accelerate_config unset with the ray launcher, or use run.launcher 'local'"
-            )
-        if self.run.accelerate_config is not None:
-            strategy = accelerate_strategy(self.run.accelerate_config)
-            if strategy == "fsdp1":
-                raise ValueError(
-                    f"run.accelerate_config {self.run.accelerate_config} uses FSDP version 1; set "
-                    "fsdp_config.fsdp_version: 2 (see configs/accelerate/fsdp.yaml)"
-                )
-            if strategy in ("zero3", "fsdp") and (self.model.lora.enabled or self.reward.lora):
-                raise ValueError(
-                    f"run.accelerate_config {self.run.accelerate_config} shards parameters ({strategy}), "
-                    "which LoRA training does not need or support here; use configs/accelerate/ddp.yaml "
-                    "or deepspeed_zero2.yaml, or turn model.lora.enabled / reward.lora off"
-                )
-        if self.rl.algorithm in GROUP_ALGORITHMS:
-            self._grpo_checks()
-        elif self.rl.dynamic_sampling.enabled:
-            raise ValueError(
-                f"rl.dynamic_sampling drops groups of completions, which rl.algorithm {self.rl.algorithm!r} does not "
-                f"sample; use one of {', '.join(GROUP_ALGORITHMS)} or turn rl.dynamic_sampling.enabled off"
-            )
-        if self.run.accelerate_config is not None and accelerate_strategy(self.run.accelerate_config).startswith(
-            "zero"
-        ):
-            for name, stage in (("rl", self.rl), ("reward", self.reward)):
-                if stage.max_nonfinite_steps_in_a_row:
-                    raise ValueError(
-                        f"run.accelerate_config {self.run.accelerate_config} uses DeepSpeed, whose engine steps "
-                        "inside backward before a non-finite gradient can be seen, so such a step cannot be "
-                        f"skipped; set {name}.max_nonfinite_steps_in_a_row: 0 (it is "
-                        f"{stage.max_nonfinite_steps_in_a_row}; a non-finite gradient then stops the run)"
-                    )
-        if self.init.policy == "sft" and not self.sft.enabled:
-            raise ValueError("init.policy is 'sft' but sft.enabled is false; set init.policy to 'base' or enable sft")
-        names = self.metric_names()
-        self._guard_checks(names)
-        if self.eval.samples_per_prompt > 1 and self.verifier() not in names:
-            allowed = ", ".join(repr(n) for n in names if n not in self.eval.sampled_columns()) or "none"
-            raise ValueError(
-                f"eval.samples_per_prompt {self.eval.samples_per_prompt} counts correct completions with "
-                f"eval.verifier {self.verifier()!r}, which is not an eval metric; allowed: {allowed}"
-            )
-        if self.promote.metric is not None and self.promote.metric not in ("score", *names):
-            allowed = ", ".join(repr(n) for n in ("score", *names))
-            raise ValueError(f"promote.metric {self.promote.metric!r} is not an eval column; allowed: {allowed}")
+        # in the order they fire: the first failing check's sentence is the one a user sees
+        rl, lora = self.rl, self.model.lora.enabled
+        check_ppo_mini_batches(rl, self.ppo)
+        check_init_reference(self.init, lora)
+        check_ppo_accumulation(rl, self.ppo)
+        strategy = check_launcher(self.run, lora or self.reward.lora)
+        check_group_family(rl, self.grpo, lora, self.run, strategy)
+        check_nonfinite_skipping(self.run, strategy, rl, self.reward)
+        check_init_policy(self.init, self.sft)
+        check_eval_columns(self.metric_names(), self.verifier(), self.eval, self.guard, self.promote.metric)
         return self
-
-    def _guard_checks(self, names: list[str]) -> None:
-        guard = self.guard
-        if guard.divergence.gold is not None and guard.divergence.gold not in names:
-            allowed = ", ".join(repr(n) for n in names) or "none (eval.metrics is empty)"
-            raise ValueError(
-                f"guard.divergence.gold {guard.divergence.gold!r} is not an eval metric; allowed: {allowed}"
-            )
-
-    def _group_batch_name(self) -> str:
-        """The field that sets the group algorithms' generation batch here."""
-        return "rl.batch_size" if self.grpo.generation_batch_size is None else "grpo.generation_batch_size"
-
-    def _grpo_checks(self) -> None:
-        grpo, rl = self.grpo, self.rl
-        for name, algorithms in GROUP_FIELDS_FOR.items():  # a changed value the algorithm would never read
-            if rl.algorithm not in algorithms and getattr(grpo, name) != GRPOConfig.model_fields[name].default:
-                raise ValueError(
-                    f"grpo.{name} applies to rl.algorithm {' and '.join(algorithms)}, not "
-                    f"{rl.algorithm!r}; remove it (docs/algorithms.md lists what each algorithm reads)"
-                )
-        if grpo.reward_clip_range is not None and grpo.reward_clip_range[0] > grpo.reward_clip_range[1]:
-            raise ValueError(
-                f"grpo.reward_clip_range {list(grpo.reward_clip_range)} must be [low, high] with low <= high"
-            )
-        if grpo.steps_per_generation is not None and grpo.steps_per_generation % rl.gradient_accumulation_steps:
-            raise ValueError(
-                f"grpo.steps_per_generation {grpo.steps_per_generation} must be a multiple of "
-                f"rl.gradient_accumulation_steps {rl.gradient_accumulation_steps}"
-            )
-        batch, name = grpo.generation_batch(rl.batch_size), self._group_batch_name()
-        if batch % grpo.num_generations:
-            raise ValueError(f"{name} {batch} must be a multiple of grpo.num_generations {grpo.num_generations}")
-        if grpo.steps_per_generation is not None and batch % grpo.steps_per_generation:
-            raise ValueError(
-                f"{name} {batch} (the generation batch) must be a multiple of "
-                f"grpo.steps_per_generation {grpo.steps_per_generation}, the micro-batches it is split into"
-            )
-        if grpo.steps_per_generation is None and batch % rl.gradient_accumulation_steps:
-            raise ValueError(
-                f"{name} {batch} (the generation batch) must be a multiple of "
-                f"rl.gradient_accumulation_steps {rl.gradient_accumulation_steps}, the micro-batches it is "
-                "split into while grpo.steps_per_generation is null"
-            )
-        if rl.missing_eos_penalty is not None and grpo.multi_objective_aggregation == "normalize_then_sum":
-            raise ValueError(
-                "rl.missing_eos_penalty is subtracted from the summed reward before group statistics, which "
-                "grpo.multi_objective_aggregation 'normalize_then_sum' does not have; use 'sum_then_normalize' "
-                "or add the penalty as a reward function"
-            )
-        if grpo.delta is not None and grpo.loss_type in ("cispo", "sapo"):
-            raise ValueError(
-                f"grpo.delta applies to the clipped losses (grpo, bnpo, dr_grpo, dapo), not loss_type '{grpo.loss_type}'"
-            )
-        if grpo.sync_ref_model:
-            if grpo.beta == 0:
-                raise ValueError("grpo.sync_ref_model needs a reference model, but grpo.beta is 0 so none is loaded")
-            if self.model.lora.enabled:
-                raise ValueError(
-                    "grpo.sync_ref_model needs a reference copy to mix into, but with model.lora.enabled the "
-                    "reference is the policy with its adapters disabled"
-                )
-            if self.run.accelerate_config is not None and accelerate_strategy(self.run.accelerate_config) in (
-                "zero3",
-                "fsdp",
-            ):
-                raise ValueError(
-                    f"grpo.sync_ref_model mixes whole weights, which run.accelerate_config "
-                    f"{self.run.accelerate_config} shards; use ddp.yaml or deepspeed_zero2.yaml"
-                )
 
     # derived values, computed in one place ---------------------------------------------------
 
@@ -298,21 +200,7 @@ class PipelineConfig(Section):
     def promotion_gates(self, first: bool = False) -> Gates:
         """The promote.* gates; `first`: there is no champion yet. Outside the demo promotion needs an
         explicit gate (and a first promotion promote.min_value), else a one-sentence ConfigError."""
-        metric, promote = self.promotion_metric(), self.promote
-        min_improvement = promote.min_improvement
-        if self.is_demo():
-            min_improvement = DEMO_MIN_IMPROVEMENT if min_improvement is None else min_improvement
-        elif promote.min_value is None and min_improvement is None:
-            raise ConfigError(
-                f"promote.min_value or promote.min_improvement must be set to promote on {metric!r} outside the "
-                f"demo (model.base is {self.model.base!r}), so that no value becomes champion by default"
-            )
-        elif first and promote.min_value is None:
-            raise ConfigError(
-                f"promote.min_value must be set to promote a first champion on {metric!r} outside the demo: "
-                "there is no champion yet for promote.min_improvement to be measured against"
-            )
-        return Gates(metric, min_improvement, promote.max_kl, promote.min_value)
+        return self.promote.gates(self.promotion_metric(), model_base=self.model.base, first=first)
 
     def trains_reward_model(self) -> bool:
         """Whether the reward stage runs: PPO always reads this run's reward model; the GRPO family only when a
@@ -343,7 +231,7 @@ class PipelineConfig(Section):
         fields = "rl.batch_size"
         if self.rl.algorithm != "ppo":
             per_process = self.grpo.generation_batch(self.rl.batch_size) // self.grpo.num_generations
-            fields = f"{self._group_batch_name()} / grpo.num_generations"
+            fields = f"{group_batch_field(self.grpo)} / grpo.num_generations"
         if self.run.num_processes > 1:
             fields += " x run.num_processes"
         return per_process * self.run.num_processes, fields

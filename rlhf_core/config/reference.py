@@ -18,7 +18,7 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from rlhf_core.config.errors import nested_section
+from rlhf_core.config.errors import UserError, nested_section
 from rlhf_core.config.pipeline import PipelineConfig
 
 START = "<!-- config-reference:start -->"
@@ -81,7 +81,7 @@ def _block_span(text: str) -> tuple[int, int]:
     """Where the generated block lies in `text`: after the start marker's line, up to the end marker."""
     start, end = text.find(START), text.find(END)
     if start < 0 or end < start:
-        raise ValueError(f"no `{START}` ... `{END}` block found")
+        raise UserError(f"no `{START}` ... `{END}` block found")
     return text.index("\n", start) + 1, end
 
 

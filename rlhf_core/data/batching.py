@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from rlhf_core.data.rows import DataValidationError
+
 
 def epoch_batches(n_rows: int, batch_size: int, seed: int, epoch: int) -> list[list[int]]:
     """The batches of one epoch: a permutation fixed by (seed, epoch), incomplete tail dropped.
@@ -31,7 +33,7 @@ class ShardedBatches:
         self.epoch, self.position = epoch, position
         self.batches = epoch_batches(n_rows, batch_size, seed, epoch)
         if len(self.batches) < world:
-            raise ValueError(
+            raise DataValidationError(
                 f"{n_rows} rows make {len(self.batches)} batches of {batch_size}, fewer than the "
                 f"{world} processes that each need one per step; lower the batch size or add data"
             )

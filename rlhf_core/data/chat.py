@@ -13,6 +13,8 @@ import re
 from itertools import takewhile
 from typing import Any, Literal
 
+from rlhf_core.config.errors import UserError
+
 Format = Literal["standard", "conversational"]
 CONVERSATIONAL_KEYS = ("prompt", "chosen", "rejected", "completion", "messages")
 # the column a conversational prompt table keeps its original messages in (reward functions receive them)
@@ -73,7 +75,7 @@ def render_prompt(tokenizer, prompt: list[dict], kwargs: dict | None = None) -> 
     elif last == "assistant":
         flags = {"add_generation_prompt": False, "continue_final_message": True}
     else:
-        raise ValueError(f"the last message of a prompt has role '{last}'; it must be user, tool or assistant")
+        raise UserError(f"the last message of a prompt has role '{last}'; it must be user, tool or assistant")
     return _template(tokenizer, prompt, kwargs or {}, **flags)
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from rlhf_core.config import DatasetSpec
+from rlhf_core.config.errors import UserError
 from rlhf_core.data.chat import (
     ACCEPTED,
     PROMPT_MESSAGES,
@@ -30,7 +31,7 @@ from rlhf_core.data.chat import (
 Kind = Literal["preference", "prompt", "text"]
 
 
-class DataValidationError(ValueError):
+class DataValidationError(UserError):
     """Data a user supplied that cannot be trained on; the message is one sentence."""
 
 

@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import random
 
-from rlhf_core.config import DemoModelConfig
+from rlhf_core.config import ConfigError, DemoModelConfig
 
 PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
 SPECIAL_TOKENS = [PAD, BOS, EOS]
 CHARACTERS = [str(d) for d in range(10)] + ["+", "="]
 MAX_OPERAND = 99
 MAX_LENGTH = 16  # bos + "99+99=198" + eos is 11 tokens
-SPLITS = ("sft", "rl", "eval")
 
 
 def build_digit_tokenizer(max_length: int = MAX_LENGTH):
@@ -87,7 +86,7 @@ def split_problems(seed: int, num_sft: int = 800, num_rl: int = 4000, num_eval: 
     problems = all_problems()
     sizes = {"num_sft": num_sft, "num_rl": num_rl, "num_eval": num_eval}
     if min(sizes.values()) < 0 or sum(sizes.values()) > len(problems):
-        raise ValueError(f"split sizes {sizes} must be non-negative and add up to at most {len(problems)}")
+        raise ConfigError(f"split sizes {sizes} must be non-negative and add up to at most {len(problems)}")
     random.Random(seed).shuffle(problems)
     eval_end, sft_end = num_eval, num_eval + num_sft
     return {

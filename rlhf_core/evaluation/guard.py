@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from rlhf_core.config import GuardConfig
+from rlhf_core.config.errors import UserError
 from rlhf_core.evaluation.promotion import eval_kl
 
 SEVERITY = {"warn": 0, "stop": 1, "rollback": 2}
@@ -35,7 +36,7 @@ class Trigger:
     message: str
 
 
-class GuardStopError(ValueError):
+class GuardStopError(UserError):
     """The guard ended RL in a way the pipeline cannot go on from (no checkpoint to export); one sentence."""
 
 

@@ -11,6 +11,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from rlhf_core.config.base import ConfigError
 from rlhf_core.config.evaluation import Gates
 
 
@@ -46,7 +47,7 @@ def decide(
     champion's by at least min_improvement (when set) or is strictly higher (when min_improvement is None)."""
     value = _mean(candidate, gates.metric)
     if value is None:
-        raise ValueError(
+        raise ConfigError(
             f"promote.metric {gates.metric!r}: the evaluation has no column {gates.metric!r} "
             f"(it has {', '.join(sorted(candidate)) or 'nothing'})"
         )
@@ -73,7 +74,7 @@ def decide(
     if champion is None:
         return verdict(True, f"no champion yet; {gates.metric} {value:.4f} passes the absolute gates")
     if champion_value is None:
-        raise ValueError(f"the champion's evaluation has no column {gates.metric!r}")
+        raise ConfigError(f"the champion's evaluation has no column {gates.metric!r}")
     gain = value - champion_value
     if gates.min_improvement is None and not gain > 0:
         return verdict(

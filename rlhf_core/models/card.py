@@ -7,6 +7,8 @@ from typing import Any
 
 import yaml
 
+from rlhf_core.models.loading import ModelSourceError
+
 
 def render_model_card(*, title: str, metadata: dict[str, Any], body: str) -> str:
     """'---\\n<yaml>---\\n\\n# title\\n\\nbody'."""
@@ -24,7 +26,7 @@ def read_front_matter(path: str | Path) -> dict[str, Any]:
     """The YAML front matter of a model card, as a dict."""
     text = Path(path).read_text(encoding="utf-8")
     if not text.startswith("---\n"):
-        raise ValueError(f"{path} has no YAML front matter")
+        raise ModelSourceError(f"{path} has no YAML front matter")
     return yaml.safe_load(text.split("---\n", 2)[1]) or {}
 
 

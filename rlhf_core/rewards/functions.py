@@ -9,6 +9,8 @@ from __future__ import annotations
 import inspect
 from functools import lru_cache
 
+from rlhf_core.config.errors import UserError
+
 
 @lru_cache(maxsize=1)
 def vader_analyzer():
@@ -29,8 +31,12 @@ def vader_compound(prompts: list | None = None, completions: list | None = None,
     return [float(analyzer.polarity_scores(completion_text(c))["compound"]) for c in completions]
 
 
-class RewardFunctionError(ValueError):
+class RewardFunctionError(UserError):
     """A reward or metric function that cannot be used; the message is one sentence."""
+
+
+# configs written before rlhf_core became packages (2026-11) name this module by its old path; they keep working
+MOVED_MODULES = {"rlhf_core.reward_functions": "rlhf_core.rewards.functions"}
 
 
 def load_function(spec: str, *, field: str = "eval.metrics"):
@@ -38,6 +44,7 @@ def load_function(spec: str, *, field: str = "eval.metrics"):
     import importlib
 
     module_name, _, attr = spec.partition(":")
+    module_name = MOVED_MODULES.get(module_name, module_name)
     if not module_name or not attr:
         raise RewardFunctionError(f"{field}: '{spec}' must be written 'package.module:function'")
     try:

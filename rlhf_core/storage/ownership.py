@@ -29,16 +29,19 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
+from rlhf_core.config.errors import UserError
+
 MARKER = ".rlhf-owned"
-# created_by of the directories atomic_dir (rlhf_core/storage/saving.py) fills: an on-disk identifier that runs
-# before the module moved also wrote, so it keeps its old spelling
+# created_by of the directories atomic_dir (rlhf_core/storage/saving.py) fills. It names no importable function
+# (atomic_dir moved): it is an identifier on disk, written into the markers of earlier runs and compared by
+# remove_orphan_temps and prune_checkpoints to recognise what they may remove, so it keeps its old spelling
 ATOMIC_CREATOR = "rlhf_core.training.atomic_dir"
 GLOB_CHARS = "*?["
 
 logger = logging.getLogger(__name__)
 
 
-class OwnershipError(ValueError):
+class OwnershipError(UserError):
     """An output path the pipeline must not write into, replace or delete."""
 
 

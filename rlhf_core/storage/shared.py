@@ -16,10 +16,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from rlhf_core.config.errors import UserError
+
 PROBE_DIR = ".rlhf-probe"
 
 
-class SharedStorageError(RuntimeError):
+class SharedStorageError(UserError):
     """run.output_dir is not the same storage on every node of the stage."""
 
 

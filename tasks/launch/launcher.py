@@ -9,7 +9,7 @@ ever goes into it) and runs, by `run.launcher`,
   Train TorchTrainer of N workers (tasks/launch/ray_driver.py).
 tasks/launch/worker.py, the worker side, runs the same task body in every process; the core loops shard
 the data and average the gradients, and only rank 0 talks to MLflow (runs, metrics, registration:
-`tasks.mlflow_*` and `tasks.registry` are no-ops elsewhere), writes checkpoints and hands the result
+`tasks.tracking` and `tasks.registry` are no-ops elsewhere), writes checkpoints and hands the result
 back. The stage tasks import this module, never the worker's.
 """
 
@@ -27,6 +27,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
+from rlhf_core.config.base import ConfigError
 from rlhf_core.config.redaction import has_secret, redact, split_credentials
 from tasks.stage_io import Checkpoint
 
@@ -101,7 +102,7 @@ def worker_spec(stage: str, body, cfg, inputs: dict[str, Any]) -> tuple[dict, di
     }
     leak = _secret_field(spec)
     if leak is not None:
-        raise ValueError(
+        raise ConfigError(
             f"{leak} carries a credential, which would be written into the stage's worker spec; "
             "pass it through the environment (MLFLOW_TRACKING_URI, HF_TOKEN) instead"
         )

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from rlhf_core.config import PipelineConfig
+from rlhf_core.config import ConfigError, PipelineConfig
+from rlhf_core.data.rows import DataValidationError
 from rlhf_core.data.tables import read_column
 from rlhf_core.models.loading import ModelSourceError, generation_config_of, load_tokenizer, run_stop_ids
 from rlhf_core.rewards.functions import load_reward_function
@@ -76,7 +77,7 @@ def _check_sources(cfg: PipelineConfig, data: PreparedData, policy_path: str, re
     from transformers import AutoConfig
 
     if not read_column(data.tables["prompts"], "prompt"):
-        raise ValueError(f"data.prompts: the prompt set {data.source('prompts')} is empty")
+        raise DataValidationError(f"data.prompts: the prompt set {data.source('prompts')} is empty")
     policy_tok = load_tokenizer(policy_path, revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code)
     reward_dirs = [reward.path] if reward is not None else []
     if cfg.rl.algorithm != "ppo":
@@ -104,7 +105,7 @@ def _check_sources(cfg: PipelineConfig, data: PreparedData, policy_path: str, re
     )
     needed = cfg.data.max_prompt_length + cfg.rl.response_length
     if context is not None and needed > context:
-        raise ValueError(
+        raise ConfigError(
             f"data.max_prompt_length {cfg.data.max_prompt_length} + rl.response_length {cfg.rl.response_length} = "
             f"{needed} tokens exceeds the policy's context of {context}"
         )

@@ -1,10 +1,31 @@
+"""The `rlhf` command: what each command prints, and how an error ends it (a user's: one sentence, exit 2;
+a bug: its traceback and a hint, exit 1)."""
+
+import os
+import subprocess
+import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
-from flows.cli import main
+from flows.cli import (
+    COMMANDS,
+    Override,
+    bug_hint,
+    build_parser,
+    credential_free_override,
+    export_credentials,
+    is_user_error,
+    main,
+)
+from flows.console import promotion_line
+from rlhf_core.config.errors import UserError
+from rlhf_core.data.rows import DataValidationError
+from rlhf_core.evaluation.verifiable import pass_at_k
 
-SMOKE = str(Path(__file__).resolve().parents[2] / "configs" / "smoke.yaml")
+REPO = Path(__file__).resolve().parents[2]
+SMOKE = str(REPO / "configs" / "smoke.yaml")
 
 
 def test_validate_prints_the_resolved_config(capsys):
@@ -36,3 +57,101 @@ def test_promote_outside_the_demo_without_a_gate_exits_2_with_one_sentence(capsy
         f"(model.base is '{tmp_path / 'base'}'), so that no value becomes champion by default"
     )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["base", "real.yaml"]
+
+
+def test_every_command_the_parser_knows_has_its_function():
+    usage = build_parser().format_usage()  # usage: rlhf [-h] [--debug] {run,validate,...} ...
+    assert set(usage.split("{", 1)[1].split("}", 1)[0].split(",")) == set(COMMANDS)
+
+
+def test_a_user_error_exits_2_with_one_sentence(capsys, monkeypatch):
+    def wrong(args, overrides):
+        raise DataValidationError("prompts.jsonl row 3: column `prompt`\n  is empty")
+
+    monkeypatch.setitem(COMMANDS, "fields", wrong)
+    monkeypatch.delenv("RLHF_DEBUG", raising=False)
+    assert main(["fields"]) == 2
+    assert capsys.readouterr().err == "error: prompts.jsonl row 3: column `prompt` is empty\n"
+    assert main(["--debug", "fields"]) == 2  # the traceback too, the sentence last
+    err = capsys.readouterr().err
+    assert "Traceback" in err and err.splitlines()[-1] == "error: prompts.jsonl row 3: column `prompt` is empty"
+
+
+def test_a_bare_value_error_of_our_own_code_is_a_bug_not_the_users(capsys, monkeypatch):
+    # pass_at_k's precondition: a plain ValueError raised inside rlhf_core is a bug, whatever file raised it
+    monkeypatch.setitem(COMMANDS, "fields", lambda args, overrides: pass_at_k(1, 2, 1))
+    with pytest.raises(ValueError, match="pass@k needs") as err:
+        main(["fields"])
+    assert type(err.value) is ValueError and not is_user_error(err.value)
+    assert err.value.__notes__ == [bug_hint(err.value)]
+    assert "error:" not in capsys.readouterr().err
+
+
+def test_a_bug_exits_1_with_its_traceback_and_a_hint(tmp_path):
+    script = (
+        "import sys, flows.cli as cli\n"
+        "from rlhf_core.evaluation.verifiable import pass_at_k\n"
+        "cli.COMMANDS['fields'] = lambda args, overrides: pass_at_k(1, 2, 1)\n"
+        "sys.exit(cli.main(['fields']))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert done.returncode == 1
+    lines = done.stderr.strip().splitlines()
+    assert lines[0].startswith("Traceback") and any("rlhf_core/evaluation/verifiable.py" in line for line in lines)
+    assert lines[-2].startswith("ValueError: pass@k needs")
+    assert lines[-1] == bug_hint(ValueError())
+
+
+def test_every_user_caused_exception_is_a_user_error():
+    from rlhf_core.config import ConfigError
+    from rlhf_core.evaluation.guard import GuardStopError
+    from rlhf_core.models.loading import ModelSourceError
+    from rlhf_core.rewards.functions import RewardFunctionError
+    from rlhf_core.storage.ownership import OwnershipError
+    from rlhf_core.storage.shared import SharedStorageError
+    from tasks.preflight import PreflightError
+    from tasks.run_lock import RunLockedError
+
+    family = (ConfigError, DataValidationError, ModelSourceError, RewardFunctionError, OwnershipError)
+    family += (RunLockedError, GuardStopError, PreflightError, SharedStorageError)
+    for kind in family:
+        assert issubclass(kind, UserError) and issubclass(kind, ValueError), kind
+    assert not is_user_error(ValueError("a check of our own that failed")) and not is_user_error(KeyError("x"))
+
+
+@pytest.fixture
+def no_mlflow_credentials(monkeypatch):
+    """MLflow's credential variables unset, and restored after the test whatever it set."""
+    for name in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_URI"):
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+
+
+def test_parsing_a_credentialed_tracking_uri_leaves_the_environment_alone(no_mlflow_credentials):
+    before = dict(os.environ)
+    args = build_parser().parse_args(
+        ["run", "--set", "tracking.uri=https://u:p@host", "--set", "tracking.uri=http://tok@host?token=s"]
+    )
+    assert dict(os.environ) == before
+    assert args.overrides == [
+        Override("tracking.uri=https://host", {"MLFLOW_TRACKING_USERNAME": "u", "MLFLOW_TRACKING_PASSWORD": "p"}),
+        Override("tracking.uri=null", {"MLFLOW_TRACKING_URI": "http://tok@host?token=s"}),
+    ]
+    # the command sets them when it runs, in command-line order
+    assert export_credentials(args.overrides) == ["tracking.uri=https://host", "tracking.uri=null"]
+    assert os.environ["MLFLOW_TRACKING_USERNAME"] == "u" and os.environ["MLFLOW_TRACKING_PASSWORD"] == "p"
+    assert os.environ["MLFLOW_TRACKING_URI"] == "http://tok@host?token=s"
+
+
+def test_an_override_without_credentials_passes_unchanged(no_mlflow_credentials):
+    assert credential_free_override("tracking.uri=http://host:5000") == Override("tracking.uri=http://host:5000", {})
+    assert credential_free_override("ppo.kl_coef=0.1") == Override("ppo.kl_coef=0.1", {})
+
+
+def test_the_promotion_verdict_is_one_line():
+    result = {"model": "rlhf-policy", "candidate": "3", "champion": "2", "decision": "promoted", "changed": True}
+    assert promotion_line({**result, "reason": "score 0.5 > 0.4"}) == (
+        "rlhf-policy version 3 vs champion 2: promoted; score 0.5 > 0.4"
+    )
+    assert promotion_line({**result, "changed": False, "reason": "r"}).endswith("promoted (nothing changed); r")

@@ -240,7 +240,7 @@ def test_a_prompt_set_one_step_cannot_use_fails_before_any_training(
     state = rlhf_pipeline(config_path=SMOKE, overrides=overrides, return_state=True)
 
     assert state.is_failed()
-    assert state.message.startswith("stage 'data' failed: ValueError: data.") and expected in state.message
+    assert state.message.startswith("stage 'data' failed: DataValidationError: data.") and expected in state.message
     assert not (tmp_path / "out" / "sft").exists()
     assert MlflowClient(mlflow_uri, registry_uri=mlflow_uri).search_registered_models() == []
 

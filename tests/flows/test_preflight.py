@@ -4,7 +4,6 @@ training, and a user's error is one sentence on stderr with exit code 2, no trac
 from __future__ import annotations
 
 import json
-import socket
 import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
@@ -16,6 +15,8 @@ from flows.cli import is_user_error, main
 from rlhf_core.config import load_config
 from rlhf_core.data.rows import DataValidationError
 from tasks.preflight import preflight_problems
+from tests.fixtures.servers import free_port
+from tests.fixtures.tables import write_jsonl
 
 SMOKE = str(Path(__file__).resolve().parents[2] / "configs" / "smoke.yaml")
 
@@ -53,17 +54,6 @@ def assert_one_sentence(code: int, err: str, expected: str, tmp_path: Path) -> N
     assert err.count("\n") == 0 and "Traceback" not in err, err
     assert err.startswith("error: ") and expected in err, err
     assert not (tmp_path / "out").exists() and not (tmp_path / "mlflow.db").exists()  # before any work
-
-
-def write_jsonl(path: Path, rows: list) -> str:
-    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
-    return str(path)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_a_valid_config_passes(tmp_path, capsys):
@@ -157,6 +147,23 @@ def test_a_glob_matching_nothing_and_a_renamed_column(tmp_path, capsys):
         "data.prompts.columns.prompt=question",
     )
     assert code == 0, err
+
+
+def test_a_directory_that_cannot_be_listed_or_a_file_that_cannot_be_read_is_one_sentence(tmp_path, capsys, monkeypatch):
+    (tmp_path / "prompts").mkdir()
+
+    def refuse(self):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(Path, "iterdir", refuse)
+    code, err = cli("validate", tmp_path, capsys, f"data.prompts.path={tmp_path / 'prompts'}")
+    assert_one_sentence(code, err, f"data.prompts.path: {tmp_path / 'prompts'} could not be read (", tmp_path)
+    monkeypatch.undo()
+    (tmp_path / "p.parquet").write_text("not parquet")
+    code, err = cli("validate", tmp_path, capsys, f"data.prompts.path={tmp_path / 'p.parquet'}")
+    assert_one_sentence(
+        code, err, f"data.prompts.path: {tmp_path / 'p.parquet'} could not be read as parquet (", tmp_path
+    )
 
 
 @pytest.mark.parametrize(
@@ -373,12 +380,12 @@ def test_check_preflight_raises_what_the_stage_would_have_raised(tmp_path):
         assert type(err.value) is kind
 
 
-def test_only_our_own_value_errors_count_as_user_errors():
+def test_only_user_errors_count_as_user_errors():
     from rlhf_core.rewards.functions import vader_compound
 
     with pytest.raises(ValueError) as ours:
         vader_compound(prompts=["p"])
-    assert is_user_error(ours.value)
+    assert not is_user_error(ours.value)  # a bare ValueError of our own code is a bug: exit 1, not 2
     with pytest.raises(ValueError) as theirs:
         int("not a number")
     assert not is_user_error(theirs.value)

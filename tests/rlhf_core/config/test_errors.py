@@ -208,3 +208,11 @@ def test_trl_generation_batch_names_point_at_rl_batch_size():
     expected = "(TRL's `generation_batch_size` is `grpo.generation_batch_size` or `rl.batch_size` here, per process"
     assert expected in error_of("rl.generation_batch_size=64")
     assert "completions per RL step" in error_of("rl.per_device_train_batch_size=8")
+
+
+def test_a_config_error_is_a_user_error_and_a_value_error():
+    from rlhf_core.config.errors import UserError
+
+    assert issubclass(ConfigError, UserError) and issubclass(UserError, ValueError)
+    with pytest.raises(UserError, match="^config field `rl.total_steps` must be an integer"):
+        load_config(DEMO_YAML, ["rl.total_steps=1.5"])

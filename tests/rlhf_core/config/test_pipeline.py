@@ -135,3 +135,24 @@ def test_the_ray_launcher_takes_no_accelerate_launch_file():
     ):
         load_config(example, ["run.launcher=ray"])
     assert load_config(example, ["run.launcher=ray", "run.accelerate_config=null"]).run.launcher == "ray"
+
+
+def test_the_promote_section_makes_the_gates_a_pipeline_config_promotes_on():
+    from rlhf_core.config import PromoteConfig
+
+    demo = PromoteConfig().gates("vader_compound", model_base="demo", first=True)
+    assert (demo.metric, demo.min_improvement, demo.max_kl, demo.min_value) == ("vader_compound", 0.01, 20.0, None)
+    with pytest.raises(ConfigError, match=r"outside the demo \(model.base is 'org/model'\)"):
+        PromoteConfig().gates("score", model_base="org/model", first=False)
+    floor = PromoteConfig(min_value=0.5, max_kl=None).gates("score", model_base="org/model", first=True)
+    assert (floor.min_improvement, floor.max_kl, floor.min_value) == (None, None, 0.5)
+
+
+def test_prompts_per_step_names_the_field_that_sets_the_generation_batch():
+    cfg = load_config(REPO / "configs" / "demo.yaml", ["rl.algorithm=grpo", "grpo.generation_batch_size=null"])
+    assert cfg.prompts_per_step() == (
+        cfg.rl.batch_size // cfg.grpo.num_generations,
+        "rl.batch_size / grpo.num_generations",
+    )
+    sized = load_config(REPO / "configs" / "demo.yaml", ["rl.algorithm=grpo", "grpo.generation_batch_size=64"])
+    assert sized.prompts_per_step()[1] == "grpo.generation_batch_size / grpo.num_generations"

@@ -40,7 +40,7 @@ def test_readme_keeps_no_copy_of_the_table():
 
 
 def test_every_field_rlhf_fields_prints_is_named_in_docs():
-    from flows.cli import fields_markdown
+    from flows.console import fields_markdown
 
     printed = re.findall(r"^\| `([^`]+)` \|", fields_markdown(), re.MULTILINE)
     assert len(printed) == len(describe_fields())

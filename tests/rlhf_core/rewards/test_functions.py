@@ -122,3 +122,11 @@ def test_arguments_are_bound_by_name_and_an_unknown_one_is_refused():
 
     with pytest.raises(RewardFunctionError, match=r"grpo.rewards\[1\].arguments: the function takes no argument 'k'"):
         bind_arguments(strict, {"k": 1}, field="grpo.rewards[1]")
+
+
+def test_a_config_naming_the_module_by_its_path_before_the_packages_still_loads():
+    from rlhf_core.rewards.functions import exact_match, load_function
+
+    assert load_function("rlhf_core.reward_functions:exact_match", field="grpo.rewards") is exact_match
+    with pytest.raises(RewardFunctionError, match="module 'rlhf_core.rewards.functions' has no function 'nope'"):
+        load_function("rlhf_core.reward_functions:nope")

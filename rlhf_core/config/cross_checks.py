@@ -1,0 +1,214 @@
+"""The checks of `PipelineConfig` that span sections, grouped by concern: the PPO batch arithmetic, init, the
+launcher and its accelerate strategy, the group algorithms (GRPO family) and the evaluation columns.
+
+Each takes the sections it reads and raises ValueError with one sentence; they run inside PipelineConfig's
+model validator, where pydantic turns that into the ConfigError a user sees.
+"""
+
+from __future__ import annotations
+
+from rlhf_core.config.accelerate import accelerate_strategy
+from rlhf_core.config.evaluation import EvalConfig, GuardConfig
+from rlhf_core.config.run_model_data import RunConfig
+from rlhf_core.config.training import (
+    GROUP_ALGORITHMS,
+    GROUP_FIELDS_FOR,
+    GRPOConfig,
+    InitConfig,
+    PPOConfig,
+    RewardConfig,
+    RLConfig,
+    SFTConfig,
+)
+
+# the accelerate strategies that shard parameters: no LoRA, no whole-weight reference sync
+SHARDED = ("zero3", "fsdp")
+
+
+# PPO batch arithmetic ----------------------------------------------------------------------
+
+
+def check_ppo_mini_batches(rl: RLConfig, ppo: PPOConfig) -> None:
+    """PPO splits its rollout batch into ppo.num_mini_batches equal mini-batches."""
+    if rl.algorithm == "ppo" and rl.batch_size % ppo.num_mini_batches:
+        raise ValueError(
+            f"rl.batch_size {rl.batch_size} must be a multiple of ppo.num_mini_batches {ppo.num_mini_batches}"
+        )
+
+
+def check_ppo_accumulation(rl: RLConfig, ppo: PPOConfig) -> None:
+    """A PPO mini-batch is accumulated over rl.gradient_accumulation_steps equal micro-batches."""
+    if rl.algorithm == "ppo" and (rl.batch_size // ppo.num_mini_batches) % rl.gradient_accumulation_steps:
+        raise ValueError(
+            f"a PPO mini-batch of {rl.batch_size // ppo.num_mini_batches} (rl.batch_size / ppo.num_mini_batches) "
+            f"must be a multiple of rl.gradient_accumulation_steps {rl.gradient_accumulation_steps}"
+        )
+
+
+# init --------------------------------------------------------------------------------------
+
+
+def check_init_reference(init: InitConfig, lora_enabled: bool) -> None:
+    if init.reference == "adapter_disabled" and not lora_enabled:
+        raise ValueError("init.reference 'adapter_disabled' needs model.lora.enabled true; use 'copy' or 'auto'")
+
+
+def check_init_policy(init: InitConfig, sft: SFTConfig) -> None:
+    if init.policy == "sft" and not sft.enabled:
+        raise ValueError("init.policy is 'sft' but sft.enabled is false; set init.policy to 'base' or enable sft")
+
+
+# the launcher and its accelerate strategy ---------------------------------------------------
+
+
+def check_launcher(run: RunConfig, trains_lora: bool) -> str | None:
+    """The strategy run.accelerate_config asks for (its file read once here; None without one), after
+    refusing a launcher that does not read it and a sharding strategy under LoRA (`trains_lora`)."""
+    if run.accelerate_config is None:
+        return None
+    if run.launcher == "ray":  # refused before the file is read: a missing file is then not the first sentence
+        raise ValueError(
+            f"run.accelerate_config {run.accelerate_config} is read by `accelerate launch`, which "
+            "run.launcher 'ray' does not run (Ray Train starts the processes and a DDP process group); "
+            "leave run.accelerate_config unset with the ray launcher, or use run.launcher 'local'"
+        )
+    strategy = accelerate_strategy(run.accelerate_config)
+    if strategy == "fsdp1":
+        raise ValueError(
+            f"run.accelerate_config {run.accelerate_config} uses FSDP version 1; set "
+            "fsdp_config.fsdp_version: 2 (see configs/accelerate/fsdp.yaml)"
+        )
+    if strategy in SHARDED and trains_lora:
+        raise ValueError(
+            f"run.accelerate_config {run.accelerate_config} shards parameters ({strategy}), "
+            "which LoRA training does not need or support here; use configs/accelerate/ddp.yaml "
+            "or deepspeed_zero2.yaml, or turn model.lora.enabled / reward.lora off"
+        )
+    return strategy
+
+
+def check_nonfinite_skipping(run: RunConfig, strategy: str | None, rl: RLConfig, reward: RewardConfig) -> None:
+    """DeepSpeed steps inside backward, so a stage cannot skip a non-finite step there."""
+    if strategy is None or not strategy.startswith("zero"):
+        return
+    for name, stage in (("rl", rl), ("reward", reward)):
+        if stage.max_nonfinite_steps_in_a_row:
+            raise ValueError(
+                f"run.accelerate_config {run.accelerate_config} uses DeepSpeed, whose engine steps "
+                "inside backward before a non-finite gradient can be seen, so such a step cannot be "
+                f"skipped; set {name}.max_nonfinite_steps_in_a_row: 0 (it is "
+                f"{stage.max_nonfinite_steps_in_a_row}; a non-finite gradient then stops the run)"
+            )
+
+
+# the group algorithms (GRPO family) ---------------------------------------------------------
+
+
+def group_batch_field(grpo: GRPOConfig) -> str:
+    """The field that sets the group algorithms' generation batch here."""
+    return "rl.batch_size" if grpo.generation_batch_size is None else "grpo.generation_batch_size"
+
+
+def check_group_family(
+    rl: RLConfig, grpo: GRPOConfig, lora_enabled: bool, run: RunConfig, strategy: str | None
+) -> None:
+    """The grpo.* checks for a group algorithm; for PPO, no dynamic sampling (it samples no groups)."""
+    if rl.algorithm in GROUP_ALGORITHMS:
+        check_group_fields(rl, grpo)
+        check_generation_batch(rl, grpo)
+        check_group_rewards(rl, grpo)
+        check_sync_ref_model(grpo, lora_enabled, run, strategy)
+    elif rl.dynamic_sampling.enabled:
+        raise ValueError(
+            f"rl.dynamic_sampling drops groups of completions, which rl.algorithm {rl.algorithm!r} does not "
+            f"sample; use one of {', '.join(GROUP_ALGORITHMS)} or turn rl.dynamic_sampling.enabled off"
+        )
+
+
+def check_group_fields(rl: RLConfig, grpo: GRPOConfig) -> None:
+    """No grpo.* value the algorithm would never read; a reward clip range in order; whole micro-batches."""
+    for name, algorithms in GROUP_FIELDS_FOR.items():  # a changed value the algorithm would never read
+        if rl.algorithm not in algorithms and getattr(grpo, name) != GRPOConfig.model_fields[name].default:
+            raise ValueError(
+                f"grpo.{name} applies to rl.algorithm {' and '.join(algorithms)}, not "
+                f"{rl.algorithm!r}; remove it (docs/algorithms.md lists what each algorithm reads)"
+            )
+    if grpo.reward_clip_range is not None and grpo.reward_clip_range[0] > grpo.reward_clip_range[1]:
+        raise ValueError(f"grpo.reward_clip_range {list(grpo.reward_clip_range)} must be [low, high] with low <= high")
+    if grpo.steps_per_generation is not None and grpo.steps_per_generation % rl.gradient_accumulation_steps:
+        raise ValueError(
+            f"grpo.steps_per_generation {grpo.steps_per_generation} must be a multiple of "
+            f"rl.gradient_accumulation_steps {rl.gradient_accumulation_steps}"
+        )
+
+
+def check_generation_batch(rl: RLConfig, grpo: GRPOConfig) -> None:
+    """The generation batch holds whole groups and splits into whole micro-batches."""
+    batch, name = grpo.generation_batch(rl.batch_size), group_batch_field(grpo)
+    if batch % grpo.num_generations:
+        raise ValueError(f"{name} {batch} must be a multiple of grpo.num_generations {grpo.num_generations}")
+    if grpo.steps_per_generation is not None and batch % grpo.steps_per_generation:
+        raise ValueError(
+            f"{name} {batch} (the generation batch) must be a multiple of "
+            f"grpo.steps_per_generation {grpo.steps_per_generation}, the micro-batches it is split into"
+        )
+    if grpo.steps_per_generation is None and batch % rl.gradient_accumulation_steps:
+        raise ValueError(
+            f"{name} {batch} (the generation batch) must be a multiple of "
+            f"rl.gradient_accumulation_steps {rl.gradient_accumulation_steps}, the micro-batches it is "
+            "split into while grpo.steps_per_generation is null"
+        )
+
+
+def check_group_rewards(rl: RLConfig, grpo: GRPOConfig) -> None:
+    """A missing-stop penalty needs a summed reward; grpo.delta needs a clipped loss."""
+    if rl.missing_eos_penalty is not None and grpo.multi_objective_aggregation == "normalize_then_sum":
+        raise ValueError(
+            "rl.missing_eos_penalty is subtracted from the summed reward before group statistics, which "
+            "grpo.multi_objective_aggregation 'normalize_then_sum' does not have; use 'sum_then_normalize' "
+            "or add the penalty as a reward function"
+        )
+    if grpo.delta is not None and grpo.loss_type in ("cispo", "sapo"):
+        raise ValueError(
+            f"grpo.delta applies to the clipped losses (grpo, bnpo, dr_grpo, dapo), not loss_type '{grpo.loss_type}'"
+        )
+
+
+def check_sync_ref_model(grpo: GRPOConfig, lora_enabled: bool, run: RunConfig, strategy: str | None) -> None:
+    """Syncing the reference mixes whole policy weights into a reference copy that exists."""
+    if not grpo.sync_ref_model:
+        return
+    if grpo.beta == 0:
+        raise ValueError("grpo.sync_ref_model needs a reference model, but grpo.beta is 0 so none is loaded")
+    if lora_enabled:
+        raise ValueError(
+            "grpo.sync_ref_model needs a reference copy to mix into, but with model.lora.enabled the "
+            "reference is the policy with its adapters disabled"
+        )
+    if strategy in SHARDED:
+        raise ValueError(
+            f"grpo.sync_ref_model mixes whole weights, which run.accelerate_config "
+            f"{run.accelerate_config} shards; use ddp.yaml or deepspeed_zero2.yaml"
+        )
+
+
+# evaluation, guard and promotion columns ----------------------------------------------------
+
+
+def check_eval_columns(
+    names: list[str], verifier: str | None, evaluation: EvalConfig, guard: GuardConfig, promote_metric: str | None
+) -> None:
+    """guard.divergence.gold, eval.verifier (when sampling) and promote.metric name columns the evaluation
+    has: `names`, the eval metrics' columns (`PipelineConfig.metric_names`), and for promotion 'score'."""
+    if guard.divergence.gold is not None and guard.divergence.gold not in names:
+        allowed = ", ".join(repr(n) for n in names) or "none (eval.metrics is empty)"
+        raise ValueError(f"guard.divergence.gold {guard.divergence.gold!r} is not an eval metric; allowed: {allowed}")
+    if evaluation.samples_per_prompt > 1 and verifier not in names:
+        allowed = ", ".join(repr(n) for n in names if n not in evaluation.sampled_columns()) or "none"
+        raise ValueError(
+            f"eval.samples_per_prompt {evaluation.samples_per_prompt} counts correct completions with "
+            f"eval.verifier {verifier!r}, which is not an eval metric; allowed: {allowed}"
+        )
+    if promote_metric is not None and promote_metric not in ("score", *names):
+        allowed = ", ".join(repr(n) for n in ("score", *names))
+        raise ValueError(f"promote.metric {promote_metric!r} is not an eval column; allowed: {allowed}")
