@@ -1,8 +1,8 @@
 """The tests mirror the source: one test module per rlhf_core module (pure code tested without a flow).
 
-rlhf_core/<module>.py is tested in tests/rlhf_core/test_<module>.py and rlhf_core/config/<module>.py in
-tests/rlhf_core/config/test_<module>.py. Cross-module tests live in tests/integration/ and tests/distributed/,
-tasks in tests/tasks/, flows (end to end) in tests/flows/.
+rlhf_core/<package>/<module>.py is tested in tests/rlhf_core/<package>/test_<module>.py (rlhf_core/rl_math.py in
+tests/rlhf_core/test_rl_math.py). Cross-module tests live in tests/integration/ and tests/distributed/, tasks in
+tests/tasks/, flows (end to end) in tests/flows/.
 """
 
 from __future__ import annotations

@@ -1,0 +1,2 @@
+"""Data: tables read and checked (`tables`), files, globs and hub names found and read (`sources`), TRL's dataset
+formats turned into rows (`rows`), chat templates (`chat`), and the order batches are drawn in (`batching`)."""
