@@ -12,7 +12,6 @@ This module stays light (no prefect, mlflow or torch imports): `rlhf validate` r
 
 from __future__ import annotations
 
-import csv
 import inspect
 import json
 import os
@@ -22,12 +21,12 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from rlhf_core.config import DEMO, DatasetSpec, PipelineConfig
+from rlhf_core.config.errors import UserError
 from rlhf_core.config.redaction import redact
 from rlhf_core.data.rows import DataValidationError, Kind, check_first_rows, is_conversational_table
-from rlhf_core.data.sources import _glob_files, _local_files, is_glob, is_saved_dataset, looks_local
+from rlhf_core.data.sources import FILE_READ_ERRORS, files_of, first_rows, is_saved_dataset, looks_local
 from rlhf_core.models.loading import ModelSourceError, check_source, looks_like_path
 from rlhf_core.rewards.functions import RewardFunctionError, load_function
 
@@ -37,7 +36,7 @@ HUB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?
 MODELS_URI = re.compile(r"models:/[^/@\s]+(/\d+|@[A-Za-z0-9_-]+)")
 
 
-class PreflightError(ValueError):
+class PreflightError(UserError):
     """A config that validates but cannot run (an unreachable server, a bad registry name...); one sentence."""
 
 
@@ -138,40 +137,8 @@ def tables_to_check(cfg: PipelineConfig) -> list[tuple[str, DatasetSpec, Kind]]:
     return [(field, spec, kind) for _, field, spec, kind in cfg.data_tables()]
 
 
-def first_rows(fmt: str, file: str, n: int = FIRST_ROWS) -> list[Any]:
-    """The first `n` rows of a local data file, read without loading the whole table."""
-    if fmt == "csv":
-        with open(file, newline="", encoding="utf-8") as fh:
-            return [row for _, row in zip(range(n), csv.DictReader(fh))]
-    if fmt == "parquet":
-        import pyarrow.parquet as pq
-
-        batch = next(pq.ParquetFile(file).iter_batches(batch_size=n), None)
-        return batch.to_pylist() if batch is not None else []
-    with open(file, encoding="utf-8") as fh:
-        head = fh.read(1)
-        while head.isspace():
-            head = fh.read(1)
-        fh.seek(0)
-        if head == "[":  # one JSON array
-            rows = json.load(fh)
-            return rows[:n] if isinstance(rows, list) else [rows]
-        if head == "{" and file.endswith(".json"):
-            try:  # a single JSON object over several lines, or JSON lines in a .json file
-                return [json.loads(fh.read())]
-            except json.JSONDecodeError:
-                fh.seek(0)
-        rows = []
-        for line_no, line in enumerate(fh, start=1):
-            if not line.strip():
-                continue
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                raise DataValidationError(f"{file} row {line_no} is not valid JSON") from None
-            if len(rows) == n:
-                break
-        return rows
+def _first_line(err: Exception) -> str:
+    return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
 
 
 def _check_table(field: str, spec: DatasetSpec, kind: Kind) -> tuple[str | None, bool]:
@@ -190,18 +157,17 @@ def _check_table(field: str, spec: DatasetSpec, kind: Kind) -> tuple[str | None,
     if is_saved_dataset(local):
         return None, conversational  # a save_to_disk directory: the data stage reads and checks it with `datasets`
     try:
-        if is_glob(path) and not local.exists():
-            fmt, files = _glob_files(path, field)
-        elif not local.exists():
-            return f"{field}.path: {local} does not exist", False
-        else:
-            fmt, files = _local_files(local)
-        rows = first_rows(fmt, files[0])
+        fmt, files = files_of(path, field)
     except DataValidationError as err:
         return str(err), False
-    except (OSError, UnicodeDecodeError, ValueError, csv.Error) as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        return f"{field}.path: {files[0]} could not be read as {fmt} ({first})", False
+    except OSError as err:  # a directory that cannot be listed
+        return f"{field}.path: {local} could not be read ({_first_line(err)})", False
+    try:
+        rows = first_rows(fmt, files[0], FIRST_ROWS)
+    except DataValidationError as err:
+        return str(err), False
+    except FILE_READ_ERRORS as err:
+        return f"{field}.path: {files[0]} could not be read as {fmt} ({_first_line(err)})", False
     problem = check_first_rows(rows, kind, spec, source=files[0], field=field, file_fmt=fmt)
     return problem, problem is None and is_conversational_table(rows, kind, spec)
 

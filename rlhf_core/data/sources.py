@@ -2,11 +2,15 @@
 
 `read_source` reads any of them as a `datasets.Dataset` (local files as json/jsonl/parquet/csv, one type
 per directory or glob); what it cannot read fails with one sentence naming the source, and for JSON the
-first row whose value types disagree.
+first row whose value types disagree. `files_of` finds a local source's files and `first_rows` reads a file's
+first rows without `datasets` (preflight's check, the diagnosis of a JSON file arrow refused, the run's own
+JSONL tables): this module is the one place that finds and reads data files.
 """
 
 from __future__ import annotations
 
+import csv
+import itertools
 import json
 from pathlib import Path
 from typing import Any
@@ -16,6 +20,9 @@ from rlhf_core.data.rows import DataValidationError
 
 LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 ACCEPTED_ALL = "standard (strings) or conversational (lists of {role, content} messages)"
+# what reading a local file can raise besides DataValidationError: missing or unreadable, not UTF-8, not
+# the format its name says (pyarrow's errors are ValueErrors), a malformed csv
+FILE_READ_ERRORS = (OSError, UnicodeDecodeError, ValueError, csv.Error)
 
 
 def is_glob(path: str) -> bool:
@@ -69,24 +76,72 @@ def _local_files(path: Path) -> tuple[str, list[str]]:
     return _same_format(f"{path}: directory", files)
 
 
+def files_of(path: str, field: str) -> tuple[str, list[str]]:
+    """(file type, files) of a local file, directory or glob: one type, the files sorted by name (the order
+    is part of the fingerprint). What is missing or mixed is a DataValidationError naming `field`."""
+    local = Path(path).expanduser()
+    if is_glob(path) and not local.exists():
+        return _glob_files(path, field)
+    if not local.exists():
+        raise DataValidationError(f"{field}.path: {local} does not exist")
+    return _local_files(local)
+
+
+def first_rows(fmt: str, file: str, n: int | None) -> list[Any]:
+    """The first `n` rows (every row when n is None) of a local json/jsonl/csv/parquet file, read without
+    `datasets` and without loading more of the table than needed; a line that is not JSON is a
+    DataValidationError naming the file and the row (counted from 1, as lines)."""
+    if fmt == "csv":
+        with open(file, newline="", encoding="utf-8") as fh:
+            return list(itertools.islice(csv.DictReader(fh), n))
+    if fmt == "parquet":
+        import pyarrow.parquet as pq
+
+        if n is None:
+            return pq.read_table(file).to_pylist()
+        batch = next(pq.ParquetFile(file).iter_batches(batch_size=n), None)
+        return batch.to_pylist() if batch is not None else []
+    with open(file, encoding="utf-8") as fh:
+        return _json_rows(fh, file, n)
+
+
+def _json_rows(fh, file: str, n: int | None) -> list[Any]:
+    """The first `n` rows of an open JSON file: one array, one object, or JSON lines."""
+    head = fh.read(1)
+    while head.isspace():
+        head = fh.read(1)
+    fh.seek(0)
+    if head == "[":  # one JSON array
+        rows = json.load(fh)
+        return rows[:n] if isinstance(rows, list) else [rows]
+    if head == "{" and file.endswith(".json"):
+        try:  # a single JSON object over several lines, or JSON lines in a .json file
+            return [json.loads(fh.read())]
+        except json.JSONDecodeError:
+            fh.seek(0)
+    rows = []
+    for line_no, line in enumerate(fh, start=1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            raise DataValidationError(f"{file} row {line_no} is not valid JSON") from None
+        if len(rows) == n:
+            break
+    return rows
+
+
 def _locate_bad_json_row(files: list[str], columns: list[str]) -> str:
     """After arrow refused a JSON file: find the first row whose value types disagree, by hand."""
     first_kind: dict[str, type] = {}
     for name in files:
-        with open(name, encoding="utf-8") as fh:
-            text = fh.read()
         try:
-            rows = json.loads(text)
-            rows = rows if isinstance(rows, list) else [rows]
-        except json.JSONDecodeError:
-            rows = []
-            for i, line in enumerate(text.splitlines(), start=1):
-                if not line.strip():
-                    continue
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError:
-                    return f"{name} row {i} is not valid JSON"
+            rows = first_rows("json", name, None)
+        except DataValidationError as err:  # a line that is not JSON
+            return str(err)
+        except json.JSONDecodeError as err:  # a JSON array (or .json object) that does not parse
+            return f"{name} is not valid JSON (line {err.lineno}: {err.msg})"
         for i, row in enumerate(rows, start=1):
             if not isinstance(row, dict):
                 return f"{name} row {i} is a {type(row).__name__}, not an object with columns"
@@ -126,12 +181,7 @@ def read_source(spec: DatasetSpec, path: str, field: str) -> tuple[Any, str, str
                     )
                 ds = ds[spec.split]
             return ds, str(local), "arrow"
-        if is_glob(path) and not local.exists():
-            fmt, files = _glob_files(path, field)
-        elif not local.exists():
-            raise DataValidationError(f"{field}.path: {local} does not exist")
-        else:
-            fmt, files = _local_files(local)
+        fmt, files = files_of(path, field)
         try:
             ds = datasets.load_dataset(fmt, data_files=files, split="train")
         except Exception as err:  # arrow refuses mixed types or broken JSON

@@ -28,7 +28,7 @@ from rlhf_core.data.rows import (
     table_format,
     validate_rows,
 )
-from rlhf_core.data.sources import read_source
+from rlhf_core.data.sources import first_rows, read_source
 
 
 def load_table(
@@ -157,9 +157,8 @@ def save_table(ds, path: str | Path) -> Path:
 
 
 def read_rows(path: str | Path) -> list[dict[str, Any]]:
-    """The rows of a JSONL file written by `save_table`."""
-    with open(path, encoding="utf-8") as fh:
-        return [json.loads(line) for line in fh if line.strip()]
+    """The rows of a JSONL file written by `save_table` (read by `sources.first_rows`, as every data file is)."""
+    return first_rows("json", str(path), None)
 
 
 def read_column(path: str | Path, column: str) -> list[Any]:

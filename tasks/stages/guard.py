@@ -9,12 +9,14 @@ and trains; its reporter (tasks/stages/rl_reporting.py) evaluates and records th
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
 from rlhf_core.config import PipelineConfig
 from rlhf_core.evaluation.guard import GuardBreach, GuardLedger, GuardStop, set_aside
+from rlhf_core.training.determinism import seed_everything
 from rlhf_core.training.parallel import from_main
 from tasks.launch import launcher
 from tasks.stage_io import checkpoint_steps
@@ -49,10 +51,10 @@ def guarded_training(
     load: Callable[[], tuple[Any, Callable]],
     train: Callable[..., Any],
 ):
-    """Train under the guard: the initial policy evaluated first (step 0), then PPO or GRPO until the end or a
-    breach whose action is 'stop' (None is returned) or 'rollback': the checkpoints after the last one that
-    passed every rule are set aside, the KL coefficient multiplied by guard.kl_coef_factor, and training
-    resumes from that checkpoint (or from the start) with freshly loaded models; a breach beyond
+    """Train under the guard: the initial policy evaluated first (step 0, seeded with run.seed), then PPO or GRPO
+    until the end or a breach whose action is 'stop' (None is returned) or 'rollback': the checkpoints after
+    the last one that passed every rule are set aside, the KL coefficient multiplied by guard.kl_coef_factor,
+    and training resumes from that checkpoint (or from the start) with freshly loaded models; a breach beyond
     guard.max_rollbacks stops. The ledger (<out_dir>/guard.json) carries all of it across attempts.
 
     `load()` gives an attempt's freshly loaded models and their `evaluate(model, step)`; `train(models,
@@ -64,14 +66,22 @@ def guarded_training(
     while reporter.ledger.stopped_at is None:
         models, evaluate = load()
         if launcher.is_main() and 0 not in reporter.ledger.evals and not checkpoint_steps(out_dir):
-            reporter.on_eval(evaluate(models.policy, 0), 0)  # the starting point, for the before/after comparison
+            # the starting point, for the before/after comparison: seeded as promotion seeds its evaluation of a
+            # version, so it does not depend on what this process drew before (stages, loading, Ray or torchrun).
+            # Training does not draw from what follows: its loop seeds every generator again when it starts.
+            seed_everything(cfg.run.seed)
+            reporter.on_eval(evaluate(models.policy, 0), 0)
         try:
             return train(models, evaluate=evaluate, kl_scale=cfg.guard.kl_coef_factor**reporter.ledger.rollbacks)
         except GuardBreach as breach:
             if launcher.is_main():
                 act_on_breach(breach, cfg, reporter)
         reporter.ledger = from_main(reporter.ledger)
-        del models
+        # the attempt's models go before the next attempt loads its own: `evaluate` holds them too, and the
+        # breach's traceback keeps the training loop's frames, and with them the loop and the models, in a
+        # cycle (the frame that re-raised the breach holds it) that only a collection frees
+        del models, evaluate
+        gc.collect()
     return None
 
 

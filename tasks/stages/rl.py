@@ -11,7 +11,6 @@ run.output_dir, its versions' `stage` tag and, in the flow, its Prefect task are
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -19,10 +18,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from rlhf_core.config import PipelineConfig
-from rlhf_core.data.chat import extra_columns, prompt_columns
 from rlhf_core.data.tables import read_rows
-from rlhf_core.evaluation.generations import evaluate_generations
-from rlhf_core.evaluation.verifiable import sampled_columns
 from rlhf_core.models.loading import (
     MODEL_BUILDING,
     load_causal_lm,
@@ -31,7 +27,7 @@ from rlhf_core.models.loading import (
     prepare_for_training,
     run_stop_ids,
 )
-from rlhf_core.rewards.functions import load_function, load_reward_function
+from rlhf_core.rewards.functions import load_reward_function
 from rlhf_core.rewards.reward_model import load_reward_model
 from rlhf_core.rl.grpo import train_grpo
 from rlhf_core.rl.ppo import train_ppo
@@ -42,12 +38,8 @@ from tasks.stage_io import Checkpoint, stage_key
 from tasks.stages.data import PreparedData, resolve_model_source, stage_tokenizer
 from tasks.stages.guard import guarded_training
 from tasks.stages.initialization import InitPlan
+from tasks.stages.policy_evaluation import RLModels, evaluate_policy, metric_functions
 from tasks.stages.rl_reporting import PolicyReporter
-
-
-def metric_functions(specs: list[str]) -> dict:
-    """name -> callable for eval.metrics entries ('package.module:function' is named 'function')."""
-    return {spec.rsplit(":", 1)[1]: load_function(spec, field="eval.metrics") for spec in specs}
 
 
 def eval_functions(cfg: PipelineConfig) -> dict:
@@ -109,18 +101,6 @@ def rl_key(cfg: PipelineConfig, data: PreparedData, plan: InitPlan) -> str:
     )
 
 
-@dataclass(frozen=True)
-class RLModels:
-    """The loaded models of the RL stage (value model and GRPO's other reward sources are loaded by `_train`)."""
-
-    tokenizer: Any
-    policy: Any
-    ref_model: Any  # None when the reference is the policy with its adapters disabled, or there is none
-    reward_model: Any  # this run's reward model, or None
-    stop_ids: list[int]
-    eval_ref: Any = None  # the reference evaluation measures the KL to (a frozen copy also for GRPO with beta 0)
-
-
 def load_models(cfg: PipelineConfig, plan: InitPlan) -> RLModels:
     from transformers import AutoModelForSequenceClassification
 
@@ -148,53 +128,6 @@ def load_models(cfg: PipelineConfig, plan: InitPlan) -> RLModels:
         stop_ids=stop_ids,
         eval_ref=eval_ref,
     )
-
-
-def evaluate_policy(
-    model, step: int, *, cfg: PipelineConfig, models: RLModels, prompt_rows: list[dict], metrics: dict
-) -> list[dict]:
-    """Completions of the held-out prompts sampled from `model` as in training (or greedy), scored (the loops'
-    `evaluate`); with eval.samples_per_prompt n > 1 each row also gets its prompt's pass_at_<k> and maj_at_<n>
-    from n more samples that eval.verifier checks."""
-    prompts, messages = prompt_columns(prompt_rows)
-    generate = partial(
-        evaluate_generations,
-        model,
-        tokenizer=models.tokenizer,
-        response_length=cfg.rl.response_length,
-        max_prompt_length=cfg.data.max_prompt_length,
-        batch_size=cfg.eval.batch_size,
-        temperature=cfg.eval_temperature(),
-        top_k=cfg.rl.top_k,
-        top_p=cfg.rl.top_p,
-        stop_token_ids=models.stop_ids,
-        device=next(model.parameters()).device,
-    )
-    columns = extra_columns(prompt_rows)
-    rows = generate(
-        ref_model=models.eval_ref,
-        reward_model=models.reward_model,
-        prompts=prompts,
-        prompt_messages=messages,
-        columns=columns,
-        metrics=metrics,
-        greedy=cfg.eval.greedy,
-    )
-    n = cfg.eval.samples_per_prompt
-    if n > 1:
-        verifier = cfg.verifier()
-        sampled = generate(
-            ref_model=None,
-            reward_model=None,
-            prompts=[p for p in prompts for _ in range(n)],
-            prompt_messages=[m for m in messages for _ in range(n)] if messages is not None else None,
-            columns={k: [v for v in values for _ in range(n)] for k, values in columns.items()},
-            metrics={verifier: metrics[verifier]},
-            greedy=False,
-        )
-        for row, extra in zip(rows, sampled_columns(sampled, n, verifier, cfg.eval.pass_at_k)):
-            row.update(extra)
-    return rows
 
 
 def fresh_models(

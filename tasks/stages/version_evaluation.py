@@ -1,9 +1,9 @@
 """A registered policy version evaluated on the held-out prompts, for promotion (flows/promote.py).
 
-`evaluate_version` evaluates as the RL stage does (`tasks.stages.rl.evaluate_policy`: sampled as in training or
-greedy, the prompts' dataset columns for the metric functions, the verifier's pass@k and maj@n), seeded, so
-the candidate and the champion are scored on the same draws: with the candidate's reward model and
-reference, and `eval.metrics`.
+`evaluate_version` evaluates as the RL stage does (`tasks.stages.policy_evaluation.evaluate_policy`: sampled as
+in training or greedy, the prompts' dataset columns for the metric functions, the verifier's pass@k and maj@n),
+seeded as the RL stage's step-0 evaluation, so the candidate and the champion are scored on the same draws:
+with the candidate's reward model and reference, and `eval.metrics`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from rlhf_core.evaluation.generations import summarize_rows
 from rlhf_core.training.determinism import seed_everything
 from tasks.retry import IO_RETRIES
 from tasks.stages.data import PreparedData, resolve_model_source
-from tasks.stages.rl import RLModels, evaluate_policy, metric_functions
+from tasks.stages.policy_evaluation import RLModels, evaluate_policy, metric_functions
 
 
 def _model_dir(source: str, cfg: PipelineConfig, data: PreparedData, field: str) -> str:

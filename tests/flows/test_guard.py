@@ -4,15 +4,27 @@ breach with action stop ends RL, and export takes the best checkpoint that passe
 
 from __future__ import annotations
 
+import gc
 import json
+import logging
+import weakref
+from functools import partial
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 from mlflow.tracking import MlflowClient
 
 import tasks.stages.rl
 from flows.rlhf_pipeline import rlhf_pipeline
-from rlhf_core.evaluation.guard import GuardLedger
+from rlhf_core.config import load_config
+from rlhf_core.demo.world import world_rows
+from rlhf_core.evaluation.guard import GuardLedger, GuardRollback, Trigger
+from rlhf_core.models.loading import load_causal_lm, load_tokenizer, run_stop_ids
+from rlhf_core.training.determinism import seed_everything
+from tasks.stages.guard import guarded_training
+from tasks.stages.policy_evaluation import RLModels, evaluate_policy
 
 REPO = Path(__file__).resolve().parents[2]
 SMOKE = str(REPO / "configs" / "smoke.yaml")
@@ -91,3 +103,80 @@ def test_stop_ends_rl_and_export_takes_the_best_passed_checkpoint(prefect_harnes
     client = MlflowClient(mlflow_uri, registry_uri=mlflow_uri)
     candidate = client.get_model_version_by_alias("smoke-policy", "candidate")
     assert candidate.tags.get("step") in ("1", "2") and candidate.tags.get("guard.passed") == "true"
+
+
+def attempt_reporter(out_dir: Path, seen: list) -> SimpleNamespace:
+    """What guarded_training uses of the RL stage's reporter: the ledger, the stage directory, on_eval."""
+
+    def on_eval(rows, step):
+        reporter.ledger.evals[step] = {}
+        seen.append((step, rows))
+
+    reporter = SimpleNamespace(
+        ledger=GuardLedger(),
+        out_dir=out_dir,
+        logger=logging.getLogger("test_guard"),
+        on_eval=on_eval,
+        wait_registrations=lambda: None,
+    )
+    return reporter
+
+
+def test_the_step_0_evaluation_is_seeded_whatever_ran_before_it(tmp_path, smoke_world):
+    """The 'before' column does not depend on the generators' state the stage found (stages, loading, Ray or
+    torchrun); the seeding is the one promotion uses, so promotion's evaluation of the initial policy matches."""
+    cfg = load_config(SMOKE)
+    tok, policy = load_tokenizer(str(smoke_world.tokenizer)), load_causal_lm(str(smoke_world.base_model))
+    models = RLModels(tok, policy, None, None, run_stop_ids(tok, policy.generation_config, cfg.rl))
+    prompt_rows = world_rows(smoke_world, "prompt", "test")[: cfg.eval.num_prompts]
+    evaluate = partial(evaluate_policy, cfg=cfg, models=models, prompt_rows=prompt_rows, metrics={})
+
+    def step_0_rows(history_seed: int, draws: int) -> list[dict]:
+        torch.manual_seed(history_seed)
+        torch.rand(draws)  # what ran before: other stages, model loading
+        seen = []
+        reporter = attempt_reporter(tmp_path / f"{history_seed}-{draws}", seen)
+        assert guarded_training(cfg, reporter, lambda: (models, evaluate), lambda m, **_: "trained") == "trained"
+        assert [step for step, _ in seen] == [0]
+        return seen[0][1]
+
+    first = step_0_rows(1, 0)
+    assert step_0_rows(2, 7) == first and step_0_rows(3, 1000) == first
+    torch.manual_seed(2)
+    unseeded = evaluate(policy, 0)
+    seed_everything(cfg.run.seed)
+    assert evaluate(policy, 0) == first and unseeded != first  # promotion's seeding; the history did matter
+
+
+def test_a_rolled_back_attempt_lets_its_models_go_before_the_next_one_loads(tmp_path):
+    cfg = load_config(SMOKE, ["guard.max_rollbacks=1"])
+    attempts, released = [], []
+
+    def load():
+        if attempts:  # the previous attempt's policy, held by its models, `evaluate` and the breach's frames
+            released.append(attempts[-1]() is None)
+        models = SimpleNamespace(policy=torch.nn.Linear(2, 2))
+        attempts.append(weakref.ref(models.policy))
+        return models, partial(evaluate_with, models=models)  # as the RL stage's `evaluate` holds its models
+
+    def evaluate_with(model, step, *, models):
+        return [{"step": step}]
+
+    def train(models, evaluate, kl_scale):
+        if len(attempts) > 1:
+            return "trained"
+        evaluate(models.policy, 1)
+        error = None
+        try:  # as the training loop raises an evaluation's breach on every process: from a frame that keeps it
+            raise GuardRollback(Trigger("kl_budget", "rollback", 1, 5.0, 3.0, "guard kl_budget at step 1"))
+        except GuardRollback as err:
+            error = err
+        raise error
+
+    reporter = attempt_reporter(tmp_path, [])
+    gc.disable()  # no collection but the guard's own
+    try:
+        assert guarded_training(cfg, reporter, load, train) == "trained"
+    finally:
+        gc.enable()
+    assert released == [True] and reporter.ledger.rollbacks == 1

@@ -98,3 +98,44 @@ def test_hub_names_pass_split_and_revision(monkeypatch):
         DatasetSpec(path="org/prefs", split="train_prefs", revision="abc123"), "preference", field="data.preference"
     )
     assert seen == {"path": "org/prefs", "split": "train_prefs", "revision": "abc123"} and len(ds) == 3
+
+
+def test_files_of_finds_a_file_a_directory_or_a_glob_in_name_order(tmp_path):
+    from rlhf_core.data.sources import files_of
+
+    (tmp_path / "drops").mkdir()
+    b = write_jsonl(tmp_path / "drops" / "b.jsonl", GOOD[2:])
+    a = write_jsonl(tmp_path / "drops" / "a.jsonl", GOOD[:2])
+    assert files_of(str(a), "data.preference") == ("json", [str(a)])
+    assert files_of(str(tmp_path / "drops"), "data.preference") == ("json", [str(a), str(b)])
+    assert files_of(f"{tmp_path}/drops/*.jsonl", "data.preference") == ("json", [str(a), str(b)])
+    with pytest.raises(DataValidationError, match=r"^data.prompts.path: .*nope.jsonl does not exist$"):
+        files_of(str(tmp_path / "nope.jsonl"), "data.prompts")
+
+
+def test_first_rows_reads_the_first_n_rows_of_every_file_type(tmp_path):
+    from rlhf_core.data.sources import first_rows
+
+    jsonl = write_jsonl(tmp_path / "p.jsonl", GOOD)
+    (tmp_path / "array.json").write_text(json.dumps(GOOD, indent=2))
+    (tmp_path / "object.json").write_text(json.dumps(GOOD[0], indent=2))
+    (tmp_path / "lines.json").write_text("".join(json.dumps(r) + "\n\n" for r in GOOD))
+    pd.DataFrame(GOOD).to_parquet(tmp_path / "p.parquet")
+    pd.DataFrame(GOOD).to_csv(tmp_path / "p.csv", index=False)
+    for fmt, name in [("json", jsonl), ("json", tmp_path / "array.json"), ("json", tmp_path / "lines.json")]:
+        assert first_rows(fmt, str(name), 2) == GOOD[:2]
+        assert first_rows(fmt, str(name), None) == GOOD
+    assert first_rows("json", str(tmp_path / "object.json"), 2) == [GOOD[0]]
+    for fmt in ("parquet", "csv"):
+        assert first_rows(fmt, str(tmp_path / f"p.{fmt}"), 2) == GOOD[:2]
+        assert first_rows(fmt, str(tmp_path / f"p.{fmt}"), None) == GOOD
+    (tmp_path / "broken.jsonl").write_text(json.dumps(GOOD[0]) + "\n\n{not json\n")
+    assert first_rows("json", str(tmp_path / "broken.jsonl"), 1) == [GOOD[0]]  # stops before the broken line
+    with pytest.raises(DataValidationError, match=r"broken.jsonl row 3 is not valid JSON$"):
+        first_rows("json", str(tmp_path / "broken.jsonl"), 5)
+
+
+def test_a_json_array_arrow_refuses_is_named_in_one_sentence(tmp_path):
+    (tmp_path / "bad.json").write_text('[\n{"prompt": "p", "chosen": "a", "rejected": "b"},\n{oops}\n]\n')
+    with pytest.raises(DataValidationError, match=r"bad.json is not valid JSON \(line 3: "):
+        load(tmp_path / "bad.json")

@@ -92,3 +92,13 @@ def test_length_policy_measures_the_templated_text(tmp_path, chat_tokenizer):
     assert report.overlong == 0
     _, report = apply_length_policy(ds, "prompt", chat_tokenizer, max_length=64, max_prompt_length=n - 1, action="drop")
     assert report.overlong == 1
+
+
+def test_read_rows_gives_back_what_save_table_wrote(tmp_path):
+    import datasets
+
+    from rlhf_core.data.tables import read_column, read_rows, save_table
+
+    path = save_table(datasets.Dataset.from_list(GOOD), tmp_path / "t" / "prefs.jsonl")
+    assert read_rows(path) == GOOD and read_column(path, "chosen") == [r["chosen"] for r in GOOD]
+    assert not path.with_suffix(".jsonl.tmp").exists()

@@ -1,0 +1,84 @@
+"""A policy evaluated on the held-out prompts: what the RL stage (every evaluation, step 0 included) and
+promotion (tasks/stages/version_evaluation.py, a registered version) share, so promotion does not load the RL
+stage.
+
+`evaluate_policy` samples completions as in training (or greedy), scores them with the reward model and the
+metric functions (the prompts' other dataset columns as keywords), and adds the verifier's pass@k and maj@n.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+from rlhf_core.config import PipelineConfig
+from rlhf_core.data.chat import extra_columns, prompt_columns
+from rlhf_core.evaluation.generations import evaluate_generations
+from rlhf_core.evaluation.verifiable import sampled_columns
+from rlhf_core.rewards.functions import load_function
+
+
+def metric_functions(specs: list[str]) -> dict:
+    """name -> callable for eval.metrics entries ('package.module:function' is named 'function')."""
+    return {spec.rsplit(":", 1)[1]: load_function(spec, field="eval.metrics") for spec in specs}
+
+
+@dataclass(frozen=True)
+class RLModels:
+    """The loaded models of the RL stage (value model and GRPO's other reward sources are loaded by `_train`),
+    or of a registered version that promotion evaluates."""
+
+    tokenizer: Any
+    policy: Any
+    ref_model: Any  # None when the reference is the policy with its adapters disabled, or there is none
+    reward_model: Any  # this run's reward model, or None
+    stop_ids: list[int]
+    eval_ref: Any = None  # the reference evaluation measures the KL to (a frozen copy also for GRPO with beta 0)
+
+
+def evaluate_policy(
+    model, step: int, *, cfg: PipelineConfig, models: RLModels, prompt_rows: list[dict], metrics: dict
+) -> list[dict]:
+    """Completions of the held-out prompts sampled from `model` as in training (or greedy), scored (the loops'
+    `evaluate`); with eval.samples_per_prompt n > 1 each row also gets its prompt's pass_at_<k> and maj_at_<n>
+    from n more samples that eval.verifier checks."""
+    prompts, messages = prompt_columns(prompt_rows)
+    generate = partial(
+        evaluate_generations,
+        model,
+        tokenizer=models.tokenizer,
+        response_length=cfg.rl.response_length,
+        max_prompt_length=cfg.data.max_prompt_length,
+        batch_size=cfg.eval.batch_size,
+        temperature=cfg.eval_temperature(),
+        top_k=cfg.rl.top_k,
+        top_p=cfg.rl.top_p,
+        stop_token_ids=models.stop_ids,
+        device=next(model.parameters()).device,
+    )
+    columns = extra_columns(prompt_rows)
+    rows = generate(
+        ref_model=models.eval_ref,
+        reward_model=models.reward_model,
+        prompts=prompts,
+        prompt_messages=messages,
+        columns=columns,
+        metrics=metrics,
+        greedy=cfg.eval.greedy,
+    )
+    n = cfg.eval.samples_per_prompt
+    if n > 1:
+        verifier = cfg.verifier()
+        sampled = generate(
+            ref_model=None,
+            reward_model=None,
+            prompts=[p for p in prompts for _ in range(n)],
+            prompt_messages=[m for m in messages for _ in range(n)] if messages is not None else None,
+            columns={k: [v for v in values for _ in range(n)] for k, values in columns.items()},
+            metrics={verifier: metrics[verifier]},
+            greedy=False,
+        )
+        for row, extra in zip(rows, sampled_columns(sampled, n, verifier, cfg.eval.pass_at_k)):
+            row.update(extra)
+    return rows
