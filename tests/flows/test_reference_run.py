@@ -22,6 +22,11 @@ REFERENCE = Path(__file__).with_name("reference_run.json")
 RECORD = os.environ.get("RLHF_RECORD_REFERENCE") == "1"
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore")]
 VADER = "{name: vader, function: 'rlhf_core.rewards.functions:vader_compound', weight: 0.5}"
+# A median or p90 over the evaluation's completions is one completion's value: where another CPU's rounding breaks
+# a near-tie in sampling, one completion changes and the statistic moves to its neighbour's (seen on an AMD EPYC:
+# the PPO step-1 exact-KL median 0.0020690 against 0.0020705 recorded, bb1c885 and this code alike, with every
+# mean, metric and weight within 1e-4). Means, metrics and weights keep 1e-4.
+RANK_STATISTICS = ("_median", "_p90")
 CASES = {
     "ppo": ["rl.algorithm=ppo"],
     # a reward model and a function, two optimizer steps per generation batch, a reference model
@@ -61,6 +66,8 @@ def assert_close(actual, expected, where: str = "") -> None:
         assert sorted(actual) == sorted(expected), f"{where}: keys differ"
         for key in expected:
             assert_close(actual[key], expected[key], f"{where}.{key}")
+    elif isinstance(expected, float) and where.endswith(RANK_STATISTICS):
+        assert actual == pytest.approx(expected, rel=1e-3, abs=1e-6), where
     elif isinstance(expected, float):
         assert actual == pytest.approx(expected, rel=1e-4, abs=1e-6), where
     else:
