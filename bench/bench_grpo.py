@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from anchors import interleaved, phase_means, phase_table, side_process_main
+from trl_sides import group_args, run_group_trainer, vader_reward
 
 from rlhf_core.demo.world import DemoWorld, world_rows
 
@@ -43,12 +44,6 @@ def prepare(root: Path) -> None:
         output_dir=root / "sft",
         show_progress=False,
     )
-
-
-def vader_reward(prompts, completions, **kwargs):
-    from rlhf_core.rewards.functions import vader_compound
-
-    return vader_compound(completions=completions)
 
 
 def side_ours(root: Path) -> dict:
@@ -98,60 +93,12 @@ def side_ours(root: Path) -> dict:
 
 
 def side_trl(root: Path) -> dict:
-    import datasets
-    from transformers import AutoModelForCausalLM, TrainerCallback
-    from trl import GRPOConfig as TRLGRPOConfig
-    from trl import GRPOTrainer
-
-    from rlhf_core.models.loading import load_tokenizer
-
-    tok = load_tokenizer(str(root / "sft"))
-    tok.padding_side = "left"
-    prompts = [r["prompt"] for r in world_rows(DemoWorld(root / "world"), "prompt", "train")]
-    rewards, lengths = [], []
-
-    class Rewards(TrainerCallback):
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            if logs and "reward" in logs:
-                rewards.append(logs["reward"])
-                lengths.append(logs["completions/mean_length"])
-
-    args = TRLGRPOConfig(
-        output_dir=str(root / f"trl-{time.time_ns()}"),
-        per_device_train_batch_size=PROMPTS * G,
-        num_generations=G,
-        max_completion_length=TOKENS,
-        max_steps=STEPS,
-        learning_rate=LR,
-        beta=0.04,
-        temperature=1.0,
-        use_cpu=True,
-        bf16=False,
-        gradient_checkpointing=False,
-        logging_steps=1,
-        report_to=[],
-        # one checkpoint (weights, optimizer state) at the end, as ours writes (save_steps=STEPS)
-        save_strategy="steps",
-        save_steps=STEPS,
-        seed=SEED,
-        disable_tqdm=True,
-        loss_type="dapo",
-        scale_rewards="group",
-        use_bias_correction_kl=True,  # TRL 1.16's default, ours too
-        generation_kwargs={"min_new_tokens": TOKENS},  # eos suppressed: every completion has TOKENS tokens, as ours
-    )
-    trainer = GRPOTrainer(
-        model=AutoModelForCausalLM.from_pretrained(root / "sft"),
-        reward_funcs=[vader_reward],
-        args=args,
-        train_dataset=datasets.Dataset.from_dict({"prompt": prompts}),
-        processing_class=tok,
-        callbacks=[Rewards()],
-    )
-    start = time.perf_counter()
-    trainer.train()
-    seconds = (time.perf_counter() - start) / STEPS
-    return {"seconds_per_step": seconds, "rewards": rewards, "lengths": lengths}
+    args = group_args(root, batch=PROMPTS * G, generations=G, tokens=TOKENS, steps=STEPS, lr=LR, beta=0.04, seed=SEED)
+    # one checkpoint (weights, optimizer state) at the end, as ours writes (save_steps=STEPS)
+    args.update(save_strategy="steps", save_steps=STEPS, loss_type="dapo", scale_rewards="group")
+    args.update(use_bias_correction_kl=True)  # TRL 1.16's default, ours too
+    run = run_group_trainer("GRPOTrainer", root, root / "sft", args)
+    return {"seconds_per_step": run["train_s"] / STEPS, "rewards": run["rewards"], "lengths": run["lengths"]}
 
 
 def learning(root: Path) -> dict:

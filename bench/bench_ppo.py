@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from anchors import interleaved, phase_means, phase_table, side_process_main
+from trl_sides import ppo_args, run_ppo_trainer
 
 from rlhf_core.demo.world import DemoWorld, world_rows
 
@@ -108,54 +109,11 @@ def side_ours(root: Path) -> dict:
 
 
 def side_trl(root: Path) -> dict:
-    import datasets
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
-    from trl.experimental.ppo import PPOConfig as TRLPPOConfig
-    from trl.experimental.ppo import PPOTrainer
-
-    from rlhf_core.models.loading import load_tokenizer
-
-    reward_dir = (root / "reward_dir").read_text()
-    tok = load_tokenizer(str(root / "sft"))
-    tok.padding_side = "left"
-    prompts = [r["prompt"] for r in world_rows(DemoWorld(root / "world"), "prompt", "train")]
-    ids = [seq[-16:] for seq in tok(prompts)["input_ids"]]
-    train = datasets.Dataset.from_dict({"input_ids": ids})
-    args = TRLPPOConfig(
-        output_dir=str(root / f"trl-{time.time_ns()}"),
-        per_device_train_batch_size=BATCH,
-        gradient_accumulation_steps=1,
-        num_mini_batches=1,
-        num_ppo_epochs=4,
-        total_episodes=BATCH * BATCHES,
-        response_length=RESPONSE,
-        temperature=0.7,
-        stop_token="eos",
-        kl_coef=0.05,
-        learning_rate=1e-4,
-        use_cpu=True,
-        bf16=False,
-        gradient_checkpointing=False,
-        save_strategy="no",
-        num_sample_generations=0,
-        report_to=[],
-        logging_steps=BATCHES,
-        local_rollout_forward_batch_size=BATCH,
-        seed=SEED,
-        disable_tqdm=True,
+    args = ppo_args(
+        root, batch=BATCH, steps=BATCHES, length=RESPONSE, epochs=4, stop_token="eos", logging_steps=BATCHES, seed=SEED
     )
-    trainer = PPOTrainer(
-        args=args,
-        processing_class=tok,
-        model=AutoModelForCausalLM.from_pretrained(root / "sft"),
-        ref_model=AutoModelForCausalLM.from_pretrained(root / "sft"),
-        reward_model=AutoModelForSequenceClassification.from_pretrained(reward_dir),
-        value_model=AutoModelForSequenceClassification.from_pretrained(reward_dir),
-        train_dataset=train,
-    )
-    start = time.perf_counter()
-    trainer.train()
-    return {"seconds_per_batch": (time.perf_counter() - start) / BATCHES}
+    run = run_ppo_trainer(root, root / "sft", Path((root / "reward_dir").read_text()), 16, args)
+    return {"seconds_per_batch": run["train_s"] / BATCHES}
 
 
 def learning(root: Path) -> dict:

@@ -17,7 +17,8 @@ import time
 from pathlib import Path
 
 from anchors import interleaved, phase_means, phase_table, side_process_main
-from bench_grpo import LR, PROMPTS, SEED, STEPS, TOKENS, G, prepare, vader_reward
+from bench_grpo import LR, PROMPTS, SEED, STEPS, TOKENS, G, prepare
+from trl_sides import group_args, run_group_trainer, vader_reward
 
 from rlhf_core.demo.world import DemoWorld, world_rows
 
@@ -71,57 +72,12 @@ def side_ours(root: Path) -> dict:
 
 
 def side_trl(root: Path) -> dict:
-    import datasets
-    from transformers import AutoModelForCausalLM, TrainerCallback
-    from trl import RLOOConfig, RLOOTrainer
-
-    from rlhf_core.models.loading import load_tokenizer
-
-    tok = load_tokenizer(str(root / "sft"))
-    tok.padding_side = "left"
-    prompts = [r["prompt"] for r in world_rows(DemoWorld(root / "world"), "prompt", "train")]
-    rewards, lengths = [], []
-
-    class Rewards(TrainerCallback):
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            if logs and "reward" in logs:
-                rewards.append(logs["reward"])
-                lengths.append(logs["completions/mean_length"])
-
-    args = RLOOConfig(
-        output_dir=str(root / f"trl-{time.time_ns()}"),
-        per_device_train_batch_size=PROMPTS * G,
-        num_generations=G,
-        max_completion_length=TOKENS,
-        max_steps=STEPS,
-        learning_rate=LR,
-        beta=BETA,  # k1 KL subtracted from the reward (TRL's RLOO)
-        temperature=1.0,
-        use_cpu=True,
-        bf16=False,
-        gradient_checkpointing=False,
-        logging_steps=1,
-        report_to=[],
-        # one checkpoint (weights, optimizer state) at the end, as ours writes (save_steps=STEPS)
-        save_strategy="steps",
-        save_steps=STEPS,
-        seed=SEED,
-        disable_tqdm=True,
-        disable_dropout=True,  # ours turns dropout off by default (rl.disable_dropout); the tiny Llama has none anyway
-        generation_kwargs={"min_new_tokens": TOKENS},  # eos suppressed: every completion has TOKENS tokens, as ours
-    )
-    trainer = RLOOTrainer(
-        model=AutoModelForCausalLM.from_pretrained(root / "sft"),
-        reward_funcs=[vader_reward],
-        args=args,
-        train_dataset=datasets.Dataset.from_dict({"prompt": prompts}),
-        processing_class=tok,
-        callbacks=[Rewards()],
-    )
-    start = time.perf_counter()
-    trainer.train()
-    seconds = (time.perf_counter() - start) / STEPS
-    return {"seconds_per_step": seconds, "rewards": rewards, "lengths": lengths}
+    args = group_args(root, batch=PROMPTS * G, generations=G, tokens=TOKENS, steps=STEPS, lr=LR, beta=BETA, seed=SEED)
+    # beta: the k1 KL subtracted from the reward (TRL's RLOO); one checkpoint (weights, optimizer state) at the end,
+    # as ours writes (save_steps=STEPS); ours turns dropout off by default (rl.disable_dropout), the Llama has none
+    args.update(save_strategy="steps", save_steps=STEPS, disable_dropout=True)
+    run = run_group_trainer("RLOOTrainer", root, root / "sft", args)
+    return {"seconds_per_step": run["train_s"] / STEPS, "rewards": run["rewards"], "lengths": run["lengths"]}
 
 
 def measure(run_side) -> dict:

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from anchors import use_anchor
+from trl_sides import group_args, ppo_args, run_group_trainer, run_ppo_trainer, train_prompts, vader_reward
 
 HERE = Path(__file__).resolve().parent
 SEED, PROMPTS, G, WARMUP, TIMED, LR = 42, 4, 2, 1, 2, 1e-4
@@ -65,18 +66,6 @@ def prepare(root: Path) -> None:
         (root / f"params-{name}").write_text(str(sum(p.numel() for p in model.parameters())))
 
 
-def prompt_texts(root: Path) -> list[str]:
-    from rlhf_core.demo.world import DemoWorld, world_rows
-
-    return [r["prompt"] for r in world_rows(DemoWorld(root / "world"), "prompt", "train")]
-
-
-def vader_reward(prompts, completions, **kwargs):
-    from rlhf_core.rewards.functions import vader_compound
-
-    return vader_compound(completions=completions)
-
-
 def step_seconds(stamps: list[float]) -> float:
     """Mean wall time between consecutive step ends after the warm-up step(s)."""
     timed = stamps[WARMUP - 1 :]
@@ -116,7 +105,7 @@ def ours_ppo(root: Path, size: str, length: int) -> dict:
         ref,
         reward,
         tok,
-        prompt_texts(root),
+        train_prompts(root),
         rl,
         PPOConfig(num_ppo_epochs=1, num_mini_batches=1, kl_coef=0.05),
         RunConfig(device="cpu", seed=SEED),
@@ -131,68 +120,18 @@ def ours_ppo(root: Path, size: str, length: int) -> dict:
 
 def trl_ppo(root: Path, size: str, length: int) -> dict:
     use_anchor("trl", "1.12.0")
-    import datasets
     import torch
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, TrainerCallback
-    from trl.experimental.ppo import PPOConfig as TRLPPOConfig
-    from trl.experimental.ppo import PPOTrainer
 
-    from rlhf_core.models.loading import load_tokenizer
-
-    policy_dir, reward_dir = root / f"policy-{size}", root / f"reward-{size}"
-    tok = load_tokenizer(str(policy_dir))
-    tok.padding_side = "left"
-    ids = [seq[-MAX_PROMPT:] for seq in tok(prompt_texts(root))["input_ids"]]
-    stamps, lengths = [], []
-
-    class Stamps(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            stamps.append(time.perf_counter())
-
-    args = TRLPPOConfig(
-        output_dir=str(root / f"trl-{time.time_ns()}"),
-        per_device_train_batch_size=PROMPTS,
-        gradient_accumulation_steps=1,
-        num_mini_batches=1,
-        num_ppo_epochs=1,
-        total_episodes=PROMPTS * STEPS,
-        response_length=length,
-        temperature=0.7,
-        stop_token=None,  # no stop id: every response runs to `length` new tokens, as ours (min = max)
-        kl_coef=0.05,
-        learning_rate=LR,
-        use_cpu=True,
-        bf16=False,
-        gradient_checkpointing=False,
-        save_strategy="no",
-        num_sample_generations=0,
-        report_to=[],
-        logging_steps=1,
-        local_rollout_forward_batch_size=PROMPTS,
-        seed=SEED,
-        disable_tqdm=True,
+    # no stop token: every response runs to `length` new tokens, as ours (min = max)
+    args = ppo_args(
+        root, batch=PROMPTS, steps=STEPS, length=length, epochs=1, stop_token=None, logging_steps=1, seed=SEED
     )
-    policy = AutoModelForCausalLM.from_pretrained(policy_dir)
-    generate = policy.generate
-
-    def counted(*a, **kw):  # records the new tokens of every rollout (the length check)
-        out = generate(*a, **kw)
-        lengths.append(out.sequences.shape[1] - kw["input_ids"].shape[1])
-        return out
-
-    policy.generate = counted
-    trainer = PPOTrainer(
-        args=args,
-        processing_class=tok,
-        model=policy,
-        ref_model=AutoModelForCausalLM.from_pretrained(policy_dir),
-        reward_model=AutoModelForSequenceClassification.from_pretrained(reward_dir),
-        value_model=AutoModelForSequenceClassification.from_pretrained(reward_dir),
-        train_dataset=datasets.Dataset.from_dict({"input_ids": ids}),
-        callbacks=[Stamps()],
-    )
-    trainer.train()
-    return {"seconds_per_step": step_seconds(stamps), "new_tokens": lengths, "threads": torch.get_num_threads()}
+    run = run_ppo_trainer(root, root / f"policy-{size}", root / f"reward-{size}", MAX_PROMPT, args)
+    return {
+        "seconds_per_step": step_seconds(run["stamps"]),
+        "new_tokens": run["new_tokens"],
+        "threads": torch.get_num_threads(),
+    }
 
 
 def ours_grpo(root: Path, size: str, length: int) -> dict:
@@ -239,59 +178,16 @@ def ours_grpo(root: Path, size: str, length: int) -> dict:
 
 def trl_grpo(root: Path, size: str, length: int) -> dict:
     use_anchor("trl", "1.16.0")
-    import datasets
     import torch
-    from transformers import AutoModelForCausalLM, TrainerCallback
-    from trl import GRPOConfig as TRLGRPOConfig
-    from trl import GRPOTrainer
 
-    from rlhf_core.models.loading import load_tokenizer
-
-    policy_dir = root / f"policy-{size}"
-    tok = load_tokenizer(str(policy_dir))
-    tok.padding_side = "left"
-    stamps, lengths = [], []
-
-    class Stamps(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            stamps.append(time.perf_counter())
-
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            if logs and "completions/mean_length" in logs:
-                lengths.append(logs["completions/mean_length"])
-
-    args = TRLGRPOConfig(
-        output_dir=str(root / f"trl-{time.time_ns()}"),
-        per_device_train_batch_size=PROMPTS * G,
-        num_generations=G,
-        max_completion_length=length,
-        max_steps=STEPS,
-        learning_rate=LR,
-        beta=0.04,
-        temperature=1.0,
-        use_cpu=True,
-        bf16=False,
-        gradient_checkpointing=False,
-        logging_steps=1,
-        report_to=[],
-        save_strategy="no",
-        seed=SEED,
-        disable_tqdm=True,
-        loss_type="dapo",
-        scale_rewards="group",
-        use_bias_correction_kl=True,
-        generation_kwargs={"min_new_tokens": length},  # eos suppressed: every completion has `length` tokens
-    )
-    trainer = GRPOTrainer(
-        model=AutoModelForCausalLM.from_pretrained(policy_dir),
-        reward_funcs=[vader_reward],
-        args=args,
-        train_dataset=datasets.Dataset.from_dict({"prompt": prompt_texts(root)}),
-        processing_class=tok,
-        callbacks=[Stamps()],
-    )
-    trainer.train()
-    return {"seconds_per_step": step_seconds(stamps), "new_tokens": lengths, "threads": torch.get_num_threads()}
+    args = group_args(root, batch=PROMPTS * G, generations=G, tokens=length, steps=STEPS, lr=LR, beta=0.04, seed=SEED)
+    args.update(save_strategy="no", loss_type="dapo", scale_rewards="group", use_bias_correction_kl=True)
+    run = run_group_trainer("GRPOTrainer", root, root / f"policy-{size}", args)
+    return {
+        "seconds_per_step": step_seconds(run["stamps"]),
+        "new_tokens": run["lengths"],
+        "threads": torch.get_num_threads(),
+    }
 
 
 RUNNERS = {("ours", "ppo"): ours_ppo, ("trl", "ppo"): trl_ppo, ("ours", "grpo"): ours_grpo, ("trl", "grpo"): trl_grpo}

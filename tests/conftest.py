@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -15,18 +16,42 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 # Ray Train polls its workers every 2 s (a finished or dead worker is noticed up to that late): 0.5 s in tests
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
-os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix="rlhf-tests-prefect-")
 os.environ.pop("MLFLOW_TRACKING_URI", None)
-# the empty MLflow store template (tasks/tracking/store.py) is made once per test session, not in the user's cache
-os.environ.setdefault("RLHF_CACHE_DIR", tempfile.mkdtemp(prefix="rlhf-tests-cache-"))
+
+from tests.distributed.ray_nodes import ray_temp_root  # noqa: E402
+
+# Made here, per test process (an xdist worker's own), and removed at the end: Prefect's home, and Ray's
+# temp dir (a private instance's sessions and sockets; a test cluster makes its own): nothing an earlier run
+# left (a /tmp/ray, a Prefect database) stands in for set-up, and nothing is written into the machine's /tmp/ray
+os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix="rlhf-tests-prefect-")
+os.environ["RAY_TMPDIR"] = str(ray_temp_root())
+OWN_DIRS = [os.environ["PREFECT_HOME"], os.environ["RAY_TMPDIR"]]
+# the empty MLflow store template (tasks/tracking/store.py) is made once per test run (xdist's workers inherit
+# it and share it under a file lock), not in the user's cache
+if "RLHF_CACHE_DIR" not in os.environ:
+    os.environ["RLHF_CACHE_DIR"] = tempfile.mkdtemp(prefix="rlhf-tests-cache-")
+    OWN_DIRS.append(os.environ["RLHF_CACHE_DIR"])
 
 import pytest  # noqa: E402
 
 from rlhf_core.config import PipelineConfig, load_config  # noqa: E402
 from rlhf_core.demo.world import DemoWorld, build_demo_world  # noqa: E402
+from tests.fixtures.workers import longest_first  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SMOKE = REPO / "configs" / "smoke.yaml"
+
+
+def pytest_collection_modifyitems(config, items):
+    """In a pytest-xdist worker (`make test`): the longest files first (tests/fixtures/workers.py)."""
+    if hasattr(config, "workerinput"):
+        longest_first(items)
+
+
+def pytest_unconfigure(config):
+    """The directories this process made for the run, removed (its Prefect server and Ray instances stopped)."""
+    for path in OWN_DIRS:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture

@@ -3,7 +3,8 @@ does not share the run directory.
 
 `start_cluster` is `ray.cluster_utils.Cluster`: a head node (with the dashboard, which serves the state
 API) and more worker nodes, each a raylet of its own, all on 127.0.0.1. What differs from a real cluster:
-the nodes share this machine's file system, environment and host address.
+the nodes share this machine's file system, environment and host address. Everything Ray writes for it
+stays in a directory of the caller's (`ray_temp_root()`), never in the machine's /tmp/ray.
 
 `blind_node(...)` starts one more node in a mount namespace of its own (`unshare --mount`) with an empty
 tmpfs mounted over a given directory: processes on that node see their own, private directory at the
@@ -19,34 +20,72 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
 
 OBJECT_STORE = 150 * 1024**2  # bytes per node; the tests move only small objects
+# Ray's Unix sockets live at <temp dir>/session_<date>_<time>_<microseconds>_<pid>/sockets/plasma_store.N, and
+# a socket path must stay under 108 bytes: what that leaves for the directory `ray_temp_root` makes (base + 10)
+# and Ray's "/ray" below it
+SOCKET_PATH_ROOM = 27
 
 
-def start_cluster(temp_dir: Path, nodes: int = 2):
-    """A cluster of `nodes` nodes of one CPU each; the caller shuts it down (`cluster.shutdown()`).
+def ray_temp_root() -> Path:
+    """A new, empty directory for Ray's files (RAY_TMPDIR): under $TMPDIR when that path is short enough for
+    Ray's socket paths, else under /tmp."""
+    base = tempfile.gettempdir()
+    return Path(tempfile.mkdtemp(prefix="r", dir=base if len(base) <= SOCKET_PATH_ROOM else "/tmp"))
 
-    Ray installs SIGTERM and SIGINT handlers in the process that starts nodes; the test process's own are
-    put back (other tests install and check theirs)."""
+
+@contextmanager
+def ray_tmpdir(root: Path):
+    """RAY_TMPDIR set to `root` while it lasts, and put back after."""
+    previous = os.environ.get("RAY_TMPDIR")
+    os.environ["RAY_TMPDIR"] = str(root)
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("RAY_TMPDIR", None)
+        else:
+            os.environ["RAY_TMPDIR"] = previous
+
+
+def start_cluster(root: Path, nodes: int = 2):
+    """A cluster of `nodes` nodes of one CPU each, its files in `root`/ray (its nodes' temp dir); the caller
+    stops it with `stop_cluster(cluster, root)`.
+
+    `Cluster` writes its address file (ray_current_cluster) into Ray's default temp dir, $RAY_TMPDIR/ray,
+    whatever temp dir its nodes have, and does not create that directory: RAY_TMPDIR names `root` while the
+    cluster starts, so that the default is the nodes' own, which the head node creates. Ray installs SIGTERM
+    and SIGINT handlers in the process that starts nodes; the test process's own are put back (other tests
+    install and check theirs)."""
     from ray.cluster_utils import Cluster
 
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     common = {"num_cpus": 1, "object_store_memory": OBJECT_STORE}
     try:
-        cluster = Cluster(
-            initialize_head=True,
-            head_node_args={**common, "include_dashboard": True, "temp_dir": str(temp_dir)},
-        )
-        for _ in range(nodes - 1):
-            cluster.add_node(**common)
-        cluster.wait_for_nodes()
+        with ray_tmpdir(root):
+            cluster = Cluster(
+                initialize_head=True,
+                head_node_args={**common, "include_dashboard": True, "temp_dir": str(root / "ray")},
+            )
+            for _ in range(nodes - 1):
+                cluster.add_node(**common)
+            cluster.wait_for_nodes()
     finally:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
     return cluster
+
+
+def stop_cluster(cluster, root: Path) -> None:
+    """Every node of `cluster` stopped; `Cluster.shutdown` removes the address file from $RAY_TMPDIR/ray, which
+    is `root`'s while it runs (not whatever instance the machine's /tmp/ray names)."""
+    with ray_tmpdir(root):
+        cluster.shutdown()
 
 
 def alive_nodes(address: str) -> list[str]:

@@ -22,7 +22,6 @@ import logging
 import os
 import shutil
 import signal
-import tempfile
 import threading
 import time
 from contextlib import contextmanager
@@ -36,10 +35,10 @@ from safetensors.torch import load_file
 import tasks.launch.launcher
 from flows.rlhf_pipeline import rlhf_pipeline
 from rlhf_core.config import load_config
-from rlhf_core.evaluation.guard import GuardLedger
 from tasks.stage_io import checkpoint_steps
 from tasks.stages.reward_model import worker_body as reward_worker_body
-from tests.distributed.ray_nodes import blind_node, can_unshare, start_cluster
+from tests.distributed.ray_nodes import blind_node, can_unshare, ray_temp_root, start_cluster, stop_cluster
+from tests.fixtures.runtime import deadline, environment
 from tests.fixtures.servers import MLFLOW_ENV, running_mlflow_server
 
 REPO = Path(__file__).resolve().parents[2]
@@ -49,25 +48,7 @@ PLANTED = {"MLFLOW_TRACKING_USERNAME": "alice", "MLFLOW_TRACKING_PASSWORD": SENT
 # the reward model, then GRPO scored by it: 4 steps, a checkpoint after each (no SFT warm start: from the base)
 PIPELINE = ["run.num_processes=2", "rl.algorithm=grpo", "rl.total_steps=4", "rl.save_steps=1"]
 PIPELINE += ["sft.enabled=false", "init.policy=base"]
-VADER_ONLY = "grpo.rewards=[{name: vader, function: 'rlhf_core.rewards.functions:vader_compound'}]"
-ONLY_KL = ["guard.min_distinct_ratio.limit=null", "guard.max_length_change.limit=null", "guard.divergence.evals=null"]
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore")]
-
-
-@contextmanager
-def deadline(seconds: int, what: str):
-    """Fail with a message instead of hanging (a Ray call can wait forever for resources or a node)."""
-
-    def expire(*_):
-        raise TimeoutError(f"{what} took more than {seconds} s")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 class RecordingHandler(logging.Handler):
@@ -79,18 +60,6 @@ class RecordingHandler(logging.Handler):
 
     def emit(self, record):
         self.records.append(record)
-
-
-@contextmanager
-def environment(values: dict[str, str | None]):
-    """`values` set (None: unset) in this process's environment, and put back after (any fixture scope)."""
-    with pytest.MonkeyPatch.context() as mp:
-        for key, value in values.items():
-            if value is None:
-                mp.delenv(key, raising=False)
-            else:
-                mp.setenv(key, value)
-        yield
 
 
 @contextmanager
@@ -106,13 +75,16 @@ def recorded_logs():
 
 @pytest.fixture(scope="module")
 def cluster():
-    """Two nodes of one CPU each; their processes have the planted credentials in their environment."""
-    temp = Path(tempfile.mkdtemp(prefix="r", dir="/tmp"))  # short: Ray's socket paths must stay < 108 chars
-    with deadline(120, "starting the Ray cluster"), environment(PLANTED):
-        started = start_cluster(temp / "ray")
-    yield started, temp / "ray"
-    started.shutdown()
-    shutil.rmtree(temp, ignore_errors=True)
+    """Two nodes of one CPU each; their processes have the planted credentials in their environment. Ray's
+    files (the address file too) go to a directory of this fixture's, removed after."""
+    root = ray_temp_root()
+    try:
+        with deadline(120, "starting the Ray cluster"), environment(PLANTED):
+            started = start_cluster(root)
+        yield started, root / "ray"
+        stop_cluster(started, root)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def kill_rank0_after_a_checkpoint(address: str, stage_root: Path, tracking_port: int, killed: list) -> threading.Thread:
@@ -336,33 +308,5 @@ def test_an_output_directory_one_node_does_not_share_fails_in_seconds_naming_it_
     message = str(failed.value)
     assert message.startswith(f"run.output_dir {out} is not shared storage: the worker of rank ")
     assert f"node {blind[:12]}" in message and message.endswith("(NFS, a shared volume)")
-    assert took < 60 and sorted(p.name for p in out.iterdir()) == []  # nothing trained, nothing left behind
-
-
-@pytest.mark.parametrize("launcher", ["local", "ray"])
-def test_the_guard_rolls_back_then_stops_two_processes_on_either_launcher(prefect_harness, tmp_path, launcher):
-    """Every evaluation after the start breaks a KL budget of 0 nats: the first breach rolls back (rank 0 sets
-    the checkpoints aside, both processes start over with the KL coefficient doubled), the second stops
-    (guard.max_rollbacks 1). Neither process is left waiting for the other. The Ray run starts a private
-    local instance (run.ray_address null) and stops it after."""
-    out = tmp_path / "out"
-    overrides = [
-        f"run.output_dir={out}",
-        f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}",
-        "sft.enabled=false",
-        "init.policy=base",
-    ]
-    overrides += ["run.num_processes=2", f"run.launcher={launcher}", "rl.algorithm=grpo", VADER_ONLY]
-    overrides += ["rl.total_steps=2", "rl.save_steps=1", "eval.every_steps=1", "guard.kl_budget.limit=0"]
-    overrides += ["guard.kl_budget.action=rollback", "guard.max_rollbacks=1", *ONLY_KL]
-    with deadline(300, f"the guard run ({launcher})"), environment({k: None for k in MLFLOW_ENV}):
-        state = rlhf_pipeline(config_path=SMOKE, overrides=overrides, return_state=True)
-    # the stop came at the first evaluation, before any checkpoint: nothing to export, said in one sentence
-    assert state.is_failed() and "the guard stopped grpo at step 1 before any checkpoint was saved" in state.message
-    (stage,) = (out / "grpo").iterdir()
-    ledger = GuardLedger.load(stage / "guard.json")
-    assert (ledger.rollbacks, ledger.stopped_at) == (1, 1)
-    assert [t.rule for t in ledger.all_triggers] == ["kl_budget", "kl_budget"]
-    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
-    runs = client.search_runs([client.get_experiment_by_name("rlhf-smoke").experiment_id])
-    assert not [r.info.run_name for r in runs if r.info.status == "RUNNING"]
+    # nothing trained, nothing left behind; 90 s: Ray's and torch's process start-up alone took 63 s at load 10 here
+    assert took < 90 and sorted(p.name for p in out.iterdir()) == []

@@ -12,7 +12,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,16 +21,11 @@ from pathlib import Path
 import pytest
 
 from flows.ui import wait_healthy
+from tests.fixtures.servers import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Services:

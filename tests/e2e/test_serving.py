@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import urllib.error
@@ -23,18 +22,13 @@ from transformers import pipeline
 from flows.rlhf_pipeline import rlhf_pipeline
 from flows.ui import stop_group, wait_healthy
 from rlhf_core.models.loading import load_tokenizer
+from tests.fixtures.servers import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 SMOKE = str(REPO / "configs" / "smoke.yaml")
 USER = [{"role": "user", "content": "i thought the food was"}]  # the demo's longest answers follow this start
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore")]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def invoke(base: str, body: dict) -> dict:

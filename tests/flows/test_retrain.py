@@ -1,7 +1,6 @@
 """Scheduled retraining: new preference files are noticed by fingerprint, the policy starts from the
 champion, unchanged data trains nothing; a transient tracking failure is retried."""
 
-import json
 from pathlib import Path
 
 import pytest
@@ -10,13 +9,10 @@ from mlflow.tracking import MlflowClient
 from flows.retrain import rlhf_retrain
 from rlhf_core.data.tables import read_rows
 from tasks import tracking
+from tests.fixtures.tables import write_jsonl
 
 SMOKE = str(Path(__file__).resolve().parents[2] / "configs" / "smoke.yaml")
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore")]
-
-
-def write_jsonl(path, rows):
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
 def test_retrain_notices_new_files_starts_from_the_champion_and_retries_io(

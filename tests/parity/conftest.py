@@ -1,10 +1,11 @@
 """Fixtures of the TRL parity tests.
 
 PPO (test_trl_ppo_*.py, helpers in trl_ppo_common.py): `world` runs TRL 1.12's side once per session and
-loads what it recorded; `report_max_diffs` (requested by those modules through `pytestmark`) prints the
-largest difference each comparison reached in the module.
+loads what it recorded; `report_max_diffs` (requested by those modules and test_verl_estimators.py through
+`pytestmark`) prints the largest difference each comparison reached in the module (max_diffs.py).
 GRPO (test_trl_grpo_*.py, helpers in trl_grpo_common.py): `tokenizer` and `make_trainer`, a factory of real
-`trl.GRPOTrainer`s around a tiny seeded Llama.
+`trl.GRPOTrainer`s around a tiny seeded Llama. The reward model's parity test (test_trl_reward_parity.py) uses
+the same `tokenizer`.
 RLOO (test_trl_rloo.py, helpers in trl_rloo_common.py): `make_rloo_trainer`, a factory of real
 `trl.RLOOTrainer`s around the same Llama (with beta > 0, TRL loads its reference model from a local directory).
 """
@@ -21,13 +22,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.parity.max_diffs import MAX_DIFFS, max_diffs_report
 from tests.parity.trl_grpo_common import MAX_COMPLETION, build_policy, named_reward
 from tests.parity.trl_grpo_common import build_tokenizer as build_grpo_tokenizer
 from tests.parity.trl_ppo_common import (
     BATCH,
     EOS,
     KL_COEF,
-    MAX_DIFFS,
     MISSING,
     PAD,
     REPO,
@@ -124,17 +125,8 @@ def report_max_diffs():
     """Print the largest difference reached by each comparison (shown with -s or -rA)."""
     MAX_DIFFS.clear()  # this module's comparisons only
     yield
-    if not MAX_DIFFS:
-        return
-    width = max(map(len, MAX_DIFFS))
-    lines = [f"  {key:<{width}}  {diff:.3g}" for key, diff in sorted(MAX_DIFFS.items())]
-    math = max((d for k, d in MAX_DIFFS.items() if "(model)" not in k), default=0.0)
-    model = max((d for k, d in MAX_DIFFS.items() if "(model)" in k), default=0.0)
-    print(
-        "\nmax abs diff per comparison:\n"
-        + "\n".join(lines)
-        + f"\n  overall: math on the same inputs {math:.3g}, model outputs (model) {model:.3g}"
-    )
+    if MAX_DIFFS:
+        print(max_diffs_report())
 
 
 # ------------------------------------------------------------------------------------------------ GRPO

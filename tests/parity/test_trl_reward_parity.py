@@ -25,7 +25,7 @@ from rlhf_core.rewards.reward_model import (
     score_pairs,
     tokenize_pairs,
 )
-from tests.parity.trl_grpo_common import EOS, PAD, VOCAB, build_tokenizer
+from tests.parity.trl_grpo_common import EOS, PAD, VOCAB
 
 MAX_LENGTH = 32
 TOL = dict(atol=1e-6, rtol=1e-5)
@@ -57,13 +57,9 @@ def build_reward_model(seed: int = 0):
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    return build_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def make_trainer(tokenizer, tmp_path_factory):
-    """make_trainer(rows, center_rewards_coefficient) -> a real trl.RewardTrainer on `rows` (untokenized)."""
+def make_reward_trainer(tokenizer, tmp_path_factory):
+    """make_reward_trainer(rows, center_rewards_coefficient) -> a real trl.RewardTrainer on `rows` (untokenized);
+    `tokenizer` is conftest.py's (the GRPO tests' word-level tokenizer)."""
     from datasets import Dataset
     from trl import RewardConfig, RewardTrainer
 
@@ -95,12 +91,12 @@ def trl_items(trainer, with_margin: bool) -> list[dict]:
 
 
 @pytest.mark.parametrize("with_margin", [True, False])
-def test_tokenized_pairs_and_batches_match_trl(make_trainer, tokenizer, with_margin):
+def test_tokenized_pairs_and_batches_match_trl(make_reward_trainer, tokenizer, with_margin):
     """TRL's prepared dataset (chosen_ids / rejected_ids: prompt + response + eos, eos not doubled)
     == `tokenize_pairs`, and TRL's `DataCollatorForPreference` batch (chosen rows then rejected
     rows, right-padded; margin) == `collate_pairs` (exact equality)."""
     rows = ROWS if with_margin else [{k: v for k, v in r.items() if k != "margin"} for r in ROWS]
-    trainer = make_trainer(rows)
+    trainer = make_reward_trainer(rows)
     assert len(trainer.train_dataset) == len(rows)
     ours = tokenize_pairs(tokenizer, rows, MAX_LENGTH)
     theirs = trl_items(trainer, with_margin)
@@ -119,14 +115,14 @@ def test_tokenized_pairs_and_batches_match_trl(make_trainer, tokenizer, with_mar
 @pytest.mark.parametrize("center_rewards_coefficient", [None, 0.01, 0.5])
 @pytest.mark.parametrize("with_margin", [True, False])
 def test_bradley_terry_loss_gradient_and_metrics_match_trl(
-    make_trainer, tokenizer, with_margin, center_rewards_coefficient
+    make_reward_trainer, tokenizer, with_margin, center_rewards_coefficient
 ):
     """TRL's `RewardTrainer.compute_loss` (chosen/rejected split of one forward, -logsigmoid of the
     difference minus the margin, + coef x mean((r_c + r_r)^2)) == `bradley_terry_loss` on
     `score_pairs` of the same batch: loss and every parameter's gradient (atol 1e-6, rtol 1e-5),
     and TRL's logged accuracy / margin / min / mean / max reward == `preference_stats`."""
     rows = ROWS if with_margin else [{k: v for k, v in r.items() if k != "margin"} for r in ROWS]
-    trainer = make_trainer(rows, center_rewards_coefficient)
+    trainer = make_reward_trainer(rows, center_rewards_coefficient)
     model = trainer.model
     batch = trainer.data_collator(trl_items(trainer, with_margin))
 

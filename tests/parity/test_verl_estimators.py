@@ -49,7 +49,6 @@ from tests.parity.verl_common import (
     CASES,
     GAMMAS,
     LONE_CASES,
-    MAX_DIFFS,
     MISSING,
     VERL_VERSION,
     Case,
@@ -63,6 +62,7 @@ from tests.parity.verl_common import (
 
 CASE_IDS = [c.name for c in CASES]
 KL_CASES = [c for c in CASES if c.beta]
+pytestmark = pytest.mark.usefixtures("report_max_diffs")  # conftest.py: the largest difference per comparison
 
 
 @pytest.fixture(scope="module")
@@ -77,17 +77,6 @@ def verl(tmp_path_factory):
         pytest.fail(str(error), pytrace=False)
     print(f"\nverl {VERL_VERSION} side: {len(CASES)} cases in {time.perf_counter() - start:.1f} s")
     return result
-
-
-@pytest.fixture(scope="module", autouse=True)
-def report_max_diffs():
-    """Print the largest difference each comparison reached (shown with -s or -rA)."""
-    MAX_DIFFS.clear()
-    yield
-    if MAX_DIFFS:
-        width = max(map(len, MAX_DIFFS))
-        lines = [f"  {key:<{width}}  {diff:.3g}" for key, diff in sorted(MAX_DIFFS.items())]
-        print("\nmax abs diff per comparison (ours vs verl):\n" + "\n".join(lines))
 
 
 def sides(verl, case: Case):

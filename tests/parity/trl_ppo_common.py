@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from rlhf_core.rl_math import compute_gae, kl_penalized_rewards, kl_per_token, masked_whiten, response_mask
+from tests.parity.max_diffs import record_max_diff
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("trl112_ppo_side.py")
@@ -45,9 +46,6 @@ ATOL_MODEL = 1e-5
 VOCAB, RESPONSE_LENGTH, BATCH = 64, 8, 8
 PAD, UNK, BOS, EOS = 0, 1, 2, 3  # ids in the test vocabulary; words are 4..63
 SETTINGS = dict(temperature=0.7, gamma=0.99, lam=0.9)
-
-MAX_DIFFS: dict[str, float] = {}  # name -> max abs diff reached, printed at the end (pytest -s / -rA)
-
 
 TRL112_CANDIDATES = tuple(
     dict.fromkeys([Path(sys.executable).parents[1] / "trl-1.12.0", REPO / ".venv" / "trl-1.12.0"])
@@ -168,7 +166,7 @@ KL_COEF = {"k1": 0.2, "k3": 0.5}
 def close(name: str, ours: torch.Tensor, theirs: torch.Tensor, atol: float = ATOL_MATH) -> None:
     ours, theirs = ours.double(), theirs.double()
     diff = (ours - theirs).abs().max().item() if ours.numel() else 0.0
-    MAX_DIFFS[name] = max(MAX_DIFFS.get(name, 0.0), diff)
+    record_max_diff(name, diff)
     assert ours.shape == theirs.shape, f"{name}: shapes {tuple(ours.shape)} vs {tuple(theirs.shape)}"
     assert diff <= atol, f"{name}: max abs diff {diff:.3g} > {atol:g}\nours:\n{ours}\nTRL 1.12:\n{theirs}"
 

@@ -26,6 +26,7 @@ from safetensors.torch import load_file, save_file
 
 from rlhf_core.rl.advantages.group_baselines import reinforce_pp_advantages, rloo_advantages
 from rlhf_core.rl_math import kl_penalized_rewards, kl_per_token
+from tests.parity.max_diffs import record_max_diff
 
 REPO = Path(__file__).resolve().parents[2]
 SIDE = Path(__file__).with_name("verl_side.py")
@@ -45,8 +46,6 @@ ATOL = 1e-6  # float32; the same math on the same inputs agrees to ~1e-7
 RTOL_LARGE = 1e-5  # relative, for the case whose scores (and so raw advantages and returns) are ~100
 GAMMAS = (1.0, 0.9)
 WIDTH = 8  # response tokens
-
-MAX_DIFFS: dict[str, float] = {}  # comparison -> max abs diff reached, printed at the end (pytest -s / -rA)
 
 
 def verl_dir() -> Path | None:
@@ -207,7 +206,7 @@ def close(name: str, ours: torch.Tensor, theirs: torch.Tensor, atol: float = ATO
     assert ours.shape == theirs.shape, f"{name}: shapes {tuple(ours.shape)} vs {tuple(theirs.shape)}"
     ours, theirs = ours.double(), theirs.double()
     diff = (ours - theirs).abs()
-    MAX_DIFFS[name] = max(MAX_DIFFS.get(name, 0.0), diff.max().item() if diff.numel() else 0.0)
+    record_max_diff(name, diff.max().item() if diff.numel() else 0.0)
     bad = diff > atol + rtol * theirs.abs()
     assert not bad.any(), (
         f"{name}: {int(bad.sum())} entries off, max abs diff {diff.max().item():.3g} (atol {atol:g}, rtol {rtol:g})"
