@@ -13,12 +13,19 @@ UV := $(BIN)/uv pip install --python $(BIN)/python
 # Nothing is byte-compiled ahead: all of .venv is about 25,000 files (2.5 CPU-minutes), a test run imports about
 # 7,000. Python caches each module the first time it is imported instead, also where the environment says not to
 unexport PYTHONDONTWRITEBYTECODE
-# pytest's workers (pytest-xdist). Each takes whole files (--dist loadfile), so that a module's cluster, servers
-# and runs start once, the longest first (tests/fixtures/workers.py orders them; xdist's own order, most tests
-# first, is turned off); each has its own Prefect home and server and Ray temp dir (tests/conftest.py), and one
-# torch thread, as 2 threads in each of 2 workers on 2 cores stall each other. 2 workers fit 2 cores and 24 GiB
-TEST_WORKERS ?= 2
+# pytest's workers (pytest-xdist), 0 by default: the suite runs in one process. With TEST_WORKERS=2 each worker
+# takes whole files (--dist loadfile), so that a module's cluster, servers and runs start once, the longest first
+# (tests/fixtures/workers.py orders them), with its own Prefect home and server and Ray temp dir
+# (tests/conftest.py) and one torch thread. On this 2-core machine two workers were slower, not faster: the
+# long files each start a Ray cluster, torchrun or servers of their own, and two of them at once fight for the
+# same 2 cores (a fresh clone's pytest phase took 16m49s on 2 workers, 1085 passed; about 7-9 min serially by the
+# last CI runs' figures)
+TEST_WORKERS ?= 0
+ifeq ($(TEST_WORKERS),0)
+PYTEST := $(OFFLINE) $(BIN)/python -m pytest
+else
 PYTEST := $(OFFLINE) OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+endif
 
 .PHONY: venv demo ui demo-seeds lint test test-fast chaos bench rlvr clean
 
