@@ -13,14 +13,13 @@ UV := $(BIN)/uv pip install --python $(BIN)/python
 # Nothing is byte-compiled ahead: all of .venv is about 25,000 files (2.5 CPU-minutes), a test run imports about
 # 7,000. Python caches each module the first time it is imported instead, also where the environment says not to
 unexport PYTHONDONTWRITEBYTECODE
-# pytest's workers (pytest-xdist), 0 by default: the suite runs in one process. With TEST_WORKERS=2 each worker
-# takes whole files (--dist loadfile), so that a module's cluster, servers and runs start once, the longest first
-# (tests/fixtures/workers.py orders them), with its own Prefect home and server and Ray temp dir
-# (tests/conftest.py) and one torch thread. On this 2-core machine two workers were slower, not faster: the
-# long files each start a Ray cluster, torchrun or servers of their own, and two of them at once fight for the
-# same 2 cores (a fresh clone's pytest phase took 16m49s on 2 workers, 1085 passed; about 7-9 min serially by the
-# last CI runs' figures)
-TEST_WORKERS ?= 0
+# pytest's workers (pytest-xdist), 2 by default: each worker takes whole files (--dist loadfile), so that a
+# module's cluster, servers and runs start once, the longest first (tests/fixtures/workers.py orders them), with
+# its own Prefect home and server and Ray temp dir (tests/conftest.py) and one torch thread. Measured on this
+# 2-core machine (2026-11-26): the whole suite on 2 workers, idle, in 13m32s with both cores 95% busy. One process
+# leaves a core idle while servers start and processes wait (79% busy over the Ray file alone, 5m16s); it took
+# 31 min with a demo run beside it. TEST_WORKERS=0 runs it in one process (for a debugger, or -x).
+TEST_WORKERS ?= 2
 ifeq ($(TEST_WORKERS),0)
 PYTEST := $(OFFLINE) $(BIN)/python -m pytest
 else

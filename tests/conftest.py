@@ -17,6 +17,10 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 # Ray Train polls its workers every 2 s (a finished or dead worker is noticed up to that late): 0.5 s in tests
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
 os.environ.pop("MLFLOW_TRACKING_URI", None)
+# every `mlflow server` a test starts (tests/fixtures/servers.py, `rlhf ui`, the e2e team servers) without its
+# job runner: MLflow 3 starts one more process and five huey consumers beside each server by default (about 15
+# CPU-seconds of imports per server here), for server-side jobs that nothing in the pipeline submits
+os.environ.setdefault("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")
 
 from tests.distributed.ray_nodes import ray_temp_root  # noqa: E402
 

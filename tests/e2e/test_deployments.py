@@ -78,6 +78,7 @@ def team(tmp_path_factory):
             "HF_HUB_OFFLINE": "1",
             "HF_DATASETS_OFFLINE": "1",
             "TOKENIZERS_PARALLELISM": "false",
+            "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",  # no job runner beside the server (tests/conftest.py)
         }
     )
     services = Services(root)
