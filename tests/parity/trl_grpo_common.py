@@ -88,14 +88,20 @@ def fake_completions(batch: int, truncated_every: int = 0) -> list[list[int]]:
     return out
 
 
-def drive_trl_scoring(trainer, per_source: torch.Tensor, completions: list[list[int]] | None = None) -> dict:
-    """Run TRL's real `_generate_and_score_completions` on fixed completions and fixed rewards (B, F)."""
+def drive_trl_scoring(
+    trainer,
+    per_source: torch.Tensor,
+    completions: list[list[int]] | None = None,
+    sampling_logps: list[list[float]] | None = None,
+) -> dict:
+    """Run TRL's real `_generate_and_score_completions` on fixed completions and fixed rewards (B, F); with
+    `sampling_logps`, the generator's log-probs of the completion tokens (what vLLM returns) come along too."""
     batch = per_source.shape[0]
     G = trainer.num_generations
     prompt_ids = [[3 + g % 20, 4 + g % 20, 5 + g % 20] for g in range(batch // G) for _ in range(G)]
     completion_ids = completions if completions is not None else fake_completions(batch)
     texts = trainer.processing_class.batch_decode(completion_ids, skip_special_tokens=True)
-    trainer._generate = lambda prompts: (prompt_ids, completion_ids, None, texts, None, {}, None, [])
+    trainer._generate = lambda prompts: (prompt_ids, completion_ids, None, texts, sampling_logps, {}, None, [])
     trainer._calculate_rewards = lambda inputs, prompts, completions, ids: per_source.clone()
     trainer._metrics["train"].clear()
     inputs = [{"prompt": f"w{3 + i // G} w{4 + i // G}"} for i in range(batch)]

@@ -1,0 +1,75 @@
+"""The gap between the rollout engine and the trainer, corrected by truncated importance sampling.
+
+A rollout engine apart from the trainer (vLLM) samples with its own kernels, and returns the log-probability of
+each sampled token under the distribution it sampled from (the behaviour policy). The trainer recomputes the
+log-probabilities of the same tokens (the "old" policy of PPO's ratio). Where they differ, the batch is off-policy
+by that much; the anchors weight the loss by the importance ratio old / behaviour, capped: TRL 1.16's
+`vllm_importance_sampling_correction` (modes below, its default `sequence_mask` with C_max 3), verl's
+`rollout_is`, OpenRLHF's `--algo.advantage.is_correction_type tis` (arXiv:2506.13585's truncated IS).
+
+Modes, as TRL names them (`GRPOTrainer._generate_and_score_completions`):
+- `token_truncate`: per token, r_t = exp(old_t - behaviour_t), clamped to [C_min, C_max];
+- `token_mask`: per token, r_t where it lies in [C_min, C_max], else 0 (the token leaves the loss);
+- `sequence_truncate`: per sequence, r = exp(sum_t (old_t - behaviour_t)) over its tokens, clamped;
+- `sequence_mask`: per sequence, r inside [C_min, C_max], else 0 (the sequence leaves the loss).
+A token whose behaviour log-prob is unknown (NaN: the engine could not score it) gets ratio 1. C_min None: no
+lower bound; C_max None: no upper bound. The weights multiply the per-token loss.
+
+Also reported, as TRL logs them: the ratio's min, mean and max (over the response tokens, or the sequences), and
+the mean and max of |old - behaviour| over the response tokens with a known behaviour log-prob.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+CorrectionMode = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
+MODES: tuple[str, ...] = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
+
+@dataclass(frozen=True)
+class EngineCorrection:
+    weights: torch.Tensor  # (B, T) for token modes, (B, 1) for sequence modes: multiplies the per-token loss
+    metrics: dict[str, torch.Tensor]  # 0-d tensors, TRL's names
+
+
+def engine_correction(
+    old_logp: torch.Tensor,
+    behaviour_logp: torch.Tensor,
+    mask: torch.Tensor,
+    mode: CorrectionMode = "sequence_mask",
+    cap_max: float | None = 3.0,
+    cap_min: float | None = None,
+) -> EngineCorrection:
+    """The importance weights old / behaviour of a batch (B, T), capped as `mode` says, and their statistics.
+    `old_logp`: the trainer's log-probs of the sampled tokens, detached; `behaviour_logp`: the engine's (NaN where
+    unknown); `mask`: 1 on response tokens."""
+    if mode not in MODES:
+        raise ValueError(f"unknown engine correction mode {mode!r}; one of {', '.join(MODES)}")
+    old_logp, behaviour_logp = old_logp.detach(), behaviour_logp.detach()
+    real = mask.bool()
+    log_ratio = torch.nan_to_num((old_logp - behaviour_logp) * mask, nan=0.0)
+    per_sequence = mode.startswith("sequence")
+    if per_sequence:
+        log_ratio = log_ratio.sum(-1, keepdim=True)
+    ratio = torch.exp(log_ratio)
+    low = -torch.inf if cap_min is None else cap_min
+    high = torch.inf if cap_max is None else cap_max
+    if mode.endswith("truncate"):
+        weights = ratio if cap_min is None and cap_max is None else ratio.clamp(min=cap_min, max=cap_max)
+    else:
+        weights = ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
+    gap = (old_logp - behaviour_logp).abs()[real & ~torch.isnan(behaviour_logp)]
+    reported = weights.flatten() if per_sequence else weights[real]
+    zero = torch.zeros((), dtype=old_logp.dtype, device=old_logp.device)
+    metrics = {
+        "sampling/sampling_logp_difference/mean": gap.mean() if gap.numel() else zero,
+        "sampling/sampling_logp_difference/max": gap.max() if gap.numel() else zero,
+        "sampling/importance_sampling_ratio/min": reported.min() if reported.numel() else zero,
+        "sampling/importance_sampling_ratio/mean": reported.mean() if reported.numel() else zero,
+        "sampling/importance_sampling_ratio/max": reported.max() if reported.numel() else zero,
+    }
+    return EngineCorrection(weights, metrics)

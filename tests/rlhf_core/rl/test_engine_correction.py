@@ -1,0 +1,65 @@
+"""The engine correction's weights and statistics, by hand (TRL 1.16's own code on the same tensors:
+tests/parity/test_trl_engine_correction.py)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from rlhf_core.rl.engine_correction import engine_correction
+
+LN2 = math.log(2.0)
+# row 0: two response tokens, old - behaviour = ln 2 and ln 4 (ratios 2 and 4), then padding;
+# row 1: three tokens, ln(1/8), 0, and a token the engine could not score (NaN)
+OLD = torch.tensor([[LN2, 2 * LN2, 5.0], [-3 * LN2, 0.0, -1.0]])
+BEHAVIOUR = torch.tensor([[0.0, 0.0, 0.0], [0.0, 0.0, float("nan")]])
+MASK = torch.tensor([[1, 1, 0], [1, 1, 1]])
+
+
+@pytest.mark.parametrize(
+    ("mode", "cap_min", "cap_max", "weights"),
+    [
+        ("token_truncate", None, 3.0, [[2.0, 3.0, 1.0], [0.125, 1.0, 1.0]]),
+        ("token_truncate", 0.5, 3.0, [[2.0, 3.0, 1.0], [0.5, 1.0, 1.0]]),
+        ("token_mask", None, 3.0, [[2.0, 0.0, 1.0], [0.125, 1.0, 1.0]]),
+        ("token_mask", 0.5, None, [[2.0, 4.0, 1.0], [0.0, 1.0, 1.0]]),
+        ("sequence_truncate", None, 3.0, [[3.0], [0.125]]),  # 2 x 4 = 8, capped; 1/8 x 1 x 1
+        ("sequence_mask", None, 3.0, [[0.0], [0.125]]),
+        ("sequence_mask", 0.2, 10.0, [[8.0], [0.0]]),
+        ("sequence_truncate", None, None, [[8.0], [0.125]]),
+    ],
+)
+def test_weights_by_mode_and_caps(mode, cap_min, cap_max, weights):
+    got = engine_correction(OLD, BEHAVIOUR, MASK, mode, cap_max=cap_max, cap_min=cap_min)
+    torch.testing.assert_close(got.weights, torch.tensor(weights))
+
+
+def test_statistics_are_over_response_tokens_or_sequences():
+    token = engine_correction(OLD, BEHAVIOUR, MASK, "token_truncate", cap_max=3.0).metrics
+    # the gap over the 4 response tokens with a known behaviour log-prob: ln2, 2 ln2, 3 ln2, 0
+    assert token["sampling/sampling_logp_difference/mean"].item() == pytest.approx(1.5 * LN2)
+    assert token["sampling/sampling_logp_difference/max"].item() == pytest.approx(3 * LN2)
+    # the ratio over the 5 response tokens (the NaN one counts, as 1): 2, 3, 0.125, 1, 1
+    assert token["sampling/importance_sampling_ratio/mean"].item() == pytest.approx(7.125 / 5)
+    assert (
+        token["sampling/importance_sampling_ratio/min"].item(),
+        token["sampling/importance_sampling_ratio/max"].item(),
+    ) == (0.125, 3.0)
+    sequence = engine_correction(OLD, BEHAVIOUR, MASK, "sequence_mask", cap_max=3.0).metrics
+    assert sequence["sampling/importance_sampling_ratio/mean"].item() == pytest.approx(0.0625)  # (0 + 0.125) / 2
+
+
+def test_the_same_policy_on_both_sides_weighs_every_token_one():
+    logp = torch.randn(4, 6)
+    mask = (torch.arange(6) < torch.tensor([[6], [3], [1], [4]])).long()
+    for mode in ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"):
+        got = engine_correction(logp, logp.clone(), mask, mode)
+        assert torch.equal(got.weights, torch.ones_like(got.weights))
+        assert got.metrics["sampling/sampling_logp_difference/max"].item() == 0.0
+
+
+def test_an_unknown_mode_is_named():
+    with pytest.raises(ValueError, match="unknown engine correction mode 'token_clip'"):
+        engine_correction(OLD, BEHAVIOUR, MASK, "token_clip")
