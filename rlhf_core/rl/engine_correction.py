@@ -65,11 +65,15 @@ def engine_correction(
     gap = (old_logp - behaviour_logp).abs()[real & ~torch.isnan(behaviour_logp)]
     reported = weights.flatten() if per_sequence else weights[real]
     zero = torch.zeros((), dtype=old_logp.dtype, device=old_logp.device)
+
+    def stat(reduce, values: torch.Tensor) -> torch.Tensor:
+        return reduce(values) if values.numel() else zero
+
     metrics = {
-        "sampling/sampling_logp_difference/mean": gap.mean() if gap.numel() else zero,
-        "sampling/sampling_logp_difference/max": gap.max() if gap.numel() else zero,
-        "sampling/importance_sampling_ratio/min": reported.min() if reported.numel() else zero,
-        "sampling/importance_sampling_ratio/mean": reported.mean() if reported.numel() else zero,
-        "sampling/importance_sampling_ratio/max": reported.max() if reported.numel() else zero,
+        "sampling/sampling_logp_difference/mean": stat(torch.mean, gap),
+        "sampling/sampling_logp_difference/max": stat(torch.max, gap),
+        "sampling/importance_sampling_ratio/min": stat(torch.min, reported),
+        "sampling/importance_sampling_ratio/mean": stat(torch.mean, reported),
+        "sampling/importance_sampling_ratio/max": stat(torch.max, reported),
     }
     return EngineCorrection(weights, metrics)

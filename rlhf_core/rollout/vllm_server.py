@@ -54,10 +54,10 @@ def head_size(model_dir: Path) -> int:
     return int(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
 
 
-def head_size_verdict(model_dir: Path, on_cpu: bool = True) -> str | None:
+def head_size_verdict(model_dir: Path) -> str | None:
     """The sentence refusing a model whose head size vLLM's CPU attention does not support; None when it does."""
     size = head_size(model_dir)
-    if not on_cpu or size in CPU_HEAD_SIZES:
+    if size in CPU_HEAD_SIZES:
         return None
     return (
         f"rollout engine vllm: the model in {model_dir} has attention heads of size {size}, which vLLM's CPU "
@@ -154,7 +154,9 @@ class VllmServer:
         if self.port is None:
             self.port = free_port(self.settings.host)
         if self.log_path is None:
-            self.log_path = Path(tempfile.mkstemp(prefix="rlhf-vllm-", suffix=".log")[1])
+            handle, name = tempfile.mkstemp(prefix="rlhf-vllm-", suffix=".log")
+            os.close(handle)
+            self.log_path = Path(name)
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(
                 self.command(),
@@ -202,18 +204,13 @@ class VllmServer:
         if self.process is None:
             return
         group = self.process.pid
-        for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
-            try:
-                os.killpg(group, sig)
-            except ProcessLookupError:
-                break
-            try:
-                self.process.wait(wait_s)
-            except subprocess.TimeoutExpired:
-                continue
-            if sig == signal.SIGTERM:  # the supervisor is gone; the engine processes may not be yet
-                _kill_group_when_alive(group, wait_s=5.0)
-            break
+        try:
+            os.killpg(group, signal.SIGTERM)
+            self.process.wait(grace_s)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            pass
+        _kill_group_when_alive(group, wait_s=5.0)  # the engine processes may outlive the supervisor
+        self.process.wait()
         self.process = None
 
     def __enter__(self) -> VllmServer:
