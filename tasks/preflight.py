@@ -29,6 +29,7 @@ from rlhf_core.data.rows import DataValidationError, Kind, check_first_rows, is_
 from rlhf_core.data.sources import FILE_READ_ERRORS, files_of, first_rows, is_saved_dataset, looks_local
 from rlhf_core.models.loading import ModelSourceError, check_source, looks_like_path
 from rlhf_core.rewards.functions import RewardFunctionError, load_function
+from rlhf_core.rollout.vllm_server import head_size, server_problems
 
 TRACKING_TIMEOUT_S = 10.0
 FIRST_ROWS = 5
@@ -77,6 +78,7 @@ def preflight_problems(cfg: PipelineConfig) -> list[str]:
         (_check_data, DataValidationError),
         (_check_models, ModelSourceError),
         (_check_context, PreflightError),
+        (_check_rollout_engine, PreflightError),
         (_check_tracking, PreflightError),
         (_check_output, PreflightError),
         (_check_registry, PreflightError),
@@ -269,6 +271,19 @@ def _check_context(cfg: PipelineConfig) -> list[str]:
             f"{needed} tokens exceeds the policy's context of {context} ({where})"
         ]
     return []
+
+
+def _check_rollout_engine(cfg: PipelineConfig) -> list[str]:
+    """rollout.engine vllm with a server to start: its environment, the policy's head size, the port."""
+    v, base = cfg.rollout.vllm, cfg.model.base
+    if cfg.rollout.engine != "vllm" or v.url is not None:
+        return []
+    head = None
+    if base == DEMO:
+        head = (cfg.model.demo.hidden_size // cfg.model.demo.num_attention_heads, "the demo model (model.demo)")
+    elif looks_like_path(base) and (Path(base).expanduser() / "config.json").is_file():
+        head = (head_size(Path(base).expanduser()), f"the model in {base} (model.base)")
+    return server_problems(v.interpreter(), head, v.host, v.port)
 
 
 # --------------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ Split by concern, everything importable from here:
 - ``run_model_data``: the run, model and data sections; ``training``: the optimizer settings, SFT,
   reward, init, RL, PPO and GRPO sections; ``pipeline``: eval, export, promote, tracking, registry and
   ``PipelineConfig`` with its derived values; ``cross_checks``: the checks across sections, in the order they fire;
+- ``rollout``: the rollout engine (our decode loop or a vLLM server) and its correction;
 - ``accelerate``: what an accelerate launch file asks for; ``redaction``: secrets out of logs and parameters;
 - ``loading``: YAML, ``--set`` overrides, validation; ``errors``: ``UserError`` (what a user causes: the CLI
   prints its sentence and exits 2), one-sentence messages and hints;
@@ -37,6 +38,7 @@ from rlhf_core.config.pipeline import (
     RegistryConfig,
     TrackingConfig,
 )
+from rlhf_core.config.rollout import RolloutConfig, VllmSettings
 from rlhf_core.config.run_model_data import (
     ColumnMap,
     DataConfig,
@@ -96,6 +98,8 @@ __all__ = [
     "LoraSettings",
     "ModelConfig",
     "RunConfig",
+    "RolloutConfig",
+    "VllmSettings",
     "GROUP_ALGORITHMS",
     "DynamicSampling",
     "GRPOConfig",

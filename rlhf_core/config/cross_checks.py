@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from rlhf_core.config.accelerate import accelerate_strategy
 from rlhf_core.config.evaluation import EvalConfig, GuardConfig
+from rlhf_core.config.rollout import RolloutConfig
 from rlhf_core.config.run_model_data import RunConfig
 from rlhf_core.config.training import (
     GROUP_ALGORITHMS,
@@ -212,3 +213,20 @@ def check_eval_columns(
     if promote_metric is not None and promote_metric not in ("score", *names):
         allowed = ", ".join(repr(n) for n in ("score", *names))
         raise ValueError(f"promote.metric {promote_metric!r} is not an eval column; allowed: {allowed}")
+
+
+# the rollout engine ------------------------------------------------------------------------
+
+
+def check_rollout_engine(rl: RLConfig, rollout: RolloutConfig) -> None:
+    """The correction's bounds in order; rloo's loss is one ratio per sequence, so its correction is per sequence."""
+    v = rollout.vllm
+    if v.correction_min is not None and v.correction_cap is not None and v.correction_min > v.correction_cap:
+        raise ValueError(
+            f"rollout.vllm.correction_min {v.correction_min} must not exceed rollout.vllm.correction_cap {v.correction_cap}"
+        )
+    if rollout.engine == "vllm" and rl.algorithm == "rloo" and v.correction.startswith("token"):
+        raise ValueError(
+            f"rollout.vllm.correction {v.correction!r} weighs tokens, but rloo's loss has one ratio per sequence; "
+            "use sequence_truncate, sequence_mask or none"
+        )

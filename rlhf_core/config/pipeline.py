@@ -21,9 +21,11 @@ from rlhf_core.config.cross_checks import (
     check_nonfinite_skipping,
     check_ppo_accumulation,
     check_ppo_mini_batches,
+    check_rollout_engine,
     group_batch_field,
 )
 from rlhf_core.config.evaluation import EvalConfig, Gates, GuardConfig
+from rlhf_core.config.rollout import RolloutConfig
 from rlhf_core.config.run_model_data import DataConfig, DatasetSpec, ModelConfig, RunConfig
 from rlhf_core.config.training import (
     GRPOConfig,
@@ -131,6 +133,9 @@ class PipelineConfig(Section):
     rl: RLConfig = Field(default_factory=RLConfig, description="The RL stage shared by PPO and GRPO.")
     ppo: PPOConfig = Field(default_factory=PPOConfig, description="PPO hyper-parameters.")
     grpo: GRPOConfig = Field(default_factory=GRPOConfig, description="GRPO hyper-parameters.")
+    rollout: RolloutConfig = Field(
+        default_factory=RolloutConfig, description="The engine that samples the RL stage's rollouts."
+    )
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Periodic generation evaluation.")
     guard: GuardConfig = Field(
         default_factory=GuardConfig,
@@ -151,6 +156,7 @@ class PipelineConfig(Section):
         strategy = check_launcher(self.run, lora or self.reward.lora)
         check_group_family(rl, self.grpo, lora, self.run, strategy)
         check_nonfinite_skipping(self.run, strategy, rl, self.reward)
+        check_rollout_engine(rl, self.rollout)
         check_init_policy(self.init, self.sft)
         check_eval_columns(self.metric_names(), self.verifier(), self.eval, self.guard, self.promote.metric)
         return self

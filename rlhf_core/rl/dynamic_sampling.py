@@ -59,6 +59,7 @@ def join_batches(batches: list[RolloutBatch], pad_token_id: int) -> RolloutBatch
         last_index=torch.cat([r.last_index for r in rollouts]),
         logprobs=cat("logprobs", t, INVALID_LOGPROB, False),
         ref_logprobs=cat("ref_logprobs", t, INVALID_LOGPROB, False),
+        behaviour_logprobs=cat("behaviour_logprobs", t, INVALID_LOGPROB, False),
         has_stop=torch.cat([r.has_stop for r in rollouts]),
     )
     penalties = [b.penalty for b in batches]
@@ -83,6 +84,7 @@ def select_rows(batch: RolloutBatch, rows: torch.Tensor) -> RolloutBatch:
         },
         logprobs=r.logprobs[rows] if r.logprobs is not None else None,
         ref_logprobs=r.ref_logprobs[rows] if r.ref_logprobs is not None else None,
+        behaviour_logprobs=r.behaviour_logprobs[rows] if r.behaviour_logprobs is not None else None,
     )
     return RolloutBatch(
         rollout,

@@ -26,13 +26,16 @@ from typing import Literal
 
 import torch
 
+from rlhf_core.config import RolloutConfig
+from rlhf_core.rollout.collect import Rollout
+
 CorrectionMode = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
 MODES: tuple[str, ...] = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 
 @dataclass(frozen=True)
 class EngineCorrection:
-    weights: torch.Tensor  # (B, T) for token modes, (B, 1) for sequence modes: multiplies the per-token loss
+    weights: torch.Tensor | None  # (B, T) token modes, (B, 1) sequence modes: multiplies the per-token loss
     metrics: dict[str, torch.Tensor]  # 0-d tensors, TRL's names
 
 
@@ -77,3 +80,34 @@ def engine_correction(
         "sampling/importance_sampling_ratio/max": stat(torch.max, reported),
     }
     return EngineCorrection(weights, metrics)
+
+
+@dataclass(frozen=True)
+class CorrectionSettings:
+    """rollout.vllm.correction and its bounds; mode None: the gap is measured and logged, the loss left as it is."""
+
+    mode: CorrectionMode | None
+    cap_max: float | None = 3.0
+    cap_min: float | None = None
+
+
+def correction_settings(rollout: RolloutConfig) -> CorrectionSettings | None:
+    """The correction of rollout.engine vllm; None for hf (the policy samples: there is no gap)."""
+    if rollout.engine != "vllm":
+        return None
+    v = rollout.vllm
+    return CorrectionSettings(None if v.correction == "none" else v.correction, v.correction_cap, v.correction_min)
+
+
+def correct_rollout(
+    rollout: Rollout, mask: torch.Tensor, settings: CorrectionSettings | None
+) -> EngineCorrection | None:
+    """The weights (None with mode None) and statistics of a rollout sampled by an engine with log-probs of its own,
+    against the trainer's `rollout.logprobs`, over the trained tokens `mask`; None when there is nothing to correct."""
+    if settings is None or rollout.behaviour_logprobs is None or rollout.logprobs is None:
+        return None
+    behaviour = rollout.behaviour_logprobs
+    if settings.mode is None:
+        measured = engine_correction(rollout.logprobs, behaviour, mask, "token_truncate", None, None)
+        return EngineCorrection(None, measured.metrics)
+    return engine_correction(rollout.logprobs, behaviour, mask, settings.mode, settings.cap_max, settings.cap_min)

@@ -17,13 +17,14 @@ from typing import Unpack
 
 import torch
 
-from rlhf_core.config import GRPOConfig, RLConfig, RunConfig
+from rlhf_core.config import GRPOConfig, RLConfig, RolloutConfig, RunConfig
 from rlhf_core.models.forward import response_logprobs
 from rlhf_core.rewards.sources import RewardSourceFn, score_sources
 from rlhf_core.rl.advantages.estimators import Estimate, EstimatorContext, estimator_for
 from rlhf_core.rl.advantages.group_baselines import nanstd
 from rlhf_core.rl.completions import completions_due, completions_table
 from rlhf_core.rl.dynamic_sampling import GroupFiller
+from rlhf_core.rl.engine_correction import CorrectionSettings, correct_rollout, correction_settings
 from rlhf_core.rl.grpo_losses import LossInputs, PolicyLoss, policy_loss_for
 from rlhf_core.rl.step import (
     BatchSizes,
@@ -39,6 +40,7 @@ from rlhf_core.rl.step import (
 )
 from rlhf_core.rl_math import masked_mean
 from rlhf_core.rollout.collect import RolloutBatch, collect_rollout, completion_metrics, missing_stop_penalty
+from rlhf_core.rollout.engines import LoopEngine, RolloutEngine, make_engine, rollout_seed
 from rlhf_core.rollout.generation import decode_responses
 from rlhf_core.training.loop import LoopResult, TrainingLoop
 from rlhf_core.training.timing import PhaseTimer
@@ -78,7 +80,8 @@ def gather_tokens(loop: TrainingLoop, local: torch.Tensor) -> torch.Tensor:
 class GroupSampler:
     """The family's rollout phase: sizes.generations_per_prompt completions per prompt, decoded and scored by
     every reward source; with rl.dynamic_sampling (DAPO), the groups whose reward has no spread replaced by
-    groups of `more_prompts()`, for at most max_rounds extra rounds."""
+    groups of `more_prompts()`, for at most max_rounds extra rounds. `engine` samples (our loop when None);
+    with `correction` the trainer's log-probs are computed for it."""
 
     def __init__(
         self,
@@ -91,20 +94,25 @@ class GroupSampler:
         grpo: GRPOConfig,
         *,
         more_prompts: Callable[[], PromptBatch],
+        engine: RolloutEngine | None = None,
+        correction: CorrectionSettings | None = None,
     ):
         self.loop, self.settings, self.ref_model, self.rewards = loop, settings, ref_model, rewards
         self.prompt_rows, self.rl, self.more_prompts = prompt_rows, rl, more_prompts
+        self.engine, self.correction = engine or LoopEngine(), correction
         self.sizes = grpo_batch_sizes(rl, grpo)
         self.weights = torch.tensor([s.weight for s in rewards], dtype=torch.float32)
         self.need_reference = grpo.beta > 0
         # else the update's first pass uses its own, detached (as TRL); a KL in the reward needs them at sampling
         reused = grpo.num_iterations * self.sizes.mini_batches > 1  # optimizer steps per generation batch
-        self.need_logprobs = reused or (grpo.beta > 0 and rl.algorithm != "grpo")
+        self.need_logprobs = reused or (grpo.beta > 0 and rl.algorithm != "grpo") or correction is not None
         self.timer = PhaseTimer(loop.device)  # generate, reference and reward
         self.dynamic: dict[str, float] = {}  # dynamic sampling's counts of the latest step
 
     def sample(self, prompts: PromptBatch) -> RolloutBatch:
         """The step's groups, every process sampling while any is short (generation may be collective)."""
+        with self.loop.full_parameters():
+            self.engine.sync(self.loop.unwrapped(), self.loop.step)
         batch = self._generate_and_score(prompts)
         if not self.rl.dynamic_sampling.enabled:
             return batch
@@ -115,7 +123,7 @@ class GroupSampler:
             torch.tensor(float(filler.missing > 0), device=self.loop.device)
         ):
             rounds += 1
-            more = self._generate_and_score(self.more_prompts())
+            more = self._generate_and_score(self.more_prompts(), call=rounds)
             filler.add(more, self._rewards(more))
         batch, filled = filler.batch(self.settings.pad_token_id)
         self.dynamic = {
@@ -133,9 +141,11 @@ class GroupSampler:
             rewards = rewards - batch.penalty.to(rewards)
         return rewards.masked_fill(unscorable, float("nan"))
 
-    def _generate_and_score(self, prompts: PromptBatch) -> RolloutBatch:
-        """Sample generations_per_prompt completions per prompt, decode them, score them with every source."""
+    def _generate_and_score(self, prompts: PromptBatch, call: int = 0) -> RolloutBatch:
+        """Sample generations_per_prompt completions per prompt, decode them, score them with every source.
+        `call`: the generation round within the step (the engine's requests are seeded by it)."""
         loop, settings = self.loop, self.settings
+        seed = rollout_seed(loop.run_cfg.seed, rank=loop.rank, step=loop.step, call=call)
         with loop.full_parameters():
             rollout = collect_rollout(
                 loop.unwrapped(),
@@ -149,6 +159,8 @@ class GroupSampler:
                 need_logprobs=self.need_logprobs,
                 prompt_repeats=self.sizes.generations_per_prompt,
                 timer=self.timer,
+                engine=self.engine,
+                seed=seed,
             )
         rows = [self.prompt_rows[i] for i in prompts.indices]
         completions = decode_responses(self.loop.tokenizer, rollout.responses, rollout.resp_mask)
@@ -177,6 +189,7 @@ class GRPOSteps:
         self.on_completions, self.sizes = on_completions, sampler.sizes
         self.optimizer_steps = grpo.num_iterations * self.sizes.mini_batches  # per generation batch
         self.timer = PhaseTimer(loop.device)  # optimize
+        self.correction_metrics: dict[str, torch.Tensor] = {}  # the engine correction's, of the latest update
 
     def rollout(self, prompts: PromptBatch) -> RolloutBatch:
         return self.sampler.sample(prompts)
@@ -192,6 +205,9 @@ class GRPOSteps:
         # dapo/cispo divide by the active tokens of the global optimizer batch (TRL: the generation batch's
         # tokens / steps per generation); the processes' gradients are averaged, hence / world
         total_tokens = float(loop.global_sum(mask.sum().float())) / loop.world / sizes.mini_batches
+        correction = correct_rollout(batch.rollout, mask, self.sampler.correction)
+        self.correction_metrics = correction.metrics if correction is not None else {}
+        weights = correction.weights if correction is not None else None
         stats = StepStats()
         loop.trainable.train()
         with self.timer("optimize"):
@@ -200,7 +216,7 @@ class GRPOSteps:
                 step_loss = torch.zeros((), device=loop.device)
                 for micro in range(start, start + sizes.mini_batch, sizes.micro_batch):
                     rows = slice(micro, min(micro + sizes.micro_batch, start + sizes.mini_batch))
-                    step_loss = step_loss + self._micro_batch(batch, estimate, mask, rows, total_tokens, stats)
+                    step_loss = step_loss + self._micro_batch(batch, estimate, mask, rows, total_tokens, stats, weights)
                 loop.optimizer_step()
                 stats.add(loss=step_loss)  # the optimizer step's whole loss, not a micro-batch's share
                 done = loop.step * self.optimizer_steps + j + 1  # optimizer steps so far (TRL's global_step)
@@ -208,8 +224,11 @@ class GRPOSteps:
                     mix_into_reference(ref_model, loop.unwrapped(), grpo.ref_model_mixup_alpha)
         return stats
 
-    def _micro_batch(self, batch, estimate, mask, rows: slice, total_tokens: float, stats: StepStats) -> torch.Tensor:
-        """Forward and backward of one micro-batch; its share of the optimizer step's loss, detached."""
+    def _micro_batch(
+        self, batch, estimate, mask, rows: slice, total_tokens: float, stats: StepStats, weights: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Forward and backward of one micro-batch; its share of the optimizer step's loss, detached. `weights`:
+        the engine correction's of the whole batch."""
         rollout, m = batch.rollout, mask[rows]
         with self.loop.micro_batch():
             logp, entropy = response_logprobs(
@@ -230,6 +249,7 @@ class GRPOSteps:
                     mask=m,
                     ref_logp=rollout.ref_logprobs[rows] if rollout.ref_logprobs is not None else None,
                     total_tokens=total_tokens,
+                    is_weights=weights[rows] if weights is not None else None,
                 )
             )
             self.loop.backward(loss)
@@ -254,6 +274,7 @@ class GRPOSteps:
             "loss": stats.mean("loss"),
             "_tokens": batch.rollout.resp_mask.sum(),
             **self.sampler.dynamic,
+            **self.correction_metrics,
             **{name: stats.mean(name) for name in self.loss.clip_metrics},
         }
         if "kl" in stats or "kl" in everyone:  # grpo's loss term, or the KL the others put into the reward
@@ -287,6 +308,8 @@ def train_grpo(
     max_prompt_length: int,
     output_dir: str | Path,
     stop_token_ids: Sequence[int] | None = None,
+    rollout: RolloutConfig | None = None,
+    engine_url: str | None = None,
     **hooks: Unpack[RLHooks],
 ) -> LoopResult:
     """Train `policy` with the GRPO family's rl.algorithm for rl.total_steps generation batches; resume from
@@ -294,7 +317,8 @@ def train_grpo(
 
     ref_model None with beta > 0 means a PEFT policy whose disabled adapters are the reference; with
     beta 0 no reference is used at all. `stop_token_ids`: what ends a response, when the caller computed it
-    (else `run_stop_ids` of the policy). `hooks` (`RLHooks`): on_log, on_checkpoint, on_eval with
+    (else `run_stop_ids` of the policy). `rollout`: the engine that samples (rollout.engine; our loop when None),
+    at `engine_url` for vllm (else rollout.vllm.url). `hooks` (`RLHooks`): on_log, on_checkpoint, on_eval with
     evaluate and eval_every, on_step, show_progress, and on_completions(rows, step), which receives every
     grpo.log_completions_steps the prompts, completions, each reward and the advantages.
     """
@@ -310,7 +334,20 @@ def train_grpo(
     if ref_model is not None:
         ref_model.to(loop.device).eval().requires_grad_(False)
     sampling = rollout_settings(tokenizer, policy, rl, stop_token_ids)
-    sampler = GroupSampler(loop, sampling, ref_model, rewards, prompt_rows, rl, grpo, more_prompts=batches.next)
+    rollout = rollout or RolloutConfig()
+    engine = make_engine(rollout, engine_url, Path(output_dir) / "engine-weights", loop)
+    sampler = GroupSampler(
+        loop,
+        sampling,
+        ref_model,
+        rewards,
+        prompt_rows,
+        rl,
+        grpo,
+        more_prompts=batches.next,
+        engine=engine,
+        correction=correction_settings(rollout),
+    )
     loss = policy_loss_for(rl, grpo, mini_batch=sizes.mini_batch, gather=partial(gather_tokens, loop))
     steps = GRPOSteps(loop, sampler, loss, rl, grpo, on_completions=hooks.get("on_completions"))
     return run_rl(loop, steps, estimator, batches, policy, hooks)

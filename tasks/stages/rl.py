@@ -10,8 +10,10 @@ run.output_dir, its versions' `stage` tag and, in the flow, its Prefect task are
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 from prefect import task
@@ -31,6 +33,7 @@ from rlhf_core.rewards.functions import load_reward_function
 from rlhf_core.rewards.reward_model import load_reward_model
 from rlhf_core.rl.grpo import train_grpo
 from rlhf_core.rl.ppo import train_ppo
+from rlhf_core.rollout.engines import serving
 from tasks import tracking
 from tasks.launch import launcher
 from tasks.retry import IO_RETRIES
@@ -97,6 +100,7 @@ def rl_key(cfg: PipelineConfig, data: PreparedData, plan: InitPlan) -> str:
             "prompts": data.fingerprints["prompts"],
             "seed": cfg.run.seed,
             "max_prompt_length": cfg.data.max_prompt_length,
+            **({"rollout": engine} if (engine := cfg.rollout.result_fields()) else {}),
         }
     )
 
@@ -160,6 +164,7 @@ def _train(
         on_eval=reporter.on_eval,
         evaluate=evaluate,
         eval_every=cfg.eval.every_steps,
+        rollout=cfg.rollout,
     )
     if cfg.rl.algorithm == "ppo":
         value_model = load_reward_model(
@@ -192,13 +197,41 @@ def _train(
     )
 
 
+@contextmanager
+def rollout_server(cfg: PipelineConfig, plan: InitPlan, out_dir: Path) -> Iterator[PipelineConfig]:
+    """`cfg` naming the vLLM server of the stage in rollout.vllm.url (started here from the stage's start policy
+    and stopped when the block ends, unless the config names one), or `cfg` as it is for rollout.engine hf."""
+    with serving(
+        cfg.rollout,
+        Path(plan.policy_path),
+        max_model_len=cfg.data.max_prompt_length + cfg.rl.response_length,
+        seed=cfg.run.seed,
+        trust_remote_code=cfg.model.trust_remote_code,
+        log_path=out_dir / "vllm-server.log",
+    ) as url:
+        if url is None or url == cfg.rollout.vllm.url:
+            yield cfg
+            return
+        vllm = cfg.rollout.vllm.model_copy(update={"url": url})
+        yield cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"vllm": vllm})})
+
+
 @task(name="rl", cache_policy=NO_CACHE, **IO_RETRIES)
 def rl_stage(cfg: PipelineConfig, data: PreparedData, plan: InitPlan, parent_run_id: str) -> Checkpoint:
-    """PPO or GRPO on the prompt set; resume, evaluate, register every checkpoint as a policy version."""
-    if cfg.run.num_processes > 1 and not launcher.launched():
-        return launcher.launch("rl", worker_body, cfg, data=data, plan=plan, parent_run_id=parent_run_id)
+    """PPO or GRPO on the prompt set; resume, evaluate, register every checkpoint as a policy version. With
+    rollout.engine vllm, one server for the stage (and all its processes)."""
     key = rl_key(cfg, data, plan)
     out_dir = cfg.run.output_dir / cfg.rl.algorithm / key
+    if launcher.launched():
+        return _stage(cfg, data, plan, parent_run_id, key, out_dir)
+    with rollout_server(cfg, plan, out_dir) as cfg:
+        if cfg.run.num_processes > 1:
+            return launcher.launch("rl", worker_body, cfg, data=data, plan=plan, parent_run_id=parent_run_id)
+        return _stage(cfg, data, plan, parent_run_id, key, out_dir)
+
+
+def _stage(cfg: PipelineConfig, data: PreparedData, plan: InitPlan, parent_run_id: str, key: str, out_dir: Path):
+    """The stage in this process: its MLflow run, its reporter, training under the guard."""
     with (
         tracking.runs.stage_run(
             parent_run_id, cfg.rl.algorithm, tracking.runs.stage_params(cfg, cfg.rl.algorithm)

@@ -160,3 +160,34 @@ def test_the_decode_loops_ready_sdpa_mask_samples_what_the_models_own_mask_sampl
     ready = sample()
     monkeypatch.setattr(generation, "_takes_ready_sdpa_mask", lambda model: False)
     assert torch.equal(ready, sample())
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_vllms_completions_become_the_tensors_our_loop_makes(family_root, name):
+    """The same tokens from either engine make the same rollout: a fake server answers what vLLM answers for the
+    scripted rows (up to and including the first stop id, else response_length tokens), and the responses, masks,
+    stop flags and last indices equal our loop's on pad == eos (Qwen2.5), no pad (GPT-2, Llama 3) and two stop ids."""
+    from rlhf_core.rollout.engines import VllmEngine
+    from rlhf_core.rollout.vllm_server import Completion
+
+    tok, model = load(family_root, name)
+    stops = stop_token_ids(tok, model.generation_config)
+    ids, mask, policy = scripted_batch(tok, model, stops)
+    settings = SamplingSettings(response_length=R, greedy=True)
+    common = dict(pad_token_id=tok.pad_token_id, stop_token_ids=stops, need_reference=False)
+    ours = collect_rollout(policy, None, ids, mask, settings, **common)
+
+    class ScriptServer:
+        def complete(self, prompts, settings, stop_token_ids, *, n=1, seed=None):
+            row = [p for p in (r[m.bool()].tolist() for r, m in zip(ids, mask))].index(list(prompts[0]))
+            script = policy.script[row].tolist()
+            end = next((t + 1 for t, token in enumerate(script) if token in stop_token_ids), R)
+            return [Completion(script[:end], [-1.0] * end, end < R or script[end - 1] in stop_token_ids)]
+
+    engine = VllmEngine(ScriptServer(), weights_dir=None)
+    theirs = collect_rollout(policy, None, ids, mask, settings, engine=engine, seed=0, **common)
+    for field in ("responses", "resp_mask", "last_index", "has_stop"):
+        assert torch.equal(getattr(theirs, field), getattr(ours, field)), field
+    torch.testing.assert_close(theirs.logprobs, ours.logprobs)  # the trainer's own, computed the same way
+    assert (theirs.behaviour_logprobs[theirs.resp_mask.bool()] == -1.0).all()
+    assert (theirs.behaviour_logprobs[~theirs.resp_mask.bool()] == INVALID_LOGPROB).all()

@@ -26,7 +26,7 @@ from rlhf_core.rollout.sampling import SamplingSettings
 from rlhf_core.rollout.vllm_server import (
     ServerSettings,
     VllmClient,
-    VllmError,
+    VllmRefused,
     VllmServer,
     group_alive,
     head_size,
@@ -149,18 +149,18 @@ def test_the_server_gets_no_credential_of_the_run(policy_dir, monkeypatch):
 
 def test_what_cannot_run_is_refused_in_one_sentence_before_any_process_starts(policy_dir, smoke_world, tmp_path):
     missing = VllmServer(ServerSettings(tmp_path / "no-venv" / "python", policy_dir, max_model_len=64))
-    with pytest.raises(VllmError, match=r"rollout.vllm.python .* does not exist: build the vLLM environment"):
+    with pytest.raises(VllmRefused, match=r"rollout.vllm.python .* does not exist: build the vLLM environment"):
         missing.start()
     assert head_size(smoke_world.base_model) == 16
-    small_heads = VllmServer(ServerSettings(Path(sys.executable), smoke_world.base_model, max_model_len=64))
-    with pytest.raises(VllmError, match=r"attention heads of size 16, which vLLM's CPU attention does not support"):
+    small_heads = VllmServer(ServerSettings(VLLM_PYTHON, smoke_world.base_model, max_model_len=64))
+    with pytest.raises(VllmRefused, match=r"attention heads of size 16, which vLLM's CPU attention does not support"):
         small_heads.start()
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
         busy = VllmServer(ServerSettings(Path(sys.executable), policy_dir, max_model_len=64, port=port))
-        with pytest.raises(VllmError, match=rf"rollout.vllm.port {port} on 127.0.0.1 is in use"):
+        with pytest.raises(VllmRefused, match=rf"rollout.vllm.port {port} on 127.0.0.1 is in use"):
             busy.start()
     assert missing.process is small_heads.process is busy.process is None
 
