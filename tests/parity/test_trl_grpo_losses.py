@@ -337,3 +337,51 @@ def test_accumulated_micro_batches_match_trl(trainers, batch, loss_type, accumul
         torch.testing.assert_close(
             grads_ours[name], grads_trl[name], atol=1e-6, rtol=1e-5, msg=lambda m, name=name: f"{name}: {m}"
         )
+
+
+# ------------------------------------------------------------------------------------------
+# the rollout engine's correction in the loss: TRL's use_vllm path against our is_weights
+# ------------------------------------------------------------------------------------------
+
+CORRECTED = [
+    (LossCase(lt, level, beta=0.04), mode)
+    for lt in ("grpo", "dapo", "cispo", "sapo")
+    for level in ("token", "sequence")
+    for mode in ("token_truncate", "sequence_mask")
+]
+
+
+@pytest.mark.parametrize(("case", "mode"), CORRECTED, ids=[f"{c.id}-{m}" for c, m in CORRECTED])
+def test_engine_corrected_loss_and_gradient_match_trl(trainers, batch, case, mode):
+    """TRL 1.16's `_compute_loss` with use_vllm and vllm_importance_sampling_correction (the per-token loss times
+    inputs['importance_sampling_ratio'], after the entropy mask and before the KL term) == ours with the same
+    weights as `LossInputs.is_weights`, computed by `engine_correction` from the old log-probs and an engine's
+    (old + noise): loss value and every gradient, atol 1e-6."""
+    from rlhf_core.rl.engine_correction import engine_correction
+
+    trainer = trainers[case.temperature]
+    model = trainer.model
+    configure(trainer, case)
+    old, ref = old_and_ref(trainer, batch, case.temperature)
+    mask = batch["completion_mask"]
+    behaviour = (old + 0.05 * batch["noise"][1].flip(0)) * mask
+    weights = engine_correction(old, behaviour, mask, mode, cap_max=1.02, cap_min=0.98).weights
+    assert (weights != 1).any() and ((weights == 0).any() if mode.endswith("mask") else (weights > 1).any())
+    num_items = int(mask.sum())
+    inputs = trl_inputs(batch, slice(None), case, old, ref, num_items)
+    inputs["importance_sampling_ratio"] = weights
+    trainer.use_vllm, trainer.vllm_importance_sampling_correction = True, True
+    try:
+        loss_trl, grads_trl, _ = trl_loss(trainer, inputs)
+    finally:
+        trainer.use_vllm = False
+    model.zero_grad(set_to_none=True)
+    logp, _ = response_logprobs(
+        model, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"], mask, case.temperature
+    )
+    per_token, _ = grpo_token_loss(logp, old, batch["advantages"], mask, case.ours(), ref_logp=ref, is_weights=weights)
+    loss = reduce_loss(per_token, mask, case.loss_type, max_completion_length=MAX_COMPLETION, total_tokens=num_items)
+    loss.backward()
+    torch.testing.assert_close(loss.detach(), loss_trl, **TOL)
+    for name, grad in grads(model).items():
+        torch.testing.assert_close(grad, grads_trl[name], atol=1e-6, rtol=1e-5)

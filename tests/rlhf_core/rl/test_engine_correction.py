@@ -63,3 +63,29 @@ def test_the_same_policy_on_both_sides_weighs_every_token_one():
 def test_an_unknown_mode_is_named():
     with pytest.raises(ValueError, match="unknown engine correction mode 'token_clip'"):
         engine_correction(OLD, BEHAVIOUR, MASK, "token_clip")
+
+
+def test_a_rollout_is_corrected_only_when_an_engine_gave_its_own_logprobs():
+    from rlhf_core.config import RolloutConfig
+    from rlhf_core.rl.engine_correction import CorrectionSettings, correct_rollout, correction_settings
+    from rlhf_core.rollout.collect import Rollout
+
+    ones = torch.ones(1, 2, dtype=torch.long)
+    old = torch.tensor([[-1.0, -2.0]])
+    rollout = Rollout(ones, ones, ones, ones, torch.tensor([1]), old, None, torch.tensor([True]), old - 0.1)
+    assert correction_settings(RolloutConfig()) is None  # hf: the policy samples itself
+    vllm = RolloutConfig(engine="vllm")
+    assert correction_settings(vllm) == CorrectionSettings("sequence_mask", 3.0, None)
+    corrected = correct_rollout(rollout, ones, correction_settings(vllm))
+    assert corrected.weights.tolist() == [[pytest.approx(math.exp(0.2))]]
+    measured = correct_rollout(rollout, ones, CorrectionSettings(None))  # correction none: logged, not applied
+    assert measured.weights is None
+    assert measured.metrics["sampling/sampling_logp_difference/mean"].item() == pytest.approx(0.1)
+    assert (
+        correct_rollout(
+            Rollout(ones, ones, ones, ones, torch.tensor([1]), old, None, torch.tensor([True])),
+            ones,
+            CorrectionSettings(None),
+        )
+        is None
+    )

@@ -140,3 +140,24 @@ def test_rloo_policy_loss_is_the_mean_over_micro_batches_with_per_sequence_clip_
     assert stats.kl is None  # RLOO's KL is in the reward
     # per sequence: the first cut above, the second below
     assert [stats.clip.low.item(), stats.clip.high.item(), stats.clip.region.item()] == [0.5, 0.5, 1.0]
+
+
+def test_the_engine_correction_weighs_each_sequences_rloo_term():
+    # ratio 1 (on-policy): each sequence's term is -A; weights 0.5 and 2 -> mean(-1 x 0.5, +1 x 2) = 0.75
+    logp = torch.zeros(2, 3)
+    mask = torch.ones(2, 3)
+    loss, _ = rloo_sequence_loss(
+        logp, logp, torch.tensor([1.0, -1.0]), mask, 0.2, is_weights=torch.tensor([[0.5], [2.0]])
+    )
+    assert loss.item() == pytest.approx(0.75)
+
+
+def test_the_engine_correction_weighs_the_policy_term_and_not_the_kl():
+    # grpo with beta: per token -A r w + beta k3; r = 1 and k3 = 0 where logp == ref: the weights alone show
+    grpo = GRPOConfig(beta=0.1)
+    logp, mask = torch.zeros(1, 2), torch.ones(1, 2)
+    per_token, _ = grpo_token_loss(
+        logp, logp, torch.tensor([1.0]), mask, grpo, ref_logp=logp - 1.0, is_weights=torch.tensor([[2.0, 0.0]])
+    )
+    k3 = math.exp(-1.0) - (-1.0) - 1.0  # exp(ref - logp) - (ref - logp) - 1
+    assert per_token.tolist()[0] == pytest.approx([-2.0 + 0.1 * k3, 0.0 + 0.1 * k3])

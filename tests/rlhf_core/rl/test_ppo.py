@@ -359,3 +359,13 @@ def test_adaptive_kl_controller_update():
     fixed = FixedKLController(0.05)
     fixed.update(100.0, 64)
     assert fixed.value == 0.05
+
+
+def test_the_engine_correction_weighs_each_tokens_policy_term():
+    # ratio 1: each token's term is -A; weights 2 and 0.5 (and a padded token weighted 9 that the mask drops)
+    logp = torch.zeros(1, 3)
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    loss, stats = policy_loss(logp, logp, torch.ones(1, 3), mask, 0.2, is_weights=torch.tensor([[2.0, 0.5, 9.0]]))
+    assert loss.item() == pytest.approx(-1.25) and stats["ratio"].item() == 1.0
+    sequence, _ = policy_loss(logp, logp, torch.ones(1, 3), mask, 0.2, is_weights=torch.tensor([[3.0]]))
+    assert sequence.item() == pytest.approx(-3.0)
