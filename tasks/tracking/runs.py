@@ -237,8 +237,10 @@ STAGE_SECTIONS = {  # the config sections whose fields a stage run logs as its p
 
 def stage_params(cfg: PipelineConfig, stage: str) -> dict[str, str]:
     """The stage's config sections, flattened as the pipeline run's params are (secrets left out): an RL
-    stage logs rl, its algorithm's section, init, guard and eval, so that two PPO runs compare on them."""
-    sections = STAGE_SECTIONS.get(stage, ("rl", "ppo" if stage == "ppo" else "grpo", "init", "guard", "eval"))
+    stage logs rl, its algorithm's section, rollout (its engine), init, guard and eval, so that two PPO runs
+    compare on them."""
+    algorithm = "ppo" if stage == "ppo" else "grpo"
+    sections = STAGE_SECTIONS.get(stage, ("rl", algorithm, "rollout", "init", "guard", "eval"))
     return {k: v for k, v in flatten_config(cfg).items() if k.split(".", 1)[0] in sections}
 
 

@@ -394,3 +394,35 @@ def test_only_user_errors_count_as_user_errors():
 
     assert is_user_error(GuardStopError("the guard stopped ppo at step 20 before any checkpoint was saved"))
     assert flows.cli.one_sentence(ValueError("two\nlines")) == "two lines"
+
+
+@pytest.mark.parametrize(
+    ("sets", "expected"),
+    [
+        (
+            ("rollout.vllm.python=/nonexistent/vllm-venv/bin/python",),
+            "rollout.vllm.python /nonexistent/vllm-venv/bin/python does not exist: build the vLLM environment with "
+            "`make vllm-venv` (or name a running server with rollout.vllm.url)",
+        ),
+        (
+            (),  # the smoke model's heads are 32 / 2 = 16 wide
+            "rollout engine vllm: the demo model (model.demo) has attention heads of size 16, which vLLM's CPU "
+            "attention does not support",
+        ),
+    ],
+)
+def test_a_vllm_engine_that_cannot_start_is_refused_before_any_work(tmp_path, capsys, sets, expected):
+    code, err = cli("validate", tmp_path, capsys, "rollout.engine=vllm", *sets)
+    assert_one_sentence(code, err, expected, tmp_path)
+
+
+def test_a_vllm_engine_on_a_port_in_use_is_refused_and_a_running_server_is_not_checked(tmp_path, capsys):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        port = taken.getsockname()[1]
+        wide = ("model.demo.hidden_size=64", "rollout.engine=vllm")
+        code, err = cli("validate", tmp_path, capsys, *wide, f"rollout.vllm.port={port}")
+        assert_one_sentence(code, err, f"rollout.vllm.port {port} on 127.0.0.1 is in use", tmp_path)
+        assert cli("validate", tmp_path, capsys, *wide, "rollout.vllm.url=http://127.0.0.1:1")[0] == 0

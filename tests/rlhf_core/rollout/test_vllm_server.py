@@ -226,6 +226,78 @@ def test_pushed_weights_are_the_weights_sampled_from_tied_output_layer_included(
     assert [c.token_ids for c in client.complete(prompts, settings, [])] == before
 
 
+def test_a_lora_policy_pushed_by_the_engine_is_sampled_merged_after_every_push(server, client, policy_dir, tmp_path):
+    """`VllmEngine.sync` after each update of a LoRA policy (tied embeddings): the server's greedy rollouts are our
+    loop's on the PEFT policy itself, push after push; between pushes (sync_every_steps 2) the older weights."""
+    from peft import LoraConfig, get_peft_model
+
+    from rlhf_core.rollout.engines import VllmEngine
+
+    tokenizer = load_tokenizer(str(policy_dir))
+    lora = LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "v_proj", "up_proj"], init_lora_weights=False)
+    policy = get_peft_model(load_causal_lm(str(policy_dir)), lora).eval()
+    engine = VllmEngine(client, tmp_path / "engine-weights", sync_every=2)
+    ids, mask = left_pad(prompts_of(tokenizer), tokenizer.pad_token_id)
+    settings = SamplingSettings(response_length=8, greedy=True)
+    common = dict(pad_token_id=tokenizer.pad_token_id, stop_token_ids=[])
+    pushed = None
+    try:
+        for step in range(4):
+            with torch.no_grad():  # an "update": the adapters move
+                for name, param in policy.named_parameters():
+                    if "lora_B" in name:
+                        param.add_(torch.randn_like(param) * 0.5)
+            engine.sync(policy, step)
+            ours = generate(policy, ids, mask, settings, **common)
+            pushed = ours if step % 2 == 0 else pushed
+            theirs = engine.generate(policy, ids, mask, settings, **common).responses
+            assert torch.equal(theirs, pushed), f"step {step}: the server samples from other weights"
+            assert step % 2 == 0 or not torch.equal(theirs, ours)  # not pushed yet: the older weights
+    finally:
+        client.load_weights(policy_dir)
+
+
+def test_grpo_samples_on_the_server_and_its_ratio_to_the_trainer_is_one(server, policy_dir, tmp_path):
+    """Two GRPO steps through the server (rollout.engine vllm at its URL): the engine correction is logged, the
+    trainer's log-probs match the engine's (fp32 on both sides: ratio within 1e-3 of 1), weights were pushed."""
+    from rlhf_core.config import GRPOConfig, RLConfig, RolloutConfig, RunConfig
+    from rlhf_core.rewards.sources import function_reward
+    from rlhf_core.rl.grpo import train_grpo
+
+    tokenizer = load_tokenizer(str(policy_dir))
+    policy = load_causal_lm(str(policy_dir))
+    rows = [{"prompt": f"what is {i} plus two"} for i in range(8)]
+    logged = []
+    try:
+        train_grpo(
+            policy,
+            None,
+            [function_reward("short", 1.0, lambda prompts, completions, **_: [-len(c) / 10 for c in completions])],
+            tokenizer,
+            rows,
+            RLConfig(algorithm="grpo", total_steps=2, batch_size=8, response_length=6, temperature=1.0, save_steps=2),
+            GRPOConfig(num_generations=4, beta=0.0),
+            RunConfig(output_dir=tmp_path, seed=3),
+            max_prompt_length=32,
+            output_dir=tmp_path / "grpo",
+            rollout=RolloutConfig(engine="vllm"),
+            engine_url=server.url,
+            on_log=lambda metrics, step: logged.append(metrics),
+            show_progress=False,
+        )
+    finally:
+        client_of(server, policy_dir).load_weights(policy_dir)
+    assert len(logged) == 2
+    for metrics in logged:
+        assert abs(metrics["sampling/importance_sampling_ratio/mean"] - 1.0) < 1e-3
+        assert metrics["sampling/sampling_logp_difference/max"] < 1e-2
+    assert (tmp_path / "grpo" / "engine-weights" / "model.safetensors").is_file()
+
+
+def client_of(server, policy_dir) -> VllmClient:
+    return VllmClient(server.url, str(policy_dir))
+
+
 def test_stopping_the_server_leaves_no_process_of_it(server):
     group = server.process.pid
     assert len(group_alive(group)) >= 3  # the supervisor, the API server, the engine core
