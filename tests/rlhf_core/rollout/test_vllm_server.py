@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from rlhf_core.models.loading import load_causal_lm, load_tokenizer, stop_token_ids
 from rlhf_core.rl_math import response_mask
@@ -257,41 +258,65 @@ def test_a_lora_policy_pushed_by_the_engine_is_sampled_merged_after_every_push(s
         client.load_weights(policy_dir)
 
 
-def test_grpo_samples_on_the_server_and_its_ratio_to_the_trainer_is_one(server, policy_dir, tmp_path):
-    """Two GRPO steps through the server (rollout.engine vllm at its URL): the engine correction is logged, the
-    trainer's log-probs match the engine's (fp32 on both sides: ratio within 1e-3 of 1), weights were pushed."""
+def short_reward(prompts, completions, **_):
+    return [-len(c) / 10 for c in completions]
+
+
+def grpo_on_the_server(server, policy_dir, out: Path, total_steps: int, on_log=None):
+    """GRPO through the server (rollout.engine vllm at its URL) from the module's policy, resuming from `out`."""
     from rlhf_core.config import GRPOConfig, RLConfig, RolloutConfig, RunConfig
     from rlhf_core.rewards.sources import function_reward
     from rlhf_core.rl.grpo import train_grpo
 
-    tokenizer = load_tokenizer(str(policy_dir))
-    policy = load_causal_lm(str(policy_dir))
-    rows = [{"prompt": f"what is {i} plus two"} for i in range(8)]
-    logged = []
+    rl = RLConfig(
+        algorithm="grpo", total_steps=total_steps, batch_size=8, response_length=6, temperature=1.0, save_steps=2
+    )
+    return train_grpo(
+        load_causal_lm(str(policy_dir)),
+        None,
+        [function_reward("short", 1.0, short_reward)],
+        load_tokenizer(str(policy_dir)),
+        [{"prompt": f"what is {i} plus two"} for i in range(8)],
+        rl.model_copy(update={"learning_rate": 1e-3}),
+        GRPOConfig(num_generations=4, beta=0.0),
+        RunConfig(output_dir=out, seed=3),
+        max_prompt_length=32,
+        output_dir=out,
+        rollout=RolloutConfig(engine="vllm"),
+        engine_url=server.url,
+        on_log=on_log,
+        show_progress=False,
+    )
+
+
+def test_grpo_samples_on_the_server_and_a_resumed_run_equals_an_uninterrupted_one(server, policy_dir, tmp_path):
+    """GRPO steps through the server: the correction is logged and the trainer's log-probs are the engine's (fp32
+    on both sides: ratio within 1e-3 of 1); weights were pushed; and a run that crashed in step 3 and resumed from
+    its step-2 checkpoint (the first rollout after the resume pushes that checkpoint's weights over the step-3 ones
+    the server holds; the requests are seeded by step) ends on the weights of a run that never stopped."""
+    logged: list[dict] = []
+
+    def crash(metrics, step):
+        if step == 3:
+            raise RuntimeError("injected crash")
+
     try:
-        train_grpo(
-            policy,
-            None,
-            [function_reward("short", 1.0, lambda prompts, completions, **_: [-len(c) / 10 for c in completions])],
-            tokenizer,
-            rows,
-            RLConfig(algorithm="grpo", total_steps=2, batch_size=8, response_length=6, temperature=1.0, save_steps=2),
-            GRPOConfig(num_generations=4, beta=0.0),
-            RunConfig(output_dir=tmp_path, seed=3),
-            max_prompt_length=32,
-            output_dir=tmp_path / "grpo",
-            rollout=RolloutConfig(engine="vllm"),
-            engine_url=server.url,
-            on_log=lambda metrics, step: logged.append(metrics),
-            show_progress=False,
-        )
+        straight = grpo_on_the_server(server, policy_dir, tmp_path / "straight", 4, lambda m, s: logged.append(m))
+        with pytest.raises(RuntimeError, match="injected crash"):
+            grpo_on_the_server(server, policy_dir, tmp_path / "resumed", 4, crash)
+        resumed = grpo_on_the_server(server, policy_dir, tmp_path / "resumed", 4)
     finally:
         client_of(server, policy_dir).load_weights(policy_dir)
-    assert len(logged) == 2
+    assert len(logged) == 4 and resumed.resumed_from == 2
     for metrics in logged:
         assert abs(metrics["sampling/importance_sampling_ratio/mean"] - 1.0) < 1e-3
         assert metrics["sampling/sampling_logp_difference/max"] < 1e-2
-    assert (tmp_path / "grpo" / "engine-weights" / "model.safetensors").is_file()
+    assert (tmp_path / "straight" / "engine-weights" / "model.safetensors").is_file()
+    a = load_file(str(straight.checkpoint / "policy" / "model.safetensors"))
+    b = load_file(str(resumed.checkpoint / "policy" / "model.safetensors"))
+    start = load_file(str(policy_dir / "model.safetensors"))
+    assert not torch.equal(a["model.norm.weight"], start["model.norm.weight"])  # it trained
+    assert all(torch.equal(a[name], b[name]) for name in a)
 
 
 def client_of(server, policy_dir) -> VllmClient:
