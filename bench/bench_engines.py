@@ -70,7 +70,9 @@ def time_ours(model, ids, mask, settings, pad: int) -> float:
 
 def time_vllm(engine, ids, mask, settings, pad: int, seed: int) -> float:
     start = time.perf_counter()
-    out = engine.generate(None, ids, mask, settings, pad_token_id=pad, stop_token_ids=[], prompt_repeats=GROUP, seed=seed)
+    out = engine.generate(
+        None, ids, mask, settings, pad_token_id=pad, stop_token_ids=[], prompt_repeats=GROUP, seed=seed
+    )
     assert out.responses.shape == (ids.shape[0], RESPONSE) and out.logprobs is not None
     return time.perf_counter() - start
 

@@ -57,6 +57,10 @@ class VllmSettings(Section):
     correction_min: float | None = Field(
         None, ge=0.0, description="The ratio's lower bound (the same way); null: none (TRL's default)."
     )
+    evaluate: bool = Field(
+        False,
+        description="Sample the held-out evaluations on the engine too: the RL stage's (the current policy pushed first) and promotion's (a server started for the version), seeded alike, so promotion repeats the stage's numbers for the same checkpoint; false: our decode loop.",
+    )
 
     def interpreter(self) -> Path:
         """rollout.vllm.python, else $RLHF_VLLM_PYTHON, else this repository's .venv-vllm."""

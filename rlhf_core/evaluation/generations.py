@@ -26,7 +26,8 @@ from rlhf_core.models.forward import logprobs_from_logits, response_logits, sequ
 from rlhf_core.rewards.functions import accepts, call_scoring_function, completion_ids
 from rlhf_core.rl_math import exact_kl_per_token, kl_per_token, response_mask
 from rlhf_core.rollout.collect import reference_context
-from rlhf_core.rollout.generation import decode_responses, generate, left_pad, tokenize_prompts
+from rlhf_core.rollout.engines import LoopEngine, RolloutEngine
+from rlhf_core.rollout.generation import decode_responses, left_pad, tokenize_prompts
 from rlhf_core.rollout.sampling import SamplingSettings
 from rlhf_core.storage.saving import is_peft
 
@@ -53,6 +54,8 @@ def evaluate_generations(
     prompt_messages: Sequence[list[dict]] | None = None,
     columns: dict[str, Sequence] | None = None,
     device=None,
+    engine: RolloutEngine | None = None,
+    seed: int | None = None,
 ) -> list[dict]:
     """Rows of sampled (temperature, top_k, top_p; or greedy) completions of `prompts`, scored by the reward
     model and `metrics`. The KL is of the policy's sampling distribution (logits / temperature) to the
@@ -61,7 +64,8 @@ def evaluate_generations(
     `prompt_messages`: the prompts' message lists when they are conversational; metric functions then
     receive them and each completion as [{"role": "assistant", "content": text}], as GRPO's reward
     functions do (TRL's convention). `columns`: the prompts' other dataset columns, passed to the metric
-    functions as keyword arguments (TRL's convention), and `completion_ids` to those that take it."""
+    functions as keyword arguments (TRL's convention), and `completion_ids` to those that take it. `engine`
+    samples (our decode loop when None); `seed`: the base seed of an engine's requests (the batch's offset added)."""
     settings = SamplingSettings(
         response_length=response_length, temperature=temperature, top_k=top_k, top_p=top_p, greedy=greedy
     )
@@ -77,8 +81,14 @@ def evaluate_generations(
         query_ids, query_mask = left_pad(tokenize_prompts(tokenizer, chunk, max_prompt_length), tokenizer.pad_token_id)
         if device is not None:
             query_ids, query_mask = query_ids.to(device), query_mask.to(device)
-        responses = generate(
-            policy, query_ids, query_mask, settings, pad_token_id=tokenizer.pad_token_id, stop_token_ids=stop_token_ids
+        responses, _ = (engine or LoopEngine()).generate(
+            policy,
+            query_ids,
+            query_mask,
+            settings,
+            pad_token_id=tokenizer.pad_token_id,
+            stop_token_ids=stop_token_ids,
+            seed=None if seed is None else seed + start,
         )
         resp_mask, last_index, has_stop = response_mask(responses, stop_token_ids)
         kls = {}

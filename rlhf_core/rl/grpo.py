@@ -34,6 +34,7 @@ from rlhf_core.rl.step import (
     RolloutSettings,
     StepStats,
     eval_cadence,
+    eval_engine_of,
     rl_loop_settings,
     rollout_settings,
     run_rl,
@@ -350,4 +351,4 @@ def train_grpo(
     )
     loss = policy_loss_for(rl, grpo, mini_batch=sizes.mini_batch, gather=partial(gather_tokens, loop))
     steps = GRPOSteps(loop, sampler, loss, rl, grpo, on_completions=hooks.get("on_completions"))
-    return run_rl(loop, steps, estimator, batches, policy, hooks)
+    return run_rl(loop, steps, estimator, batches, policy, hooks, eval_engine_of(engine, rollout))

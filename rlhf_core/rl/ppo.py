@@ -28,6 +28,7 @@ from rlhf_core.rl.step import (
     RolloutSettings,
     StepStats,
     eval_cadence,
+    eval_engine_of,
     rl_loop_settings,
     rollout_settings,
     run_rl,
@@ -365,6 +366,7 @@ def train_ppo(
         if frozen is not None:
             frozen.to(loop.device).eval().requires_grad_(False)
     rollout = rollout or RolloutConfig()
+    engine = make_engine(rollout, engine_url, Path(output_dir) / "engine-weights", loop)
     steps = PPOSteps(
         loop,
         rollout_settings(tokenizer, policy, rl, stop_token_ids),
@@ -373,7 +375,7 @@ def train_ppo(
         rl,
         ppo,
         kl_ctl,
-        engine=make_engine(rollout, engine_url, Path(output_dir) / "engine-weights", loop),
+        engine=engine,
         correction=correction_settings(rollout),
     )
-    return run_rl(loop, steps, estimator, batches, policy, hooks)
+    return run_rl(loop, steps, estimator, batches, policy, hooks, eval_engine_of(engine, rollout))

@@ -13,16 +13,18 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import NamedTuple, Protocol, TypedDict
 
 import torch
 
-from rlhf_core.config import RLConfig, RunConfig
+from rlhf_core.config import RLConfig, RolloutConfig, RunConfig
 from rlhf_core.data.batching import ShardedBatches
 from rlhf_core.data.rows import DataValidationError
 from rlhf_core.models.loading import run_stop_ids
 from rlhf_core.rl.advantages.estimators import Estimate, EstimatorContext
 from rlhf_core.rollout.collect import RolloutBatch
+from rlhf_core.rollout.engines import RolloutEngine
 from rlhf_core.rollout.generation import left_pad, tokenize_prompts
 from rlhf_core.rollout.sampling import SamplingSettings, rl_sampling
 from rlhf_core.training.loop import (
@@ -210,15 +212,26 @@ class RLHooks(TypedDict, total=False):
     on_checkpoint: OnCheckpoint
     on_eval: Callable[[list[dict], int], None]
     on_step: OnStep
-    evaluate: Callable[[torch.nn.Module, int], list[dict]]  # eval rows of (policy, step)
+    evaluate: Callable[..., list[dict]]  # eval rows of (policy, step), sampled by `engine=` when one is given
     eval_every: int  # evaluate every this many steps and at the end
     on_completions: Callable[[list[dict], int], None]  # GRPO's completions table
     show_progress: bool
 
 
-def run_rl(loop: TrainingLoop, steps: RLSteps, estimator, batches: PromptBatches, policy, hooks: RLHooks) -> LoopResult:
-    """The stage's loop over `rl_step`, with the caller's hooks."""
+def run_rl(
+    loop: TrainingLoop,
+    steps: RLSteps,
+    estimator,
+    batches: PromptBatches,
+    policy,
+    hooks: RLHooks,
+    eval_engine: RolloutEngine | None = None,
+) -> LoopResult:
+    """The stage's loop over `rl_step`, with the caller's hooks; with `eval_engine`, evaluations sample there
+    (`evaluate(policy, step, engine=...)`), the current policy pushed first."""
     evaluate = hooks.get("evaluate")
+    if evaluate is not None and eval_engine is not None:
+        evaluate = partial(evaluate_on_engine, evaluate, eval_engine, loop)
     callbacks = LoopCallbacks(
         on_log=hooks.get("on_log"),
         on_step=hooks.get("on_step"),
@@ -232,6 +245,18 @@ def run_rl(loop: TrainingLoop, steps: RLSteps, estimator, batches: PromptBatches
         callbacks,
         show_progress=hooks.get("show_progress", True),
     )
+
+
+def evaluate_on_engine(evaluate, engine: RolloutEngine, loop: TrainingLoop, policy, step: int) -> list[dict]:
+    """`evaluate(policy, step)` with its samples drawn by `engine`, which gets the policy's weights first."""
+    with loop.full_parameters():
+        engine.refresh(policy, step)
+    return evaluate(policy, step, engine=engine)
+
+
+def eval_engine_of(engine: RolloutEngine, rollout: RolloutConfig) -> RolloutEngine | None:
+    """The engine evaluations sample on: the rollout engine with rollout.vllm.evaluate, else None (our loop)."""
+    return engine if rollout.engine == "vllm" and rollout.vllm.evaluate else None
 
 
 def eval_cadence(hooks: RLHooks) -> int | None:

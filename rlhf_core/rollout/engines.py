@@ -6,7 +6,8 @@ requests, and the completions turned back into the padded tensors our loop makes
 An engine's `generate` returns the responses, (B, response_length) right-padded with the pad id after the stop token
 exactly as `generation.generate` pads them, and the engine's own log-probs of the sampled tokens where it has them
 (the behaviour policy of `rl/engine_correction.py`). `sync(policy, step)` runs on every process at the start of a
-step's rollout: vLLM's main process pushes the weights when due and the others wait for it.
+step's rollout: vLLM's main process pushes the weights when due and the others wait for it; `refresh` pushes them
+whatever the cadence (before an evaluation on the engine).
 """
 
 from __future__ import annotations
@@ -56,6 +57,8 @@ class RolloutEngine(Protocol):
 
     def sync(self, policy, step: int) -> None: ...
 
+    def refresh(self, policy, step: int) -> None: ...
+
 
 class LoopEngine:
     """rollout.engine hf: `generation.generate` on the policy itself; the torch generator seeds it (`seed` unused)."""
@@ -77,6 +80,9 @@ class LoopEngine:
         return Generated(responses, None)
 
     def sync(self, policy, step: int) -> None:
+        pass
+
+    def refresh(self, policy, step: int) -> None:
         pass
 
 
@@ -202,6 +208,12 @@ class VllmEngine:
         if self.barrier is not None:
             self.barrier()
         self.pushed_at = step
+
+    def refresh(self, policy, step: int) -> None:
+        """The policy on the server now, whatever the cadence (an evaluation's samples); the rollout of `step` then
+        needs no push of its own."""
+        self.pushed_at = None
+        self.sync(policy, step)
 
 
 def served_model(url: str, timeout_s: float = 10.0) -> str:

@@ -17,6 +17,9 @@ from rlhf_core.data.chat import extra_columns, prompt_columns
 from rlhf_core.evaluation.generations import evaluate_generations
 from rlhf_core.evaluation.verifiable import sampled_columns
 from rlhf_core.rewards.functions import load_function
+from rlhf_core.rollout.engines import RolloutEngine, rollout_seed
+
+EVAL_STEP = -1  # the step evaluations seed an engine's requests with: the same at every evaluation and in promotion
 
 
 def metric_functions(specs: list[str]) -> dict:
@@ -38,12 +41,21 @@ class RLModels:
 
 
 def evaluate_policy(
-    model, step: int, *, cfg: PipelineConfig, models: RLModels, prompt_rows: list[dict], metrics: dict
+    model,
+    step: int,
+    *,
+    cfg: PipelineConfig,
+    models: RLModels,
+    prompt_rows: list[dict],
+    metrics: dict,
+    engine: RolloutEngine | None = None,
 ) -> list[dict]:
     """Completions of the held-out prompts sampled from `model` as in training (or greedy), scored (the loops'
     `evaluate`); with eval.samples_per_prompt n > 1 each row also gets its prompt's pass_at_<k> and maj_at_<n>
-    from n more samples that eval.verifier checks."""
+    from n more samples that eval.verifier checks. `engine`: what samples (rollout.vllm.evaluate; our loop when
+    None), its requests seeded the same at every evaluation and in promotion's."""
     prompts, messages = prompt_columns(prompt_rows)
+    seed = rollout_seed(cfg.run.seed, rank=0, step=EVAL_STEP)
     generate = partial(
         evaluate_generations,
         model,
@@ -56,6 +68,7 @@ def evaluate_policy(
         top_p=cfg.rl.top_p,
         stop_token_ids=models.stop_ids,
         device=next(model.parameters()).device,
+        engine=engine,
     )
     columns = extra_columns(prompt_rows)
     rows = generate(
@@ -66,6 +79,7 @@ def evaluate_policy(
         columns=columns,
         metrics=metrics,
         greedy=cfg.eval.greedy,
+        seed=seed,
     )
     n = cfg.eval.samples_per_prompt
     if n > 1:
@@ -78,6 +92,7 @@ def evaluate_policy(
             columns={k: [v for v in values for _ in range(n)] for k, values in columns.items()},
             metrics={verifier: metrics[verifier]},
             greedy=False,
+            seed=rollout_seed(cfg.run.seed, rank=0, step=EVAL_STEP, call=1),
         )
         for row, extra in zip(rows, sampled_columns(sampled, n, verifier, cfg.eval.pass_at_k)):
             row.update(extra)

@@ -3,10 +3,17 @@
 `evaluate_version` evaluates as the RL stage does (`tasks.stages.policy_evaluation.evaluate_policy`: sampled as
 in training or greedy, the prompts' dataset columns for the metric functions, the verifier's pass@k and maj@n),
 seeded as the RL stage's step-0 evaluation, so the candidate and the champion are scored on the same draws:
-with the candidate's reward model and reference, and `eval.metrics`.
+with the candidate's reward model and reference, and `eval.metrics`. With rollout.vllm.evaluate the samples come
+from a vLLM server holding the version (`version_engine`), seeded as every evaluation of the RL stage: the
+stage's numbers for that checkpoint again.
 """
 
 from __future__ import annotations
+
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
@@ -14,6 +21,8 @@ from prefect.cache_policies import NO_CACHE
 from rlhf_core.config import PipelineConfig
 from rlhf_core.data.tables import read_rows
 from rlhf_core.evaluation.generations import summarize_rows
+from rlhf_core.rollout.engines import RolloutEngine, VllmEngine, served_model, serving
+from rlhf_core.rollout.vllm_server import VllmClient
 from rlhf_core.training.determinism import seed_everything
 from tasks.retry import IO_RETRIES
 from tasks.stages.data import PreparedData, resolve_model_source
@@ -24,6 +33,23 @@ def _model_dir(source: str, cfg: PipelineConfig, data: PreparedData, field: str)
     if source == cfg.model.base and data.demo_world is not None:
         return data.base_model
     return resolve_model_source(source, field=field, cfg=cfg, world=None)
+
+
+@contextmanager
+def version_engine(cfg: PipelineConfig, policy, policy_dir: str) -> Iterator[RolloutEngine | None]:
+    """With rollout.vllm.evaluate, a vLLM engine holding the version's weights (a server started from it, or the
+    one rollout.vllm.url names, the weights pushed), so promotion samples as the RL stage's evaluation did."""
+    if cfg.rollout.engine != "vllm" or not cfg.rollout.vllm.evaluate:
+        yield None
+        return
+    length = cfg.data.max_prompt_length + cfg.rl.response_length
+    with (
+        serving(cfg.rollout, Path(policy_dir), max_model_len=length, seed=cfg.run.seed) as url,
+        tempfile.TemporaryDirectory(prefix="rlhf-version-weights-") as weights,
+    ):
+        engine = VllmEngine(VllmClient(url, served_model(url)), Path(weights))
+        engine.refresh(policy, 0)
+        yield engine
 
 
 @task(name="evaluate-version", cache_policy=NO_CACHE, **IO_RETRIES)
@@ -57,7 +83,14 @@ def evaluate_version(
     )
     seed_everything(cfg.run.seed)  # sampled as in training, seeded: the same draws for candidate and champion
     # the RL stage's evaluation: dataset columns for the metric functions, the verifier's pass@k and maj@n
-    rows = evaluate_policy(
-        policy, 0, cfg=cfg, models=models, prompt_rows=rows, metrics=metric_functions(cfg.eval.metrics)
-    )
+    with version_engine(cfg, policy, policy_dir) as engine:
+        rows = evaluate_policy(
+            policy,
+            0,
+            cfg=cfg,
+            models=models,
+            prompt_rows=rows,
+            metrics=metric_functions(cfg.eval.metrics),
+            engine=engine,
+        )
     return summarize_rows(rows), rows

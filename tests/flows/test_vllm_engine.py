@@ -1,6 +1,7 @@
 """rollout.engine vllm in the pipeline: the RL stage starts its vLLM server (.venv-vllm, `make vllm-venv`) from the
 stage's start policy, samples every step there with weights pushed after each update, logs the correction's
-statistics, and stops the server when the stage ends, leaving no process of it."""
+statistics, evaluates on the engine (rollout.vllm.evaluate) and stops the server when the stage ends, leaving no
+process of it; promotion then evaluates the candidate on a server of its own and repeats the stage's numbers."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
+from flows.promote import rlhf_promote
 from flows.rlhf_pipeline import rlhf_pipeline
 from rlhf_core.rollout.engines import WEIGHTS_FILE
 
@@ -38,6 +40,7 @@ def test_grpo_on_the_vllm_engine_runs_logs_the_correction_and_stops_its_server(p
         "rl.algorithm=grpo",
         VADER_ONLY,
         "rollout.engine=vllm",
+        "rollout.vllm.evaluate=true",
     ]
     summary = rlhf_pipeline(config_path=SMOKE, overrides=overrides)
     assert processes_naming(str(out)) == []  # the server and its engine process are gone
@@ -54,3 +57,11 @@ def test_grpo_on_the_vllm_engine_runs_logs_the_correction_and_stops_its_server(p
     assert (stage_dir / "engine-weights" / WEIGHTS_FILE).is_file()
     assert "Application startup complete" in (stage_dir / "vllm-server.log").read_text()
     assert grpo_run.data.params["rollout.engine"] == "vllm"
+
+    # promotion samples the candidate (the exported checkpoint) on a vLLM server, seeded as the stage's evaluations
+    promoted = rlhf_promote(config_path=SMOKE, overrides=overrides)
+    assert processes_naming(str(out)) == []
+    step = int(client.get_model_version("smoke-policy", summary["candidate_uri"].rsplit("/", 1)[1]).tags["step"])
+    for name in ("eval/vader_compound_mean", "eval/length_mean", "eval/stop_rate"):
+        stage = {m.step: m.value for m in client.get_metric_history(grpo_run.info.run_id, name)}
+        assert promoted["candidate_summary"][name] == pytest.approx(stage[step], abs=1e-6), name
