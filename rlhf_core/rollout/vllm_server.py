@@ -144,7 +144,9 @@ class VllmServer:
         s = self.settings
         server = [str(s.python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(s.model)]
         server += ["--host", s.host, "--port", str(self.port), "--seed", str(s.seed)]
-        server += ["--max-model-len", str(s.max_model_len), "--dtype", s.dtype, "--enforce-eager"]
+        server += ["--max-model-len", str(s.max_model_len), "--dtype", s.dtype]
+        if is_cpu_build(s.python):  # no CUDA graphs to capture; on a GPU they are much of vLLM's speed
+            server.append("--enforce-eager")
         if s.trust_remote_code:
             server.append("--trust-remote-code")
         # the log-probs of the distribution sampled from (temperature, top-k, top-p applied), as TRL asks for;

@@ -1,0 +1,58 @@
+"""The rollout section: the engine's names, where the vLLM environment is found, what enters the RL stage's key,
+and the checks across sections, each refused in one sentence."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from rlhf_core.config import ConfigError, RolloutConfig, load_config
+from rlhf_core.config.rollout import REPOSITORY, VLLM_PYTHON_ENV
+
+
+def test_hf_is_the_default_and_the_engines_have_the_names_scripts_rely_on():
+    assert RolloutConfig().engine == "hf"
+    assert load_config(None, ["rollout.engine=vllm"]).rollout.engine == "vllm"
+    with pytest.raises(ConfigError, match="rollout.engine"):
+        load_config(None, ["rollout.engine=sglang"])
+
+
+def test_the_vllm_interpreter_is_the_field_then_the_environment_then_this_repositorys(monkeypatch, tmp_path):
+    monkeypatch.delenv(VLLM_PYTHON_ENV, raising=False)
+    assert RolloutConfig().vllm.interpreter() == REPOSITORY / ".venv-vllm" / "bin" / "python"
+    monkeypatch.setenv(VLLM_PYTHON_ENV, "/opt/vllm/bin/python")
+    assert RolloutConfig().vllm.interpreter() == Path("/opt/vllm/bin/python")
+    monkeypatch.setenv("VLLM_HOME", str(tmp_path))
+    cfg = load_config(None, ["rollout.vllm.python=$VLLM_HOME/bin/python"])
+    assert cfg.rollout.vllm.interpreter() == tmp_path / "bin" / "python"
+
+
+def test_the_stage_key_sees_what_changes_the_weights_and_not_where_the_server_runs():
+    assert RolloutConfig().result_fields() == {}  # hf: the keys of runs made before the engines stay
+    vllm = load_config(None, ["rollout.engine=vllm"]).rollout
+    elsewhere = load_config(
+        None, ["rollout.engine=vllm", "rollout.vllm.url=http://gpu-7:8000", "rollout.vllm.startup_timeout_s=9"]
+    ).rollout
+    assert vllm.result_fields() == elsewhere.result_fields() != {}
+    capped = load_config(None, ["rollout.engine=vllm", "rollout.vllm.correction_cap=2.0"]).rollout
+    assert capped.result_fields() != vllm.result_fields()
+
+
+@pytest.mark.parametrize(
+    ("sets", "expected"),
+    [
+        (
+            ["rollout.vllm.correction_min=2.0", "rollout.vllm.correction_cap=1.5"],
+            "rollout.vllm.correction_min 2.0 must not exceed rollout.vllm.correction_cap 1.5",
+        ),
+        (
+            ["rollout.engine=vllm", "rl.algorithm=rloo", "rollout.vllm.correction=token_mask"],
+            "rollout.vllm.correction 'token_mask' weighs tokens, but rloo's loss has one ratio per sequence",
+        ),
+    ],
+)
+def test_cross_section_checks_refuse_in_one_sentence(sets, expected):
+    with pytest.raises(ConfigError, match=expected):
+        load_config(None, sets)
+    assert load_config(None, ["rollout.engine=vllm", "rl.algorithm=rloo", "rollout.vllm.correction=sequence_mask"])
