@@ -319,6 +319,46 @@ def test_grpo_samples_on_the_server_and_a_resumed_run_equals_an_uninterrupted_on
     assert all(torch.equal(a[name], b[name]) for name in a)
 
 
+def test_ppo_with_lora_samples_on_the_server_and_its_ratio_to_the_trainer_is_one(server, policy_dir, tmp_path):
+    """PPO on the server with a LoRA policy (pushed merged each step): the engine's log-probs are the trainer's
+    (ratio within 1e-3 of 1), the correction weighs the policy loss, and the adapters train."""
+    from peft import LoraConfig, TaskType, get_peft_model
+
+    from rlhf_core.config import PPOConfig, RLConfig, RolloutConfig, RunConfig
+    from rlhf_core.rewards.reward_model import load_reward_model
+    from rlhf_core.rl.ppo import train_ppo
+    from tests.fixtures.real_shapes import TokenCountReward
+
+    tokenizer = load_tokenizer(str(policy_dir))
+    lora = LoraConfig(task_type=TaskType.CAUSAL_LM, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    policy = get_peft_model(load_causal_lm(str(policy_dir)), lora)
+    logged: list[dict] = []
+    try:
+        train_ppo(
+            policy,
+            load_reward_model(str(policy_dir), tokenizer, seed=0),
+            None,
+            TokenCountReward(),
+            tokenizer,
+            [f"what is {i} plus two" for i in range(8)],
+            RLConfig(total_steps=2, batch_size=8, learning_rate=3e-3, response_length=6, temperature=1.0, save_steps=2),
+            PPOConfig(num_ppo_epochs=2, num_mini_batches=2),
+            RunConfig(output_dir=tmp_path, seed=5),
+            max_prompt_length=32,
+            output_dir=tmp_path / "ppo",
+            rollout=RolloutConfig(engine="vllm"),
+            engine_url=server.url,
+            on_log=lambda metrics, step: logged.append(metrics),
+            show_progress=False,
+        )
+    finally:
+        client_of(server, policy_dir).load_weights(policy_dir)
+    assert len(logged) == 2
+    for metrics in logged:
+        assert abs(metrics["sampling/importance_sampling_ratio/mean"] - 1.0) < 1e-3
+    assert any(p.abs().sum() > 0 for n, p in policy.named_parameters() if "lora_B" in n)  # it trained
+
+
 def client_of(server, policy_dir) -> VllmClient:
     return VllmClient(server.url, str(policy_dir))
 
