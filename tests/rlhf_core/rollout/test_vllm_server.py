@@ -359,6 +359,41 @@ def test_ppo_with_lora_samples_on_the_server_and_its_ratio_to_the_trainer_is_one
     assert any(p.abs().sum() > 0 for n, p in policy.named_parameters() if "lora_B" in n)  # it trained
 
 
+def test_two_processes_share_the_server_and_only_the_main_one_pushes(server, policy_dir, tmp_path):
+    """torchrun with 2 CPU processes (gloo), GRPO on the one server (tests/distributed/vllm_dp_worker.py): each
+    process samples its own prompts there; the main process pushes the weights once per step, the other none (it
+    waits at the barrier); both end on the same weights, and the ratio to the trainer is 1."""
+    import json
+    import os
+    import subprocess
+
+    worker = REPO / "tests" / "distributed" / "vllm_dp_worker.py"
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    command = [
+        torchrun,
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(worker),
+        str(policy_dir),
+        server.url,
+        str(tmp_path),
+    ]
+    try:
+        done = subprocess.run(
+            command, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600
+        )
+    finally:
+        client_of(server, policy_dir).load_weights(policy_dir)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    main, other = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert len(main["pushes"]) == 2 and other["pushes"] == []
+    assert main["weights"] == other["weights"]
+    assert len(main["logged"]) == 2
+    for metrics in main["logged"]:
+        assert abs(metrics["sampling/importance_sampling_ratio/mean"] - 1.0) < 1e-3
+
+
 def client_of(server, policy_dir) -> VllmClient:
     return VllmClient(server.url, str(policy_dir))
 
