@@ -78,8 +78,8 @@ class RolloutConfig(Section):
     vllm: VllmSettings = Field(default_factory=VllmSettings, description="The vLLM engine (rollout.engine vllm).")
 
     def result_fields(self) -> dict:
-        """What changes the trained weights (the RL stage's key): nothing for hf (older keys stay), else the
-        engine and its sampling and correction settings, never where the server runs."""
+        """What changes the stage's weights or evaluations (the RL stage's key): nothing for hf (older keys stay),
+        else the engine, its precision, push cadence, correction and evaluation, never where the server runs."""
         if self.engine == "hf":
             return {}
         v = self.vllm
@@ -88,4 +88,5 @@ class RolloutConfig(Section):
             "dtype": v.dtype,
             "sync_every_steps": v.sync_every_steps,
             "correction": [v.correction, v.correction_cap, v.correction_min],
+            "evaluate": v.evaluate,
         }
