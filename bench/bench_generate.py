@@ -1,4 +1,4 @@
-"""Rollout generation: seconds per batch of rlhf_core.rollout.collect.generate against transformers' own
+"""Rollout generation: seconds per batch of rlhf_core.rollout.generation.generate against transformers' own
 `model.generate` on the same batch, the floor an RL step's generate phase cannot beat without another
 engine (the target is within 10%).
 

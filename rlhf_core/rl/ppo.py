@@ -258,24 +258,16 @@ class PPOSteps:
             return False
         return bool(self.loop.global_sum(stats.mean("approxkl")) / self.loop.world > limit)
 
-    def _micro_batch(
-        self, batch, estimate, rows: torch.Tensor, mini_tokens: torch.Tensor, stats: StepStats, weights=None
-    ) -> None:
+    def _micro_batch(self, batch, estimate, rows: torch.Tensor, mini_tokens, stats: StepStats, weights) -> None:
         """Forward and backward of the policy and value losses on one micro-batch (`weights`: the engine
-        correction's of the whole batch)."""
+        correction's of the whole batch, or None)."""
         rollout, ppo, m = batch.rollout, self.ppo, batch.rollout.resp_mask[rows]
+        w = weights[rows] if weights is not None else None
         with self.loop.micro_batch():
             new_logp, entropy, vpred = self.loop.trainable(
                 rollout.query_ids[rows], rollout.query_mask[rows], rollout.responses[rows], m, self.rl.temperature
             )
-            pg, pg_stats = policy_loss(
-                new_logp,
-                rollout.logprobs[rows],
-                estimate.advantages[rows],
-                m,
-                ppo.cliprange,
-                weights[rows] if weights is not None else None,
-            )
+            pg, pg_stats = policy_loss(new_logp, rollout.logprobs[rows], estimate.advantages[rows], m, ppo.cliprange, w)
             vf, vf_stats = value_loss(vpred, batch.values[rows], estimate.returns[rows], m, ppo.cliprange_value)
             self.loop.backward((pg + ppo.vf_coef * vf) * m.sum() / mini_tokens)
         stats.add(

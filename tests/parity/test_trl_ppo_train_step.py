@@ -35,14 +35,14 @@ def prompt_text(ids: list[int]) -> str:
 @pytest.mark.parametrize("name", list(RUNS))
 def test_train_ppo_end_to_end(world, name, monkeypatch, tmp_path):
     """Our real `train_ppo`, one iteration on copies of the same models, with the same prompts and responses:
-    only `rlhf_core.rollout.collect.generate` is replaced (it returns each prompt's fixed response, padded with the
-    loop's pad id); collect_rollout, score_rollout, the KL, rewards, GAE and whitening are ours, recorded
+    only `rlhf_core.rollout.engines.generate` (our loop engine's) is replaced (it returns each prompt's fixed
+    response, padded with the loop's pad id); collect_rollout, score_rollout, the KL, rewards, GAE and whitening are ours, recorded
     through wrappers that call the originals. The temperature is TRL's, 0.7 + 1e-7."""
     import copy
 
     import rlhf_core.rl.advantages.estimators as advantages_module
     import rlhf_core.rl.ppo as ppo_module
-    import rlhf_core.rollout.collect as rollout_module
+    import rlhf_core.rollout.engines as rollout_module
     from rlhf_core.config import PPOConfig, RLConfig, RunConfig
     from rlhf_core.rl.ppo import train_ppo
 
