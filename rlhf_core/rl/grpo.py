@@ -112,8 +112,6 @@ class GroupSampler:
 
     def sample(self, prompts: PromptBatch) -> RolloutBatch:
         """The step's groups, every process sampling while any is short (generation may be collective)."""
-        with self.loop.full_parameters():
-            self.engine.sync(self.loop.unwrapped(), self.loop.step)
         batch = self._generate_and_score(prompts)
         if not self.rl.dynamic_sampling.enabled:
             return batch
@@ -148,6 +146,7 @@ class GroupSampler:
         loop, settings = self.loop, self.settings
         seed = rollout_seed(loop.run_cfg.seed, rank=loop.rank, step=loop.step, call=call)
         with loop.full_parameters():
+            self.engine.sync(loop.unwrapped(), loop.step)  # once per step: a later round finds it done
             rollout = collect_rollout(
                 loop.unwrapped(),
                 self.ref_model,
