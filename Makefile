@@ -26,7 +26,7 @@ else
 PYTEST := $(OFFLINE) OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 endif
 
-.PHONY: venv vllm-venv demo ui demo-seeds lint test test-fast chaos bench rlvr clean
+.PHONY: venv vllm-venv demo ui demo-seeds lint test test-fast chaos bench rlvr tools clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -99,6 +99,10 @@ demo-seeds: venv
 # configs/rlvr.yaml on 3 seeds beside its continued-SFT control (docs/rlvr.md): bench/results/rlvr.md
 rlvr: venv
 	$(OFFLINE) $(BIN)/python bench/rlvr.py
+
+# configs/tools.yaml on 3 seeds beside GRPO without the tool (docs/tools.md): bench/results/tools.md
+tools: venv
+	$(OFFLINE) $(BIN)/python bench/tools.py
 
 clean:
 	rm -rf outputs mlruns mlflow.db bench/results

@@ -29,6 +29,7 @@ from rlhf_core.data.rows import DataValidationError, Kind, check_first_rows, is_
 from rlhf_core.data.sources import FILE_READ_ERRORS, files_of, first_rows, is_saved_dataset, looks_local
 from rlhf_core.models.loading import ModelSourceError, check_source, looks_like_path
 from rlhf_core.rewards.functions import RewardFunctionError, load_function
+from rlhf_core.rollout.tools import ToolError, load_tool_use
 from rlhf_core.rollout.vllm_server import head_size, server_problems
 
 TRACKING_TIMEOUT_S = 10.0
@@ -79,6 +80,7 @@ def preflight_problems(cfg: PipelineConfig) -> list[str]:
         (_check_models, ModelSourceError),
         (_check_context, PreflightError),
         (_check_rollout_engine, PreflightError),
+        (_check_tools, PreflightError),
         (_check_tracking, PreflightError),
         (_check_output, PreflightError),
         (_check_registry, PreflightError),
@@ -127,6 +129,18 @@ def _check_functions(cfg: PipelineConfig) -> list[str]:
             call = "fn(prompts=..., completions=..., **kwargs)" if needs_kwargs else "fn(prompts=..., completions=...)"
             problems.append(f"{field}: '{spec}' cannot be called as {call} ({why})")
     return problems
+
+
+def _check_tools(cfg: PipelineConfig) -> list[str]:
+    """grpo.tools and grpo.environment import (their chat template is checked where the data stage loads the
+    tokenizer, before any training)."""
+    if cfg.rl.algorithm == "ppo":
+        return []
+    try:
+        load_tool_use(cfg.grpo)
+    except ToolError as err:
+        return [str(err)]
+    return []
 
 
 # --------------------------------------------------------------------------------------------

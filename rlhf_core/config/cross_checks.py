@@ -124,6 +124,11 @@ def check_group_family(
             f"rl.dynamic_sampling drops groups of completions, which rl.algorithm {rl.algorithm!r} does not "
             f"sample; use one of {', '.join(GROUP_ALGORITHMS)} or turn rl.dynamic_sampling.enabled off"
         )
+    elif grpo.uses_tools:
+        raise ValueError(
+            f"grpo.tools and grpo.environment give the group algorithms' rollouts tools; rl.algorithm "
+            f"{rl.algorithm!r} samples without them: use one of {', '.join(GROUP_ALGORITHMS)}"
+        )
 
 
 def check_group_fields(rl: RLConfig, grpo: GRPOConfig) -> None:

@@ -26,6 +26,8 @@ TRL_NAMES: dict[tuple[str | None, str], str] = {
     (None, "max_new_tokens"): "rl.response_length",
     (None, "min_new_tokens"): "rl.min_response_length",
     (None, "reward_funcs"): "grpo.rewards",
+    (None, "max_tool_calling_iterations"): "grpo.max_tool_calls",
+    (None, "environment_factory"): "grpo.environment",
     (None, "reward_weights"): "grpo.rewards[].weight",
     (None, "reward_model_path"): "grpo.rewards[].model (GRPO) or reward.base",
     (None, "reward_model"): "grpo.rewards[].model (GRPO) or reward.base",

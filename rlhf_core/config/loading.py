@@ -87,3 +87,28 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not isinstance(raw, dict):
             raise ConfigError(f"config file {path} must hold a mapping of sections, not a {type(raw).__name__}")
     return validate_config(apply_overrides(raw, list(overrides or [])))
+
+
+# configs written before rlhf_core became packages (2026-11) name this module by its old path; they keep working
+MOVED_MODULES = {"rlhf_core.reward_functions": "rlhf_core.rewards.functions"}
+
+
+def import_object(spec: str, *, field: str, error: type[Exception] = ConfigError, what: str = "function"):
+    """Import 'package.module:name' (a reward function, a tool, an environment class) named in a config, or
+    raise `error` naming the spec and `field`."""
+    import importlib
+
+    module_name, _, attr = spec.partition(":")
+    module_name = MOVED_MODULES.get(module_name, module_name)
+    if not module_name or not attr:
+        raise error(f"{field}: '{spec}' must be written 'package.module:{what}'")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as err:  # ImportError, or whatever the module raises while importing
+        raise error(
+            f"{field}: could not import module '{module_name}' for '{spec}' ({type(err).__name__}: {err})"
+        ) from None
+    obj = getattr(module, attr, None)
+    if not callable(obj):
+        raise error(f"{field}: module '{module_name}' has no {what} '{attr}'")
+    return obj

@@ -164,13 +164,21 @@ class DatasetSpec(Section):
 
 
 class DemoWorldConfig(Section):
-    world: Literal["reviews", "arithmetic"] = Field(
+    world: Literal["reviews", "arithmetic", "calculator"] = Field(
         "reviews",
-        description="reviews: finish a review, VADER labels preferences (the RLHF demo); arithmetic: 'a+b=' problems checked by exact match (the RLVR showcase, configs/rlvr.yaml; no preference data).",
+        description="reviews: finish a review, VADER labels preferences (the RLHF demo); arithmetic: 'a+b=' problems checked by exact match (the RLVR showcase, configs/rlvr.yaml; no preference data); calculator: three-digit multiplications 'a*b=' and a multiply tool (the tool showcase, configs/tools.yaml).",
+    )
+    tool_call_fraction: float = Field(
+        0.1,
+        ge=0.0,
+        le=1.0,
+        description="calculator: the share of SFT problems solved by calling the tool (the others answered directly).",
     )
     num_sentences: int = Field(6000, ge=10, description="Sentences in the demo's review corpus (SFT data).")
     num_labelled: int = Field(
-        800, ge=2, description="arithmetic: labelled problems 'a+b=c' of the SFT corpus (the rest have no answers)."
+        800,
+        ge=2,
+        description="arithmetic and calculator: labelled problems of the SFT corpus (the RL prompts have no answers).",
     )
     num_preference_pairs: int = Field(3000, ge=10, description="Preference pairs labelled by VADER (train split).")
     num_eval_preference_pairs: int = Field(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from rlhf_core.config.base import PathText, Section
 from rlhf_core.config.run_model_data import DatasetSpec
@@ -305,6 +305,37 @@ class GRPOConfig(Section):
     log_completions_steps: int = Field(
         10, ge=1, description="Write a Parquet of completions and rewards every this many steps."
     )
+    tools: list[str] = Field(
+        default_factory=list,
+        description="Tools the policy may call in its rollouts, each 'package.module:function' (sync or async; TRL's tools=): its name, type hints and Google-style docstring are the schema the chat template shows. A tool that raises, runs past grpo.tool_timeout_s or does not exist answers with its error text; the episode goes on (docs/tools.md).",
+    )
+    environment: str | dict[str, str] | None = Field(
+        None,
+        description="An environment class 'package.module:Class', one instance per episode (TRL's environment_factory=): reset(**row) may return text appended to the prompt's last user message, its public methods are tools, and get_reward(), when it has one, is a reward source of weight 1. Or a mapping name -> class, the prompt rows' `environment` column choosing one per row.",
+    )
+    max_tool_calls: int | None = Field(
+        None,
+        ge=0,
+        description="Rounds of tool calls per episode at most (TRL's max_tool_calling_iterations): a turn's calls run together, then the model speaks again; null: until rl.response_length, which counts the tool answers' tokens too, runs out.",
+    )
+    tool_timeout_s: float = Field(
+        10.0,
+        gt=0.0,
+        description="Seconds one tool call may take; past them the model gets a timeout error as the answer.",
+    )
+
+    @field_validator("tools")
+    @classmethod
+    def _import_paths(cls, tools: list[str]) -> list[str]:
+        for spec in tools:
+            if ":" not in spec:
+                raise ValueError(f"tool '{spec}' must be written 'package.module:function'")
+        return tools
+
+    @property
+    def uses_tools(self) -> bool:
+        """Episodes of several turns: tools or an environment are configured."""
+        return bool(self.tools) or self.environment is not None
 
     def generation_batch(self, rl_batch_size: int) -> int:
         """Completions per RL step: generation_batch_size, or rl.batch_size where it is null."""

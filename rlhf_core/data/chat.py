@@ -63,12 +63,14 @@ def has_chat_template(tokenizer) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
 
-def _template(tokenizer, messages: list[dict], kwargs: dict, **flags) -> str:
-    return tokenizer.apply_chat_template(messages, tools=None, tokenize=False, **flags, **kwargs)
+def _template(tokenizer, messages: list[dict], kwargs: dict, tools: list | None = None, **flags) -> str:
+    # tools or None: some templates (Llama 3) write their tool boilerplate for an empty list
+    return tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False, **flags, **kwargs)
 
 
-def render_prompt(tokenizer, prompt: list[dict], kwargs: dict | None = None) -> str:
-    """The templated prompt: the generation prompt added after a user or tool turn, an assistant turn continued."""
+def render_prompt(tokenizer, prompt: list[dict], kwargs: dict | None = None, tools: list | None = None) -> str:
+    """The templated prompt: the generation prompt added after a user or tool turn, an assistant turn continued.
+    `tools` (callables or JSON schemas): what the template shows the model it may call (grpo.tools)."""
     last = prompt[-1]["role"]
     if last in ("user", "tool"):
         flags = {"add_generation_prompt": True, "continue_final_message": False}
@@ -76,7 +78,7 @@ def render_prompt(tokenizer, prompt: list[dict], kwargs: dict | None = None) -> 
         flags = {"add_generation_prompt": False, "continue_final_message": True}
     else:
         raise UserError(f"the last message of a prompt has role '{last}'; it must be user, tool or assistant")
-    return _template(tokenizer, prompt, kwargs or {}, **flags)
+    return _template(tokenizer, prompt, kwargs or {}, tools, **flags)
 
 
 def _common_prefix(a: str, b: str) -> str:
@@ -166,6 +168,15 @@ def completion_text(completion: str | list[dict]) -> str:
     if isinstance(completion, str):
         return completion
     return " ".join(str(m.get("content", "")) for m in completion)
+
+
+def final_answer(completion: str | list[dict]) -> str:
+    """What a completion finally answers: itself, or the content of its last assistant message (a tool episode's
+    transcript ends with the model's answer after the tools' turns)."""
+    if isinstance(completion, str):
+        return completion
+    said = [m for m in completion if m.get("role") == "assistant"]
+    return str(said[-1].get("content", "")) if said else ""
 
 
 def supply_chat_template(tokenizer, template: str | None) -> None:

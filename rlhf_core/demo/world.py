@@ -1,6 +1,6 @@
 """The offline demo world: a review corpus, a tokenizer, a tiny Llama, preferences and prompts; or, with
-data.demo.world 'arithmetic', additions to verify (`arithmetic_world.py`: corpus of labelled problems,
-prompts with an `answer` column, no preferences).
+data.demo.world 'arithmetic', additions to verify (`arithmetic.py`: corpus of labelled problems,
+prompts with an `answer` column, no preferences); or 'calculator', multiplications and a tool (`calculator.py`).
 
 Everything is built from the VADER lexicon that the `vaderSentiment` package ships, deterministically
 from a seed, in a few seconds, with no download: the conversational text by :mod:`rlhf_core.demo.text`
@@ -31,6 +31,8 @@ from pathlib import Path
 from rlhf_core.config import DEMO, DemoModelConfig, DemoWorldConfig
 from rlhf_core.data.rows import Kind
 from rlhf_core.demo.arithmetic import build_arithmetic_model, build_digit_tokenizer, world_splits
+from rlhf_core.demo.calculator import build_calculator_tokenizer
+from rlhf_core.demo.calculator import world_splits as calculator_splits
 from rlhf_core.demo.models import ROLES, build_demo_model, train_word_tokenizer
 from rlhf_core.demo.text import (
     ReviewWriter,
@@ -43,8 +45,8 @@ from rlhf_core.demo.text import (
 from rlhf_core.storage.saving import apply_umask
 
 # bump when what rlhf_core.demo.text or rlhf_core.demo.models build changes, so cached worlds are rebuilt
-# (2: conversational; 3: the arithmetic world)
-WORLD_VERSION = 3
+# (2: conversational; 3: the arithmetic world; 4: the calculator world)
+WORLD_VERSION = 4
 
 
 @dataclass(frozen=True)
@@ -136,7 +138,7 @@ def build_demo_world(
     root.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{root.name}-", dir=root.parent))
     try:
-        write = _write_arithmetic if world.world == "arithmetic" else _write_reviews
+        write = {"arithmetic": _write_arithmetic, "calculator": _write_calculator}.get(world.world, _write_reviews)
         steps = write(DemoWorld(tmp), seed, world, model, report)
         DemoWorld(tmp).manifest.write_text(
             json.dumps({"key": key, "files": _file_hashes(tmp)}, indent=2, sort_keys=True)
@@ -198,6 +200,24 @@ def _write_arithmetic(out: DemoWorld, seed: int, world: DemoWorldConfig, model: 
     _write_jsonl(out.prompts("test"), splits["eval"])
     report(1, 2, "tokenizer and base model")
     tokenizer = build_digit_tokenizer(model.max_position_embeddings)
+    tokenizer.save_pretrained(out.tokenizer)
+    build_arithmetic_model(tokenizer, model, seed).save_pretrained(out.base_model)
+    tokenizer.save_pretrained(out.base_model)
+    return 2
+
+
+def _write_calculator(out: DemoWorld, seed: int, world: DemoWorldConfig, model: DemoModelConfig, report) -> int:
+    """The calculator world's files into `out` (`calculator.py`): chats solving labelled problems (some with the
+    tool) as the corpus, problems without answers as train prompts, held-out problems as test prompts."""
+    report(0, 2, "problems")
+    splits = calculator_splits(
+        seed, world.num_labelled, world.num_train_prompts, world.num_eval_prompts, world.tool_call_fraction
+    )
+    _write_jsonl(out.corpus, splits["sft"])
+    _write_jsonl(out.prompts("train"), splits["rl"])
+    _write_jsonl(out.prompts("test"), splits["eval"])
+    report(1, 2, "tokenizer and base model")
+    tokenizer = build_calculator_tokenizer(model.max_position_embeddings)
     tokenizer.save_pretrained(out.tokenizer)
     build_arithmetic_model(tokenizer, model, seed).save_pretrained(out.base_model)
     tokenizer.save_pretrained(out.base_model)

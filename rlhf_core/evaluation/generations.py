@@ -25,10 +25,11 @@ from rlhf_core.data.chat import assistant_messages
 from rlhf_core.models.forward import logprobs_from_logits, response_logits, sequence_scores
 from rlhf_core.rewards.functions import accepts, call_scoring_function, completion_ids
 from rlhf_core.rl_math import exact_kl_per_token, kl_per_token, response_mask
-from rlhf_core.rollout.collect import reference_context
+from rlhf_core.rollout.collect import ToolRollout, reference_context
 from rlhf_core.rollout.engines import LoopEngine, RolloutEngine
 from rlhf_core.rollout.generation import decode_responses, left_pad, tokenize_prompts
 from rlhf_core.rollout.sampling import SamplingSettings
+from rlhf_core.rollout.tools import ToolUse
 from rlhf_core.storage.saving import is_peft
 
 SPREAD_COLUMNS = ("kl_exact",)  # columns whose median and p90 the summary adds (a mean alone hides the tail)
@@ -56,6 +57,8 @@ def evaluate_generations(
     device=None,
     engine: RolloutEngine | None = None,
     seed: int | None = None,
+    tool_use: ToolUse | None = None,
+    template_kwargs: dict | None = None,
 ) -> list[dict]:
     """Rows of sampled (temperature, top_k, top_p; or greedy) completions of `prompts`, scored by the reward
     model and `metrics`. The KL is of the policy's sampling distribution (logits / temperature) to the
@@ -65,7 +68,9 @@ def evaluate_generations(
     receive them and each completion as [{"role": "assistant", "content": text}], as GRPO's reward
     functions do (TRL's convention). `columns`: the prompts' other dataset columns, passed to the metric
     functions as keyword arguments (TRL's convention), and `completion_ids` to those that take it. `engine`
-    samples (our decode loop when None); `seed`: the base seed of an engine's requests (the batch's offset added)."""
+    samples (our decode loop when None); `seed`: the base seed of an engine's requests (the batch's offset added).
+    `tool_use`: each prompt is a tool episode (`rollout/episodes.py`); its row's completion is the transcript as
+    text, metric functions receive the transcript's messages, and the KL reads the model's tokens only."""
     settings = SamplingSettings(
         response_length=response_length, temperature=temperature, top_k=top_k, top_p=top_p, greedy=greedy
     )
@@ -81,29 +86,47 @@ def evaluate_generations(
         query_ids, query_mask = left_pad(tokenize_prompts(tokenizer, chunk, max_prompt_length), tokenizer.pad_token_id)
         if device is not None:
             query_ids, query_mask = query_ids.to(device), query_mask.to(device)
-        responses, _ = (engine or LoopEngine()).generate(
-            policy,
-            query_ids,
-            query_mask,
-            settings,
-            pad_token_id=tokenizer.pad_token_id,
-            stop_token_ids=stop_token_ids,
-            seed=None if seed is None else seed + start,
-        )
-        resp_mask, last_index, has_stop = response_mask(responses, stop_token_ids)
+        batch = slice(start, start + batch_size)
+        generate = {"pad_token_id": tokenizer.pad_token_id, "stop_token_ids": stop_token_ids}
+        generate["seed"] = None if seed is None else seed + start
+        record = None
+        if tool_use is None:
+            responses, _ = (engine or LoopEngine()).generate(policy, query_ids, query_mask, settings, **generate)
+            resp_mask, last_index, has_stop = response_mask(responses, stop_token_ids)
+            model_mask = resp_mask
+        else:
+            played = ToolRollout(
+                tool_use,
+                tokenizer,
+                _chunk_rows(chunk, prompt_messages, columns, batch),
+                max_prompt_length,
+                max_length=getattr(getattr(policy, "config", None), "max_position_embeddings", None),
+                template_kwargs=template_kwargs,
+            ).play(engine or LoopEngine(), policy, settings, query_ids.device, **generate)
+            query_ids, query_mask = played.query_ids.to(query_ids.device), played.query_mask.to(query_ids.device)
+            responses, resp_mask, has_stop = (
+                played.responses.to(query_ids.device),
+                played.resp_mask.to(query_ids.device),
+                played.has_stop,
+            )
+            model_mask, record = resp_mask * played.model_tokens.to(query_ids.device), played.record
+            last_index = (resp_mask.sum(1) - 1).clamp(min=0)
         kls = {}
         if ref_model is not None or is_peft(policy):  # the caller loads a reference even for GRPO with beta 0
             args = (query_ids, query_mask, responses, resp_mask)
-            kls = completion_kl(policy, ref_model, *args, temperature=kl_temperature)
+            kls = completion_kl(policy, ref_model, *args, temperature=kl_temperature, mask=model_mask)
         scores = (
             sequence_scores(reward_model, query_ids, query_mask, responses, resp_mask, last_index)
             if reward_model is not None
             else None
         )
-        completions = decode_responses(tokenizer, responses, resp_mask)
-        batch = slice(start, start + batch_size)
-        extra = _metric_values(metrics, chunk, completions, prompt_messages, columns, batch, responses, resp_mask)
-        rows += _rows(chunk, completions, scores, extra, kls, resp_mask, has_stop)
+        if record is None:
+            completions = decode_responses(tokenizer, responses, resp_mask)
+            scored = completions
+        else:
+            completions, scored = record.texts(), record.transcripts
+        extra = _metric_values(metrics, chunk, scored, prompt_messages, columns, batch, responses, resp_mask)
+        rows += _rows(chunk, completions, scores, extra, kls, model_mask, has_stop, record)
     policy.train(was_training)
     return rows
 
@@ -120,11 +143,12 @@ def _metric_values(
 ) -> dict[str, list]:
     """Each metric function's values on one batch, called as GRPO calls its reward functions: messages for
     conversational prompts, the dataset's other columns as keywords, `completion_ids` to those that take it."""
-    scored = (
-        (chunk, completions)
-        if prompt_messages is None
-        else (list(prompt_messages[batch]), assistant_messages(completions))
-    )
+    if prompt_messages is None:
+        scored = (chunk, completions)
+    elif completions and not isinstance(completions[0], str):  # tool episodes' transcripts: message lists already
+        scored = (list(prompt_messages[batch]), completions)
+    else:
+        scored = (list(prompt_messages[batch]), assistant_messages(completions))
     kwargs = {k: list(v[batch]) for k, v in (columns or {}).items()}
     ids = completion_ids(responses, resp_mask)
     return {
@@ -140,8 +164,19 @@ def _metric_values(
     }
 
 
-def _rows(chunk, completions, scores, extra, kls, resp_mask, has_stop) -> list[dict]:
-    """One batch's rows: prompt, completion, score, metric values, KLs, length, whether it stopped."""
+def _chunk_rows(chunk, prompt_messages, columns, batch: slice) -> list[dict]:
+    """One batch's prompt rows as the pipeline holds them (prompt, messages, other columns): a tool episode's."""
+    rows = [{"prompt": p} for p in chunk]
+    for i, row in enumerate(rows):
+        if prompt_messages is not None:
+            row["prompt_messages"] = prompt_messages[batch][i]
+        row.update({k: list(v[batch])[i] for k, v in (columns or {}).items()})
+    return rows
+
+
+def _rows(chunk, completions, scores, extra, kls, resp_mask, has_stop, record=None) -> list[dict]:
+    """One batch's rows: prompt, completion, score, metric values, KLs, length (the model's tokens), whether it
+    stopped; for tool episodes the completion is the transcript and the calls, failures and turns are columns."""
     rows = []
     for i, (prompt, completion) in enumerate(zip(chunk, completions)):
         row = {"prompt": prompt, "completion": completion}
@@ -151,6 +186,8 @@ def _rows(chunk, completions, scores, extra, kls, resp_mask, has_stop) -> list[d
         row.update({name: float(values[i]) for name, values in kls.items()})
         row["length"] = int(resp_mask[i].sum())
         row["stopped"] = bool(has_stop[i])
+        if record is not None:
+            row.update(tool_calls=record.calls[i], tool_failures=record.failures[i], turns=record.turns[i])
         rows.append(row)
     return rows
 
@@ -165,6 +202,7 @@ def completion_kl(
     resp_mask: torch.Tensor,
     *,
     temperature: float,
+    mask: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """KL(policy || reference) per completion (B,), summed over its tokens, both distributions at
     `temperature` (logits / temperature): {"kl_exact": over the whole vocabulary at each position, "kl": k1,
@@ -174,7 +212,7 @@ def completion_kl(
     logits = response_logits(policy, *args, temperature=temperature)
     with reference_context(policy, ref_model):
         ref_logits = response_logits(ref_model or policy, *args, temperature=temperature)
-    mask = resp_mask.float()
+    mask = (resp_mask if mask is None else mask).float()  # `mask`: the tokens summed over (a tool episode's model ones)
     logp, _ = logprobs_from_logits(logits, responses, resp_mask)
     ref_logp, _ = logprobs_from_logits(ref_logits, responses, resp_mask)
     return {

@@ -45,6 +45,7 @@ class ExportInfo:
     source_checkpoint: str = ""  # lineage: the RL checkpoint (model URI or path) the export was written from
     license: str | None = None  # a hub license id; omitted from the card when None
     eval_dataset: str = ""  # the held-out prompts the final evaluation ran on (hub id, file name or "demo")
+    tools: list[str] = field(default_factory=list)  # grpo.tools and grpo.environment's import paths: what it called
 
 
 SAMPLING_KEYS = ("temperature", "top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff")
@@ -152,6 +153,7 @@ def _card_body(
     if info.model_name:
         lineage.append(f"- registered model: `{info.model_name}`")
     lineage_text = "\n".join(lineage)
+    tools = _tools_section(info.tools)
     return f"""This policy was trained with {info.algorithm.upper()} for {info.steps} steps by the RLHF pipeline,
 starting from `{info.policy_start or info.base_model}` and optimizing {reward}.
 `generation_config.json` holds the base model's own generation defaults (greedy for the demo world) and the
@@ -165,7 +167,7 @@ run's stop tokens; the sampling settings used during RL are not in it.
 
 {lineage_text}
 
-## Final evaluation (held-out prompts, near-greedy generation)
+{tools}## Final evaluation (held-out prompts, near-greedy generation)
 
 | metric | value |
 |---|---|
@@ -174,6 +176,23 @@ run's stop tokens; the sampling settings used during RL are not in it.
 ## Training settings
 
 {params}
+"""
+
+
+def _tools_section(tools: list[str]) -> str:
+    """The card's list of the tools the policy learned to call (empty without any)."""
+    if not tools:
+        return ""
+    listed = "\n".join(f"- `{t}`" for t in tools)
+    return f"""## Tools
+
+Its rollouts were episodes in which it called these tools and read their answers (grpo.tools, grpo.environment):
+
+{listed}
+
+The tokenizer keeps the chat template that wrote those calls and answers: pass the same tools to
+`tokenizer.apply_chat_template(messages, tools=[...])` when serving it, and run the calls it writes.
+
 """
 
 
@@ -215,7 +234,7 @@ def card_metadata(info: ExportInfo, *, lora: bool, merge: bool) -> dict[str, Any
         {
             "library_name": "peft" if (lora and not merge) else "transformers",
             "pipeline_tag": "text-generation",
-            "tags": ["rlhf", info.algorithm] + (["lora"] if lora else []),
+            "tags": ["rlhf", info.algorithm] + (["lora"] if lora else []) + (["tool-use"] if info.tools else []),
             "datasets": list(info.datasets),
         }
     )

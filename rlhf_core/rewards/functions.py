@@ -35,28 +35,11 @@ class RewardFunctionError(UserError):
     """A reward or metric function that cannot be used; the message is one sentence."""
 
 
-# configs written before rlhf_core became packages (2026-11) name this module by its old path; they keep working
-MOVED_MODULES = {"rlhf_core.reward_functions": "rlhf_core.rewards.functions"}
-
-
 def load_function(spec: str, *, field: str = "eval.metrics"):
     """Import 'package.module:function' and return the callable, or raise naming the spec and the field."""
-    import importlib
+    from rlhf_core.config.loading import import_object
 
-    module_name, _, attr = spec.partition(":")
-    module_name = MOVED_MODULES.get(module_name, module_name)
-    if not module_name or not attr:
-        raise RewardFunctionError(f"{field}: '{spec}' must be written 'package.module:function'")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as err:  # ImportError, or whatever the module raises while importing
-        raise RewardFunctionError(
-            f"{field}: could not import module '{module_name}' for '{spec}' ({type(err).__name__}: {err})"
-        ) from None
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise RewardFunctionError(f"{field}: module '{module_name}' has no function '{attr}'")
-    return fn
+    return import_object(spec, field=field, error=RewardFunctionError)
 
 
 def accepts(fn, name: str) -> bool:
@@ -157,10 +140,10 @@ def exact_match(
     prompts: list | None = None, completions: list | None = None, answer: list | None = None, **_: object
 ) -> list[float]:
     """1.0 where a completion (a string or, for conversational prompts, a message list) is exactly its row's
-    `answer` column, both stripped of surrounding whitespace; else 0.0. The verifiable reward of RLVR
-    (the arithmetic world). Completions arrive decoded up to their stop token, without it, so one that ran
+    `answer` column, both stripped of surrounding whitespace; else 0.0 (of a tool episode's transcript, its last
+    assistant message). The verifiable reward of RLVR (the arithmetic and calculator worlds). Completions arrive decoded up to their stop token, without it, so one that ran
     on past the answer ("57" then more digits) is wrong."""
-    from rlhf_core.data.chat import completion_text
+    from rlhf_core.data.chat import final_answer
 
     if completions is None:
         raise ValueError("exact_match needs completions=")
@@ -168,9 +151,7 @@ def exact_match(
         raise ValueError("exact_match needs an 'answer' column in the prompt rows (the expected answer of each prompt)")
     if len(answer) != len(completions):
         raise ValueError(f"exact_match got {len(answer)} answers for {len(completions)} completions")
-    return [
-        1.0 if completion_text(c).strip() == str(a).strip() else 0.0 for c, a in zip(completions, answer, strict=True)
-    ]
+    return [1.0 if final_answer(c).strip() == str(a).strip() else 0.0 for c, a in zip(completions, answer, strict=True)]
 
 
 def soft_overlong_punishment(

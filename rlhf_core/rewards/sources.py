@@ -12,6 +12,7 @@ from rlhf_core.data.chat import PROMPT_MESSAGES, assistant_messages, extra_colum
 from rlhf_core.models.forward import sequence_scores
 from rlhf_core.rewards.functions import accepts, call_scoring_function, check_finite, completion_ids
 from rlhf_core.rollout.collect import Rollout
+from rlhf_core.rollout.tools import ToolUse
 
 
 @dataclass
@@ -47,18 +48,39 @@ def function_reward(name: str, weight: float, fn) -> RewardSourceFn:
     also with completion_ids= (`completion_ids`) when it takes that argument or **kwargs, as TRL's are.
 
     For conversational prompts (rows with `prompt_messages`) it receives, as TRL hands them, the prompts as
-    message lists and each completion as [{"role": "assistant", "content": text}]."""
-    wants_ids = accepts(fn, "completion_ids")
+    message lists and each completion as [{"role": "assistant", "content": text}]; for tool episodes the transcript
+    (the model's and the tools' messages) and, to a function that takes it, `environments=` (each episode's)."""
+    wants_ids, wants_environments = accepts(fn, "completion_ids"), accepts(fn, "environments")
 
     def score(prompts, completions, rollout, rows):
         columns = extra_columns(rows)
         if wants_ids and rollout is not None and "completion_ids" not in columns:
-            columns["completion_ids"] = completion_ids(rollout.responses, rollout.resp_mask)
+            columns["completion_ids"] = completion_ids(rollout.responses, rollout.model_mask())
+        episodes = rollout.episodes if rollout is not None else None
+        if episodes is not None:  # a tool episode: its transcript (assistant and tool messages), as TRL's
+            completions = episodes.transcripts
+            if wants_environments and "environments" not in columns:
+                columns["environments"] = episodes.environments
         if rows and PROMPT_MESSAGES in rows[0]:
-            prompts, completions = [row[PROMPT_MESSAGES] for row in rows], assistant_messages(completions)
+            prompts = [row[PROMPT_MESSAGES] for row in rows]
+            completions = completions if episodes is not None else assistant_messages(completions)
         return call_scoring_function(name, fn, prompts=prompts, completions=completions, **columns)
 
     return RewardSourceFn(name, weight, score)
+
+
+def environment_rewards(tool_use: ToolUse) -> list[RewardSourceFn]:
+    """Each environment class with get_reward() as a reward source of weight 1 named after the class (TRL's): an
+    episode is scored by its own environment when it is of that class, else the source abstains (None)."""
+
+    def source(cls: type) -> RewardSourceFn:
+        def score(prompts, completions, rollout, rows):
+            boxes = rollout.episodes.toolboxes
+            return [b.environment.get_reward() if type(b.environment) is cls else None for b in boxes]
+
+        return RewardSourceFn(cls.__name__, 1.0, score)
+
+    return [source(cls) for cls in tool_use.reward_classes()]
 
 
 def score_sources(

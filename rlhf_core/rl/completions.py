@@ -26,7 +26,7 @@ def completions_table(
     score (None where NaN: the source abstained, or no source scored the completion)."""
     advantages = estimate.advantages
     if advantages.dim() == 2:  # one per token (REINFORCE++): the mean over each completion's tokens
-        advantages = masked_mean(advantages, batch.rollout.resp_mask, dim=1)
+        advantages = masked_mean(advantages, batch.rollout.model_mask(), dim=1)
     return [
         {
             "step": step,

@@ -16,6 +16,7 @@ import torch
 from rlhf_core.rl.advantages.group_baselines import nanstd
 from rlhf_core.rl_math import INVALID_LOGPROB
 from rlhf_core.rollout.collect import Rollout, RolloutBatch
+from rlhf_core.rollout.episodes import EpisodeRecord
 
 
 def zero_spread_groups(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:
@@ -61,6 +62,8 @@ def join_batches(batches: list[RolloutBatch], pad_token_id: int) -> RolloutBatch
         ref_logprobs=cat("ref_logprobs", t, INVALID_LOGPROB, False),
         behaviour_logprobs=cat("behaviour_logprobs", t, INVALID_LOGPROB, False),
         has_stop=torch.cat([r.has_stop for r in rollouts]),
+        model_tokens=cat("model_tokens", t, 0, False),
+        episodes=None if rollouts[0].episodes is None else EpisodeRecord.join([r.episodes for r in rollouts]),
     )
     penalties = [b.penalty for b in batches]
     return RolloutBatch(
@@ -85,6 +88,8 @@ def select_rows(batch: RolloutBatch, rows: torch.Tensor) -> RolloutBatch:
         logprobs=r.logprobs[rows] if r.logprobs is not None else None,
         ref_logprobs=r.ref_logprobs[rows] if r.ref_logprobs is not None else None,
         behaviour_logprobs=r.behaviour_logprobs[rows] if r.behaviour_logprobs is not None else None,
+        model_tokens=r.model_tokens[rows] if r.model_tokens is not None else None,
+        episodes=r.episodes.select(pick) if r.episodes is not None else None,
     )
     return RolloutBatch(
         rollout,

@@ -11,6 +11,7 @@ it, then the update and metrics phases of one step (`rl_step`) and TR-DPO's refe
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Unpack
@@ -19,7 +20,7 @@ import torch
 
 from rlhf_core.config import GRPOConfig, RLConfig, RolloutConfig, RunConfig
 from rlhf_core.models.forward import response_logprobs
-from rlhf_core.rewards.sources import RewardSourceFn, score_sources
+from rlhf_core.rewards.sources import RewardSourceFn, environment_rewards, score_sources
 from rlhf_core.rl.advantages.estimators import Estimate, EstimatorContext, estimator_for
 from rlhf_core.rl.advantages.group_baselines import nanstd
 from rlhf_core.rl.completions import completions_due, completions_table
@@ -40,9 +41,17 @@ from rlhf_core.rl.step import (
     run_rl,
 )
 from rlhf_core.rl_math import masked_mean
-from rlhf_core.rollout.collect import RolloutBatch, collect_rollout, completion_metrics, missing_stop_penalty
+from rlhf_core.rollout.collect import (
+    RolloutBatch,
+    ToolRollout,
+    collect_rollout,
+    completion_metrics,
+    missing_stop_penalty,
+    tool_metrics,
+)
 from rlhf_core.rollout.engines import LoopEngine, RolloutEngine, make_engine, rollout_seed
 from rlhf_core.rollout.generation import decode_responses
+from rlhf_core.rollout.tools import load_tool_use, require_tool_template
 from rlhf_core.training.loop import LoopResult, TrainingLoop
 from rlhf_core.training.timing import PhaseTimer
 
@@ -78,11 +87,25 @@ def gather_tokens(loop: TrainingLoop, local: torch.Tensor) -> torch.Tensor:
     return pooled[pooled != -1e9]
 
 
+def tool_rollout(grpo: GRPOConfig, tokenizer, policy, max_prompt_length: int, template_kwargs: dict | None = None):
+    """The tool episodes grpo.tools and grpo.environment ask for (None without them), the tokenizer's template
+    checked first: one that cannot carry them is refused in one sentence."""
+    tool_use = load_tool_use(grpo)
+    if tool_use is None:
+        return None
+    require_tool_template(tokenizer, template_kwargs)
+    config = getattr(policy, "config", None)
+    max_length = getattr(
+        config.get_text_config() if hasattr(config, "get_text_config") else config, "max_position_embeddings", None
+    )
+    return ToolRollout(tool_use, tokenizer, [], max_prompt_length, max_length, template_kwargs)
+
+
 class GroupSampler:
     """The family's rollout phase: sizes.generations_per_prompt completions per prompt, decoded and scored by
     every reward source; with rl.dynamic_sampling (DAPO), the groups whose reward has no spread replaced by
     groups of `more_prompts()`, for at most max_rounds extra rounds. `engine` samples (our loop when None);
-    with `correction` the trainer's log-probs are computed for it."""
+    with `correction` the trainer's log-probs are computed for it; with `tools` each completion is a tool episode."""
 
     def __init__(
         self,
@@ -97,8 +120,10 @@ class GroupSampler:
         more_prompts: Callable[[], PromptBatch],
         engine: RolloutEngine | None = None,
         correction: CorrectionSettings | None = None,
+        tools: ToolRollout | None = None,
     ):
         self.loop, self.settings, self.ref_model, self.rewards = loop, settings, ref_model, rewards
+        self.tools = tools  # tool episodes: each batch's rows filled in
         self.prompt_rows, self.rl, self.more_prompts = prompt_rows, rl, more_prompts
         self.engine, self.correction = engine or LoopEngine(), correction
         self.sizes = grpo_batch_sizes(rl, grpo)
@@ -145,6 +170,7 @@ class GroupSampler:
         `call`: the generation round within the step (the engine's requests are seeded by it)."""
         loop, settings = self.loop, self.settings
         seed = rollout_seed(loop.run_cfg.seed, rank=loop.rank, step=loop.step, call=call)
+        rows = [self.prompt_rows[i] for i in prompts.indices]
         with loop.full_parameters():
             self.engine.sync(loop.unwrapped(), loop.step)  # once per step: a later round finds it done
             rollout = collect_rollout(
@@ -161,9 +187,12 @@ class GroupSampler:
                 timer=self.timer,
                 engine=self.engine,
                 seed=seed,
+                tools=replace(self.tools, rows=rows) if self.tools is not None else None,
             )
-        rows = [self.prompt_rows[i] for i in prompts.indices]
-        completions = decode_responses(self.loop.tokenizer, rollout.responses, rollout.resp_mask)
+        if rollout.episodes is not None:
+            completions = rollout.episodes.texts()
+        else:
+            completions = decode_responses(self.loop.tokenizer, rollout.responses, rollout.resp_mask)
         with self.timer("reward"):
             scores = score_sources(self.rewards, [r["prompt"] for r in rows], completions, rollout, rows)
         penalty = missing_stop_penalty(rollout, self.rl.missing_eos_penalty)
@@ -270,6 +299,7 @@ class GRPOSteps:
             "frac_reward_zero_std": torch.isclose(everyone["std"], torch.zeros_like(everyone["std"])).float().mean(),
             "rewards/num_unscorable": everyone["unscorable"].float().sum(),
             **completion_metrics(batch.rollout),
+            **tool_metrics(batch.rollout),
             "entropy": stats.mean("entropy"),
             "loss": stats.mean("loss"),
             "_tokens": batch.rollout.resp_mask.sum(),
@@ -310,6 +340,7 @@ def train_grpo(
     stop_token_ids: Sequence[int] | None = None,
     rollout: RolloutConfig | None = None,
     engine_url: str | None = None,
+    template_kwargs: dict | None = None,
     **hooks: Unpack[RLHooks],
 ) -> LoopResult:
     """Train `policy` with the GRPO family's rl.algorithm for rl.total_steps generation batches; resume from
@@ -318,7 +349,8 @@ def train_grpo(
     ref_model None with beta > 0 means a PEFT policy whose disabled adapters are the reference; with
     beta 0 no reference is used at all. `stop_token_ids`: what ends a response, when the caller computed it
     (else `run_stop_ids` of the policy). `rollout`: the engine that samples (rollout.engine; our loop when None),
-    at `engine_url` for vllm (else rollout.vllm.url). `hooks` (`RLHooks`): on_log, on_checkpoint, on_eval with
+    at `engine_url` for vllm (else rollout.vllm.url). With grpo.tools or grpo.environment every completion is a
+    tool episode (`tool_rollout`), its template rendered with `template_kwargs` (data.chat_template_kwargs). `hooks` (`RLHooks`): on_log, on_checkpoint, on_eval with
     evaluate and eval_every, on_step, show_progress, and on_completions(rows, step), which receives every
     grpo.log_completions_steps the prompts, completions, each reward and the advantages.
     """
@@ -335,6 +367,9 @@ def train_grpo(
         ref_model.to(loop.device).eval().requires_grad_(False)
     sampling = rollout_settings(tokenizer, policy, rl, stop_token_ids)
     rollout = rollout or RolloutConfig()
+    tools = tool_rollout(grpo, tokenizer, policy, max_prompt_length, template_kwargs)
+    if tools is not None:
+        rewards = rewards + environment_rewards(tools.tool_use)
     engine = make_engine(rollout, engine_url, Path(output_dir) / "engine-weights", loop)
     sampler = GroupSampler(
         loop,
@@ -347,6 +382,7 @@ def train_grpo(
         more_prompts=batches.next,
         engine=engine,
         correction=correction_settings(rollout),
+        tools=tools,
     )
     loss = policy_loss_for(rl, grpo, mini_batch=sizes.mini_batch, gather=partial(gather_tokens, loop))
     steps = GRPOSteps(loop, sampler, loss, rl, grpo, on_completions=hooks.get("on_completions"))

@@ -12,7 +12,9 @@ import torch
 from rlhf_core.models.forward import response_logprobs
 from rlhf_core.rl_math import INVALID_LOGPROB, response_mask
 from rlhf_core.rollout.engines import LoopEngine, RolloutEngine
+from rlhf_core.rollout.episodes import EpisodeRecord, Episodes, episode_prompts, run_episodes
 from rlhf_core.rollout.sampling import SamplingSettings
+from rlhf_core.rollout.tools import ToolUse
 from rlhf_core.training.timing import PhaseTimer
 
 
@@ -29,11 +31,20 @@ class Rollout:
     ref_logprobs: torch.Tensor | None  # (B, R)
     has_stop: torch.Tensor  # (B,) bool: the response ended with a stop token (else it ran to response_length)
     behaviour_logprobs: torch.Tensor | None = None  # (B, R) the rollout engine's own (vllm); None: the policy sampled
+    model_tokens: torch.Tensor | None = (
+        None  # (B, R) 1 where the model sampled the token, 0 in a tool's turn; None: all
+    )
+    episodes: EpisodeRecord | None = None  # a tool rollout's transcripts and counts (`episodes.py`)
+
+    def model_mask(self) -> torch.Tensor:
+        """The real response tokens the model sampled: a tool episode's tool turns left out. (B, R)"""
+        return self.resp_mask if self.model_tokens is None else self.resp_mask * self.model_tokens
 
     def trained_mask(self, mask_truncated: bool) -> torch.Tensor:
-        """The response tokens the loss sees: all real ones, or with `mask_truncated` (the GRPO family's
+        """The response tokens the loss sees: the model's, or with `mask_truncated` (the GRPO family's
         mask_truncated_completions) none of a response that ran to the length limit without a stop. (B, R)"""
-        return self.resp_mask * self.has_stop.unsqueeze(1).long() if mask_truncated else self.resp_mask
+        mask = self.model_mask()
+        return mask * self.has_stop.unsqueeze(1).long() if mask_truncated else mask
 
 
 @dataclass
@@ -68,6 +79,36 @@ def reference_context(policy, ref_model):
     return nullcontext()
 
 
+@dataclass
+class ToolRollout:
+    """What a rollout of tool episodes needs beyond the prompts' ids: the tools, each row's prompt row (its
+    messages and columns), the tokenizer that renders and parses turns, and the lengths that bound an episode."""
+
+    tool_use: ToolUse
+    tokenizer: object
+    rows: list[dict]
+    max_prompt_length: int
+    max_length: int | None = None
+    template_kwargs: dict | None = None
+
+    def play(self, engine, policy, settings, device, **generate) -> Episodes:
+        boxes = self.tool_use.toolboxes(self.rows)
+        prompts = episode_prompts(self.tokenizer, self.rows, boxes, self.max_prompt_length, self.template_kwargs)
+        return run_episodes(
+            engine,
+            policy,
+            self.tokenizer,
+            prompts,
+            boxes,
+            settings,
+            self.tool_use,
+            max_length=self.max_length,
+            template_kwargs=self.template_kwargs,
+            device=device,
+            **generate,
+        )
+
+
 @torch.no_grad()
 def collect_rollout(
     policy,
@@ -84,6 +125,7 @@ def collect_rollout(
     timer: PhaseTimer | None = None,
     engine: RolloutEngine | None = None,
     seed: int | None = None,
+    tools: ToolRollout | None = None,
 ) -> Rollout:
     """Generate responses with `engine` (our decode loop when None) and score them under the policy and, when
     asked, the reference.
@@ -91,23 +133,26 @@ def collect_rollout(
     need_logprobs=False skips the policy's forward pass: with one update per batch the "old"
     log-probabilities equal the first update's own, detached (GRPO with num_iterations 1, as TRL).
     prompt_repeats: see `generate`; `seed`: the call's base seed (an engine apart seeds its requests with it).
-    `timer` times the phases generate, policy_logprobs and reference.
+    `timer` times the phases generate, policy_logprobs and reference. `tools`: play tool episodes (`episodes.py`)
+    from the rows' messages instead of one completion of `query_ids` each.
     """
     timer = timer or PhaseTimer(enabled=False)
     engine = engine or LoopEngine()
     policy.eval()
+    generate = {"pad_token_id": pad_token_id, "stop_token_ids": stop_token_ids, "prompt_repeats": prompt_repeats}
+    model_tokens = record = None
     with timer("generate"):
-        responses, behaviour = engine.generate(
-            policy,
-            query_ids,
-            query_mask,
-            settings,
-            pad_token_id=pad_token_id,
-            stop_token_ids=stop_token_ids,
-            prompt_repeats=prompt_repeats,
-            seed=seed,
-        )
-    resp_mask, last_index, has_stop = response_mask(responses, stop_token_ids)
+        if tools is None:
+            responses, behaviour = engine.generate(policy, query_ids, query_mask, settings, seed=seed, **generate)
+            resp_mask, last_index, has_stop = response_mask(responses, stop_token_ids)
+        else:
+            played = tools.play(engine, policy, settings, query_ids.device, seed=seed, **generate)
+            device = query_ids.device
+            query_ids, query_mask = played.query_ids.to(device), played.query_mask.to(device)
+            responses, resp_mask = played.responses.to(device), played.resp_mask.to(device)
+            has_stop, model_tokens, record = played.has_stop.to(device), played.model_tokens.to(device), played.record
+            behaviour = played.logprobs.to(device) if played.logprobs is not None else None
+            last_index = (resp_mask.sum(1) - 1).clamp(min=0)
     logprobs = None
     if need_logprobs:
         with timer("policy_logprobs"):
@@ -120,13 +165,50 @@ def collect_rollout(
             )
     if behaviour is not None:
         behaviour = behaviour.masked_fill(resp_mask == 0, INVALID_LOGPROB)
-    return Rollout(query_ids, query_mask, responses, resp_mask, last_index, logprobs, ref_logprobs, has_stop, behaviour)
+    return Rollout(
+        query_ids,
+        query_mask,
+        responses,
+        resp_mask,
+        last_index,
+        logprobs,
+        ref_logprobs,
+        has_stop,
+        behaviour,
+        model_tokens,
+        record,
+    )
+
+
+def tool_metrics(rollout: Rollout) -> dict[str, torch.Tensor]:
+    """A tool rollout's statistics as 0-d tensors (none without tools): TRL's tools/call_frequency (calls per
+    episode) and tools/failure_frequency (failed calls per call), the failed calls, the model's turns per episode,
+    the share of episodes stopped at grpo.max_tool_calls with calls unanswered, and the share of response tokens
+    that are the tools'."""
+    record = rollout.episodes
+    if record is None:
+        return {}
+    count, calls, failures = len(record.calls), sum(record.calls), sum(record.failures)
+    tokens = rollout.resp_mask.sum().float()
+
+    def scalar(value: float) -> torch.Tensor:
+        return torch.tensor(float(value), device=tokens.device)
+
+    return {
+        "tools/call_frequency": scalar(calls / count),
+        "tools/failure_frequency": scalar(failures / calls if calls else 0.0),
+        "tools/failures": scalar(failures),
+        "tools/turns": scalar(sum(record.turns) / count),
+        "tools/hit_max_calls": scalar(sum(record.hit_limit) / count),
+        "tools/token_share": (tokens - rollout.model_mask().sum().float()) / tokens.clamp(min=1.0),
+    }
 
 
 def completion_metrics(rollout: Rollout) -> dict[str, torch.Tensor]:
     """TRL's completion statistics of a rollout, as 0-d tensors: lengths in tokens (stop token included),
-    the fraction that never stopped, and the mean length of those that did (0 when none did)."""
-    lengths = rollout.resp_mask.sum(1).float()
+    the fraction that never stopped, and the mean length of those that did (0 when none did). A tool episode's
+    length counts the model's tokens only, as TRL's."""
+    lengths = rollout.model_mask().sum(1).float()
     stopped = rollout.has_stop.float()
     return {
         "completions/mean_length": lengths.mean(),

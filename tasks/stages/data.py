@@ -19,6 +19,7 @@ from rlhf_core.data.rows import DataValidationError, Kind
 from rlhf_core.data.tables import apply_length_policy, fingerprint_rows, load_table, save_table
 from rlhf_core.demo.world import DemoWorld, build_demo_world
 from rlhf_core.models.loading import ModelSourceError, check_source, generation_config_of, load_tokenizer, run_stop_ids
+from rlhf_core.rollout.tools import require_tool_template
 from tasks import registry, tracking
 from tasks.reporting.identity import StageIdentity
 from tasks.reporting.progress import publish_table
@@ -105,6 +106,8 @@ def check_policy_sources(cfg: PipelineConfig, world: DemoWorld | None) -> tuple[
     # the stop tokens against the base model's tokenizer now, before SFT or reward training
     generation_config = generation_config_of(base_model, trust_remote_code=cfg.model.trust_remote_code)
     run_stop_ids(tokenizer, generation_config, cfg.rl)
+    if cfg.rl.algorithm != "ppo" and cfg.grpo.uses_tools:  # a template that cannot carry tool turns, before SFT
+        require_tool_template(tokenizer, cfg.data.chat_template_kwargs)
     return base_model, tokenizer_source, tokenizer
 
 

@@ -58,7 +58,17 @@ def export_info(cfg: PipelineConfig, data: PreparedData, plan: InitPlan, trained
         source_checkpoint=trained.model_uri or trained.path,
         license=cfg.export.license or base_license(cfg, data),
         eval_dataset=source_name(cfg.data.eval_prompts.path),
+        tools=trained_tools(cfg),
     )
+
+
+def trained_tools(cfg: PipelineConfig) -> list[str]:
+    """The import paths of the tools and environments the policy's rollouts called (none for PPO)."""
+    if cfg.rl.algorithm == "ppo":
+        return []
+    environment = cfg.grpo.environment
+    environments = list(environment.values()) if isinstance(environment, dict) else [environment] if environment else []
+    return [*cfg.grpo.tools, *environments]
 
 
 def root_base_name(cfg: PipelineConfig, data: PreparedData) -> str:

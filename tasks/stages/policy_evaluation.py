@@ -18,6 +18,7 @@ from rlhf_core.evaluation.generations import evaluate_generations
 from rlhf_core.evaluation.verifiable import sampled_columns
 from rlhf_core.rewards.functions import load_function
 from rlhf_core.rollout.engines import RolloutEngine, rollout_seed
+from rlhf_core.rollout.tools import load_tool_use
 
 EVAL_STEP = -1  # the step evaluations seed an engine's requests with: the same at every evaluation and in promotion
 
@@ -53,7 +54,8 @@ def evaluate_policy(
     """Completions of the held-out prompts sampled from `model` as in training (or greedy), scored (the loops'
     `evaluate`); with eval.samples_per_prompt n > 1 each row also gets its prompt's pass_at_<k> and maj_at_<n>
     from n more samples that eval.verifier checks. `engine`: what samples (rollout.vllm.evaluate; our loop when
-    None), its requests seeded the same at every evaluation and in promotion's."""
+    None), its requests seeded the same at every evaluation and in promotion's. With grpo.tools or grpo.environment
+    each prompt is a tool episode, as in training."""
     prompts, messages = prompt_columns(prompt_rows)
     seed = rollout_seed(cfg.run.seed, rank=0, step=EVAL_STEP)
     generate = partial(
@@ -69,6 +71,8 @@ def evaluate_policy(
         stop_token_ids=models.stop_ids,
         device=next(model.parameters()).device,
         engine=engine,
+        tool_use=load_tool_use(cfg.grpo) if cfg.rl.algorithm != "ppo" else None,
+        template_kwargs=cfg.data.chat_template_kwargs,
     )
     columns = extra_columns(prompt_rows)
     rows = generate(

@@ -193,6 +193,7 @@ def _train(
         cfg.grpo.model_copy(update={"beta": cfg.grpo.beta * kl_scale}),
         cfg.run,
         on_completions=reporter.on_completions,
+        template_kwargs=cfg.data.chat_template_kwargs,
         **common,
     )
 

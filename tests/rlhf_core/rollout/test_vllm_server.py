@@ -20,10 +20,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from rlhf_core.models.forward import response_logprobs
 from rlhf_core.models.loading import load_causal_lm, load_tokenizer, stop_token_ids
 from rlhf_core.rl_math import response_mask
+from rlhf_core.rollout.engines import LoopEngine, VllmEngine
 from rlhf_core.rollout.generation import generate, left_pad, tokenize_prompts
 from rlhf_core.rollout.sampling import SamplingSettings
+from rlhf_core.rollout.tools import Toolbox, ToolUse
 from rlhf_core.rollout.vllm_server import (
     ServerSettings,
     VllmClient,
@@ -188,6 +191,58 @@ def test_greedy_completions_are_our_loops_tokens_with_transformers_logprobs(clie
         assert_logprobs_close(theirs, sampled_logprobs(model, tokenizer, prompts, theirs, case, stops_now))
     assert any(c.token_ids[-1] == extra for c in client.complete(prompts, settings, stops_now))  # reached at 4+
     assert all(len(c.token_ids) >= 8 for c in theirs)  # with min_tokens 8, no stop before the 8th token
+
+
+def test_a_tool_episode_continues_from_token_ids_on_the_server(client, policy_dir, monkeypatch):
+    """The vllm engine plays a tool episode (rollout/episodes.py) as our loop does: the second turn is asked from the
+    episode's token ids (the first turn and the tool's turn appended, nothing re-tokenized), and greedy, both engines
+    write the same episode with the same log-probs. The random model calls no tool, so every first turn is read as
+    a call."""
+    from rlhf_core.rollout import episodes
+
+    tokenizer = load_tokenizer(str(policy_dir))
+    model = load_causal_lm(str(policy_dir)).eval()
+    prompts = prompts_of(tokenizer, n=4)
+    settings = SamplingSettings(response_length=40, greedy=True, min_tokens=0)  # no stop id held back: plain log-probs
+    stops = stop_token_ids(tokenizer, model.generation_config)
+    free = our_greedy(model, tokenizer, prompts, SamplingSettings(response_length=12, greedy=True, min_tokens=0), stops)
+    stops = [*stops, next(t for r in free for t in r[2:] if t not in r[:2])]  # first turns that stop early
+    real_parse = episodes.parse_turn
+
+    def first_turn_calls(tok, ids, prefix=None, tools=None):
+        message = real_parse(tok, ids, prefix, tools)
+        if list(prefix) in prompts:
+            message["tool_calls"] = [{"type": "function", "function": {"name": "lookup", "arguments": {}}}]
+        return message
+
+    def lookup() -> str:
+        return "seven plus two"
+
+    monkeypatch.setattr(episodes, "parse_turn", first_turn_calls)
+
+    def play(engine, policy):
+        return episodes.run_episodes(
+            engine,
+            policy,
+            tokenizer,
+            prompts,
+            [Toolbox({"lookup": lookup}) for _ in prompts],
+            settings,
+            ToolUse([lookup]),
+            pad_token_id=tokenizer.pad_token_id,
+            stop_token_ids=stops,
+        )
+
+    ours, theirs = play(LoopEngine(), model), play(VllmEngine(client, None), None)
+    assert theirs.record.turns == ours.record.turns and max(ours.record.turns) == 2
+    assert torch.equal(theirs.responses, ours.responses) and torch.equal(theirs.model_tokens, ours.model_tokens)
+    assert int((ours.resp_mask - ours.model_tokens).sum()) > 0  # tool turns are in the episodes
+    model_tokens = theirs.model_tokens.bool()
+    transformers_logprobs, _ = response_logprobs(
+        model, ours.query_ids, ours.query_mask, ours.responses, ours.resp_mask, 1.0
+    )
+    gap = (theirs.logprobs - transformers_logprobs).abs()[model_tokens]
+    assert float(gap.max()) < 10 * LOGPROB_ATOL
 
 
 def test_seeded_sampling_repeats_and_its_logprobs_are_the_sampled_distributions(client, policy_dir):
