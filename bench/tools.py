@@ -83,11 +83,20 @@ def one_seed(config: str, seed: int, overrides: list[str]) -> dict:
 
     out = OUT / f"seed-{seed}"
     out.mkdir(parents=True, exist_ok=True)
-    sets = [f"run.seed={seed}", f"run.output_dir={out / 'run'}", f"tracking.uri=sqlite:///{out / 'mlflow.db'}", *overrides]
+    sets = [
+        f"run.seed={seed}",
+        f"run.output_dir={out / 'run'}",
+        f"tracking.uri=sqlite:///{out / 'mlflow.db'}",
+        *overrides,
+    ]
     cfg = load_config(config, sets)
     run, world = out / "run", out / "run" / "demo_world"
     with_tool_seconds = pipeline(config, sets)
-    results = {"seed": seed, "sft": measure(run / "sft", world, cfg, True), "rl_tool": measure(run / "export", world, cfg, True)}
+    results = {
+        "seed": seed,
+        "sft": measure(run / "sft", world, cfg, True),
+        "rl_tool": measure(run / "export", world, cfg, True),
+    }
     results["without_tool_seconds"] = round(pipeline(config, [*sets, "grpo.tools=[]"]), 1)  # reuses the SFT stage
     results["rl_no_tool"] = measure(run / "export", world, cfg, False)
     results["with_tool_seconds"] = round(with_tool_seconds, 1)

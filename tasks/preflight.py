@@ -1,11 +1,10 @@
 """Everything that can be checked without training, checked before the first stage starts.
 
 `preflight_problems(cfg)` returns the problems it finds, each one sentence naming the config field;
-`check_preflight(cfg)` raises the first of them (as :class:`PreflightError` or the error the stage that
-would have met it raises). `rlhf validate` and the pipeline flow call `check_preflight` right after the
-config is loaded, so a wrong reward function, a missing data file, a model that cannot hold prompt +
-response, an unreachable tracking server or a bad registry name stops the run before the demo world is
-built, before SFT and before reward training.
+`check_preflight(cfg)` raises the first (as :class:`PreflightError` or what the stage that would have met it
+raises). `rlhf validate` and the pipeline flow call it right after the config is loaded, so a wrong reward
+function or tool, a missing data file, a model that cannot hold prompt + response, an unreachable tracking
+server or a bad registry name stops the run before the demo world is built, SFT and reward training.
 
 This module stays light (no prefect, mlflow or torch imports): `rlhf validate` runs it in a second.
 """
@@ -89,9 +88,7 @@ def preflight_problems(cfg: PipelineConfig) -> list[str]:
     return problems
 
 
-# --------------------------------------------------------------------------------------------
-# reward and metric functions
-# --------------------------------------------------------------------------------------------
+# ----------------------------- reward and metric functions, tools -----------------------------
 
 
 def _signature_problem(fn: Callable, *, needs_kwargs: bool) -> str | None:
@@ -134,13 +131,24 @@ def _check_functions(cfg: PipelineConfig) -> list[str]:
 def _check_tools(cfg: PipelineConfig) -> list[str]:
     """grpo.tools and grpo.environment import (their chat template is checked where the data stage loads the
     tokenizer, before any training)."""
-    if cfg.rl.algorithm == "ppo":
+    if cfg.rl.algorithm == "ppo" or not cfg.grpo.uses_tools:
         return []
     try:
         load_tool_use(cfg.grpo)
     except ToolError as err:
         return [str(err)]
-    return []
+    plain = [f for _, f, spec, kind in cfg.data_tables() if kind == "prompt" and _plain_prompts(cfg, f, spec)]
+    why = "grpo.tools needs conversational ones (lists of messages) for the chat template to write the tool turns after"
+    return [f"{field} holds plain-text prompts, and {why}" for field in plain]
+
+
+def _plain_prompts(cfg: PipelineConfig, field: str, spec: DatasetSpec) -> bool:
+    if spec.path == DEMO:
+        return cfg.data.demo.world == "arithmetic"
+    if not looks_local(spec.path) or spec.format == "conversational":
+        return False
+    problem, conversational = _check_table(field, spec, "prompt")
+    return problem is None and not conversational
 
 
 # --------------------------------------------------------------------------------------------

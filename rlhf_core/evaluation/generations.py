@@ -24,9 +24,9 @@ import torch
 from rlhf_core.data.chat import assistant_messages
 from rlhf_core.models.forward import logprobs_from_logits, response_logits, sequence_scores
 from rlhf_core.rewards.functions import accepts, call_scoring_function, completion_ids
-from rlhf_core.rl_math import exact_kl_per_token, kl_per_token, response_mask
-from rlhf_core.rollout.collect import ToolRollout, reference_context
-from rlhf_core.rollout.engines import LoopEngine, RolloutEngine
+from rlhf_core.rl_math import exact_kl_per_token, kl_per_token
+from rlhf_core.rollout.collect import ToolRollout, collect_rollout, context_length, reference_context
+from rlhf_core.rollout.engines import RolloutEngine
 from rlhf_core.rollout.generation import decode_responses, left_pad, tokenize_prompts
 from rlhf_core.rollout.sampling import SamplingSettings
 from rlhf_core.rollout.tools import ToolUse
@@ -80,6 +80,7 @@ def evaluate_generations(
     for model in (ref_model, reward_model):
         if model is not None and device is not None:
             model.to(device)
+    scoring = (policy, ref_model, reward_model, tokenizer, metrics, prompt_messages, columns, kl_temperature)
     rows: list[dict] = []
     for start in range(0, len(prompts), batch_size):
         chunk = prompts[start : start + batch_size]
@@ -87,48 +88,48 @@ def evaluate_generations(
         if device is not None:
             query_ids, query_mask = query_ids.to(device), query_mask.to(device)
         batch = slice(start, start + batch_size)
-        generate = {"pad_token_id": tokenizer.pad_token_id, "stop_token_ids": stop_token_ids}
-        generate["seed"] = None if seed is None else seed + start
-        record = None
-        if tool_use is None:
-            responses, _ = (engine or LoopEngine()).generate(policy, query_ids, query_mask, settings, **generate)
-            resp_mask, last_index, has_stop = response_mask(responses, stop_token_ids)
-            model_mask = resp_mask
-        else:
-            played = ToolRollout(
-                tool_use,
-                tokenizer,
-                _chunk_rows(chunk, prompt_messages, columns, batch),
-                max_prompt_length,
-                max_length=getattr(getattr(policy, "config", None), "max_position_embeddings", None),
-                template_kwargs=template_kwargs,
-            ).play(engine or LoopEngine(), policy, settings, query_ids.device, **generate)
-            query_ids, query_mask = played.query_ids.to(query_ids.device), played.query_mask.to(query_ids.device)
-            responses, resp_mask, has_stop = (
-                played.responses.to(query_ids.device),
-                played.resp_mask.to(query_ids.device),
-                played.has_stop,
-            )
-            model_mask, record = resp_mask * played.model_tokens.to(query_ids.device), played.record
-            last_index = (resp_mask.sum(1) - 1).clamp(min=0)
-        kls = {}
-        if ref_model is not None or is_peft(policy):  # the caller loads a reference even for GRPO with beta 0
-            args = (query_ids, query_mask, responses, resp_mask)
-            kls = completion_kl(policy, ref_model, *args, temperature=kl_temperature, mask=model_mask)
-        scores = (
-            sequence_scores(reward_model, query_ids, query_mask, responses, resp_mask, last_index)
-            if reward_model is not None
-            else None
+        tools = None
+        if tool_use is not None:
+            chunk_rows = _chunk_rows(chunk, prompt_messages, columns, batch)
+            length = context_length(policy)
+            tools = ToolRollout(tool_use, tokenizer, chunk_rows, max_prompt_length, length, template_kwargs)
+        rollout = collect_rollout(
+            policy,
+            None,
+            query_ids,
+            query_mask,
+            settings,
+            pad_token_id=tokenizer.pad_token_id,
+            stop_token_ids=stop_token_ids,
+            need_reference=False,
+            need_logprobs=False,
+            engine=engine,
+            seed=None if seed is None else seed + start,
+            tools=tools,
         )
-        if record is None:
-            completions = decode_responses(tokenizer, responses, resp_mask)
-            scored = completions
-        else:
-            completions, scored = record.texts(), record.transcripts
-        extra = _metric_values(metrics, chunk, scored, prompt_messages, columns, batch, responses, resp_mask)
-        rows += _rows(chunk, completions, scores, extra, kls, model_mask, has_stop, record)
+        rows += _scored_rows(rollout, chunk, batch, scoring)
     policy.train(was_training)
     return rows
+
+
+def _scored_rows(rollout, chunk, batch: slice, scoring: tuple) -> list[dict]:
+    """One batch's rows from its rollout: the KLs (over the model's tokens), the reward model's score, the
+    metric functions' values (of the transcripts, for tool episodes)."""
+    policy, ref_model, reward_model, tokenizer, metrics, prompt_messages, columns, kl_temperature = scoring
+    args = (rollout.query_ids, rollout.query_mask, rollout.responses, rollout.resp_mask)
+    kls = {}
+    if ref_model is not None or is_peft(policy):  # the caller loads a reference even for GRPO with beta 0
+        kls = completion_kl(policy, ref_model, *args, temperature=kl_temperature, mask=rollout.model_mask())
+    scores = sequence_scores(reward_model, *args, rollout.last_index) if reward_model is not None else None
+    record = rollout.episodes
+    if record is None:
+        completions = scored = decode_responses(tokenizer, rollout.responses, rollout.resp_mask)
+    else:
+        completions, scored = record.texts(), record.transcripts
+    extra = _metric_values(
+        metrics, chunk, scored, prompt_messages, columns, batch, rollout.responses, rollout.resp_mask
+    )
+    return _rows(chunk, completions, scores, extra, kls, rollout.model_mask(), rollout.has_stop, record)
 
 
 def _metric_values(

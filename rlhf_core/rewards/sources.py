@@ -55,7 +55,7 @@ def function_reward(name: str, weight: float, fn) -> RewardSourceFn:
     def score(prompts, completions, rollout, rows):
         columns = extra_columns(rows)
         if wants_ids and rollout is not None and "completion_ids" not in columns:
-            columns["completion_ids"] = completion_ids(rollout.responses, rollout.model_mask())
+            columns["completion_ids"] = completion_ids(rollout.responses, rollout.resp_mask)  # an episode's: all of it
         episodes = rollout.episodes if rollout is not None else None
         if episodes is not None:  # a tool episode: its transcript (assistant and tool messages), as TRL's
             completions = episodes.transcripts

@@ -46,6 +46,7 @@ from rlhf_core.rollout.collect import (
     ToolRollout,
     collect_rollout,
     completion_metrics,
+    context_length,
     missing_stop_penalty,
     tool_metrics,
 )
@@ -94,11 +95,7 @@ def tool_rollout(grpo: GRPOConfig, tokenizer, policy, max_prompt_length: int, te
     if tool_use is None:
         return None
     require_tool_template(tokenizer, template_kwargs)
-    config = getattr(policy, "config", None)
-    max_length = getattr(
-        config.get_text_config() if hasattr(config, "get_text_config") else config, "max_position_embeddings", None
-    )
-    return ToolRollout(tool_use, tokenizer, [], max_prompt_length, max_length, template_kwargs)
+    return ToolRollout(tool_use, tokenizer, [], max_prompt_length, context_length(policy), template_kwargs)
 
 
 class GroupSampler:

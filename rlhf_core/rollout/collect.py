@@ -79,6 +79,13 @@ def reference_context(policy, ref_model):
     return nullcontext()
 
 
+def context_length(policy) -> int | None:
+    """The longest sequence the policy's config says it takes (max_position_embeddings), None when it says none."""
+    config = getattr(policy, "config", None)
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return getattr(config, "max_position_embeddings", None)
+
+
 @dataclass
 class ToolRollout:
     """What a rollout of tool episodes needs beyond the prompts' ids: the tools, each row's prompt row (its

@@ -27,7 +27,7 @@ from rlhf_core.rl_math import INVALID_LOGPROB, response_mask
 from rlhf_core.rollout.engines import RolloutEngine
 from rlhf_core.rollout.generation import left_pad
 from rlhf_core.rollout.sampling import SamplingSettings
-from rlhf_core.rollout.tools import Toolbox, ToolUse, run_turns
+from rlhf_core.rollout.tools import Toolbox, ToolError, ToolUse, run_turns
 
 TURN_SEED_STRIDE = 65_537  # an engine's requests of turn t are seeded seed + t x stride (+ the row's offset)
 
@@ -82,7 +82,9 @@ def episode_prompts(
     for i, (row, box) in enumerate(zip(rows, toolboxes)):
         messages = row.get("prompt_messages")
         if messages is None:
-            raise ValueError(f"prompt row {i} has no messages: tool episodes need conversational prompts")
+            raise ToolError(
+                f"prompt row {i} is plain text, and grpo.tools needs conversational prompts (lists of messages)"
+            )
         if box.reset_text:
             messages = [dict(m) for m in messages]
             last = max(j for j, m in enumerate(messages) if m["role"] == "user")

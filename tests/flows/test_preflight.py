@@ -426,3 +426,31 @@ def test_a_vllm_engine_on_a_port_in_use_is_refused_and_a_running_server_is_not_c
         code, err = cli("validate", tmp_path, capsys, *wide, f"rollout.vllm.port={port}")
         assert_one_sentence(code, err, f"rollout.vllm.port {port} on 127.0.0.1 is in use", tmp_path)
         assert cli("validate", tmp_path, capsys, *wide, "rollout.vllm.url=http://127.0.0.1:1")[0] == 0
+
+
+@pytest.mark.parametrize(
+    ("sets", "expected"),
+    [
+        (
+            ("grpo.tools=['preflight_funcs:nope']",),
+            "grpo.tools[0]: module 'preflight_funcs' has no function 'nope'",
+        ),
+        (
+            ("grpo.environment=preflight_funcs:fine",),
+            "grpo.environment: 'preflight_funcs:fine' has no reset method; an environment must define reset(**row)",
+        ),
+        (
+            ("grpo.tools=['preflight_funcs:fine']", "data.demo.world=arithmetic"),
+            "data.prompts holds plain-text prompts, and grpo.tools needs conversational ones (lists of messages) for "
+            "the chat template to write the tool turns after",
+        ),
+        (
+            ("grpo.tools=['preflight_funcs:fine']", "rl.algorithm=ppo"),
+            "grpo.tools and grpo.environment give the group algorithms' rollouts tools; rl.algorithm 'ppo' samples "
+            "without them: use one of grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline",
+        ),
+    ],
+)
+def test_tools_that_cannot_run_are_refused_before_any_work(funcs, tmp_path, capsys, sets, expected):
+    code, err = cli("validate", tmp_path, capsys, "rl.algorithm=grpo", *sets)
+    assert_one_sentence(code, err, expected, tmp_path)

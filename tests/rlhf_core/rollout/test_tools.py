@@ -141,3 +141,19 @@ def test_config_mistakes_are_one_sentence():
         load_tool_use(GRPOConfig(environment=f"{__name__}:Toolbox"))
     with pytest.raises(ValueError, match="must be written 'package.module:function'"):
         GRPOConfig(tools=["add"])
+
+
+def test_a_template_that_cannot_carry_episodes_is_refused_naming_it():
+    from rlhf_core.demo.calculator import build_calculator_tokenizer
+    from rlhf_core.rollout.tools import require_tool_template
+
+    tokenizer = build_calculator_tokenizer(64)
+    require_tool_template(tokenizer)  # the calculator world's template carries them
+    tokenizer.name_or_path = "org/chat-model"
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    with pytest.raises(ToolError) as raised:
+        require_tool_template(tokenizer)
+    assert str(raised.value) == (
+        "grpo.tools and grpo.environment need a chat template that writes tool turns, and the chat template of "
+        "org/chat-model drops tool calls or tool answers when it renders them"
+    )
