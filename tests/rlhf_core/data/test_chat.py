@@ -191,3 +191,15 @@ def test_shown_prompt_keeps_the_users_text_of_a_templated_prompt():
     assert shown_prompt("<bos><|im_start|>user\nthe movie was<|im_end|>\n<|im_start|>assistant\n") == "the movie was"
     assert shown_prompt("<|start_header_id|>user<|end_header_id|>\n\nHi there<|eot_id|>") == "Hi there"
     assert shown_prompt("plain text prompt") == "plain text prompt"
+
+
+def test_final_answer_is_the_last_assistant_message_of_a_transcript():
+    from rlhf_core.data.chat import final_answer
+
+    transcript = [
+        {"role": "assistant", "content": "", "tool_calls": []},
+        {"role": "tool", "name": "f", "content": "42"},
+        {"role": "assistant", "content": "The answer is 42"},
+    ]
+    assert final_answer(transcript) == "The answer is 42"
+    assert final_answer("plain") == "plain" and final_answer([{"role": "tool", "content": "1"}]) == ""

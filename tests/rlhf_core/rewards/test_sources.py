@@ -75,3 +75,50 @@ def test_functions_that_take_completion_ids_get_each_completions_ids_with_its_st
     assert function_reward("len", 1.0, lengths).score(["a", "b"], ["x", "y"], rollout, rows) == [2.0, 3.0]
     assert got["ids"] == [[5, 2], [6, 7, 8]]
     assert function_reward("plain", 1.0, plain).score(["a", "b"], ["x", "y"], rollout, rows) == [0.0, 0.0]
+
+
+def test_tool_episodes_are_scored_on_their_transcripts_and_environments_score_their_own():
+    from types import SimpleNamespace
+
+    from rlhf_core.rewards.functions import exact_match
+    from rlhf_core.rewards.sources import environment_rewards
+    from rlhf_core.rollout.episodes import EpisodeRecord
+    from rlhf_core.rollout.tools import Toolbox, ToolUse
+
+    class Room:
+        def reset(self, **_):
+            return None
+
+        def get_reward(self):
+            return 0.5
+
+    class Other(Room):
+        get_reward = None
+
+    call = {"type": "function", "function": {"name": "multiply", "arguments": {"a": 2, "b": 3}}}
+    transcripts = [
+        [
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "name": "multiply", "content": "6"},
+            {"role": "assistant", "content": "6"},
+        ],
+        [{"role": "assistant", "content": "5"}],
+    ]
+    boxes = [Toolbox({}, Room()), Toolbox({}, Other())]
+    record = EpisodeRecord(transcripts, [1, 0], [0, 0], [2, 1], [False, False], boxes)
+    rollout = SimpleNamespace(
+        episodes=record, responses=torch.zeros(2, 3, dtype=torch.long), resp_mask=torch.ones(2, 3)
+    )
+    rows = [{"prompt": "p", "prompt_messages": [{"role": "user", "content": "2*3="}], "answer": "6"}] * 2
+    seen = {}
+
+    def fn(prompts, completions, environments, **_):
+        seen.update(completions=completions, environments=environments)
+        return [0.0, 0.0]
+
+    function_reward("f", 1.0, fn).score(["p", "p"], ["text", "text"], rollout, rows)
+    assert seen["completions"] == transcripts and seen["environments"] == [b.environment for b in boxes]
+    # exact match reads the transcript's last answer, not the tool's "6" or the whole text
+    assert function_reward("em", 1.0, exact_match).score(["p"] * 2, ["x", "x"], rollout, rows) == [1.0, 0.0]
+    [room] = environment_rewards(ToolUse([], {"a": Room, "b": Other}))
+    assert room.name == "Room" and room.score(None, None, rollout, rows) == [0.5, None]

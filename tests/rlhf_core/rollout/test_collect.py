@@ -57,3 +57,35 @@ def test_collect_rollout_runs_only_the_forward_passes_asked_for(smoke_world, nee
     assert (rollout.ref_logprobs is not None) == need_reference
     if need_logprobs and need_reference:  # the same weights: the reference reads what the policy read
         torch.testing.assert_close(rollout.logprobs, rollout.ref_logprobs)
+
+
+def test_a_tool_rollouts_lengths_count_the_models_tokens_and_its_tool_statistics():
+    from rlhf_core.rollout.collect import Rollout, tool_metrics
+    from rlhf_core.rollout.episodes import EpisodeRecord
+
+    resp_mask = torch.tensor([[1, 1, 1, 1, 1, 1, 0], [1, 1, 0, 0, 0, 0, 0]])
+    model_tokens = torch.tensor([[1, 1, 0, 0, 1, 1, 0], [1, 1, 0, 0, 0, 0, 0]])  # row 0: 2 of its 6 are the tool's
+    record = EpisodeRecord([[], []], [3, 0], [1, 0], [2, 1], [True, False], [])
+    rollout = Rollout(
+        torch.zeros(2, 1, dtype=torch.long),
+        torch.ones(2, 1, dtype=torch.long),
+        torch.zeros_like(resp_mask),
+        resp_mask,
+        torch.tensor([5, 1]),
+        None,
+        None,
+        torch.tensor([True, True]),
+        model_tokens=model_tokens,
+        episodes=record,
+    )
+    assert completion_metrics(rollout)["completions/max_length"] == 4
+    assert torch.equal(rollout.trained_mask(False), model_tokens)
+    metrics = {k: float(v) for k, v in tool_metrics(rollout).items()}
+    assert metrics == {
+        "tools/call_frequency": 1.5,
+        "tools/failure_frequency": pytest.approx(1 / 3),
+        "tools/failures": 1.0,
+        "tools/turns": 1.5,
+        "tools/hit_max_calls": 0.5,
+        "tools/token_share": 0.25,
+    }
