@@ -54,7 +54,7 @@ def message_problem(value: Any) -> str | None:
 def shown_prompt(prompt: str) -> str:
     """A templated prompt as a reader wants it: the text of its turns, without special tokens or role lines
     (`<bos><|im_start|>user\\nthe movie was<|im_end|>...` -> `the movie was`); plain text passes unchanged."""
-    text = re.sub(r"<\|[^|>]+\|>|<bos>|<s>|</s>", "\n", prompt)
+    text = re.sub(r"<\|[^|>]+\|>|<bos>|<eos>|<s>|</s>|<user>|<assistant>|<system>|<tool>", "\n", prompt)
     lines = [line.strip() for line in text.splitlines()]
     return " ".join(line for line in lines if line and line not in ("user", "assistant", "system"))
 

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
-from rlhf_core.data.chat import assistant_messages
+from rlhf_core.data.chat import assistant_messages, final_answer
 from rlhf_core.models.forward import logprobs_from_logits, response_logits, sequence_scores
 from rlhf_core.rewards.functions import accepts, call_scoring_function, completion_ids
 from rlhf_core.rl_math import exact_kl_per_token, kl_per_token
@@ -187,7 +187,8 @@ def _rows(chunk, completions, scores, extra, kls, resp_mask, has_stop, record=No
         row.update({name: float(values[i]) for name, values in kls.items()})
         row["length"] = int(resp_mask[i].sum())
         row["stopped"] = bool(has_stop[i])
-        if record is not None:
+        if record is not None:  # the transcript is long: its last answer in a column of its own, first
+            row = {"prompt": prompt, "final_answer": final_answer(record.transcripts[i]), **row}
             row.update(tool_calls=record.calls[i], tool_failures=record.failures[i], turns=record.turns[i])
         rows.append(row)
     return rows

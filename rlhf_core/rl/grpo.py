@@ -347,9 +347,10 @@ def train_grpo(
     beta 0 no reference is used at all. `stop_token_ids`: what ends a response, when the caller computed it
     (else `run_stop_ids` of the policy). `rollout`: the engine that samples (rollout.engine; our loop when None),
     at `engine_url` for vllm (else rollout.vllm.url). With grpo.tools or grpo.environment every completion is a
-    tool episode (`tool_rollout`), its template rendered with `template_kwargs` (data.chat_template_kwargs). `hooks` (`RLHooks`): on_log, on_checkpoint, on_eval with
-    evaluate and eval_every, on_step, show_progress, and on_completions(rows, step), which receives every
-    grpo.log_completions_steps the prompts, completions, each reward and the advantages.
+    tool episode (`tool_rollout`), its template rendered with `template_kwargs` (data.chat_template_kwargs).
+    `hooks` (`RLHooks`): on_log, on_checkpoint, on_eval with evaluate and eval_every, on_step, show_progress, and
+    on_completions(rows, step), which receives every grpo.log_completions_steps the prompts, completions, each
+    reward and the advantages.
     """
     estimator = estimator_for(rl.algorithm, with_values=False)
     models = {"policy": policy}

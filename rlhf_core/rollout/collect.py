@@ -31,9 +31,7 @@ class Rollout:
     ref_logprobs: torch.Tensor | None  # (B, R)
     has_stop: torch.Tensor  # (B,) bool: the response ended with a stop token (else it ran to response_length)
     behaviour_logprobs: torch.Tensor | None = None  # (B, R) the rollout engine's own (vllm); None: the policy sampled
-    model_tokens: torch.Tensor | None = (
-        None  # (B, R) 1 where the model sampled the token, 0 in a tool's turn; None: all
-    )
+    model_tokens: torch.Tensor | None = None  # (B, R) 1: the model sampled it, 0: a tool's turn; None: all are
     episodes: EpisodeRecord | None = None  # a tool rollout's transcripts and counts (`episodes.py`)
 
     def model_mask(self) -> torch.Tensor:

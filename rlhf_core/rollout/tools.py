@@ -63,7 +63,7 @@ class _AsyncRunner:
 
     def run(self, coroutine, timeout_s: float):
         future = asyncio.run_coroutine_threadsafe(asyncio.wait_for(coroutine, timeout_s), self.loop)
-        return future.result()
+        return future.result(timeout_s + 1.0)  # a coroutine that blocks the loop itself cannot be cancelled
 
 
 _ASYNC: list[_AsyncRunner] = []

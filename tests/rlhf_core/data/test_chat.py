@@ -191,6 +191,7 @@ def test_shown_prompt_keeps_the_users_text_of_a_templated_prompt():
     assert shown_prompt("<bos><|im_start|>user\nthe movie was<|im_end|>\n<|im_start|>assistant\n") == "the movie was"
     assert shown_prompt("<|start_header_id|>user<|end_header_id|>\n\nHi there<|eot_id|>") == "Hi there"
     assert shown_prompt("plain text prompt") == "plain text prompt"
+    assert shown_prompt("<bos><user>456*789=<eos><assistant>") == "456*789="  # the calculator world's template
 
 
 def test_final_answer_is_the_last_assistant_message_of_a_transcript():
