@@ -49,7 +49,12 @@ def test_a_tool_run_logs_tool_metrics_and_transcripts_and_exports_its_tools(pref
     [stage] = (out / "grpo").iterdir()
     evals = pd.read_parquet(stage / "eval" / "eval_step_000002.parquet")
     assert {"final_answer", "completion", "tool_calls", "tool_failures", "turns", "exact_match"} <= set(evals.columns)
-    assert list(evals.columns[:3]) == ["prompt", "final_answer", "completion"]  # the short answer before the transcript
+    assert list(evals.columns[:4]) == [
+        "step",
+        "prompt",
+        "final_answer",
+        "completion",
+    ]  # the answer before the transcript
     assert (evals["turns"] >= 1).all() and (evals["turns"] <= evals["tool_calls"] + 1).all()
     completions = pd.read_parquet(next((stage / "completions").glob("*.parquet")))
     assert len(completions) == 8 and completions["completion"].map(lambda c: isinstance(c, str)).all()
