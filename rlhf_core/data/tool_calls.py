@@ -39,8 +39,9 @@ def tool_suffix_ids(tokenizer, tool_messages: list[dict], kwargs: dict | None = 
     generation prompt of the next assistant turn."""
     kwargs = kwargs or {}
     dummy = _dummy_call(tool_messages[0]["name"])
-    prefix = _ids(tokenizer, dummy, kwargs, add_generation_prompt=False)
-    full = _ids(tokenizer, dummy + tool_messages, kwargs, add_generation_prompt=True)
+    with _quiet_transformers():  # the dummy conversation may outrun a small model's context: it is never run
+        prefix = _ids(tokenizer, dummy, kwargs, add_generation_prompt=False)
+        full = _ids(tokenizer, dummy + tool_messages, kwargs, add_generation_prompt=True)
     eos = [i for i, token in enumerate(prefix) if token == tokenizer.eos_token_id]
     if eos:  # a template's whitespace after the end of turn (ChatML's newline) comes back with the suffix
         prefix = prefix[: eos[-1] + 1]
@@ -75,8 +76,7 @@ def tool_template_problem(tokenizer, kwargs: dict | None = None) -> str | None:
     if not all(s in text for s in ("probe_tool_a8f3", "probe_key_b9d4", "probe_value_d6e7", "probe_answer_c4f9")):
         return f"the chat template of {name} drops tool calls or tool answers when it renders them"
     try:
-        with _quiet_transformers():  # the probe's dummy text can outrun a tiny model's context: no warning about it
-            tool_suffix_ids(tokenizer, [{"role": "tool", "name": "dummy", "content": "dummy"}], kwargs)
+        tool_suffix_ids(tokenizer, [{"role": "tool", "name": "dummy", "content": "dummy"}], kwargs)
     except ValueError:
         return (
             f"the chat template of {name} is not prefix-preserving: it rewrites earlier turns when a tool turn follows"
