@@ -145,7 +145,8 @@ def parse_turn(tokenizer, ids: Sequence[int], prefix: Sequence[int] | None = Non
             return _plain(tokenizer, ids)
         if not isinstance(parsed, dict):
             return _plain(tokenizer, ids)
-        message = {"role": "assistant", "content": str(parsed.get("content") or "").removesuffix(tokenizer.eos_token)}
+        content = str(parsed.get("content") or "").removesuffix(tokenizer.eos_token or "")
+        message = {"role": "assistant", "content": content}
         if parsed.get("tool_calls"):
             calls = _valid_calls(parsed["tool_calls"])
             if calls is None:

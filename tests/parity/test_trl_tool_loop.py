@@ -126,7 +126,11 @@ def prompts_of(tokenizer):
     return questions, [list(x) for x in ids]
 
 
-def ours(tokenizer):
+def ours(tokenizer, native_parser: bool = False):
+    """Our episodes: calls read from Hermes blocks, or with `native_parser` by the tokenizer's own response template
+    (the one TRL sets for Qwen, read by transformers' parse_response)."""
+    if native_parser:
+        tokenizer = chat_utils.add_response_schema(copy.deepcopy(tokenizer))
     questions, prompt_ids = prompts_of(tokenizer)
     engine = ScriptedEngine(Script(tokenizer, prompt_ids), tokenizer.pad_token_id)
     stops = [tokenizer.convert_tokens_to_ids("<|im_end|>")]
@@ -178,9 +182,10 @@ def trls(tokenizer):
 
 
 @pytest.mark.skipif(sys.version_info < (3, 10), reason="TRL 1.16 needs Python 3.10")
-def test_tool_episodes_match_trls_tool_loop(tokenizer):
+@pytest.mark.parametrize("native_parser", [False, True], ids=["hermes-blocks", "response-template"])
+def test_tool_episodes_match_trls_tool_loop(tokenizer, native_parser):
     tool_mask, completions, completion_ids, _, calls, failures, _ = trls(tokenizer)
-    played = ours(tokenizer)
+    played = ours(tokenizer, native_parser)
     lengths = played.resp_mask.sum(1).tolist()
     assert [played.responses[i, :n].tolist() for i, n in enumerate(lengths)] == completion_ids
     assert [played.model_tokens[i, :n].tolist() for i, n in enumerate(lengths)] == tool_mask
