@@ -189,21 +189,13 @@ def _write_reviews(out: DemoWorld, seed: int, world: DemoWorldConfig, model: Dem
 
 
 def _write_arithmetic(out: DemoWorld, seed: int, world: DemoWorldConfig, model: DemoModelConfig, report) -> int:
-    """The arithmetic world's files into `out` (`arithmetic_world.py`): the labelled problems as the corpus,
-    problems without answers as train prompts, held-out problems as test prompts; no preferences."""
+    """The arithmetic world's files into `out` (`arithmetic.py`): the labelled problems as the corpus, problems
+    without answers as train prompts, held-out problems as test prompts; no preferences."""
     report(0, 2, "problems")
     splits = world_splits(
         seed, num_sft=world.num_labelled, num_rl=world.num_train_prompts, num_eval=world.num_eval_prompts
     )
-    _write_jsonl(out.corpus, splits["sft"])
-    _write_jsonl(out.prompts("train"), splits["rl"])
-    _write_jsonl(out.prompts("test"), splits["eval"])
-    report(1, 2, "tokenizer and base model")
-    tokenizer = build_digit_tokenizer(model.max_position_embeddings)
-    tokenizer.save_pretrained(out.tokenizer)
-    build_arithmetic_model(tokenizer, model, seed).save_pretrained(out.base_model)
-    tokenizer.save_pretrained(out.base_model)
-    return 2
+    return _write_problems(out, splits, build_digit_tokenizer(model.max_position_embeddings), model, seed, report)
 
 
 def _write_calculator(out: DemoWorld, seed: int, world: DemoWorldConfig, model: DemoModelConfig, report) -> int:
@@ -213,11 +205,16 @@ def _write_calculator(out: DemoWorld, seed: int, world: DemoWorldConfig, model: 
     splits = calculator_splits(
         seed, world.num_labelled, world.num_train_prompts, world.num_eval_prompts, world.tool_call_fraction
     )
+    tokenizer = build_calculator_tokenizer(model.max_position_embeddings)
+    return _write_problems(out, splits, tokenizer, model, seed, report)
+
+
+def _write_problems(out: DemoWorld, splits: dict, tokenizer, model: DemoModelConfig, seed: int, report) -> int:
+    """A problem world's splits (sft, rl, eval), its tokenizer, and the tiny Llama built over it, into `out`."""
     _write_jsonl(out.corpus, splits["sft"])
     _write_jsonl(out.prompts("train"), splits["rl"])
     _write_jsonl(out.prompts("test"), splits["eval"])
     report(1, 2, "tokenizer and base model")
-    tokenizer = build_calculator_tokenizer(model.max_position_embeddings)
     tokenizer.save_pretrained(out.tokenizer)
     build_arithmetic_model(tokenizer, model, seed).save_pretrained(out.base_model)
     tokenizer.save_pretrained(out.base_model)
