@@ -106,6 +106,16 @@ def has_native_parser(tokenizer) -> bool:
     return any(getattr(tokenizer, name, None) is not None for name in ("response_template", "response_schema"))
 
 
+def _without_end_tokens(tokenizer, content: str) -> str:
+    """Content without the special tokens a response template left at its end: the stop token that ended the turn
+    when it is not the template's own end (Llama's <|end_of_text|> beside <|eot_id|>), as TRL strips eos."""
+    added = getattr(tokenizer, "added_tokens_decoder", {}).values()
+    specials = [t for t in {*tokenizer.all_special_tokens, *(str(a) for a in added if a.special)} if t]
+    while stripped := next((t for t in specials if content.endswith(t)), None):
+        content = content.removesuffix(stripped)
+    return content
+
+
 def _plain(tokenizer, ids: Sequence[int]) -> dict:
     return {"role": "assistant", "content": tokenizer.decode(list(ids), skip_special_tokens=True)}
 
@@ -145,8 +155,7 @@ def parse_turn(tokenizer, ids: Sequence[int], prefix: Sequence[int] | None = Non
             return _plain(tokenizer, ids)
         if not isinstance(parsed, dict):
             return _plain(tokenizer, ids)
-        content = str(parsed.get("content") or "").removesuffix(tokenizer.eos_token or "")
-        message = {"role": "assistant", "content": content}
+        message = {"role": "assistant", "content": _without_end_tokens(tokenizer, str(parsed.get("content") or ""))}
         if parsed.get("tool_calls"):
             calls = _valid_calls(parsed["tool_calls"])
             if calls is None:

@@ -16,11 +16,11 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-import torch
 
 from rlhf_core.rollout.episodes import run_episodes
 from rlhf_core.rollout.sampling import SamplingSettings
 from rlhf_core.rollout.tools import Toolbox, ToolUse
+from tests.fixtures.episodes import ScriptedTurns
 from tests.fixtures.real_shapes import build_tokenizer, family
 
 trl_trainer = pytest.importorskip("trl.trainer.grpo_trainer")
@@ -85,36 +85,8 @@ def turn_ids(tokenizer, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.convert_tokens_to_ids("<|im_end|>")]
 
 
-class Script:
-    """The scripted model: for each context (prompt + episode so far) the next turn of the episode it belongs to."""
-
-    def __init__(self, tokenizer, prompts: list[list[int]]):
-        self.tokenizer, self.prompts = tokenizer, prompts
-        self.turns = [0] * len(prompts)
-
-    def next_turn(self, context: list[int]) -> list[int]:
-        episode = max(i for i, p in enumerate(self.prompts) if context[: len(p)] == p)
-        ids = turn_ids(self.tokenizer, SCRIPT[episode][self.turns[episode]])
-        self.turns[episode] += 1
-        return ids
-
-
-class ScriptedEngine:
-    """Our engine protocol over the script (responses right-padded after the stop token, as an engine pads)."""
-
-    name = "scripted"
-
-    def __init__(self, script: Script, pad: int):
-        self.script, self.pad = script, pad
-
-    def generate(
-        self, policy, query_ids, query_mask, settings, *, pad_token_id, stop_token_ids, prompt_repeats=1, seed=None
-    ):
-        out = torch.full((len(query_ids), settings.response_length), pad_token_id, dtype=torch.long)
-        for row, (ids, mask) in enumerate(zip(query_ids, query_mask)):
-            turn = self.script.next_turn(ids[mask.bool()].tolist())[: settings.response_length]
-            out[row, : len(turn)] = torch.tensor(turn)
-        return out, None
+def script_ids(tokenizer) -> list[list[list[int]]]:
+    return [[turn_ids(tokenizer, text) for text in episode] for episode in SCRIPT]
 
 
 def prompts_of(tokenizer):
@@ -132,7 +104,7 @@ def ours(tokenizer, native_parser: bool = False):
     if native_parser:
         tokenizer = chat_utils.add_response_schema(copy.deepcopy(tokenizer))
     questions, prompt_ids = prompts_of(tokenizer)
-    engine = ScriptedEngine(Script(tokenizer, prompt_ids), tokenizer.pad_token_id)
+    engine = ScriptedTurns(prompt_ids, script_ids(tokenizer))
     stops = [tokenizer.convert_tokens_to_ids("<|im_end|>")]
     return run_episodes(
         engine,
@@ -150,7 +122,7 @@ def ours(tokenizer, native_parser: bool = False):
 def trls(tokenizer):
     tokenizer = chat_utils.add_response_schema(copy.deepcopy(tokenizer))
     questions, prompt_ids = prompts_of(tokenizer)
-    script = Script(tokenizer, prompt_ids)
+    script = ScriptedTurns(prompt_ids, script_ids(tokenizer))
     first = [script.next_turn(p) for p in prompt_ids]
 
     def generate_single_turn(contexts, images, multimodal_fields, num_generations, has_tool_images=False):

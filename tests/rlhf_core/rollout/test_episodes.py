@@ -13,6 +13,7 @@ from rlhf_core.rollout.engines import LoopEngine
 from rlhf_core.rollout.episodes import EpisodeRecord, episode_prompts, run_episodes
 from rlhf_core.rollout.sampling import SamplingSettings
 from rlhf_core.rollout.tools import Toolbox, ToolUse
+from tests.fixtures.episodes import ScriptedTurns
 
 TOK = build_calculator_tokenizer(64)
 CALL = '<tool_call>{"name": "multiply", "arguments": {"a": %d, "b": %d}}</tool_call>'
@@ -22,32 +23,11 @@ def turn(text: str) -> list[int]:
     return TOK(text, add_special_tokens=False)["input_ids"] + [TOK.eos_token_id]
 
 
-class Scripted:
-    """Answers each context with the next scripted turn of its episode (found by its prompt)."""
-
-    def __init__(self, prompts, script, truncate=None):
-        self.prompts, self.script, self.seen, self.truncate = prompts, script, [0] * len(prompts), truncate or {}
-        self.calls = []
-
-    def generate(
-        self, policy, query_ids, query_mask, settings, *, pad_token_id, stop_token_ids, prompt_repeats=1, seed=None
-    ):
-        self.calls.append((len(query_ids), settings.response_length, prompt_repeats, seed))
-        out = torch.full((len(query_ids), settings.response_length), pad_token_id)
-        for row, (ids, mask) in enumerate(zip(query_ids, query_mask)):
-            context = ids[mask.bool()].tolist()
-            episode = max(i for i, p in enumerate(self.prompts) if context[: len(p)] == p)
-            ids = turn(self.script[episode][self.seen[episode]])[: settings.response_length]
-            self.seen[episode] += 1
-            out[row, : len(ids)] = torch.tensor(ids)
-        return out, None
-
-
 def play(script, budget=40, max_calls=None, **kwargs):
     rows = [{"prompt": "", "prompt_messages": question(100 + i, 200 + i)} for i in range(len(script))]
     boxes = [Toolbox({"multiply": multiply}) for _ in rows]
     prompts = episode_prompts(TOK, rows, boxes, 12)
-    engine = Scripted(prompts, script)
+    engine = ScriptedTurns(prompts, [[turn(text) for text in episode] for episode in script])
     played = run_episodes(
         engine,
         None,
