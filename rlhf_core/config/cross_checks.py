@@ -223,15 +223,34 @@ def check_eval_columns(
 # the rollout engine ------------------------------------------------------------------------
 
 
-def check_rollout_engine(rl: RLConfig, rollout: RolloutConfig) -> None:
-    """The correction's bounds in order; rloo's loss is one ratio per sequence, so its correction is per sequence."""
+def check_rollout_engine(rl: RLConfig, rollout: RolloutConfig, run: RunConfig) -> None:
+    """The correction's bounds in order; rloo's loss is one ratio per sequence, so its correction is per sequence;
+    generation ahead only where it is built (`check_ahead`)."""
     v = rollout.vllm
     if v.correction_min is not None and v.correction_cap is not None and v.correction_min > v.correction_cap:
         raise ValueError(
             f"rollout.vllm.correction_min {v.correction_min} must not exceed rollout.vllm.correction_cap {v.correction_cap}"
         )
-    if rollout.engine == "vllm" and rl.algorithm == "rloo" and v.correction.startswith("token"):
+    if rollout.off_policy and rl.algorithm == "rloo" and v.correction.startswith("token"):
         raise ValueError(
             f"rollout.vllm.correction {v.correction!r} weighs tokens, but rloo's loss has one ratio per sequence; "
             "use sequence_truncate, sequence_mask or none"
         )
+    if rollout.max_staleness:
+        check_ahead(rl, rollout, run)
+
+
+def check_ahead(rl: RLConfig, rollout: RolloutConfig, run: RunConfig) -> None:
+    """rollout.max_staleness > 0 runs the GRPO family in one process, without dynamic sampling's extra rounds or
+    evaluations on the engine (both would sample beside the generator)."""
+    k = f"rollout.max_staleness {rollout.max_staleness}"
+    if rl.algorithm not in GROUP_ALGORITHMS:
+        raise ValueError(f"{k} runs generation ahead for the GRPO family; rl.algorithm {rl.algorithm!r} needs 0")
+    if run.num_processes > 1:
+        raise ValueError(f"{k} runs in one process; set run.num_processes to 1 or rollout.max_staleness to 0")
+    if rl.dynamic_sampling.enabled:
+        raise ValueError(
+            f"{k} samples each step's groups ahead, so rl.dynamic_sampling cannot refill them; turn one off"
+        )
+    if rollout.engine == "vllm" and rollout.vllm.evaluate:
+        raise ValueError(f"{k} keeps the vLLM server busy ahead of training; set rollout.vllm.evaluate to false")

@@ -76,17 +76,27 @@ class RolloutConfig(Section):
         description="What samples the RL stage's rollouts: hf (our decode loop in the trainer's process, the default) or vllm (a vLLM server apart, rollout.vllm.*).",
     )
     vllm: VllmSettings = Field(default_factory=VllmSettings, description="The vLLM engine (rollout.engine vllm).")
+    max_staleness: int = Field(
+        0,
+        ge=0,
+        description="How many policy versions generation may run ahead of training (TRL's max_staleness, verl's staleness_threshold): with k > 0 the rollouts of steps t+1..t+k are sampled while step t trains, on a generator apart (vllm: its server, fed from a thread; hf: a process holding its own copy of the policy), and a batch sampled from weights more than k versions older than the step that trains on it is dropped and sampled again; the loss carries the correction rollout.vllm.correction* names. 0: each step samples with the weights it trains (the default). The GRPO family, one process (docs/rollout-engines.md).",
+    )
+
+    @property
+    def off_policy(self) -> bool:
+        """A behaviour policy apart from the trainer's: an engine of its own (vllm), or generation ahead."""
+        return self.engine == "vllm" or self.max_staleness > 0
 
     def result_fields(self) -> dict:
-        """What changes the stage's weights or evaluations (the RL stage's key): nothing for hf (older keys stay),
-        else the engine, its precision, push cadence, correction and evaluation, never where the server runs."""
-        if self.engine == "hf":
+        """What changes the stage's weights or evaluations (the RL stage's key): nothing for hf in step (older keys
+        stay), else the engine, its precision, push cadence, correction, evaluation and staleness, never where the
+        server runs."""
+        if not self.off_policy:
             return {}
         v = self.vllm
-        return {
-            "engine": self.engine,
-            "dtype": v.dtype,
-            "sync_every_steps": v.sync_every_steps,
-            "correction": [v.correction, v.correction_cap, v.correction_min],
-            "evaluate": v.evaluate,
-        }
+        fields = {"engine": self.engine, "correction": [v.correction, v.correction_cap, v.correction_min]}
+        if self.engine == "vllm":
+            fields |= {"dtype": v.dtype, "sync_every_steps": v.sync_every_steps, "evaluate": v.evaluate}
+        if self.max_staleness:
+            fields["max_staleness"] = self.max_staleness
+        return fields

@@ -92,8 +92,9 @@ class CorrectionSettings:
 
 
 def correction_settings(rollout: RolloutConfig) -> CorrectionSettings | None:
-    """The correction of rollout.engine vllm; None for hf (the policy samples: there is no gap)."""
-    if rollout.engine != "vllm":
+    """The correction of rollout.engine vllm or of generation ahead (rollout.max_staleness > 0); None for hf in step
+    (the policy samples: there is no gap)."""
+    if not rollout.off_policy:
         return None
     v = rollout.vllm
     return CorrectionSettings(None if v.correction == "none" else v.correction, v.correction_cap, v.correction_min)
@@ -103,11 +104,52 @@ def correct_rollout(
     rollout: Rollout, mask: torch.Tensor, settings: CorrectionSettings | None
 ) -> EngineCorrection | None:
     """The weights (None with mode None) and statistics of a rollout sampled by an engine with log-probs of its own,
-    against the trainer's `rollout.logprobs`, over the trained tokens `mask`; None when there is nothing to correct."""
+    against the trainer's `rollout.logprobs`, over the trained tokens `mask`; None when there is nothing to correct
+    (or the trainer's log-probs come later, from the update's own pass: `correct`)."""
     if settings is None or rollout.behaviour_logprobs is None or rollout.logprobs is None:
         return None
-    behaviour = rollout.behaviour_logprobs
+    return correct(rollout.logprobs, rollout.behaviour_logprobs, mask, settings)
+
+
+def correct(
+    old_logp: torch.Tensor, behaviour_logp: torch.Tensor, mask: torch.Tensor, settings: CorrectionSettings
+) -> EngineCorrection:
+    """`engine_correction` as `settings` say; with mode None the gap measured and the weights None."""
     if settings.mode is None:
-        measured = engine_correction(rollout.logprobs, behaviour, mask, "token_truncate", None, None)
+        measured = engine_correction(old_logp, behaviour_logp, mask, "token_truncate", None, None)
         return EngineCorrection(None, measured.metrics)
-    return engine_correction(rollout.logprobs, behaviour, mask, settings.mode, settings.cap_max, settings.cap_min)
+    return engine_correction(old_logp, behaviour_logp, mask, settings.mode, settings.cap_max, settings.cap_min)
+
+
+def merge_metrics(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The statistics of a batch corrected in parts (micro-batches): the minimum of the minima, the maximum of the
+    maxima, the mean of the means."""
+    if not parts:
+        return {}
+    reduce = {"min": torch.min, "max": torch.max, "mean": torch.mean}
+    return {key: reduce[key.rsplit("/", 1)[1]](torch.stack([p[key] for p in parts])) for key in parts[0]}
+
+
+class LossWeights:
+    """The correction's weights of one batch's loss: whole, against the trainer's log-probs taken at sampling
+    (`correct_rollout`), or micro-batch by micro-batch against the update's own first pass when the rollout carries
+    none (one optimizer step per batch); `metrics()` gives the statistics of the whole batch either way."""
+
+    def __init__(self, rollout: Rollout, mask: torch.Tensor, settings: CorrectionSettings | None):
+        self.rollout, self.mask, self.settings = rollout, mask, settings
+        self.whole = correct_rollout(rollout, mask, settings)
+        self.later = self.whole is None and settings is not None and rollout.behaviour_logprobs is not None
+        self.parts: list[dict[str, torch.Tensor]] = []
+
+    def of(self, rows: slice, logp: torch.Tensor) -> torch.Tensor | None:
+        """The weights of the micro-batch `rows`, whose log-probs under the policy being trained are `logp`."""
+        if self.whole is not None:
+            return self.whole.weights[rows] if self.whole.weights is not None else None
+        if not self.later:
+            return None
+        part = correct(logp.detach(), self.rollout.behaviour_logprobs[rows], self.mask[rows], self.settings)
+        self.parts.append(part.metrics)
+        return part.weights
+
+    def metrics(self) -> dict[str, torch.Tensor]:
+        return self.whole.metrics if self.whole is not None else merge_metrics(self.parts)

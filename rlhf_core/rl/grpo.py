@@ -11,6 +11,7 @@ it, then the update and metrics phases of one step (`rl_step`) and TR-DPO's refe
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import closing, nullcontext
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
@@ -25,8 +26,9 @@ from rlhf_core.rl.advantages.estimators import Estimate, EstimatorContext, estim
 from rlhf_core.rl.advantages.group_baselines import nanstd
 from rlhf_core.rl.completions import completions_due, completions_table
 from rlhf_core.rl.dynamic_sampling import GroupFiller
-from rlhf_core.rl.engine_correction import CorrectionSettings, correct_rollout, correction_settings
+from rlhf_core.rl.engine_correction import CorrectionSettings, LossWeights, correction_settings
 from rlhf_core.rl.grpo_losses import LossInputs, PolicyLoss, policy_loss_for
+from rlhf_core.rl.off_policy import AheadBatches, ahead_batches
 from rlhf_core.rl.step import (
     BatchSizes,
     PromptBatch,
@@ -41,6 +43,7 @@ from rlhf_core.rl.step import (
     run_rl,
 )
 from rlhf_core.rl_math import masked_mean
+from rlhf_core.rollout.ahead import SamplingSpec
 from rlhf_core.rollout.collect import (
     RolloutBatch,
     ToolRollout,
@@ -128,7 +131,10 @@ class GroupSampler:
         self.need_reference = grpo.beta > 0
         # else the update's first pass uses its own, detached (as TRL); a KL in the reward needs them at sampling
         reused = grpo.num_iterations * self.sizes.mini_batches > 1  # optimizer steps per generation batch
-        self.need_logprobs = reused or (grpo.beta > 0 and rl.algorithm != "grpo") or correction is not None
+        # the correction's "old" log-probs: the update's own first pass, detached, when the batch trains in one
+        # optimizer step without dropout (they equal a pass of their own then); else a pass of their own
+        own_pass = correction is not None and not rl.disable_dropout
+        self.need_logprobs = reused or (grpo.beta > 0 and rl.algorithm != "grpo") or own_pass
         self.timer = PhaseTimer(loop.device)  # generate, reference and reward
         self.dynamic: dict[str, float] = {}  # dynamic sampling's counts of the latest step
 
@@ -169,7 +175,8 @@ class GroupSampler:
         seed = rollout_seed(loop.run_cfg.seed, rank=loop.rank, step=loop.step, call=call)
         rows = [self.prompt_rows[i] for i in prompts.indices]
         with loop.full_parameters():
-            self.engine.sync(loop.unwrapped(), loop.step)  # once per step: a later round finds it done
+            if prompts.sampled is None:  # sampled ahead: the weights went to the generator already
+                self.engine.sync(loop.unwrapped(), loop.step)  # once per step: a later round finds it done
             rollout = collect_rollout(
                 loop.unwrapped(),
                 self.ref_model,
@@ -185,6 +192,7 @@ class GroupSampler:
                 engine=self.engine,
                 seed=seed,
                 tools=replace(self.tools, rows=rows) if self.tools is not None else None,
+                sampled=prompts.sampled,
             )
         if rollout.episodes is not None:
             completions = rollout.episodes.texts()
@@ -199,7 +207,8 @@ class GroupSampler:
 class GRPOSteps:
     """The family's phases of one RL step (`rl_step`): the sampler's rollout, then update and metrics; the
     advantages are the estimator's, the loss `loss`'s. Each generation batch feeds grpo.num_iterations passes of
-    sizes.mini_batches optimizer steps; `on_completions(rows, step)` receives the completions table."""
+    sizes.mini_batches optimizer steps; `on_completions(rows, step)` receives the completions table. `ahead`: the
+    batches when generation runs ahead (their async/* numbers are logged, the checkpoints record the version)."""
 
     def __init__(
         self,
@@ -210,8 +219,10 @@ class GRPOSteps:
         grpo: GRPOConfig,
         *,
         on_completions: Callable[[list[dict], int], None] | None = None,
+        ahead: AheadBatches | None = None,
     ):
         self.loop, self.sampler, self.loss, self.rl, self.grpo = loop, sampler, loss, rl, grpo
+        self.ahead = ahead
         self.on_completions, self.sizes = on_completions, sampler.sizes
         self.optimizer_steps = grpo.num_iterations * self.sizes.mini_batches  # per generation batch
         self.timer = PhaseTimer(loop.device)  # optimize
@@ -231,9 +242,7 @@ class GRPOSteps:
         # dapo/cispo divide by the active tokens of the global optimizer batch (TRL: the generation batch's
         # tokens / steps per generation); the processes' gradients are averaged, hence / world
         total_tokens = float(loop.global_sum(mask.sum().float())) / loop.world / sizes.mini_batches
-        correction = correct_rollout(batch.rollout, mask, self.sampler.correction)
-        self.correction_metrics = correction.metrics if correction is not None else {}
-        weights = correction.weights if correction is not None else None
+        weights = LossWeights(batch.rollout, mask, self.sampler.correction)
         stats = StepStats()
         loop.trainable.train()
         with self.timer("optimize"):
@@ -248,13 +257,16 @@ class GRPOSteps:
                 done = loop.step * self.optimizer_steps + j + 1  # optimizer steps so far (TRL's global_step)
                 if grpo.sync_ref_model and ref_model is not None and done % grpo.ref_model_sync_steps == 0:
                     mix_into_reference(ref_model, loop.unwrapped(), grpo.ref_model_mixup_alpha)
+        self.correction_metrics = weights.metrics()
+        if self.ahead is not None:
+            loop.state["policy_version"] = float(loop.step + 1)  # what a checkpoint after this step holds
         return stats
 
     def _micro_batch(
-        self, batch, estimate, mask, rows: slice, total_tokens: float, stats: StepStats, weights: torch.Tensor | None
+        self, batch, estimate, mask, rows: slice, total_tokens: float, stats: StepStats, weights: LossWeights
     ) -> torch.Tensor:
         """Forward and backward of one micro-batch; its share of the optimizer step's loss, detached. `weights`:
-        the engine correction's of the whole batch."""
+        the engine correction's."""
         rollout, m = batch.rollout, mask[rows]
         with self.loop.micro_batch():
             logp, entropy = response_logprobs(
@@ -275,7 +287,7 @@ class GRPOSteps:
                     mask=m,
                     ref_logp=rollout.ref_logprobs[rows] if rollout.ref_logprobs is not None else None,
                     total_tokens=total_tokens,
-                    is_weights=weights[rows] if weights is not None else None,
+                    is_weights=weights.of(rows, logp),
                 )
             )
             self.loop.backward(loss)
@@ -302,6 +314,7 @@ class GRPOSteps:
             "_tokens": batch.rollout.resp_mask.sum(),
             **self.sampler.dynamic,
             **self.correction_metrics,
+            **(self.ahead.metrics if self.ahead is not None else {}),
             **{name: stats.mean(name) for name in self.loss.clip_metrics},
         }
         if "kl" in stats or "kl" in everyone:  # grpo's loss term, or the KL the others put into the reward
@@ -382,6 +395,11 @@ def train_grpo(
         correction=correction_settings(rollout),
         tools=tools,
     )
+    spec = SamplingSpec(
+        sampling.sampling, sampling.pad_token_id, sampling.stop_token_ids, sizes.generations_per_prompt, tools
+    )
+    ahead = ahead_batches(rollout, engine, batches, loop, prompt_rows, spec)
     loss = policy_loss_for(rl, grpo, mini_batch=sizes.mini_batch, gather=partial(gather_tokens, loop))
-    steps = GRPOSteps(loop, sampler, loss, rl, grpo, on_completions=hooks.get("on_completions"))
-    return run_rl(loop, steps, estimator, batches, policy, hooks, eval_engine_of(engine, rollout))
+    steps = GRPOSteps(loop, sampler, loss, rl, grpo, on_completions=hooks.get("on_completions"), ahead=ahead)
+    with closing(ahead) if ahead is not None else nullcontext():  # the queue goes first, however the loop ends
+        return run_rl(loop, steps, estimator, ahead or batches, policy, hooks, eval_engine_of(engine, rollout))

@@ -23,7 +23,7 @@ from rlhf_core.data.batching import ShardedBatches
 from rlhf_core.data.rows import DataValidationError
 from rlhf_core.models.loading import run_stop_ids
 from rlhf_core.rl.advantages.estimators import Estimate, EstimatorContext
-from rlhf_core.rollout.collect import RolloutBatch
+from rlhf_core.rollout.collect import RolloutBatch, Sampled
 from rlhf_core.rollout.engines import RolloutEngine
 from rlhf_core.rollout.generation import left_pad, tokenize_prompts
 from rlhf_core.rollout.sampling import SamplingSettings, rl_sampling
@@ -86,6 +86,7 @@ class PromptBatch(NamedTuple):
     query_ids: torch.Tensor  # (B, Q) left-padded
     query_mask: torch.Tensor  # (B, Q)
     indices: list[int]  # each row's prompt, an index into the prompt set
+    sampled: Sampled | None = None  # its rollout, sampled ahead (`off_policy.py`); None: the step samples it
 
 
 class PromptBatches:

@@ -114,6 +114,63 @@ class ToolRollout:
         )
 
 
+@dataclass
+class Sampled:
+    """What an engine sampled for a batch, before any score: the prompts as sampled (a tool episode renders its
+    own), the responses and where they stop, the engine's log-probs of them (None: the policy itself sampled), and a
+    tool rollout's marks and record. Made where the engine is: in the step (`sample`), or ahead on a generator apart
+    (`ahead.py`), which fills `behaviour` from its own copy of the policy."""
+
+    query_ids: torch.Tensor  # (B, Q)
+    query_mask: torch.Tensor
+    responses: torch.Tensor  # (B, R)
+    resp_mask: torch.Tensor
+    last_index: torch.Tensor  # (B,)
+    has_stop: torch.Tensor  # (B,)
+    behaviour: torch.Tensor | None = None  # (B, R)
+    model_tokens: torch.Tensor | None = None  # (B, R) tool rollouts
+    record: EpisodeRecord | None = None
+
+    def to(self, device) -> Sampled:
+        moved = {
+            name: value.to(device) if isinstance(value, torch.Tensor) else value for name, value in vars(self).items()
+        }
+        return Sampled(**moved)
+
+
+@torch.no_grad()
+def sample(
+    engine: RolloutEngine,
+    policy,
+    query_ids: torch.Tensor,
+    query_mask: torch.Tensor,
+    settings: SamplingSettings,
+    *,
+    tools: ToolRollout | None = None,
+    seed: int | None = None,
+    **generate,
+) -> Sampled:
+    """One batch sampled on `engine`: a completion of each row of `query_ids`, or with `tools` a tool episode of
+    each of tools.rows. `generate`: pad_token_id, stop_token_ids, prompt_repeats (see `generation.generate`)."""
+    if tools is None:
+        responses, behaviour = engine.generate(policy, query_ids, query_mask, settings, seed=seed, **generate)
+        resp_mask, last_index, has_stop = response_mask(responses, generate.get("stop_token_ids", ()))
+        return Sampled(query_ids, query_mask, responses, resp_mask, last_index, has_stop, behaviour)
+    played = tools.play(engine, policy, settings, query_ids.device, seed=seed, **generate)
+    last_index = (played.resp_mask.sum(1) - 1).clamp(min=0)
+    return Sampled(
+        played.query_ids,
+        played.query_mask,
+        played.responses,
+        played.resp_mask,
+        last_index,
+        played.has_stop,
+        played.logprobs,
+        played.model_tokens,
+        played.record,
+    )
+
+
 @torch.no_grad()
 def collect_rollout(
     policy,
@@ -131,9 +188,10 @@ def collect_rollout(
     engine: RolloutEngine | None = None,
     seed: int | None = None,
     tools: ToolRollout | None = None,
+    sampled: Sampled | None = None,
 ) -> Rollout:
-    """Generate responses with `engine` (our decode loop when None) and score them under the policy and, when
-    asked, the reference.
+    """Generate responses with `engine` (our decode loop when None), or take those `sampled` ahead, and score them
+    under the policy and, when asked, the reference.
 
     need_logprobs=False skips the policy's forward pass: with one update per batch the "old"
     log-probabilities equal the first update's own, detached (GRPO with num_iterations 1, as TRL).
@@ -142,46 +200,39 @@ def collect_rollout(
     from the rows' messages instead of one completion of `query_ids` each.
     """
     timer = timer or PhaseTimer(enabled=False)
-    engine = engine or LoopEngine()
     policy.eval()
-    generate = {"pad_token_id": pad_token_id, "stop_token_ids": stop_token_ids, "prompt_repeats": prompt_repeats}
-    model_tokens = record = None
-    with timer("generate"):
-        if tools is None:
-            responses, behaviour = engine.generate(policy, query_ids, query_mask, settings, seed=seed, **generate)
-            resp_mask, last_index, has_stop = response_mask(responses, stop_token_ids)
-        else:
-            played = tools.play(engine, policy, settings, query_ids.device, seed=seed, **generate)
-            device = query_ids.device
-            query_ids, query_mask = played.query_ids.to(device), played.query_mask.to(device)
-            responses, resp_mask = played.responses.to(device), played.resp_mask.to(device)
-            has_stop, model_tokens, record = played.has_stop.to(device), played.model_tokens.to(device), played.record
-            behaviour = played.logprobs.to(device) if played.logprobs is not None else None
-            last_index = (resp_mask.sum(1) - 1).clamp(min=0)
+    if sampled is None:
+        generate = {"pad_token_id": pad_token_id, "stop_token_ids": stop_token_ids, "prompt_repeats": prompt_repeats}
+        with timer("generate"):
+            sampled = sample(
+                engine or LoopEngine(), policy, query_ids, query_mask, settings, tools=tools, seed=seed, **generate
+            )
+    s = sampled.to(query_ids.device)
     logprobs = None
     if need_logprobs:
         with timer("policy_logprobs"):
-            logprobs, _ = response_logprobs(policy, query_ids, query_mask, responses, resp_mask, settings.temperature)
+            logprobs, _ = response_logprobs(
+                policy, s.query_ids, s.query_mask, s.responses, s.resp_mask, settings.temperature
+            )
     ref_logprobs = None
     if need_reference:
         with timer("reference"), reference_context(policy, ref_model):
             ref_logprobs, _ = response_logprobs(
-                ref_model or policy, query_ids, query_mask, responses, resp_mask, settings.temperature
+                ref_model or policy, s.query_ids, s.query_mask, s.responses, s.resp_mask, settings.temperature
             )
-    if behaviour is not None:
-        behaviour = behaviour.masked_fill(resp_mask == 0, INVALID_LOGPROB)
+    behaviour = s.behaviour.masked_fill(s.resp_mask == 0, INVALID_LOGPROB) if s.behaviour is not None else None
     return Rollout(
-        query_ids,
-        query_mask,
-        responses,
-        resp_mask,
-        last_index,
+        s.query_ids,
+        s.query_mask,
+        s.responses,
+        s.resp_mask,
+        s.last_index,
         logprobs,
         ref_logprobs,
-        has_stop,
+        s.has_stop,
         behaviour,
-        model_tokens,
-        record,
+        s.model_tokens,
+        s.record,
     )
 
 

@@ -204,10 +204,22 @@ class VllmEngine:
         if self.pushed_at is not None and step - self.pushed_at < self.sync_every:
             return
         if self.pushes:
-            self.client.load_weights(write_engine_weights(policy, self.weights_dir))
+            self.stage(policy)
+            self.load_staged()
         if self.barrier is not None:
             self.barrier()
         self.pushed_at = step
+
+    def stage(self, policy, slot: int | None = None) -> None:
+        """The policy's weights written where the server reads them (`load_staged` has it read them): the weights
+        directory, or its place `slot` (`slot-N/`) when generation runs ahead (`ahead.py`)."""
+        write_engine_weights(policy, self._place(slot))
+
+    def load_staged(self, slot: int | None = None) -> None:
+        self.client.load_weights(self._place(slot))
+
+    def _place(self, slot: int | None) -> Path:
+        return self.weights_dir if slot is None else self.weights_dir / f"slot-{slot}"
 
     def refresh(self, policy, step: int) -> None:
         """The policy on the server now, whatever the cadence (an evaluation's samples); the rollout of `step` then

@@ -1,0 +1,308 @@
+"""Generators apart from the trainer, for generation ahead of training (rollout.max_staleness > 0): each takes
+jobs (one step's prompts and the policy version to sample them with) in order, one at a time, and answers with what
+it sampled and which version sampled it (`rl/off_policy.py` decides what to ask and what to keep). A job names its
+version, rather than taking the newest, so that a run is the same run every time: the trainer publishes each version
+into one of `slots` places (max_staleness + 1: the oldest a queued job may still need), and a job reads its own.
+
+- `ThreadGenerator`: an engine with a server of its own (vllm), fed from one thread of the trainer's process. The
+  sampling is the server's; the thread only waits on it, and it alone loads weights into the server, between jobs.
+- `ProcessGenerator`: our decode loop (hf) in a process of its own, holding its own copy of the policy; the trainer
+  publishes its weights into shared memory, and the process copies them in between jobs. A process rather than a
+  thread: a small model's decode step is mostly Python, and a thread would hold the interpreter lock the trainer
+  needs. The process also scores its own samples (the behaviour log-probs of the correction) and plays tool
+  episodes there, so their tools run in it.
+
+`publish(policy, version)` runs on the trainer; `submit(job)` returns a Future of `Made`; `cancel()` drops every job
+not yet answered (their answers are discarded); `close()` stops the generator, whatever it was doing. Publishing and
+reading a place hold one lock, and a job whose version is no longer in its place fails rather than sample from
+other weights.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import traceback
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from itertools import count
+from typing import Protocol
+
+import torch
+
+from rlhf_core.models.forward import response_logprobs
+from rlhf_core.rollout.collect import Sampled, ToolRollout, sample
+from rlhf_core.rollout.engines import LoopEngine, engine_weights
+from rlhf_core.rollout.sampling import SamplingSettings
+
+CLOSE_TIMEOUT_S = 30.0
+
+
+class GeneratorError(RuntimeError):
+    """The generator apart failed (its process died, or sampling raised there)."""
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    """What every job of a stage shares: how to sample, what stops and pads, the group size, tool episodes."""
+
+    settings: SamplingSettings
+    pad_token_id: int
+    stop_token_ids: tuple[int, ...]
+    prompt_repeats: int = 1
+    tools: ToolRollout | None = None  # rows filled in per job
+
+
+@dataclass(frozen=True)
+class Job:
+    step: int  # the RL step this rollout is for
+    query_ids: torch.Tensor  # (B, Q) on the CPU
+    query_mask: torch.Tensor
+    rows: list[dict]  # each row's prompt row (tool episodes read the messages)
+    seed: int
+    version: int  # the policy version to sample with (published before the job is submitted)
+
+
+@dataclass
+class Made:
+    sampled: Sampled
+    version: int  # the policy version (RL steps trained) whose weights sampled it
+    waited_s: float  # seconds the generator sat idle before this job: no job was due until newer weights came
+
+
+def sample_job(engine, policy, job: Job, spec: SamplingSpec, device) -> Sampled:
+    """`job`'s prompts sampled as the step would sample them (`collect.sample`), seeded with the job's seed."""
+    tools = replace(spec.tools, rows=job.rows) if spec.tools is not None else None
+    return sample(
+        engine,
+        policy,
+        job.query_ids.to(device),
+        job.query_mask.to(device),
+        spec.settings,
+        tools=tools,
+        seed=job.seed,
+        pad_token_id=spec.pad_token_id,
+        stop_token_ids=spec.stop_token_ids,
+        prompt_repeats=spec.prompt_repeats,
+    )
+
+
+class Generator(Protocol):
+    def publish(self, policy, version: int) -> None: ...
+
+    def submit(self, job: Job) -> Future: ...
+
+    def cancel(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class StagedEngine(Protocol):
+    """An engine whose weights are handed over in two halves: `stage(policy, slot)` on the trainer (a snapshot in
+    place `slot`), `load_staged(slot)` on the generator's thread (the engine takes it). `rollout/engines.py`
+    VllmEngine."""
+
+    def generate(self, policy, query_ids, query_mask, settings, **kwargs): ...
+
+    def stage(self, policy, slot: int | None = None) -> None: ...
+
+    def load_staged(self, slot: int | None = None) -> None: ...
+
+
+def stale_place(job: Job, held: int) -> GeneratorError:
+    return GeneratorError(f"the weights of version {job.version} for step {job.step} were replaced (version {held})")
+
+
+class ThreadGenerator:
+    """`engine` fed from one thread; weights staged by `publish` into one of `slots` places, loaded by the thread
+    before a job that needs them."""
+
+    def __init__(self, engine: StagedEngine, spec: SamplingSpec, slots: int):
+        self.engine, self.spec = engine, spec
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="rollout-ahead")
+        self.lock = threading.Lock()  # a place is written whole before the thread loads it
+        self.slots, self.staged = slots, [-1] * slots  # each place's version
+        self.loaded: int | None = None
+        self.idle_since = time.perf_counter()
+        self.futures: list[Future] = []
+
+    def publish(self, policy, version: int) -> None:
+        with self.lock:
+            self.engine.stage(policy, version % self.slots)
+            self.staged[version % self.slots] = version
+
+    def submit(self, job: Job) -> Future:
+        future = self.pool.submit(self._run, job)
+        self.futures.append(future)
+        return future
+
+    def _run(self, job: Job) -> Made:
+        waited = time.perf_counter() - self.idle_since
+        try:
+            with self.lock:
+                if self.loaded != job.version:
+                    slot = job.version % self.slots
+                    if self.staged[slot] != job.version:
+                        raise stale_place(job, self.staged[slot])
+                    self.engine.load_staged(slot)
+                    self.loaded = job.version
+            return Made(sample_job(self.engine, None, job, self.spec, "cpu"), job.version, waited)
+        finally:
+            self.idle_since = time.perf_counter()
+
+    def cancel(self) -> None:
+        for future in self.futures:
+            future.cancel()  # the one running finishes; its answer is not read
+        self.futures = []
+
+    def close(self) -> None:
+        self.cancel()
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+class ProcessGenerator:
+    """Our decode loop in a spawned process with its own copy of `policy` (LoRA merged), on `device`, with
+    `threads` torch threads. Weights travel through `slots` places in shared memory, jobs and answers through
+    queues; a reader thread here resolves the futures, and fails them all if the process dies."""
+
+    def __init__(self, policy, spec: SamplingSpec, slots: int, *, device="cpu", threads: int = 1):
+        import torch.multiprocessing as mp
+
+        context = mp.get_context("spawn")
+        state = engine_weights(policy)
+        self.places = [{k: v.clone().share_memory_() for k, v in state.items()} for _ in range(slots)]
+        self.versions = context.Array("q", [-1] * slots, lock=False)
+        self.lock = context.Lock()
+        self.skip_below = context.Value("q", 0)  # jobs numbered below it are dropped unanswered
+        self.jobs, self.answers = context.Queue(), context.Queue()
+        config = (policy.get_base_model() if hasattr(policy, "peft_config") else policy).config
+        self.process = context.Process(
+            target=serve,
+            args=(config, self.places, self.versions, self.lock, self.skip_below, self.jobs, self.answers),
+            kwargs={"spec": spec, "device": str(device), "threads": threads},
+            name="rollout-ahead",
+            daemon=True,
+        )
+        self.process.start()
+        self.numbers = count()
+        self.futures: dict[int, Future] = {}
+        self.closing = threading.Event()
+        self.reader = threading.Thread(target=self._read, name="rollout-ahead-reader", daemon=True)
+        self.reader.start()
+
+    def publish(self, policy, version: int) -> None:
+        slot = version % len(self.places)
+        with self.lock:
+            for name, value in engine_weights(policy).items():
+                self.places[slot][name].copy_(value)
+            self.versions[slot] = version
+
+    def submit(self, job: Job) -> Future:
+        number = next(self.numbers)
+        future: Future = Future()
+        self.futures[number] = future
+        self.jobs.put((number, job))
+        return future
+
+    def _read(self) -> None:
+        while not self.closing.is_set():
+            try:
+                number, answer = self.answers.get(timeout=0.2)
+            except queue.Empty:
+                if not self.process.is_alive():
+                    self._fail_all(GeneratorError(f"the generator process exited (code {self.process.exitcode})"))
+                    return
+                continue
+            future = self.futures.pop(number, None)
+            if future is None or future.cancelled():
+                continue
+            if isinstance(answer, BaseException):
+                future.set_exception(answer)
+            else:
+                future.set_result(answer)
+
+    def _fail_all(self, error: Exception) -> None:
+        for future in self.futures.values():
+            if not future.done():
+                future.set_exception(error)
+        self.futures = {}
+
+    def cancel(self) -> None:
+        self.skip_below.value = next(self.numbers)
+        for future in self.futures.values():
+            future.cancel()
+        self.futures = {}
+
+    def close(self) -> None:
+        self.cancel()
+        self.jobs.put(None)
+        self.process.join(CLOSE_TIMEOUT_S)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+        self.closing.set()
+        self.reader.join()
+        for q in (self.jobs, self.answers):
+            q.cancel_join_thread()
+            q.close()
+
+
+def serve(config, places, versions, lock, skip_below, jobs, answers, *, spec: SamplingSpec, device: str, threads: int):
+    """The generator process: a model built from `config` takes each job's version from its place in `places`
+    (`versions` says which version each holds), samples the job (`sample_job`), seeded with its seed, and scores
+    what it sampled (the behaviour log-probs); an error is answered, not raised."""
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(threads)
+    dtype = next(iter(places[0].values())).dtype
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype).to(device).eval()
+    loaded, idle_since = None, time.perf_counter()
+    while (message := jobs.get()) is not None:
+        number, job = message
+        if number < skip_below.value:
+            continue
+        waited = time.perf_counter() - idle_since
+        try:
+            with lock:
+                if loaded != job.version:
+                    slot = job.version % len(places)
+                    if versions[slot] != job.version:
+                        raise stale_place(job, versions[slot])
+                    load_weights(model, places[slot])
+                    loaded = job.version
+            torch.manual_seed(job.seed)
+            sampled = sample_job(LoopEngine(), model, job, spec, device)
+            with torch.no_grad():
+                sampled.behaviour, _ = response_logprobs(
+                    model,
+                    sampled.query_ids,
+                    sampled.query_mask,
+                    sampled.responses,
+                    sampled.resp_mask,
+                    spec.settings.temperature,
+                )
+            answer = Made(sampled.to("cpu"), job.version, waited)
+        except Exception as err:  # noqa: BLE001 (answered: the trainer raises it)
+            answer = portable(err)
+        answers.put((number, answer))
+        idle_since = time.perf_counter()
+
+
+@torch.no_grad()
+def load_weights(model, weights: dict[str, torch.Tensor]) -> None:
+    """`weights` (engine_weights' names) into `model`; a tied output layer is the only key it may lack."""
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    if unexpected or [k for k in missing if k != "lm_head.weight"]:
+        raise GeneratorError(f"the generator's model does not take the policy's weights: {missing or unexpected}")
+
+
+def portable(err: Exception) -> Exception:
+    """`err` if it crosses a process boundary (pickles), else a GeneratorError with its traceback's text."""
+    import pickle
+
+    try:
+        pickle.loads(pickle.dumps(err))
+        return err
+    except Exception:  # noqa: BLE001
+        return GeneratorError("".join(traceback.format_exception(err)))
