@@ -71,7 +71,7 @@ class AheadBatches:
         head = self.pending[0]
         made, waited = self._wait(head)
         while step - made.version > self.max_staleness:
-            self.dropped += 1
+            self.dropped += len(self.pending)  # this batch and those queued behind it, sampled by older weights
             self._sample_again(step)
             made, more = self._wait(head)
             waited += more

@@ -258,7 +258,7 @@ def serve(config, places, versions, lock, skip_below, jobs, answers, *, spec: Sa
     dtype = next(iter(places[0].values())).dtype
     model = AutoModelForCausalLM.from_config(config, dtype=dtype).to(device).eval()
     loaded, idle_since = None, time.perf_counter()
-    while (message := jobs.get()) is not None:
+    while (message := next_job(jobs)) is not None:
         number, job = message
         if number < skip_below.value:
             continue
@@ -287,6 +287,20 @@ def serve(config, places, versions, lock, skip_below, jobs, answers, *, spec: Sa
             answer = portable(err)
         answers.put((number, answer))
         idle_since = time.perf_counter()
+
+
+def next_job(jobs):
+    """The next message of `jobs`; None (stop) also when the trainer is gone, killed or not: a process of ours
+    outlives no trainer (it is a daemon, but a daemon outlives a parent killed with SIGKILL)."""
+    import multiprocessing
+
+    parent = multiprocessing.parent_process()
+    while True:
+        try:
+            return jobs.get(timeout=1.0)
+        except queue.Empty:
+            if parent is not None and not parent.is_alive():
+                return None
 
 
 @torch.no_grad()
