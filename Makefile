@@ -26,7 +26,7 @@ else
 PYTEST := $(OFFLINE) OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 endif
 
-.PHONY: venv vllm-venv demo ui demo-seeds lint test test-fast chaos bench rlvr tools clean
+.PHONY: venv vllm-venv demo ui demo-seeds lint test test-fast chaos bench rlvr tools async-rollouts clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -103,6 +103,11 @@ rlvr: venv
 # configs/tools.yaml on 3 seeds beside GRPO without the tool (docs/tools.md): bench/results/tools.md
 tools: venv
 	$(OFFLINE) $(BIN)/python bench/tools.py
+
+# configs/tools.yaml on 3 seeds with rollout.max_staleness 0, 1 and 2, one after the other (docs/async-rollouts.md):
+# seconds per RL step and held-out accuracy, bench/results/async_rollouts.md. Run nothing beside it
+async-rollouts: venv
+	$(OFFLINE) $(BIN)/python bench/async_rollouts.py
 
 clean:
 	rm -rf outputs mlruns mlflow.db bench/results

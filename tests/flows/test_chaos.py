@@ -79,7 +79,8 @@ def _env(prefect_api_url: str) -> dict[str, str]:
     return env
 
 
-def _command(root: Path) -> list[str]:
+def _command(root: Path, extra: tuple[str, ...] = ()) -> list[str]:
+    sets = [a for s in extra for a in ("--set", s)]
     return [
         sys.executable,
         "-m",
@@ -91,13 +92,15 @@ def _command(root: Path) -> list[str]:
         f"run.output_dir={root / 'out'}",
         "--set",
         f"tracking.uri=sqlite:///{root / 'mlflow.db'}",
+        *sets,
     ]
 
 
-def attempt(root: Path, env: dict[str, str], kill_at: tuple[str, float] | None = None) -> dict:
-    """Run the pipeline once; with `kill_at` = (regex, delay), SIGKILL it `delay` s after a line matches."""
+def attempt(root: Path, env: dict[str, str], kill_at: tuple[str, float] | None = None, extra=()) -> dict:
+    """Run the pipeline once (`extra`: more section.field=value overrides); with `kill_at` = (regex, delay), SIGKILL
+    it `delay` s after a line matches."""
     proc = subprocess.Popen(
-        _command(root),
+        _command(root, tuple(extra)),
         cwd=REPO,
         env=env,
         stdout=subprocess.PIPE,

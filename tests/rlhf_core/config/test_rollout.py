@@ -37,6 +37,11 @@ def test_the_stage_key_sees_what_changes_the_weights_and_not_where_the_server_ru
     assert vllm.result_fields() == elsewhere.result_fields() != {}
     capped = load_config(None, ["rollout.engine=vllm", "rollout.vllm.correction_cap=2.0"]).rollout
     assert capped.result_fields() != vllm.result_fields()
+    assert RolloutConfig(max_staleness=0).result_fields() == {}  # in step: the keys of earlier runs stay
+    ahead = [RolloutConfig(max_staleness=k).result_fields() for k in (1, 2)]
+    assert ahead[0]["max_staleness"] == 1 and ahead[0] != ahead[1]
+    assert ahead[0]["correction"] == ["sequence_mask", 3.0, None]  # the correction applies to hf ahead too
+    assert "max_staleness" not in vllm.result_fields()
 
 
 @pytest.mark.parametrize(
@@ -49,6 +54,26 @@ def test_the_stage_key_sees_what_changes_the_weights_and_not_where_the_server_ru
         (
             ["rollout.engine=vllm", "rl.algorithm=rloo", "rollout.vllm.correction=token_mask"],
             "rollout.vllm.correction 'token_mask' weighs tokens, but rloo's loss has one ratio per sequence",
+        ),
+        (
+            ["rollout.max_staleness=1", "rl.algorithm=rloo", "rollout.vllm.correction=token_mask"],
+            "rollout.vllm.correction 'token_mask' weighs tokens, but rloo's loss has one ratio per sequence",
+        ),
+        (
+            ["rollout.max_staleness=1", "rl.algorithm=ppo"],
+            "rollout.max_staleness 1 runs generation ahead for the GRPO family; rl.algorithm 'ppo' needs 0",
+        ),
+        (
+            ["rollout.max_staleness=2", "rl.algorithm=grpo", "run.num_processes=2"],
+            "rollout.max_staleness 2 runs in one process; set run.num_processes to 1",
+        ),
+        (
+            ["rollout.max_staleness=1", "rl.algorithm=grpo", "rl.dynamic_sampling.enabled=true"],
+            "rollout.max_staleness 1 samples each step's groups ahead, so rl.dynamic_sampling cannot refill them",
+        ),
+        (
+            ["rollout.max_staleness=1", "rl.algorithm=grpo", "rollout.engine=vllm", "rollout.vllm.evaluate=true"],
+            "rollout.max_staleness 1 keeps the vLLM server busy ahead of training; set rollout.vllm.evaluate to false",
         ),
     ],
 )

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -143,3 +144,49 @@ def test_the_thread_loads_a_version_before_the_job_that_needs_it_once(parts):
             generator.submit(job(parts, 0)).result(timeout=60)
     finally:
         generator.close()
+
+
+TRAINER = """
+import sys, time
+from rlhf_core.models.loading import load_causal_lm
+from rlhf_core.rollout.ahead import ProcessGenerator, SamplingSpec
+from rlhf_core.rollout.sampling import SamplingSettings
+
+if __name__ == "__main__":
+    generator = ProcessGenerator(load_causal_lm(sys.argv[1]), SamplingSpec(SamplingSettings(4), 0, (1,)), 1)
+    print(generator.process.pid, flush=True)
+    time.sleep(600)
+"""
+
+
+def running(pid: int) -> bool:
+    """The process exists and has not exited (a zombie that nothing reaps has)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_a_trainer_killed_with_sigkill_takes_its_generator_process_with_it(smoke_world, tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "trainer.py"
+    script.write_text(TRAINER)
+    trainer = subprocess.Popen(
+        [sys.executable, str(script), str(smoke_world.base_model)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        child = int(trainer.stdout.readline())
+        assert running(child)
+        trainer.kill()  # SIGKILL: no handler, no atexit
+        trainer.wait()
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            if not running(child):
+                return
+            time.sleep(0.2)
+        os.kill(child, signal.SIGKILL)
+        raise AssertionError("the generator process outlived its trainer by 20 s")
+    finally:
+        trainer.kill()

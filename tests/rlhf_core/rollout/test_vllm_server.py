@@ -317,7 +317,7 @@ def short_reward(prompts, completions, **_):
     return [-len(c) / 10 for c in completions]
 
 
-def grpo_on_the_server(server, policy_dir, out: Path, total_steps: int, on_log=None):
+def grpo_on_the_server(server, policy_dir, out: Path, total_steps: int, on_log=None, max_staleness: int = 0):
     """GRPO through the server (rollout.engine vllm at its URL) from the module's policy, resuming from `out`."""
     from rlhf_core.config import GRPOConfig, RLConfig, RolloutConfig, RunConfig
     from rlhf_core.rewards.sources import function_reward
@@ -337,7 +337,7 @@ def grpo_on_the_server(server, policy_dir, out: Path, total_steps: int, on_log=N
         RunConfig(output_dir=out, seed=3),
         max_prompt_length=32,
         output_dir=out,
-        rollout=RolloutConfig(engine="vllm"),
+        rollout=RolloutConfig(engine="vllm", max_staleness=max_staleness),
         engine_url=server.url,
         on_log=on_log,
         show_progress=False,
@@ -372,6 +372,21 @@ def test_grpo_samples_on_the_server_and_a_resumed_run_equals_an_uninterrupted_on
     start = load_file(str(policy_dir / "model.safetensors"))
     assert not torch.equal(a["model.norm.weight"], start["model.norm.weight"])  # it trained
     assert all(torch.equal(a[name], b[name]) for name in a)
+
+
+def test_grpo_ahead_of_training_samples_each_step_with_the_version_it_names(server, policy_dir, tmp_path):
+    """rollout.max_staleness 1 on the server: a thread feeds it, loading each version from its place before the
+    first job that needs it; step 1 is sampled by the weights it trains (ratio 1 in fp32), the others one version
+    old, and the correction sees it."""
+    logged: list[dict] = []
+    try:
+        grpo_on_the_server(server, policy_dir, tmp_path / "ahead", 4, lambda m, s: logged.append(m), max_staleness=1)
+    finally:
+        client_of(server, policy_dir).load_weights(policy_dir)
+    assert [m["async/staleness"] for m in logged] == [0.0, 1.0, 1.0, 1.0]
+    assert abs(logged[0]["sampling/importance_sampling_ratio/mean"] - 1.0) < 1e-3
+    assert max(m["sampling/sampling_logp_difference/max"] for m in logged[1:]) > 1e-3  # a version apart
+    assert all((tmp_path / "ahead" / "engine-weights" / f"slot-{i}" / "model.safetensors").is_file() for i in (0, 1))
 
 
 def test_ppo_with_lora_samples_on_the_server_and_its_ratio_to_the_trainer_is_one(server, policy_dir, tmp_path):
