@@ -9,8 +9,8 @@ into one of `slots` places (max_staleness + 1: the oldest a queued job may still
 - `ProcessGenerator`: our decode loop (hf) in a process of its own, holding its own copy of the policy; the trainer
   publishes its weights into shared memory, and the process copies them in between jobs. A process rather than a
   thread: a small model's decode step is mostly Python, and a thread would hold the interpreter lock the trainer
-  needs. The process also scores its own samples (the behaviour log-probs of the correction) and plays tool
-  episodes there, so their tools run in it.
+  needs. The process also keeps its samples' log-probs (the behaviour policy of the correction, from its decode
+  loop) and plays tool episodes, so their tools run in it.
 
 `publish(policy, version)` runs on the trainer; `submit(job)` returns a Future of `Made`; `cancel()` drops every job
 not yet answered (their answers are discarded); `close()` stops the generator, whatever it was doing. Publishing and
@@ -31,7 +31,6 @@ from typing import Protocol
 
 import torch
 
-from rlhf_core.models.forward import response_logprobs
 from rlhf_core.rollout.collect import Sampled, ToolRollout, sample
 from rlhf_core.rollout.engines import LoopEngine, engine_weights
 from rlhf_core.rollout.sampling import SamplingSettings
@@ -250,8 +249,8 @@ class ProcessGenerator:
 
 def serve(config, places, versions, lock, skip_below, jobs, answers, *, spec: SamplingSpec, device: str, threads: int):
     """The generator process: a model built from `config` takes each job's version from its place in `places`
-    (`versions` says which version each holds), samples the job (`sample_job`), seeded with its seed, and scores
-    what it sampled (the behaviour log-probs); an error is answered, not raised."""
+    (`versions` says which version each holds) and samples the job (`sample_job`), seeded with its seed, with the
+    log-probs of what it sampled (the behaviour policy); an error is answered, not raised."""
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(threads)
@@ -272,16 +271,7 @@ def serve(config, places, versions, lock, skip_below, jobs, answers, *, spec: Sa
                     load_weights(model, places[slot])
                     loaded = job.version
             torch.manual_seed(job.seed)
-            sampled = sample_job(LoopEngine(), model, job, spec, device)
-            with torch.no_grad():
-                sampled.behaviour, _ = response_logprobs(
-                    model,
-                    sampled.query_ids,
-                    sampled.query_mask,
-                    sampled.responses,
-                    sampled.resp_mask,
-                    spec.settings.temperature,
-                )
+            sampled = sample_job(LoopEngine(logprobs=True), model, job, spec, device)  # the behaviour log-probs too
             answer = Made(sampled.to("cpu"), job.version, waited)
         except Exception as err:  # noqa: BLE001 (answered: the trainer raises it)
             answer = portable(err)

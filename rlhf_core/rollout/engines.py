@@ -61,14 +61,19 @@ class RolloutEngine(Protocol):
 
 
 class LoopEngine:
-    """rollout.engine hf: `generation.generate` on the policy itself; the torch generator seeds it (`seed` unused)."""
+    """rollout.engine hf: `generation.generate` on the policy itself; the torch generator seeds it (`seed` unused).
+    With `logprobs` (a generator apart, `ahead.py`) it returns the sampled tokens' log-probs too; else None: the
+    policy that samples is the one that trains."""
 
     name = "hf"
+
+    def __init__(self, logprobs: bool = False):
+        self.logprobs = logprobs
 
     def generate(
         self, policy, query_ids, query_mask, settings, *, pad_token_id, stop_token_ids, prompt_repeats=1, seed=None
     ):
-        responses = generate(
+        made = generate(
             policy,
             query_ids,
             query_mask,
@@ -76,8 +81,9 @@ class LoopEngine:
             pad_token_id=pad_token_id,
             stop_token_ids=stop_token_ids,
             prompt_repeats=prompt_repeats,
+            with_logprobs=self.logprobs,
         )
-        return Generated(responses, None)
+        return Generated(*made) if self.logprobs else Generated(made, None)
 
     def sync(self, policy, step: int) -> None:
         pass

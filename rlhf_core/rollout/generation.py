@@ -13,6 +13,7 @@ import torch
 
 from rlhf_core.data.chat import encode
 from rlhf_core.models.forward import position_ids_from_mask
+from rlhf_core.rl_math import INVALID_LOGPROB
 from rlhf_core.rollout.sampling import SamplingSettings, sample_next
 
 
@@ -66,8 +67,11 @@ def generate(
     pad_token_id: int,
     stop_token_ids: Sequence[int] = (),
     prompt_repeats: int = 1,
-) -> torch.Tensor:
-    """Sample responses with the KV cache: (B, response_length), padded with pad_token_id after the stop.
+    with_logprobs: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Sample responses with the KV cache: (B, response_length), padded with pad_token_id after the stop; with
+    `with_logprobs` also each sampled token's log-probability under softmax(logits / temperature), as the trainer's
+    forward pass computes it (before top-k, top-p and min tokens), INVALID_LOGPROB after the stop.
 
     A plain decode loop over the model's forward with `past_key_values`: one batched forward per
     new token, position ids from the attention mask (left padding), no stop token before
@@ -80,6 +84,7 @@ def generate(
     device = query_ids.device
     stops = torch.as_tensor(list(stop_token_ids), dtype=torch.long, device=device)
     responses = torch.full((batch, settings.response_length), pad_token_id, dtype=torch.long, device=device)
+    logprobs = torch.full(responses.shape, INVALID_LOGPROB, dtype=torch.float32, device=device) if with_logprobs else None
     done = torch.zeros(batch, dtype=torch.bool, device=device)
     mask = torch.zeros((batch, context + settings.response_length), dtype=torch.long, device=device)
     mask[:, :context] = query_mask
@@ -109,11 +114,15 @@ def generate(
         logits = logits.repeat_interleave(prompt_repeats, dim=0)
         cache.batch_repeat_interleave(prompt_repeats)
     for t in range(settings.response_length):
+        processed = logits
         if t < settings.min_tokens and len(stops):
-            logits = logits.index_fill(-1, stops, float("-inf"))
+            processed = logits.index_fill(-1, stops, float("-inf"))
         alive = ~done
-        token = sample_next(logits, settings).masked_fill(done, pad_token_id)
+        token = sample_next(processed, settings).masked_fill(done, pad_token_id)
         responses[:, t] = token
+        if logprobs is not None:
+            chosen = torch.log_softmax(logits.float() / settings.temperature, -1).gather(-1, token.unsqueeze(-1))[:, 0]
+            logprobs[:, t] = chosen.masked_fill(done, INVALID_LOGPROB)
         if len(stops):
             done = done | torch.isin(token, stops)
         if bool(done.all()) or t == settings.response_length - 1:
@@ -131,7 +140,7 @@ def generate(
             use_cache=True,
         )
         logits, cache = out.logits[:, -1, :], out.past_key_values
-    return responses
+    return (responses, logprobs) if logprobs is not None else responses
 
 
 def decode_responses(tokenizer, responses: torch.Tensor, resp_mask: torch.Tensor) -> list[str]:
