@@ -118,8 +118,7 @@ class ToolRollout:
 class Sampled:
     """What an engine sampled for a batch, before any score: the prompts as sampled (a tool episode renders its
     own), the responses and where they stop, the engine's log-probs of them (None: the policy itself sampled), and a
-    tool rollout's marks and record. Made where the engine is: in the step (`sample`), or ahead on a generator apart
-    (`ahead.py`), which fills `behaviour` from its own copy of the policy."""
+    tool rollout's marks and record. Made by `sample`, in the step or ahead on a generator apart (`ahead.py`)."""
 
     query_ids: torch.Tensor  # (B, Q)
     query_mask: torch.Tensor

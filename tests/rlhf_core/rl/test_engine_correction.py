@@ -89,3 +89,40 @@ def test_a_rollout_is_corrected_only_when_an_engine_gave_its_own_logprobs():
         )
         is None
     )
+
+
+def test_loss_weights_from_the_updates_own_pass_equal_the_whole_batchs_part_by_part():
+    """With no trainer log-probs at sampling (one optimizer step per batch), each micro-batch's weights come from
+    the update's own pass; they are the weights of the whole batch, and the statistics merge to the whole batch's."""
+    from rlhf_core.rl.engine_correction import CorrectionSettings, LossWeights, correct_rollout
+    from rlhf_core.rollout.collect import Rollout
+
+    torch.manual_seed(0)
+    old = -torch.rand(4, 3) * 2
+    behaviour = old + 0.4 * torch.randn(4, 3)
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0], [1, 1, 1]])
+    ones = torch.ones(4, 3, dtype=torch.long)
+    stop = torch.ones(4, dtype=torch.bool)
+    for settings in (CorrectionSettings("token_truncate", 1.2), CorrectionSettings("sequence_mask", 1.5, 0.5)):
+        whole = correct_rollout(Rollout(ones, ones, ones, ones, stop, old, None, stop, behaviour), mask, settings)
+        weights = LossWeights(Rollout(ones, ones, ones, ones, stop, None, None, stop, behaviour), mask, settings)
+        parts = [weights.of(rows, old[rows].clone().requires_grad_()) for rows in (slice(0, 2), slice(2, 4))]
+        torch.testing.assert_close(torch.cat(parts), whole.weights)
+        merged, by_hand = weights.metrics(), whole.metrics
+        for key in ("sampling/importance_sampling_ratio/min", "sampling/importance_sampling_ratio/max"):
+            assert merged[key].item() == pytest.approx(by_hand[key].item())
+        # the mean of the parts' means (equal-sized parts of equal token counts would make it the batch's mean)
+        halves = [
+            correct_rollout(
+                Rollout(ones[r], ones[r], ones[r], ones[r], stop[r], old[r], None, stop[r], behaviour[r]),
+                mask[r],
+                settings,
+            )
+            for r in (slice(0, 2), slice(2, 4))
+        ]
+        mean = "sampling/importance_sampling_ratio/mean"
+        assert merged[mean].item() == pytest.approx((halves[0].metrics[mean] + halves[1].metrics[mean]).item() / 2)
+    in_step = LossWeights(
+        Rollout(ones, ones, ones, ones, stop, None, None, stop), mask, CorrectionSettings("sequence_mask")
+    )
+    assert in_step.of(slice(0, 2), old[:2]) is None and in_step.metrics() == {}  # no behaviour policy: nothing

@@ -121,3 +121,26 @@ def test_only_full_attention_sdpa_transformers_models_take_a_ready_mask(smoke_wo
             self.model, self.config = model, model.config
 
     assert _takes_ready_sdpa_mask(model) and not _takes_ready_sdpa_mask(Wrapper())
+
+
+def test_the_decode_loops_logprobs_are_the_forward_pass_of_the_sampled_tokens(smoke_world):
+    """What a generator apart keeps as the behaviour policy: the log-prob of each sampled token under
+    softmax(logits / T), as the trainer's forward pass gives it, INVALID_LOGPROB after the stop; the tokens are those
+    sampled without it."""
+    from rlhf_core.models.forward import response_logprobs
+    from rlhf_core.rl_math import INVALID_LOGPROB, response_mask
+
+    tok, ids, mask = batch(smoke_world, n=4)
+    model = load_causal_lm(str(smoke_world.base_model)).eval()
+    settings = SamplingSettings(response_length=8, temperature=0.7, min_tokens=2)
+    kwargs = {"pad_token_id": tok.pad_token_id, "stop_token_ids": [tok.eos_token_id]}
+    torch.manual_seed(3)
+    responses, logprobs = generate(model, ids, mask, settings, with_logprobs=True, **kwargs)
+    torch.manual_seed(3)
+    assert torch.equal(generate(model, ids, mask, settings, **kwargs), responses)
+    resp_mask, _, _ = response_mask(responses, [tok.eos_token_id])
+    with torch.no_grad():
+        expected, _ = response_logprobs(model, ids, mask, responses, resp_mask, 0.7)
+    real = resp_mask.bool()
+    torch.testing.assert_close(logprobs[real], expected[real], rtol=0, atol=1e-5)
+    assert (logprobs[~real] == INVALID_LOGPROB).all()
