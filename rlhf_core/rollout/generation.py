@@ -84,7 +84,9 @@ def generate(
     device = query_ids.device
     stops = torch.as_tensor(list(stop_token_ids), dtype=torch.long, device=device)
     responses = torch.full((batch, settings.response_length), pad_token_id, dtype=torch.long, device=device)
-    logprobs = torch.full(responses.shape, INVALID_LOGPROB, dtype=torch.float32, device=device) if with_logprobs else None
+    logprobs = (
+        torch.full(responses.shape, INVALID_LOGPROB, dtype=torch.float32, device=device) if with_logprobs else None
+    )
     done = torch.zeros(batch, dtype=torch.bool, device=device)
     mask = torch.zeros((batch, context + settings.response_length), dtype=torch.long, device=device)
     mask[:, :context] = query_mask
