@@ -17,6 +17,10 @@ lower bound; C_max None: no upper bound. The weights multiply the per-token loss
 
 Also reported, as TRL logs them: the ratio's min, mean and max (over the response tokens, or the sequences), and
 the mean and max of |old - behaviour| over the response tokens with a known behaviour log-prob.
+
+The "old" log-probs (`LossWeights`): a pass of their own at sampling time, or, when the batch trains in one
+optimizer step with dropout off, the update's own first pass, detached, micro-batch by micro-batch: the same numbers
+then (the policy has not moved yet), one forward pass fewer.
 """
 
 from __future__ import annotations

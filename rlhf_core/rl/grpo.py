@@ -43,7 +43,6 @@ from rlhf_core.rl.step import (
     run_rl,
 )
 from rlhf_core.rl_math import masked_mean
-from rlhf_core.rollout.ahead import SamplingSpec
 from rlhf_core.rollout.collect import (
     RolloutBatch,
     ToolRollout,
@@ -131,8 +130,7 @@ class GroupSampler:
         self.need_reference = grpo.beta > 0
         # else the update's first pass uses its own, detached (as TRL); a KL in the reward needs them at sampling
         reused = grpo.num_iterations * self.sizes.mini_batches > 1  # optimizer steps per generation batch
-        # the correction's "old" log-probs: the update's own first pass, detached, when the batch trains in one
-        # optimizer step without dropout (they equal a pass of their own then); else a pass of their own
+        # the correction's "old" log-probs: the update's own first pass when that equals one (engine_correction.py)
         own_pass = correction is not None and not rl.disable_dropout
         self.need_logprobs = reused or (grpo.beta > 0 and rl.algorithm != "grpo") or own_pass
         self.timer = PhaseTimer(loop.device)  # generate, reference and reward
@@ -207,8 +205,8 @@ class GroupSampler:
 class GRPOSteps:
     """The family's phases of one RL step (`rl_step`): the sampler's rollout, then update and metrics; the
     advantages are the estimator's, the loss `loss`'s. Each generation batch feeds grpo.num_iterations passes of
-    sizes.mini_batches optimizer steps; `on_completions(rows, step)` receives the completions table. `ahead`: the
-    batches when generation runs ahead (their async/* numbers are logged, the checkpoints record the version)."""
+    sizes.mini_batches optimizer steps; `on_completions(rows, step)` receives the completions table; `ahead`, the
+    batches sampled ahead (off_policy.py)."""
 
     def __init__(
         self,
@@ -395,10 +393,7 @@ def train_grpo(
         correction=correction_settings(rollout),
         tools=tools,
     )
-    spec = SamplingSpec(
-        sampling.sampling, sampling.pad_token_id, sampling.stop_token_ids, sizes.generations_per_prompt, tools
-    )
-    ahead = ahead_batches(rollout, engine, batches, loop, prompt_rows, spec)
+    ahead = ahead_batches(rollout, engine, batches, loop, prompt_rows, sampling, tools)
     loss = policy_loss_for(rl, grpo, mini_batch=sizes.mini_batch, gather=partial(gather_tokens, loop))
     steps = GRPOSteps(loop, sampler, loss, rl, grpo, on_completions=hooks.get("on_completions"), ahead=ahead)
     with closing(ahead) if ahead is not None else nullcontext():  # the queue goes first, however the loop ends

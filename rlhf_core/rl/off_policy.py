@@ -26,7 +26,7 @@ from time import perf_counter
 import torch
 
 from rlhf_core.config import RolloutConfig
-from rlhf_core.rl.step import PromptBatch, PromptBatches
+from rlhf_core.rl.step import PromptBatch, PromptBatches, RolloutSettings
 from rlhf_core.rollout.ahead import Generator, Job, Made, ProcessGenerator, SamplingSpec, ThreadGenerator
 from rlhf_core.rollout.engines import rollout_seed
 
@@ -131,13 +131,15 @@ class AheadBatches:
 
 
 def ahead_batches(
-    rollout: RolloutConfig, engine, batches: PromptBatches, loop, rows: list[dict], spec: SamplingSpec
+    rollout: RolloutConfig, engine, batches: PromptBatches, loop, rows: list[dict], settings: RolloutSettings, tools
 ) -> AheadBatches | None:
-    """The batches of a stage whose generation runs ahead (None with rollout.max_staleness 0): on the vLLM server
-    from a thread, pushed every rollout.vllm.sync_every_steps steps, or on our loop in a process of its own with
-    the trainer's device and thread count, given the weights after every step."""
+    """The batches of a stage whose generation runs ahead (None with rollout.max_staleness 0), sampled as `settings`
+    say (with `tools`, tool episodes): on the vLLM server from a thread, pushed every rollout.vllm.sync_every_steps
+    steps, or on our loop in a process of its own with the trainer's device and thread count, given the weights
+    after every step."""
     if rollout.max_staleness == 0:
         return None
+    spec = SamplingSpec(settings.sampling, settings.pad_token_id, settings.stop_token_ids, batches.repeat, tools)
     slots = rollout.max_staleness + 1  # the versions a queued job may still need
     if rollout.engine == "vllm":
         generator, sync_every = ThreadGenerator(engine, spec, slots), rollout.vllm.sync_every_steps

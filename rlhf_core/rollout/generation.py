@@ -57,6 +57,14 @@ def _full_attention_sdpa(config) -> bool:
     return getattr(config, "sliding_window", None) is None
 
 
+def _runs_of_one_prompt(query_ids: torch.Tensor, query_mask: torch.Tensor, repeats: int) -> bool:
+    """The rows come in runs of `repeats` copies of one prompt (GRPO's groups): its prefill can be shared."""
+    batch, context = query_ids.shape
+    if repeats <= 1 or batch % repeats:
+        return False
+    return all(bool((t.view(-1, repeats, context) == t[::repeats, None]).all()) for t in (query_ids, query_mask))
+
+
 @torch.no_grad()
 def generate(
     policy,
@@ -94,14 +102,7 @@ def generate(
     # would build from `mask` for SDPA, passed ready-made (the model's mask construction costs more than
     # the attention itself at one query per row)
     bool_mask = mask.bool() if _takes_ready_sdpa_mask(policy) else None
-    shared = (
-        prompt_repeats > 1
-        and batch % prompt_repeats == 0
-        and all(
-            bool((t.view(-1, prompt_repeats, context) == t[::prompt_repeats, None]).all())
-            for t in (query_ids, query_mask)
-        )
-    )
+    shared = _runs_of_one_prompt(query_ids, query_mask, prompt_repeats)
     rows = slice(None, None, prompt_repeats) if shared else slice(None)
     out = policy(
         input_ids=query_ids[rows],
