@@ -73,6 +73,7 @@ class LoopEngine:
     def generate(
         self, policy, query_ids, query_mask, settings, *, pad_token_id, stop_token_ids, prompt_repeats=1, seed=None
     ):
+        extra = {"with_logprobs": True} if self.logprobs else {}
         made = generate(
             policy,
             query_ids,
@@ -81,7 +82,7 @@ class LoopEngine:
             pad_token_id=pad_token_id,
             stop_token_ids=stop_token_ids,
             prompt_repeats=prompt_repeats,
-            with_logprobs=self.logprobs,
+            **extra,
         )
         return Generated(*made) if self.logprobs else Generated(made, None)
 
