@@ -2,7 +2,8 @@
 jobs (one step's prompts and the policy version to sample them with) in order, one at a time, and answers with what
 it sampled and which version sampled it (`rl/off_policy.py` decides what to ask and what to keep). A job names its
 version, rather than taking the newest, so that a run is the same run every time: the trainer publishes each version
-into one of `slots` places (max_staleness + 1: the oldest a queued job may still need), and a job reads its own.
+into the next of `slots` places in turn (max_staleness + 1: a queued job's version is one of the last k + 1
+published), and a job reads the place that holds its version.
 
 - `ThreadGenerator`: an engine with a server of its own (vllm), fed from one thread of the trainer's process. The
   sampling is the server's; the thread only waits on it, and it alone loads weights into the server, between jobs.
@@ -109,8 +110,12 @@ class StagedEngine(Protocol):
     def load_staged(self, slot: int | None = None) -> None: ...
 
 
-def stale_place(job: Job, held: int) -> GeneratorError:
-    return GeneratorError(f"the weights of version {job.version} for step {job.step} were replaced (version {held})")
+def place_of(job: Job, versions) -> int:
+    """The place that holds `job`'s version (`versions`: each place's); a GeneratorError when none does any more."""
+    for slot, version in enumerate(versions):
+        if version == job.version:
+            return slot
+    raise GeneratorError(f"the weights of version {job.version} for step {job.step} were replaced ({list(versions)})")
 
 
 class ThreadGenerator:
@@ -121,15 +126,17 @@ class ThreadGenerator:
         self.engine, self.spec = engine, spec
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="rollout-ahead")
         self.lock = threading.Lock()  # a place is written whole before the thread loads it
-        self.slots, self.staged = slots, [-1] * slots  # each place's version
+        self.staged, self.published = [-1] * slots, 0  # each place's version; how many were published
         self.loaded: int | None = None
         self.idle_since = time.perf_counter()
         self.futures: list[Future] = []
 
     def publish(self, policy, version: int) -> None:
         with self.lock:
-            self.engine.stage(policy, version % self.slots)
-            self.staged[version % self.slots] = version
+            slot = self.published % len(self.staged)
+            self.engine.stage(policy, slot)
+            self.staged[slot] = version
+            self.published += 1
 
     def submit(self, job: Job) -> Future:
         future = self.pool.submit(self._run, job)
@@ -141,10 +148,7 @@ class ThreadGenerator:
         try:
             with self.lock:
                 if self.loaded != job.version:
-                    slot = job.version % self.slots
-                    if self.staged[slot] != job.version:
-                        raise stale_place(job, self.staged[slot])
-                    self.engine.load_staged(slot)
+                    self.engine.load_staged(place_of(job, self.staged))
                     self.loaded = job.version
             return Made(sample_job(self.engine, None, job, self.spec, "cpu"), job.version, waited)
         finally:
@@ -171,7 +175,8 @@ class ProcessGenerator:
         context = mp.get_context("spawn")
         state = engine_weights(policy)
         self.places = [{k: v.clone().share_memory_() for k, v in state.items()} for _ in range(slots)]
-        self.versions = context.Array("q", [-1] * slots, lock=False)
+        self.versions = context.Array("q", [-1] * slots, lock=False)  # each place's version
+        self.published = 0
         self.lock = context.Lock()
         self.skip_below = context.Value("q", 0)  # jobs numbered below it are dropped unanswered
         self.jobs, self.answers = context.Queue(), context.Queue()
@@ -191,7 +196,8 @@ class ProcessGenerator:
         self.reader.start()
 
     def publish(self, policy, version: int) -> None:
-        slot = version % len(self.places)
+        slot = self.published % len(self.places)
+        self.published += 1
         with self.lock:
             for name, value in engine_weights(policy).items():
                 self.places[slot][name].copy_(value)
@@ -265,10 +271,7 @@ def serve(config, places, versions, lock, skip_below, jobs, answers, *, spec: Sa
         try:
             with lock:
                 if loaded != job.version:
-                    slot = job.version % len(places)
-                    if versions[slot] != job.version:
-                        raise stale_place(job, versions[slot])
-                    load_weights(model, places[slot])
+                    load_weights(model, places[place_of(job, versions)])
                     loaded = job.version
             torch.manual_seed(job.seed)
             sampled = sample_job(LoopEngine(logprobs=True), model, job, spec, device)  # the behaviour log-probs too

@@ -1,6 +1,6 @@
 """Generation ahead of training in the GRPO stage (rollout.max_staleness > 0), proven on what reaches the loss:
 
-- a deliberately slow engine apart (slow to sample, slow to take weights, pushed every 3 steps) samples batches
+- a deliberately slow engine apart (slow to sample, slow to take weights, pushed every 2 steps) samples batches
   older than k, and none of them reaches an update: the staleness of every trained batch is read from the weights
   that sampled it, checksummed by the engine, against the trainer's weights after each step;
 - our loop in a process of its own: two runs with one seed end on the same weights; a run crashed after step 3
@@ -111,7 +111,7 @@ def test_a_slow_engine_samples_stale_batches_and_none_of_them_reaches_the_loss(t
 
     monkeypatch.setattr(GRPOSteps, "update", recording_update)
     policy = load_causal_lm(str(smoke_world.base_model))
-    rollout = RolloutConfig(engine="vllm", max_staleness=1, vllm={"sync_every_steps": 3})
+    rollout = RolloutConfig(engine="vllm", max_staleness=1, vllm={"sync_every_steps": 2})
     train(
         smoke_world,
         tmp_path / "slow",

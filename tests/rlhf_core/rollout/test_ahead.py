@@ -146,14 +146,33 @@ def test_the_thread_loads_a_version_before_the_job_that_needs_it_once(parts):
         generator.close()
 
 
+def test_places_go_in_turn_whatever_the_versions_so_pushes_every_n_steps_keep_the_last_k_plus_one(parts):
+    """vLLM pushed every 2 steps publishes versions 0, 2, 4: two places keep versions 2 and 4 (not version % 2)."""
+    policy = parts[0]
+    engine = StagedLoop(policy)
+    generator = ThreadGenerator(engine, parts[3], 2)
+    try:
+        for version in (0, 2, 4):
+            generator.publish(policy, version)
+        made = [generator.submit(job(parts, v)).result(timeout=60) for v in (2, 4)]
+        assert [m.version for m in made] == [2, 4] and engine.loads == [1, 0]
+    finally:
+        generator.close()
+
+
 TRAINER = """
 import sys, time
+import torch
 from rlhf_core.models.loading import load_causal_lm
-from rlhf_core.rollout.ahead import ProcessGenerator, SamplingSpec
+from rlhf_core.rollout.ahead import Job, ProcessGenerator, SamplingSpec
 from rlhf_core.rollout.sampling import SamplingSettings
 
 if __name__ == "__main__":
-    generator = ProcessGenerator(load_causal_lm(sys.argv[1]), SamplingSpec(SamplingSettings(4), 0, (1,)), 1)
+    policy = load_causal_lm(sys.argv[1])
+    generator = ProcessGenerator(policy, SamplingSpec(SamplingSettings(4), 0, (1,)), 1)
+    generator.publish(policy, 0)
+    ids = torch.ones(1, 3, dtype=torch.long)
+    generator.submit(Job(0, ids, ids, [{}], 1, 0)).result(timeout=300)  # started, and waiting for work
     print(generator.process.pid, flush=True)
     time.sleep(600)
 """
@@ -181,12 +200,12 @@ def test_a_trainer_killed_with_sigkill_takes_its_generator_process_with_it(smoke
         assert running(child)
         trainer.kill()  # SIGKILL: no handler, no atexit
         trainer.wait()
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 30  # it looks every second
         while time.monotonic() < deadline:
             if not running(child):
                 return
             time.sleep(0.2)
         os.kill(child, signal.SIGKILL)
-        raise AssertionError("the generator process outlived its trainer by 20 s")
+        raise AssertionError("the generator process outlived its trainer by 30 s")
     finally:
         trainer.kill()
