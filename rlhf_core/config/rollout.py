@@ -79,7 +79,7 @@ class RolloutConfig(Section):
     max_staleness: int = Field(
         0,
         ge=0,
-        description="How many policy versions generation may run ahead of training (TRL's max_staleness, verl's staleness_threshold): with k > 0 the rollouts of steps t+1..t+k are sampled while step t trains, on a generator apart (vllm: its server, fed from a thread; hf: a process holding its own copy of the policy), and a batch sampled from weights more than k versions older than the step that trains on it is dropped and sampled again; the loss carries the correction rollout.vllm.correction* names. 0: each step samples with the weights it trains (the default). The GRPO family, one process (docs/rollout-engines.md).",
+        description="How many policy versions generation may run ahead of training (TRL's max_staleness, verl's staleness_threshold): with k > 0 the rollouts of steps t+1..t+k are sampled while step t trains, on a generator apart (vllm: its server, fed from a thread; hf: a process holding its own copy of the policy), and a batch sampled from weights more than k versions older than the step that trains on it is dropped and sampled again; the loss carries the correction rollout.vllm.correction* names. 0: each step samples with the weights it trains (the default). The GRPO family, one process (docs/async-rollouts.md).",
     )
 
     @property
