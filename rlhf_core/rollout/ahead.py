@@ -140,7 +140,7 @@ class ThreadGenerator:
 
     def submit(self, job: Job) -> Future:
         future = self.pool.submit(self._run, job)
-        self.futures.append(future)
+        self.futures = [f for f in self.futures if not f.done()] + [future]  # what cancel() may still stop
         return future
 
     def _run(self, job: Job) -> Made:
