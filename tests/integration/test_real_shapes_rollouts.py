@@ -163,6 +163,34 @@ def test_the_decode_loops_ready_sdpa_mask_samples_what_the_models_own_mask_sampl
 
 
 @pytest.mark.parametrize("name", FAMILIES)
+def test_the_generators_behaviour_logprobs_stop_where_the_response_stops(family_root, name):
+    # generation ahead of training keeps the decode loop's log-probs as the behaviour policy: on every family's
+    # layout (pad == eos, two stop ids, no pad) they are the trainer's pass of the sampled tokens, and a response's
+    # stop token (either id) is scored while what follows it (a pad that may be the eos) is INVALID_LOGPROB
+    from rlhf_core.models.forward import response_logprobs
+    from rlhf_core.rollout.generation import generate
+
+    tok, model = load(family_root, name)
+    stops = stop_token_ids(tok, model.generation_config)
+    ids, mask, policy = scripted_batch(tok, model, stops)  # rows stop at either stop id, or never
+    kwargs = {"pad_token_id": tok.pad_token_id, "stop_token_ids": stops, "with_logprobs": True}
+    torch.manual_seed(11)
+    responses, logprobs = generate(policy, ids, mask, SamplingSettings(response_length=R), **kwargs)
+    resp_mask, _, _ = response_mask(responses, stops)
+    assert resp_mask.sum(1).tolist() == [3, 5, R, R, 2]
+    real = resp_mask.bool()
+    assert (logprobs[real] <= 0).all() and (logprobs[~real] == INVALID_LOGPROB).all()
+    # the unscripted model (the script biases generation only): the trainer's log-probs of what it sampled
+    torch.manual_seed(11)
+    responses, logprobs = generate(model, ids, mask, SamplingSettings(response_length=R, temperature=1.3), **kwargs)
+    resp_mask, _, _ = response_mask(responses, stops)
+    with torch.no_grad():
+        expected, _ = response_logprobs(model, ids, mask, responses, resp_mask, 1.3)
+    real = resp_mask.bool()
+    torch.testing.assert_close(logprobs[real], expected[real], rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
 def test_vllms_completions_become_the_tensors_our_loop_makes(family_root, name):
     """The same tokens from either engine make the same rollout: a fake server answers what vLLM answers for the
     scripted rows (up to and including the first stop id, else response_length tokens), and the responses, masks,
