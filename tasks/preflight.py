@@ -30,6 +30,7 @@ from rlhf_core.models.loading import ModelSourceError, check_source, looks_like_
 from rlhf_core.rewards.functions import RewardFunctionError, load_function
 from rlhf_core.rollout.tools import ToolError, load_tool_use
 from rlhf_core.rollout.vllm_server import head_size, server_problems
+from tasks import reward_endpoints
 
 TRACKING_TIMEOUT_S = 10.0
 FIRST_ROWS = 5
@@ -80,6 +81,7 @@ def preflight_problems(cfg: PipelineConfig) -> list[str]:
         (_check_context, PreflightError),
         (_check_rollout_engine, PreflightError),
         (_check_tools, PreflightError),
+        (reward_endpoints.preflight_problems, PreflightError),  # served rewards answer a first request
         (_check_tracking, PreflightError),
         (_check_output, PreflightError),
         (_check_registry, PreflightError),
@@ -151,9 +153,7 @@ def _plain_prompts(cfg: PipelineConfig, field: str, spec: DatasetSpec) -> bool:
     return problem is None and not conversational
 
 
-# --------------------------------------------------------------------------------------------
-# data: the files exist and their first rows have the mapped columns
-# --------------------------------------------------------------------------------------------
+# ----------------------------- data: the files exist and their first rows have the mapped columns -----------------------------
 
 
 def tables_to_check(cfg: PipelineConfig) -> list[tuple[str, DatasetSpec, Kind]]:
@@ -230,9 +230,7 @@ def _check_data(cfg: PipelineConfig) -> list[str]:
     return problems + ([template] if template else [])
 
 
-# --------------------------------------------------------------------------------------------
-# models and tokenizers, and the context length
-# --------------------------------------------------------------------------------------------
+# ----------------------------- models and tokenizers, and the context length -----------------------------
 
 
 def _source_problem(source: str, field: str) -> str | None:
@@ -308,9 +306,7 @@ def _check_rollout_engine(cfg: PipelineConfig) -> list[str]:
     return server_problems(v.interpreter(), head, v.host, v.port)
 
 
-# --------------------------------------------------------------------------------------------
-# tracking server and registry names
-# --------------------------------------------------------------------------------------------
+# ----------------------------- tracking server and registry names -----------------------------
 
 
 def _strip_userinfo(uri: str) -> str:

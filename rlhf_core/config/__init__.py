@@ -7,17 +7,16 @@ one raises :class:`ConfigError` with one sentence that names the field and what 
 Split by concern, everything importable from here:
 
 - ``base``: ``Section`` (the strict base model), ``ConfigError`` (a ``UserError``), ``DEMO``;
-- ``run_model_data``: the run, model and data sections; ``training``: the optimizer settings, SFT,
+- ``run_model_data``: the run, model and data sections (and what an accelerate launch file asks for); ``training``: the optimizer settings, SFT,
   reward, init, RL, PPO and GRPO sections; ``pipeline``: eval, export, promote, tracking, registry and
   ``PipelineConfig`` with its derived values; ``cross_checks``: the checks across sections, in the order they fire;
 - ``rollout``: the rollout engine (our decode loop or a vLLM server) and its correction;
-- ``accelerate``: what an accelerate launch file asks for; ``redaction``: secrets out of logs and parameters;
+- ``rewards``: the reward sources of the GRPO family (in-process or served); ``redaction``: secrets out of logs and parameters;
 - ``loading``: YAML, ``--set`` overrides, validation; ``errors``: ``UserError`` (what a user causes: the CLI
   prints its sentence and exits 2), one-sentence messages and hints;
 - ``reference``: docs/configuration.md, the configuration reference, rendered from the field descriptions.
 """
 
-from rlhf_core.config.accelerate import accelerate_strategy
 from rlhf_core.config.base import DEMO, ConfigError, Section
 from rlhf_core.config.errors import (
     REPLACED_FIELDS,
@@ -38,6 +37,7 @@ from rlhf_core.config.pipeline import (
     RegistryConfig,
     TrackingConfig,
 )
+from rlhf_core.config.rewards import RewardSource
 from rlhf_core.config.rollout import RolloutConfig, VllmSettings
 from rlhf_core.config.run_model_data import (
     ColumnMap,
@@ -48,6 +48,7 @@ from rlhf_core.config.run_model_data import (
     LoraSettings,
     ModelConfig,
     RunConfig,
+    accelerate_strategy,
 )
 from rlhf_core.config.training import (
     GROUP_ALGORITHMS,
@@ -57,7 +58,6 @@ from rlhf_core.config.training import (
     OptimSettings,
     PPOConfig,
     RewardConfig,
-    RewardSource,
     RLConfig,
     SFTConfig,
 )

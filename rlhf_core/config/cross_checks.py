@@ -7,10 +7,9 @@ model validator, where pydantic turns that into the ConfigError a user sees.
 
 from __future__ import annotations
 
-from rlhf_core.config.accelerate import accelerate_strategy
 from rlhf_core.config.evaluation import EvalConfig, GuardConfig
 from rlhf_core.config.rollout import RolloutConfig
-from rlhf_core.config.run_model_data import RunConfig
+from rlhf_core.config.run_model_data import RunConfig, accelerate_strategy
 from rlhf_core.config.training import (
     GROUP_ALGORITHMS,
     GROUP_FIELDS_FOR,

@@ -1,10 +1,12 @@
-"""The sections that say what runs on what: the run itself, the model, the data (and the demo world's sizes)."""
+"""The sections that say what runs on what: the run itself, the model, the data (and the demo world's sizes); and
+`accelerate_strategy`, what the accelerate launch file that `run.accelerate_config` names asks for."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any, Literal
 
+import yaml
 from pydantic import Field, model_validator
 
 from rlhf_core.config.base import DEMO, ExpandedPath, PathText, Section
@@ -231,3 +233,26 @@ class DataConfig(Section):
         if self.max_prompt_length >= self.max_length:
             raise ValueError(f"max_prompt_length {self.max_prompt_length} must be below max_length {self.max_length}")
         return self
+
+
+def accelerate_strategy(path) -> str:
+    """What an `accelerate launch` config file asks for: 'ddp', 'zero1'/'zero2'/'zero3', 'fsdp' (or 'fsdp1').
+
+    Raises ValueError naming the file when it is missing, not YAML, or not an accelerate config.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"run.accelerate_config: {path} does not exist")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise ValueError(f"run.accelerate_config: {path} is not valid YAML ({err})") from None
+    if not isinstance(raw, dict) or "distributed_type" not in raw:
+        raise ValueError(f"run.accelerate_config: {path} has no distributed_type; write it with `accelerate config`")
+    kind = str(raw["distributed_type"]).upper()
+    if kind == "DEEPSPEED":
+        stage = int((raw.get("deepspeed_config") or {}).get("zero_stage", 2))
+        return f"zero{stage}"
+    if kind == "FSDP":
+        return "fsdp" if int((raw.get("fsdp_config") or {}).get("fsdp_version", 1)) == 2 else "fsdp1"
+    return "ddp"

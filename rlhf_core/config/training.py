@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from rlhf_core.config.base import PathText, Section
+from rlhf_core.config.rewards import RewardSource
 from rlhf_core.config.run_model_data import DatasetSpec
 
 
@@ -182,29 +183,6 @@ class PPOConfig(Section):
     num_mini_batches: int = Field(1, ge=1, description="Mini-batches per PPO epoch.")
     whiten_rewards: bool = Field(False, description="Whiten the KL-penalized rewards before GAE.")
     whiten_advantages: bool = Field(True, description="Whiten advantages before the policy loss.")
-
-
-class RewardSource(Section):
-    name: str = Field(..., min_length=1, description="Name of this reward in metrics (rewards/<name>/mean).")
-    model: PathText | None = Field(
-        None, description="A reward model: 'reward_stage' (this run's), a directory, hub name or models:/ URI."
-    )
-    function: str | None = Field(None, description="A Python reward function as 'package.module:function'.")
-    weight: float = Field(1.0, description="Weight of this reward in the sum.")
-    arguments: dict[str, float | int | str | bool] = Field(
-        default_factory=dict,
-        description="Keyword arguments bound to the function (e.g. soft_overlong_punishment's max_completion_len).",
-    )
-
-    @model_validator(mode="after")
-    def _one_kind(self) -> RewardSource:
-        if (self.model is None) == (self.function is None):
-            raise ValueError(f"reward '{self.name}' must set exactly one of model or function")
-        if self.function is not None and ":" not in self.function:
-            raise ValueError(f"function '{self.function}' must be written 'package.module:function'")
-        if self.arguments and self.function is None:
-            raise ValueError(f"reward '{self.name}' sets arguments, which only a function takes")
-        return self
 
 
 def _default_grpo_rewards() -> list[RewardSource]:

@@ -1,5 +1,6 @@
-"""The reward sources of the GRPO family: reward models and Python reward functions (`reward_functions.py`),
-each scoring a rollout's completions, one float or None ("not applicable") per completion, weighted."""
+"""The reward sources of the GRPO family: reward models and Python reward functions (`functions.py`) in this
+process, and scorers served elsewhere (`served.py`), each scoring a rollout's completions, one float or None
+("not applicable") per completion, weighted; a served source's `Unscored` drops the completion's group."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import torch
 from rlhf_core.data.chat import PROMPT_MESSAGES, assistant_messages, extra_columns
 from rlhf_core.models.forward import sequence_scores
 from rlhf_core.rewards.functions import accepts, call_scoring_function, check_finite, completion_ids
+from rlhf_core.rewards.remote import SourceStats, Unscored
+from rlhf_core.rewards.served import ServedScorer
 from rlhf_core.rollout.collect import Rollout
 from rlhf_core.rollout.tools import ToolUse
 
@@ -22,6 +25,7 @@ class RewardSourceFn:
     name: str
     weight: float
     score: Callable[[list[str], list[str], Rollout, list[dict]], list[float | None]]
+    stats: SourceStats | None = None  # a served source's request counts and latencies (`source_metrics`)
 
 
 def model_reward(name: str, weight: float, reward_model) -> RewardSourceFn:
@@ -69,6 +73,25 @@ def function_reward(name: str, weight: float, fn) -> RewardSourceFn:
     return RewardSourceFn(name, weight, score)
 
 
+def served_reward(name: str, weight: float, scorer: ServedScorer) -> RewardSourceFn:
+    """A scorer served elsewhere, given the texts, the rows' columns and, when it sends them, each completion's
+    prompt and completion token ids (the prompt's without padding; the completion's up to its last real token)."""
+
+    def score(prompts, completions, rollout, rows):
+        columns = extra_columns(rows)
+        if scorer.wants_ids and rollout is not None:
+            columns["prompt_ids"] = [q[m.bool()].tolist() for q, m in zip(rollout.query_ids, rollout.query_mask)]
+            columns["completion_ids"] = completion_ids(rollout.responses, rollout.resp_mask)
+        return scorer(prompts=prompts, completions=completions, **columns)
+
+    return RewardSourceFn(name, weight, score, stats=scorer.stats)
+
+
+def source_metrics(sources: list[RewardSourceFn]) -> dict[str, float]:
+    """The served sources' counts and latencies since the last call (`SourceStats.pop`)."""
+    return {k: v for source in sources if source.stats is not None for k, v in source.stats.pop().items()}
+
+
 def environment_rewards(tool_use: ToolUse) -> list[RewardSourceFn]:
     """Each environment class with get_reward() as a reward source of weight 1 named after the class (TRL's): an
     episode is scored by its own environment when it is of that class, else the source abstains (None)."""
@@ -84,13 +107,27 @@ def environment_rewards(tool_use: ToolUse) -> list[RewardSourceFn]:
 
 
 def score_sources(
-    sources: list[RewardSourceFn], prompts: list[str], completions: list[str], rollout: Rollout, rows: list[dict]
+    sources: list[RewardSourceFn],
+    prompts: list[str],
+    completions: list[str],
+    rollout: Rollout,
+    rows: list[dict],
+    group: int = 1,
 ) -> torch.Tensor:
     """Every source's scores of the completions, (B, F) float32, NaN where a source returned None; a NaN or inf
-    a source returns stops the step (`check_finite` names the source)."""
-    scored = []
+    a source returns stops the step (`check_finite` names the source). A completion a served source left
+    `Unscored` (on_failure drop_group) drops its group: each of the `group` consecutive rows it belongs to is
+    NaN for every source (unscorable: advantage 0), counted in that source's dropped_groups."""
+    scored, dropped = [], torch.zeros(len(completions), dtype=torch.bool)
     for source in sources:
         values = source.score(prompts, completions, rollout, rows)
+        unscored = torch.tensor([isinstance(v, Unscored) for v in values], dtype=torch.bool)
+        values = [None if isinstance(v, Unscored) else v for v in values]
         check_finite(f"reward {source.name}", values)
         scored.append([float("nan") if v is None else v for v in values])
-    return torch.tensor(scored, dtype=torch.float32).T
+        if unscored.any():
+            groups = unscored.view(-1, group).any(dim=1)
+            source.stats.add(dropped_groups=int((groups & ~dropped.view(-1, group).any(dim=1)).sum()))
+            dropped |= groups.repeat_interleave(group)
+    scores = torch.tensor(scored, dtype=torch.float32).T
+    return scores.masked_fill(dropped.unsqueeze(1), float("nan"))

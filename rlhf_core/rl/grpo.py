@@ -1,11 +1,10 @@
 """The GRPO family: rl.algorithm grpo, rloo, reinforce_plus_plus and reinforce_plus_plus_baseline. Each samples
-grpo.num_generations completions per prompt, scores them with reward models and Python functions
-(`rewards/sources.py`), and trains without a value model; they differ in the advantage estimator
-(`advantages/estimators.py`) and the loss (`grpo_losses.py`, picked once by `policy_loss_for`).
-
-`GroupSampler` is the rollout phase (with DAPO's dynamic sampling, `dynamic_sampling.py`); `GRPOSteps` runs
-it, then the update and metrics phases of one step (`rl_step`) and TR-DPO's reference sync
-(arXiv:2404.09656); `train_grpo` wires them to the loop. The completions table is `completions.py`'s.
+grpo.num_generations completions per prompt, scores them with every reward source (`rewards/sources.py`: in this
+process or served elsewhere), and trains without a value model; they differ in the advantage estimator
+(`advantages/estimators.py`) and the loss (`grpo_losses.py`, picked once by `policy_loss_for`). `GroupSampler` is
+the rollout phase (with DAPO's dynamic sampling, `dynamic_sampling.py`); `GRPOSteps` runs it, then the update and
+metrics phases of one step (`rl_step`) and TR-DPO's reference sync (arXiv:2404.09656); `train_grpo` wires them to
+the loop. The completions table is `completions.py`'s.
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ import torch
 
 from rlhf_core.config import GRPOConfig, RLConfig, RolloutConfig, RunConfig
 from rlhf_core.models.forward import response_logprobs
-from rlhf_core.rewards.sources import RewardSourceFn, environment_rewards, score_sources
+from rlhf_core.rewards.sources import RewardSourceFn, environment_rewards, score_sources, source_metrics
 from rlhf_core.rl.advantages.estimators import Estimate, EstimatorContext, estimator_for
 from rlhf_core.rl.advantages.group_baselines import nanstd
 from rlhf_core.rl.completions import completions_due, completions_table
@@ -122,8 +121,8 @@ class GroupSampler:
         tools: ToolRollout | None = None,
     ):
         self.loop, self.settings, self.ref_model, self.rewards = loop, settings, ref_model, rewards
-        self.tools = tools  # tool episodes: each batch's rows filled in
-        self.prompt_rows, self.rl, self.more_prompts = prompt_rows, rl, more_prompts
+        self.tools, self.prompt_rows, self.rl = tools, prompt_rows, rl  # tools: each batch's rows filled in
+        self.more_prompts, self.group = more_prompts, grpo_batch_sizes(rl, grpo).generations_per_prompt
         self.engine, self.correction = engine or LoopEngine(), correction
         self.sizes = grpo_batch_sizes(rl, grpo)
         self.weights = torch.tensor([s.weight for s in rewards], dtype=torch.float32)
@@ -197,7 +196,7 @@ class GroupSampler:
         else:
             completions = decode_responses(self.loop.tokenizer, rollout.responses, rollout.resp_mask)
         with self.timer("reward"):
-            scores = score_sources(self.rewards, [r["prompt"] for r in rows], completions, rollout, rows)
+            scores = score_sources(self.rewards, [r["prompt"] for r in rows], completions, rollout, rows, self.group)
         penalty = missing_stop_penalty(rollout, self.rl.missing_eos_penalty)
         return RolloutBatch(rollout, scores.to(loop.device), penalty, rows=rows, completions=completions)
 
@@ -311,6 +310,7 @@ class GRPOSteps:
             "loss": stats.mean("loss"),
             "_tokens": batch.rollout.resp_mask.sum(),
             **self.sampler.dynamic,
+            **source_metrics(self.sampler.rewards),
             **self.correction_metrics,
             **(self.ahead.metrics if self.ahead is not None else {}),
             **{name: stats.mean(name) for name in self.loss.clip_metrics},

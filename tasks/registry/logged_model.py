@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 from rlhf_core.models.loading import MODEL_BUILDING, load_pretrained
 from rlhf_core.storage.checkpoints import link_identical_files
-from tasks import served_policy
+from tasks import served_policy, served_reward
 
 # Packages a logged model needs to load again. Listed explicitly because MLflow's inference of
 # default requirements looks for torchvision, which has no CPU build in our registries.
@@ -72,7 +72,7 @@ def log_checkpoint(checkpoint_dir: Path, *, task: str, tags: dict[str, str], run
         logged = _initialize_logged_model(run_id, tags)
         try:
             with _random_state_kept() if input_example else nullcontext():
-                log_model = served_policy.log_model if task == "text-generation" else mlflow.transformers.log_model
+                log_model = served_policy.log_model if task == "text-generation" else served_reward.log_model
                 info = log_model(
                     transformers_model={"model": model, "tokenizer": tokenizer},
                     name=logged.name,
@@ -103,9 +103,10 @@ def local_artifact_dir(model_id: str | None) -> Path | None:
 
 
 def _serving(task: str, model, input_example: bool) -> dict:
-    """A text-generation model's signature (tasks/served_policy.py) and, with input_example, INPUT_EXAMPLE."""
+    """A text-generation model's signature (tasks/served_policy.py) and, with input_example, INPUT_EXAMPLE; a
+    reward model's (tasks/served_reward.py)."""
     if task != "text-generation":
-        return {}
+        return {"signature": served_reward.score_signature()}
     serving = {"signature": served_policy.generation_signature(model.generation_config)}
     if input_example:
         serving["input_example"] = INPUT_EXAMPLE

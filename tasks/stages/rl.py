@@ -34,7 +34,7 @@ from rlhf_core.rewards.reward_model import load_reward_model
 from rlhf_core.rl.grpo import train_grpo
 from rlhf_core.rl.ppo import train_ppo
 from rlhf_core.rollout.engines import serving
-from tasks import tracking
+from tasks import reward_endpoints, tracking
 from tasks.launch import launcher
 from tasks.retry import IO_RETRIES
 from tasks.stage_io import Checkpoint, stage_key
@@ -55,11 +55,12 @@ def eval_functions(cfg: PipelineConfig) -> dict:
                 functions[f"reward_{source.name}"] = load_reward_function(
                     source.function, source.arguments, field=f"grpo.rewards[{i}]"
                 )
-    return functions
+    return functions | reward_endpoints.eval_scorers(cfg)
 
 
 def reward_sources(cfg: PipelineConfig, plan: InitPlan, stage_reward_model) -> list:
-    """GRPO's reward sources, loaded: reward models (this run's, a directory, hub name or URI) and functions.
+    """GRPO's reward sources, loaded: reward models (this run's, a directory, hub name or URI), functions and
+    scorers served elsewhere (tasks/reward_endpoints.py), in grpo.rewards' order.
 
     `stage_reward_model` is this run's reward model, already loaded for evaluation: reused, not loaded twice.
     """
@@ -67,8 +68,11 @@ def reward_sources(cfg: PipelineConfig, plan: InitPlan, stage_reward_model) -> l
 
     from rlhf_core.rewards.sources import function_reward, model_reward
 
-    sources = []
+    sources, served = [], reward_endpoints.served_sources(cfg)
     for i, r in enumerate(cfg.grpo.rewards):
+        if i in served:
+            sources.append(served[i])
+            continue
         if r.function is not None:
             sources.append(
                 function_reward(
@@ -90,7 +94,8 @@ def rl_key(cfg: PipelineConfig, data: PreparedData, plan: InitPlan) -> str:
     return stage_key(
         {
             "rl": cfg.rl.model_dump(mode="json"),
-            cfg.rl.algorithm: algorithm_cfg.model_dump(mode="json"),
+            cfg.rl.algorithm: algorithm_cfg.model_dump(mode="json")
+            | ({"rewards": reward_endpoints.keyed_rewards(cfg)} if cfg.rl.algorithm != "ppo" else {}),
             "init": cfg.init.model_dump(),
             "lora": cfg.model.lora.model_dump(),
             # identities, never paths: a run directory that is moved keeps its keys (the value model's
@@ -225,7 +230,10 @@ def rl_stage(cfg: PipelineConfig, data: PreparedData, plan: InitPlan, parent_run
     out_dir = cfg.run.output_dir / cfg.rl.algorithm / key
     if launcher.launched():
         return _stage(cfg, data, plan, parent_run_id, key, out_dir)
-    with rollout_server(cfg, plan, out_dir) as cfg:
+    with (
+        rollout_server(cfg, plan, out_dir) as cfg,
+        reward_endpoints.reward_servers(cfg, plan.reward_identity, out_dir) as cfg,
+    ):
         if cfg.run.num_processes > 1:
             return launcher.launch("rl", worker_body, cfg, data=data, plan=plan, parent_run_id=parent_run_id)
         return _stage(cfg, data, plan, parent_run_id, key, out_dir)
@@ -243,6 +251,7 @@ def _stage(cfg: PipelineConfig, data: PreparedData, plan: InitPlan, parent_run_i
         reporter.start(cfg.rl.total_steps, f"{cfg.rl.algorithm.upper()}: {cfg.rl.total_steps} steps")
         functions = eval_functions(cfg)
         eval_rows = read_rows(data.tables["eval_prompts"])[: cfg.eval.num_prompts]
+        reward_endpoints.check_template_columns(cfg, set(read_rows(data.tables["prompts"])[0]))
         load = partial(fresh_models, cfg, plan, functions, eval_rows)
         train = partial(_train, cfg, data, plan, reporter=reporter)
         return reporter.finish(guarded_training(cfg, reporter, load, train))

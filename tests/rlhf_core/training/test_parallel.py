@@ -1,5 +1,5 @@
 """Scale-out pieces that run without a GPU: metric reduction on one process, the launch command, FSDP's wrap
-classes (the accelerate config files: tests/rlhf_core/config/test_accelerate.py)."""
+classes (the accelerate config files: tests/rlhf_core/config/test_run_model_data.py)."""
 
 from pathlib import Path
 

@@ -1,0 +1,212 @@
+"""The GRPO family's reward sources (grpo.rewards entries): a reward model or a Python function in the stage's
+process, or a scorer served elsewhere and reached over HTTP (`kind`: reward_model, judge or http), with the
+request settings every remote kind shares (timeout, retries, concurrency, failure policy, credentials from the
+environment) and each kind's own beside them."""
+
+from __future__ import annotations
+
+import re
+import string
+from typing import Literal
+from urllib.parse import urlsplit
+
+from pydantic import Field, field_validator, model_validator
+
+from rlhf_core.config.base import PathText, Section
+
+REMOTE_KINDS = ("reward_model", "judge", "http")
+# the fields only some kinds take: set for another kind (or an in-process source, kind null), they are refused
+KIND_FIELDS = {
+    "model": (None, "reward_model"),
+    "function": (None,),
+    "arguments": (None,),
+    "url": REMOTE_KINDS,
+    "timeout_s": REMOTE_KINDS,
+    "max_concurrency": REMOTE_KINDS,
+    "max_retries": REMOTE_KINDS,
+    "backoff_s": REMOTE_KINDS,
+    "on_failure": REMOTE_KINDS,
+    "failure_score": REMOTE_KINDS,
+    "api_key_env": REMOTE_KINDS,
+    "headers_env": REMOTE_KINDS,
+    "batch_size": ("reward_model",),
+    "token_ids": ("reward_model",),
+    "judge_model": ("judge",),
+    "api": ("judge",),
+    "template": ("judge",),
+    "score_range": ("judge",),
+    "labels": ("judge",),
+    "max_tokens": ("judge",),
+    "score_path": ("http",),
+}
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# what a judge template may name besides the row's columns
+TEMPLATE_FIELDS = ("prompt", "completion")
+
+
+def template_fields(template: str) -> list[str]:
+    """The names a judge template's {placeholders} use, in order, each once ('{{' and '}}' are literal braces)."""
+    names = []
+    for _, field, _, _ in string.Formatter().parse(template):
+        if field is not None:
+            name = re.split(r"[.\[!:]", field, maxsplit=1)[0]
+            if name not in names:
+                names.append(name)
+    return names
+
+
+class RewardSource(Section):
+    name: str = Field(..., min_length=1, description="Name of this reward in metrics (rewards/<name>/mean).")
+    kind: Literal["reward_model", "judge", "http"] | None = Field(
+        None,
+        description="null: a reward model or function run in the stage's process (model or function). Served elsewhere and reached over HTTP: reward_model (a reward model behind `mlflow models serve`: url, or model as a models:/ URI or 'reward_stage' that the stage serves itself), judge (an OpenAI-compatible chat or completions endpoint asked with template) or http (any scorer: a JSON POST per completion, the score at score_path). docs/served-rewards.md.",
+    )
+    model: PathText | None = Field(
+        None,
+        description="A reward model: 'reward_stage' (this run's), a directory, hub name or models:/ URI. With kind reward_model and no url: 'reward_stage' or a models:/ URI, which the stage serves with `mlflow models serve` for its length.",
+    )
+    function: str | None = Field(None, description="A Python reward function as 'package.module:function'.")
+    weight: float = Field(1.0, description="Weight of this reward in the sum.")
+    arguments: dict[str, float | int | str | bool] = Field(
+        default_factory=dict,
+        description="Keyword arguments bound to the function (e.g. soft_overlong_punishment's max_completion_len).",
+    )
+    url: str | None = Field(
+        None,
+        description="The scorer's endpoint: reward_model, `mlflow models serve`'s http://host:port/invocations; judge, an OpenAI-compatible http://host:port/v1 (the api's path is appended) or the full .../chat/completions or .../completions URL; http, the URL each completion is POSTed to. No credentials in it: api_key_env.",
+    )
+    timeout_s: float = Field(30.0, gt=0.0, description="Seconds one request may take before it counts as failed.")
+    max_concurrency: int = Field(8, ge=1, description="Requests to this source in flight at once.")
+    max_retries: int = Field(
+        3,
+        ge=0,
+        description="Retries of a request that failed transiently (connection refused or reset, timeout, HTTP 429 or 5xx), waiting backoff_s, then twice as long each time (a 429's Retry-After, when longer); other failures are not retried.",
+    )
+    backoff_s: float = Field(1.0, ge=0.0, description="Seconds before the first retry; doubled for each next one.")
+    on_failure: Literal["fail", "drop_group", "score"] = Field(
+        "fail",
+        description="When a completion cannot be scored (retries spent, a refused request, an answer without a score): fail stops the stage with one sentence; drop_group leaves that completion's whole group out of the step (every source unscored: advantage 0, counted in rewards/<name>/dropped_groups); score gives it failure_score (counted in rewards/<name>/failures). Never a silent 0.",
+    )
+    failure_score: float | None = Field(
+        None, description="The score of a completion that could not be scored, with on_failure: score."
+    )
+    api_key_env: str | None = Field(
+        None,
+        description="Name of the environment variable holding the bearer token sent as `Authorization: Bearer ...` (OpenAI's API key). The name, never the key: the key is read when the stage starts and appears in no config, log, MLflow or Prefect record.",
+    )
+    headers_env: dict[str, str] = Field(
+        default_factory=dict,
+        description="Extra request headers, each header name -> the environment variable holding its value (e.g. {X-Api-Key: SCORER_KEY}).",
+    )
+    batch_size: int = Field(
+        16, ge=1, description="reward_model: completions per request (the server scores them in one forward pass)."
+    )
+    token_ids: bool = Field(
+        True,
+        description="reward_model: send each completion's token ids with its text, so a reward model of the policy's tokenizer (this pipeline's registered versions) scores the very tokens sampled, as the in-process one does; false: texts only, tokenized by the server (a reward model with a tokenizer of its own).",
+    )
+    judge_model: str | None = Field(
+        None, description="judge: the model name the endpoint serves (the requests' `model`)."
+    )
+    api: Literal["chat", "completions"] = Field(
+        "chat",
+        description="judge: /chat/completions (the template is the user message; the server applies the judge's chat template) or /completions (the template is the prompt).",
+    )
+    template: str | None = Field(
+        None,
+        description="judge: the question, with {prompt}, {completion} and any column of the prompt rows in braces ({{ and }} for literal braces); a column the data lacks is refused before training.",
+    )
+    score_range: list[float] | None = Field(
+        None,
+        min_length=2,
+        max_length=2,
+        description="judge: the answer's first number is the score and must lie in [low, high]; one outside, or none, is a parse failure.",
+    )
+    labels: dict[str, float] | None = Field(
+        None,
+        description="judge: the answer's first word (case and punctuation ignored) mapped to its score, e.g. {yes: 1.0, no: 0.0}; any other answer is a parse failure.",
+    )
+    max_tokens: int = Field(
+        16, ge=1, description="judge: the most tokens of the judge's answer (greedy: temperature 0)."
+    )
+    score_path: str = Field(
+        "score",
+        min_length=1,
+        description="http: where the score is in the JSON answer, keys and list indices joined by dots (e.g. result.scores.0).",
+    )
+
+    @field_validator("api_key_env")
+    @classmethod
+    def _env_name(cls, name: str | None) -> str | None:
+        if name is not None and not ENV_NAME.fullmatch(name):  # the value is never echoed: it may be the key
+            raise ValueError("must name an environment variable (letters, digits, _), not hold the key itself")
+        return name
+
+    @field_validator("headers_env")
+    @classmethod
+    def _env_names(cls, headers: dict[str, str]) -> dict[str, str]:
+        for header, name in headers.items():
+            if not ENV_NAME.fullmatch(name):
+                raise ValueError(f"header {header} must name an environment variable, not hold its value")
+        return headers
+
+    @field_validator("url")
+    @classmethod
+    def _plain_url(cls, url: str | None) -> str | None:
+        if url is None:
+            return url
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError("must be an http:// or https:// URL with a host")
+        if parts.username or parts.password:
+            raise ValueError("must not carry credentials; name the environment variable in api_key_env")
+        return url
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> RewardSource:
+        where = f"reward '{self.name}'"
+        for field in sorted(self.model_fields_set):
+            kinds = KIND_FIELDS.get(field)
+            if kinds is not None and self.kind not in kinds:
+                takes = " or ".join(k or "null (in-process)" for k in kinds)
+                raise ValueError(f"{where} sets {field}, which only kind {takes} takes")
+        if self.kind is None:
+            if (self.model is None) == (self.function is None):
+                raise ValueError(f"{where} must set exactly one of model or function")
+            if self.function is not None and ":" not in self.function:
+                raise ValueError(f"function '{self.function}' must be written 'package.module:function'")
+            return self
+        self._check_remote(where)
+        return self
+
+    def _check_remote(self, where: str) -> None:
+        if self.kind == "reward_model":
+            if (self.url is None) == (self.model is None):
+                raise ValueError(f"{where} (kind reward_model) must set exactly one of url or model")
+            if self.model is not None and not (self.model == "reward_stage" or self.model.startswith("models:/")):
+                raise ValueError(
+                    f"{where}: a served reward model is 'reward_stage' or a models:/ URI, not {self.model}"
+                )
+        elif self.url is None:
+            raise ValueError(f"{where} (kind {self.kind}) needs the url of its endpoint")
+        if self.kind == "judge":
+            if self.judge_model is None or self.template is None:
+                raise ValueError(f"{where} (kind judge) needs judge_model and template")
+            if (self.score_range is None) == (self.labels is None):
+                raise ValueError(f"{where} (kind judge) must set exactly one of score_range or labels")
+            if self.score_range is not None and not self.score_range[0] < self.score_range[1]:
+                raise ValueError(f"{where}: score_range must be [low, high] with low < high")
+            if "completion" not in template_fields(self.template):
+                raise ValueError(f"{where}: the template must show the {{completion}} it judges")
+        if (self.on_failure == "score") != (self.failure_score is not None):
+            raise ValueError(f"{where}: failure_score is set exactly when on_failure is score")
+
+    @property
+    def remote(self) -> bool:
+        """Scored by a server elsewhere, over HTTP."""
+        return self.kind is not None
+
+    @property
+    def served_by_stage(self) -> bool:
+        """A reward model the stage serves itself for its length (kind reward_model without a url)."""
+        return self.kind == "reward_model" and self.url is None

@@ -1,0 +1,98 @@
+"""A registered reward-model version as `mlflow.pyfunc` (and so `mlflow models serve`) runs it: the scores of
+records with token ids equal the in-process reward model's (`sequence_scores`) within 1e-5, texts score as the
+tokenizer reads them, and bad requests are refused in one sentence (tests/e2e/test_served_rewards.py serves it)."""
+
+import mlflow
+import pytest
+import torch
+from mlflow.exceptions import MlflowException
+
+from rlhf_core.config import load_config
+from rlhf_core.models.forward import sequence_scores
+from rlhf_core.models.loading import load_tokenizer
+from rlhf_core.storage.saving import save_hf_dir
+from tasks import registry, tracking
+from tasks.served_reward import LOADER_MODULE, records_of
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+
+def registered_reward_model(tmp_path, mlflow_uri, smoke_world):
+    from transformers import AutoModelForSequenceClassification
+
+    overrides = [f"tracking.uri={mlflow_uri}", "tracking.experiment=t", f"run.output_dir={tmp_path}", "run.name=unit"]
+    cfg = load_config(None, overrides)
+    tok = load_tokenizer(str(smoke_world.tokenizer))
+    torch.manual_seed(0)
+    scorer = AutoModelForSequenceClassification.from_pretrained(smoke_world.base_model, num_labels=1)
+    torch.nn.init.normal_(scorer.score.weight, std=0.5)  # a head that tells sequences apart
+    save_hf_dir(scorer, tok, tmp_path / "reward")
+    tags = {"stage": "reward", "stage_key": "k", "step": "1"}
+    with tracking.runs.pipeline_run(cfg) as parent, tracking.runs.stage_run(parent, "reward") as run_id:
+        uri = registry.register_once(
+            tmp_path / "reward", "unit-reward", task="text-classification", tags=tags, run_id=run_id
+        )
+    return uri, scorer.eval(), tok
+
+
+def left_padded(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(map(len, rows))
+    ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    return ids, mask
+
+
+def test_the_served_scores_of_token_ids_are_the_in_process_reward_models(tmp_path, mlflow_uri, smoke_world):
+    uri, model, tok = registered_reward_model(tmp_path, mlflow_uri, smoke_world)
+    assert mlflow.models.get_model_info(uri).flavors["python_function"]["loader_module"] == LOADER_MODULE
+    prompts = [tok("the food was")["input_ids"], tok("i thought the movie")["input_ids"], tok("ok")["input_ids"]]
+    eos = tok.eos_token_id
+    completions = [
+        tok(" great", add_special_tokens=False)["input_ids"] + [eos],
+        [eos],
+        tok(" bad bad", add_special_tokens=False)["input_ids"],
+    ]
+    query_ids, query_mask = left_padded(prompts, tok.pad_token_id)
+    width = max(map(len, completions))
+    responses = torch.tensor([c + [eos] * (width - len(c)) for c in completions])  # pad == eos after the stop
+    resp_mask = torch.tensor([[1] * len(c) + [0] * (width - len(c)) for c in completions])
+    with torch.no_grad():
+        expected = sequence_scores(model, query_ids, query_mask, responses, resp_mask, resp_mask.sum(1) - 1)
+    served = mlflow.pyfunc.load_model(uri)
+    records = [
+        {"prompt": tok.decode(p), "completion": tok.decode(c), "prompt_ids": p, "completion_ids": c}
+        for p, c in zip(prompts, completions)
+    ]
+    scores = served.predict(records)["score"].tolist()
+    assert torch.allclose(torch.tensor(scores), expected, atol=1e-5)
+    assert len(set(round(s, 4) for s in scores)) == 3  # the head tells them apart: the test can fail
+    # texts alone: the prompt as the tokenizer reads it, then the completion without special tokens
+    text = served.predict([{"prompt": "the food was", "completion": " great"}])["score"].tolist()
+    ids = tok("the food was")["input_ids"] + tok(" great", add_special_tokens=False)["input_ids"]
+    with torch.no_grad():
+        one = sequence_scores(
+            model,
+            torch.tensor([ids[:-1]]),
+            torch.ones(1, len(ids) - 1, dtype=torch.long),
+            torch.tensor([ids[-1:]]),
+            torch.ones(1, 1, dtype=torch.long),
+            torch.tensor([0]),
+        )
+    assert text == pytest.approx(one.tolist(), abs=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("records", "sentence"),
+    [
+        ([], "non-empty list of records"),
+        ([{"prompt": "a"}], "record 0 must hold a prompt and a completion string"),
+        ([{"prompt": "a", "completion": "b", "prompt_ids": [1]}], "record 0 has one of prompt_ids and completion_ids"),
+        (
+            [{"prompt": "a", "completion": "b", "prompt_ids": ["x"], "completion_ids": [1]}],
+            "token ids must be a list of integers",
+        ),
+    ],
+)
+def test_bad_requests_are_refused_in_one_sentence(records, sentence):
+    with pytest.raises(MlflowException, match=sentence):
+        records_of(records)
