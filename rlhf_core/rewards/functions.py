@@ -77,10 +77,12 @@ def call_scoring_function(
     """Call fn(prompts=, completions=, **columns) and check it returned one number (or None) per completion.
 
     When fn raises, the error is a RewardFunctionError naming the function, the first sample it fails
-    on (found by calling it again one sample at a time) and the exception.
+    on (found by calling it again one sample at a time) and the exception; a UserError passes as it is.
     """
     try:
         out = fn(prompts=prompts, completions=completions, **columns)
+    except UserError:  # its sentence is said already (a served scorer whose failure policy is fail)
+        raise
     except Exception as err:
         raise RewardFunctionError(_raised_sentence(name, fn, err, prompts, completions, columns)) from err
     if not isinstance(out, (list, tuple)) or len(out) != len(completions):
