@@ -31,7 +31,8 @@ WRITE_COMMAND = ".venv/bin/python -m rlhf_core.config.reference --write docs/con
 def describe_fields(
     model: type[BaseModel] = PipelineConfig, prefix: str = "", defaults: BaseModel | None = None
 ) -> list[tuple[str, str, str]]:
-    """(dotted field, default, description) for every leaf field: the configuration reference.
+    """(dotted field, default, description) for every leaf field: the configuration reference. A list of
+    sections (grpo.rewards) is a row with its default, then its entries' fields as `path[].field`.
 
     A section's defaults are those of the section as its parent builds it (`defaults`): a parent's
     default_factory may set a leaf other than the leaf's own default (guard.min_distinct_ratio.limit is 0.5,
@@ -46,8 +47,12 @@ def describe_fields(
             )
             continue
         if isinstance(default, list):
-            default = [d.model_dump(exclude_none=True) if isinstance(d, BaseModel) else d for d in default]
-        rows.append((path, json.dumps(default, default=str), field.description or ""))
+            default = [d.model_dump(exclude_defaults=True) if isinstance(d, BaseModel) else d for d in default]
+        shown = "(required)" if field.is_required() and defaults is None else json.dumps(default, default=str)
+        rows.append((path, shown, field.description or ""))
+        item = nested_section(field.annotation)
+        if item is not None and getattr(field.annotation, "__origin__", None) is list:  # each entry's fields
+            rows.extend(describe_fields(item, path + "[]."))
     return rows
 
 

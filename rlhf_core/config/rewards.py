@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import re
 import string
-from typing import Literal
+from typing import Any, Literal
 from urllib.parse import urlsplit
 
 from pydantic import Field, field_validator, model_validator
@@ -37,6 +37,7 @@ KIND_FIELDS = {
     "score_range": ("judge",),
     "labels": ("judge",),
     "max_tokens": ("judge",),
+    "request_params": ("judge",),
     "score_path": ("http",),
 }
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -124,10 +125,14 @@ class RewardSource(Section):
     )
     labels: dict[str, float] | None = Field(
         None,
-        description="judge: the answer's first word (case and punctuation ignored) mapped to its score, e.g. {yes: 1.0, no: 0.0}; any other answer is a parse failure.",
+        description="judge: the answer's first word (case and punctuation ignored) mapped to its score, e.g. {'yes': 1.0, 'no': 0.0} (quoted: YAML reads a bare yes as true); any other answer is a parse failure.",
     )
     max_tokens: int = Field(
         16, ge=1, description="judge: the most tokens of the judge's answer (greedy: temperature 0)."
+    )
+    request_params: dict[str, Any] = Field(
+        default_factory=dict,
+        description="judge: more fields of each request, over the defaults (e.g. vLLM's structured_outputs: {choice: [good, bad]}, which makes the judge answer one of the labels; a seed).",
     )
     score_path: str = Field(
         "score",
@@ -165,9 +170,10 @@ class RewardSource(Section):
     @model_validator(mode="after")
     def _one_kind(self) -> RewardSource:
         where = f"reward '{self.name}'"
-        for field in sorted(self.model_fields_set):
-            kinds = KIND_FIELDS.get(field)
-            if kinds is not None and self.kind not in kinds:
+        for field, kinds in KIND_FIELDS.items():  # set to other than its default (a dumped config has them all)
+            if self.kind not in kinds and getattr(self, field) != self.model_fields[field].get_default(
+                call_default_factory=True
+            ):
                 takes = " or ".join(k or "null (in-process)" for k in kinds)
                 raise ValueError(f"{where} sets {field}, which only kind {takes} takes")
         if self.kind is None:
@@ -176,30 +182,8 @@ class RewardSource(Section):
             if self.function is not None and ":" not in self.function:
                 raise ValueError(f"function '{self.function}' must be written 'package.module:function'")
             return self
-        self._check_remote(where)
+        check_remote(self, where)
         return self
-
-    def _check_remote(self, where: str) -> None:
-        if self.kind == "reward_model":
-            if (self.url is None) == (self.model is None):
-                raise ValueError(f"{where} (kind reward_model) must set exactly one of url or model")
-            if self.model is not None and not (self.model == "reward_stage" or self.model.startswith("models:/")):
-                raise ValueError(
-                    f"{where}: a served reward model is 'reward_stage' or a models:/ URI, not {self.model}"
-                )
-        elif self.url is None:
-            raise ValueError(f"{where} (kind {self.kind}) needs the url of its endpoint")
-        if self.kind == "judge":
-            if self.judge_model is None or self.template is None:
-                raise ValueError(f"{where} (kind judge) needs judge_model and template")
-            if (self.score_range is None) == (self.labels is None):
-                raise ValueError(f"{where} (kind judge) must set exactly one of score_range or labels")
-            if self.score_range is not None and not self.score_range[0] < self.score_range[1]:
-                raise ValueError(f"{where}: score_range must be [low, high] with low < high")
-            if "completion" not in template_fields(self.template):
-                raise ValueError(f"{where}: the template must show the {{completion}} it judges")
-        if (self.on_failure == "score") != (self.failure_score is not None):
-            raise ValueError(f"{where}: failure_score is set exactly when on_failure is score")
 
     @property
     def remote(self) -> bool:
@@ -210,3 +194,25 @@ class RewardSource(Section):
     def served_by_stage(self) -> bool:
         """A reward model the stage serves itself for its length (kind reward_model without a url)."""
         return self.kind == "reward_model" and self.url is None
+
+
+def check_remote(source: RewardSource, where: str) -> None:
+    """A served source's own fields: what its kind needs, and its failure policy's score."""
+    if source.kind == "reward_model":
+        if (source.url is None) == (source.model is None):
+            raise ValueError(f"{where} (kind reward_model) must set exactly one of url or model")
+        if source.model is not None and not (source.model == "reward_stage" or source.model.startswith("models:/")):
+            raise ValueError(f"{where}: a served reward model is 'reward_stage' or a models:/ URI, not {source.model}")
+    elif source.url is None:
+        raise ValueError(f"{where} (kind {source.kind}) needs the url of its endpoint")
+    if source.kind == "judge":
+        if source.judge_model is None or source.template is None:
+            raise ValueError(f"{where} (kind judge) needs judge_model and template")
+        if (source.score_range is None) == (source.labels is None):
+            raise ValueError(f"{where} (kind judge) must set exactly one of score_range or labels")
+        if source.score_range is not None and not source.score_range[0] < source.score_range[1]:
+            raise ValueError(f"{where}: score_range must be [low, high] with low < high")
+        if "completion" not in template_fields(source.template):
+            raise ValueError(f"{where}: the template must show the {{completion}} it judges")
+    if (source.on_failure == "score") != (source.failure_score is not None):
+        raise ValueError(f"{where}: failure_score is set exactly when on_failure is score")

@@ -278,7 +278,9 @@ class GRPOConfig(Section):
     )
     ref_model_sync_steps: int = Field(512, ge=1, description="Optimizer steps between reference syncs.")
     rewards: list[RewardSource] = Field(
-        default_factory=_default_grpo_rewards, min_length=1, description="Reward sources and weights."
+        default_factory=_default_grpo_rewards,
+        min_length=1,
+        description="Reward sources and weights: a reward model or function in the stage's process, or a scorer served elsewhere (kind; docs/served-rewards.md).",
     )
     log_completions_steps: int = Field(
         10, ge=1, description="Write a Parquet of completions and rewards every this many steps."

@@ -42,8 +42,8 @@ def judge_question(template: str, prompt: str, completion: str, row: dict) -> st
 
 
 def judge_body(source: RewardSource, question: str) -> dict:
-    """An OpenAI chat or completions request asking `question`, greedy."""
-    body = {"model": source.judge_model, "max_tokens": source.max_tokens, "temperature": 0.0}
+    """An OpenAI chat or completions request asking `question`, greedy unless request_params say otherwise."""
+    body = {"model": source.judge_model, "max_tokens": source.max_tokens, "temperature": 0.0, **source.request_params}
     if source.api == "chat":
         return {**body, "messages": [{"role": "user", "content": question}]}
     return {**body, "prompt": question}

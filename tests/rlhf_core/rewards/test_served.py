@@ -54,6 +54,8 @@ def test_the_question_and_the_request():
     assert question == "Rate the reply to 'Hi' (topic food) from 0 to 10.\nCompletion: Hello!"
     assert judge_body(source, question) == {"model": "j", "max_tokens": 16, "temperature": 0.0, "prompt": question}
     assert judge_body(judge(), "q")["messages"] == [{"role": "user", "content": "q"}]
+    forced = judge_body(judge(request_params={"structured_outputs": {"choice": ["good", "bad"]}, "seed": 3}), "q")
+    assert forced["structured_outputs"] == {"choice": ["good", "bad"]} and forced["seed"] == 3
     assert endpoint(judge(), "http://h:1/v1/") == "http://h:1/v1/chat/completions"
     assert endpoint(source, "http://h:1/v1/completions") == "http://h:1/v1/completions"
     assert (
