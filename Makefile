@@ -26,7 +26,7 @@ else
 PYTEST := $(OFFLINE) OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 endif
 
-.PHONY: venv vllm-venv demo ui demo-seeds lint test test-fast chaos bench rlvr tools async-rollouts clean
+.PHONY: venv vllm-venv demo ui demo-seeds lint test test-fast chaos bench rlvr tools async-rollouts served-rewards clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -108,6 +108,11 @@ tools: venv
 # seconds per RL step and held-out accuracy, bench/results/async_rollouts.md. Run nothing beside it
 async-rollouts: venv
 	$(OFFLINE) $(BIN)/python bench/async_rollouts.py
+
+# configs/demo.yaml's GRPO with the in-process reward model, then with the same model behind `mlflow models serve`
+# (docs/served-rewards.md): rewards and weights compared, seconds per step, latency. Run nothing beside it
+served-rewards: venv
+	$(OFFLINE) $(BIN)/python bench/served_rewards.py
 
 clean:
 	rm -rf outputs mlruns mlflow.db bench/results

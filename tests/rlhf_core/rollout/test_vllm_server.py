@@ -468,6 +468,27 @@ def client_of(server, policy_dir) -> VllmClient:
     return VllmClient(server.url, str(policy_dir))
 
 
+def test_the_server_hosts_a_judge_whose_labels_structured_outputs_enforce(server, policy_dir):
+    """A grpo.rewards judge (rlhf_core/rewards/served.py) on this OpenAI-compatible server: free answers of the tiny
+    model are parse failures, counted and dropped; with vLLM's structured_outputs every answer is a label."""
+    from rlhf_core.config import RewardSource
+    from rlhf_core.rewards.remote import Unscored
+    from rlhf_core.rewards.served import ServedScorer
+
+    fields = dict(name="judge", kind="judge", url=server.url + "/v1", judge_model=str(policy_dir))
+    fields |= dict(
+        template="Is this reply polite? Answer yes or no. Reply: {completion}", labels={"yes": 1.0, "no": 0.0}
+    )
+    completions = ["thank you so much", "go away", "seven plus two", "no"]
+    free = ServedScorer(RewardSource(**fields, on_failure="drop_group", max_retries=0), fields["url"], field="f")
+    assert any(isinstance(v, Unscored) and v.parse_failure for v in free(["Hi"] * 4, completions))
+    assert free.stats.pop()["rewards/judge/parse_failures"] >= 1
+    choice = {"structured_outputs": {"choice": ["yes", "no"]}}
+    forced = ServedScorer(RewardSource(**fields, request_params=choice), fields["url"], field="f")
+    assert set(forced(["Hi"] * 4, completions)) <= {0.0, 1.0}
+    assert forced.stats.pop()["rewards/judge/failures"] == 0.0
+
+
 def test_stopping_the_server_leaves_no_process_of_it(server):
     group = server.process.pid
     assert len(group_alive(group)) >= 3  # the supervisor, the API server, the engine core
