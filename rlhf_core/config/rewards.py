@@ -81,7 +81,7 @@ class RewardSource(Section):
     max_retries: int = Field(
         3,
         ge=0,
-        description="Retries of a request that failed transiently (connection refused or reset, timeout, HTTP 429 or 5xx), waiting backoff_s, then twice as long each time (a 429's Retry-After, when longer); other failures are not retried.",
+        description="Retries of a request that failed transiently (connection refused, reset or broken mid-answer, a timeout, HTTP 408, 429 or 5xx), waiting backoff_s, then twice as long each time (a 429's Retry-After, when longer); other failures are not retried.",
     )
     backoff_s: float = Field(1.0, ge=0.0, description="Seconds before the first retry; doubled for each next one.")
     on_failure: Literal["fail", "drop_group", "score"] = Field(

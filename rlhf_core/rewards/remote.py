@@ -1,6 +1,6 @@
 """Requests to a scorer served elsewhere (a grpo.rewards entry with a `kind`): JSON POSTs in parallel up to a
-concurrency limit, each with a timeout, retried with doubling back-off on what passes (connection refused or
-reset, a timeout, HTTP 429 and 5xx; a 429's Retry-After is honoured), and counted: requests, retries, failures,
+concurrency limit, each with a timeout, retried with doubling back-off on what passes (connection refused,
+reset or broken mid-answer, a timeout, HTTP 408, 429 and 5xx; a 429's Retry-After is honoured), and counted: requests, retries, failures,
 parse failures, dropped groups and latency percentiles (`SourceStats`). What could not be scored comes back as
 `Unscored` with its reason; the source's failure policy decides what it becomes (`rlhf_core/rewards/served.py`).
 
@@ -9,6 +9,7 @@ never kept anywhere else: no error, metric or log line carries a header."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import math
 import os
@@ -93,6 +94,8 @@ def post_json(url: str, body: dict, headers: dict[str, str], timeout_s: float):
         ) from None
     except TimeoutError:
         raise RequestFailed(f"no answer within {timeout_s:g} s", transient=True) from None
+    except http.client.HTTPException as err:  # the server went away mid-answer (IncompleteRead, BadStatusLine)
+        raise RequestFailed(f"the connection broke mid-answer ({type(err).__name__})", transient=True) from None
     except (urllib.error.URLError, OSError) as err:
         reason = getattr(err, "reason", err)
         if isinstance(reason, TimeoutError):

@@ -69,6 +69,23 @@ def test_a_refused_connection_is_transient():
     assert failed.value.transient
 
 
+def test_a_server_that_dies_mid_answer_is_transient():
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+
+        def half_answer():
+            connection, _ = server.accept()
+            connection.recv(65536)
+            connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 84\r\n\r\n{")
+            connection.close()
+
+        threading.Thread(target=half_answer, daemon=True).start()
+        with pytest.raises(RequestFailed, match=r"broke mid-answer \(IncompleteRead\)") as failed:
+            post_json(f"http://127.0.0.1:{server.getsockname()[1]}/x", {}, {}, 5.0)
+    assert failed.value.transient
+
+
 def test_call_all_keeps_order_honours_the_concurrency_limit_and_turns_bad_answers_into_parse_failures():
     in_flight, most = 0, 0
     lock = threading.Lock()
