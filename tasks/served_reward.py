@@ -22,15 +22,18 @@ from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
 
 LOADER_MODULE = Path(__file__).stem
-BATCH = 16  # sequences per forward pass
+# the widths a request may lay its records out in, as the RL stage holds its rollout (bit-equal scores)
+WIDTH_PARAMS = ("prompt_width", "completion_width")
 
 
 def score_signature():
-    """No input schema (`records_of` checks the inputs; MLflow's enforcement would drop the id lists), a score out."""
+    """No input schema (`records_of` checks the inputs; MLflow's enforcement would drop the id lists), a score
+    out, and the per-request WIDTH_PARAMS (0: the longest prompt and completion of the request)."""
     from mlflow.models import ModelSignature
-    from mlflow.types.schema import ColSpec, Schema
+    from mlflow.types.schema import ColSpec, ParamSchema, ParamSpec, Schema
 
-    return ModelSignature(inputs=None, outputs=Schema([ColSpec("double", "score")]))
+    params = ParamSchema([ParamSpec(name, "long", 0) for name in WIDTH_PARAMS])
+    return ModelSignature(inputs=None, outputs=Schema([ColSpec("double", "score")]), params=params)
 
 
 def save_model(path, mlflow_model=None, **kwargs):
@@ -83,7 +86,7 @@ def records_of(data) -> list[dict]:
             raise bad_request(f"record {index} has one of prompt_ids and completion_ids: give both or neither")
         if ids[0] is not None and not ids[0] + ids[1]:
             raise bad_request(f"record {index}'s prompt_ids and completion_ids are both empty")
-        record["ids"] = ids[0] + ids[1] if ids[0] is not None else None
+        record["ids"] = (ids[0], ids[1]) if ids[0] is not None else None
     return records
 
 
@@ -99,7 +102,9 @@ def _ids(value) -> list[int] | None:
 
 
 class ServedReward:
-    """Scores for the scoring server: BATCH sequences per forward pass, right-padded."""
+    """Scores for the scoring server: a request's records in one forward pass, laid out as the RL stage holds a
+    rollout (prompts left-padded, completions right-padded; `layout`), so that the scores of the same ids in
+    the same widths are the in-process reward model's bit for bit on the same machine."""
 
     def __init__(self, model, tokenizer):
         self.model, self.tokenizer = model, tokenizer
@@ -109,42 +114,64 @@ class ServedReward:
         import pandas as pd
 
         records = records_of(data)
-        sequences = [r["ids"] if r["ids"] is not None else self._encode(r) for r in records]
-        for index, ids in enumerate(sequences):
-            if self.limit is not None and len(ids) > self.limit:
-                raise bad_request(f"record {index} has {len(ids)} tokens; this model reads at most {self.limit}")
-        scores = []
-        for start in range(0, len(sequences), BATCH):
-            scores += self._scores(sequences[start : start + BATCH])
-        return pd.DataFrame({"score": scores})
+        pairs = [r["ids"] if r["ids"] is not None else self._encode(r) for r in records]
+        widths = [_width(params, name) for name in WIDTH_PARAMS]
+        for index, (prompt, completion) in enumerate(pairs):
+            if self.limit is not None and len(prompt) + len(completion) > self.limit:
+                raise bad_request(
+                    f"record {index} has {len(prompt) + len(completion)} tokens; this model reads at most {self.limit}"
+                )
+        return pd.DataFrame({"score": self._scores(pairs, *widths)})
 
-    def _encode(self, record: dict) -> list[int]:
+    def _encode(self, record: dict) -> tuple[list[int], list[int]]:
         bos = self.tokenizer.bos_token
         rendered_bos = bool(bos) and record["prompt"].startswith(bos)
         prompt = self.tokenizer(record["prompt"], add_special_tokens=not rendered_bos)["input_ids"]
         completion = self.tokenizer(record["completion"], add_special_tokens=False)["input_ids"]
         if not prompt + completion:
             raise bad_request("a record's prompt and completion are both empty")
-        return list(prompt) + list(completion)
+        return list(prompt), list(completion)
 
-    def _scores(self, sequences: list[list[int]]) -> list[float]:
+    def _scores(self, pairs: list[tuple[list[int], list[int]]], prompt_width: int, completion_width: int):
         import torch
 
-        width = max(len(ids) for ids in sequences)
+        input_ids, mask, last = layout(pairs, prompt_width, completion_width)
         device = self.model.device
-        input_ids = torch.zeros((len(sequences), width), dtype=torch.long, device=device)
-        mask = torch.zeros_like(input_ids)
-        for row, ids in enumerate(sequences):
-            input_ids[row, : len(ids)] = torch.tensor(ids, device=device)
-            mask[row, : len(ids)] = 1
         backbone = getattr(self.model, self.model.base_model_prefix)
         with torch.no_grad():
             hidden = backbone(
-                input_ids=input_ids,
-                attention_mask=mask,
-                position_ids=(mask.cumsum(1) - 1).clamp(min=0),
+                input_ids=input_ids.to(device),
+                attention_mask=mask.to(device),
+                position_ids=(mask.cumsum(1) - 1).clamp(min=0).to(device),
                 use_cache=False,
             ).last_hidden_state
             per_token = self.model.score(hidden).squeeze(-1).float()
-        last = mask.sum(1) - 1
-        return per_token[torch.arange(len(sequences), device=device), last].tolist()
+        return per_token[torch.arange(len(pairs), device=device), last.to(device)].tolist()
+
+
+def _width(params: dict | None, name: str) -> int:
+    value = (params or {}).get(name, 0) or 0
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise bad_request(f"params.{name} must be a whole number of tokens (0: the longest of the request)")
+    return value
+
+
+def layout(pairs: list[tuple[list[int], list[int]]], prompt_width: int = 0, completion_width: int = 0):
+    """(input_ids, attention_mask, last position) of (prompt ids, completion ids) pairs: prompts left-padded to
+    prompt_width, completions right-padded to completion_width (0: the longest; a shorter width is refused), the
+    score read at each completion's last token (a prompt's last one when the completion is empty)."""
+    import torch
+
+    longest = max(len(p) for p, _ in pairs), max(len(c) for _, c in pairs)
+    for name, width, need in zip(WIDTH_PARAMS, (prompt_width, completion_width), longest):
+        if width and width < need:
+            raise bad_request(f"params.{name} {width} is shorter than a record's {need} tokens")
+    width_p, width_c = prompt_width or longest[0], completion_width or longest[1]
+    input_ids = torch.zeros((len(pairs), width_p + width_c), dtype=torch.long)
+    mask = torch.zeros_like(input_ids)
+    for row, (prompt, completion) in enumerate(pairs):
+        start = width_p - len(prompt)
+        input_ids[row, start : width_p + len(completion)] = torch.tensor(prompt + completion, dtype=torch.long)
+        mask[row, start : width_p + len(completion)] = 1
+    last = torch.tensor([width_p + len(c) - 1 for _, c in pairs])
+    return input_ids, mask, last

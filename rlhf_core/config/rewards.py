@@ -99,8 +99,10 @@ class RewardSource(Section):
         default_factory=dict,
         description="Extra request headers, each header name -> the environment variable holding its value (e.g. {X-Api-Key: SCORER_KEY}).",
     )
-    batch_size: int = Field(
-        16, ge=1, description="reward_model: completions per request (the server scores them in one forward pass)."
+    batch_size: int | None = Field(
+        None,
+        ge=1,
+        description="reward_model: completions per request, each request one forward pass on the server; null: the step's completions in one request, as the in-process reward model scores them in one pass (only then, with token_ids, are the scores the in-process model's bit for bit on the same machine).",
     )
     token_ids: bool = Field(
         True,

@@ -2,8 +2,9 @@
 reward function is, fn(prompts=, completions=, **dataset_columns), over `RemoteCaller` (remote.py):
 
 - reward_model: `mlflow models serve` of a reward-model version (tasks/served_reward.py), `batch_size`
-  completions per request as `dataframe_records` of prompt, completion and, with token_ids, prompt_ids and
-  completion_ids (the very tokens sampled, so the scores are the in-process reward model's);
+  completions per request (null: all of them) as `dataframe_records` of prompt, completion and, with token_ids,
+  prompt_ids and completion_ids (the very tokens sampled) with the rollout's widths as params, so the scores
+  are the in-process reward model's;
 - judge: an OpenAI-compatible endpoint asked `template` (greedy, max_tokens), its answer parsed to a number in
   score_range or a label of labels;
 - http: one JSON POST per completion ({"prompt", "completion", **columns}), the score at score_path.
@@ -139,11 +140,13 @@ class ServedScorer:
     def wants_ids(self) -> bool:
         return self.source.kind == "reward_model" and self.source.token_ids
 
-    def __call__(self, prompts, completions, **columns) -> list:
+    def __call__(self, prompts, completions, *, widths: tuple[int, int] | None = None, **columns) -> list:
+        """`widths`: the rollout's prompt and completion widths, with token ids (a reward model lays its batch out
+        in them, as the trainer holds it)."""
         rows = [{k: v[i] for k, v in columns.items()} for i in range(len(completions))]
         texts = [_text(p) for p in prompts], [_text(c) for c in completions]
         if self.source.kind == "reward_model":
-            values = self._model(*texts, rows)
+            values = self._model(*texts, rows, widths)
         elif self.source.kind == "judge":
             questions = [judge_question(self.source.template, p, c, r) for p, c, r in zip(*texts, rows)]
             values = self.caller.call_all(
@@ -155,17 +158,20 @@ class ServedScorer:
             values = self.caller.call_all(bodies, lambda a: json_at(a, self.source.score_path))
         return apply_failure_policy(self.source, values, field=self.field, stats=self.stats)
 
-    def _model(self, prompts: list[str], completions: list[str], rows: list[dict]) -> list:
+    def _model(self, prompts: list[str], completions: list[str], rows: list[dict], widths) -> list:
         records = []
         for prompt, completion, row in zip(prompts, completions, rows):
             record = {"prompt": prompt, "completion": completion}
             if self.wants_ids and "prompt_ids" in row:
                 record.update(prompt_ids=row["prompt_ids"], completion_ids=row["completion_ids"])
             records.append(record)
-        size = self.source.batch_size
+        size = self.source.batch_size or len(records)
         chunks = [records[i : i + size] for i in range(0, len(records), size)]
+        params = (
+            {"params": dict(zip(("prompt_width", "completion_width"), widths))} if widths and self.wants_ids else {}
+        )
         answers = self.caller.call_all(
-            [{"dataframe_records": chunk} for chunk in chunks],
+            [{"dataframe_records": chunk, **params} for chunk in chunks],
             lambda a: a,  # read per chunk below: the count is the chunk's
         )
         values = []

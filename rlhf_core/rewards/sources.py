@@ -75,14 +75,16 @@ def function_reward(name: str, weight: float, fn) -> RewardSourceFn:
 
 def served_reward(name: str, weight: float, scorer: ServedScorer) -> RewardSourceFn:
     """A scorer served elsewhere, given the texts, the rows' columns and, when it sends them, each completion's
-    prompt and completion token ids (the prompt's without padding; the completion's up to its last real token)."""
+    prompt and completion token ids (the prompt's without padding; the completion's up to its last real token)
+    and the rollout's widths."""
 
     def score(prompts, completions, rollout, rows):
-        columns = extra_columns(rows)
+        columns, widths = extra_columns(rows), None
         if scorer.wants_ids and rollout is not None:
             columns["prompt_ids"] = [q[m.bool()].tolist() for q, m in zip(rollout.query_ids, rollout.query_mask)]
             columns["completion_ids"] = completion_ids(rollout.responses, rollout.resp_mask)
-        return scorer(prompts=prompts, completions=completions, **columns)
+            widths = (rollout.query_ids.shape[1], rollout.responses.shape[1])
+        return scorer(prompts=prompts, completions=completions, widths=widths, **columns)
 
     return RewardSourceFn(name, weight, score, stats=scorer.stats)
 

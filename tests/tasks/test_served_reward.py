@@ -12,7 +12,7 @@ from rlhf_core.models.forward import sequence_scores
 from rlhf_core.models.loading import load_tokenizer
 from rlhf_core.storage.saving import save_hf_dir
 from tasks import registry, tracking
-from tasks.served_reward import LOADER_MODULE, records_of
+from tasks.served_reward import LOADER_MODULE, layout, records_of
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -63,9 +63,12 @@ def test_the_served_scores_of_token_ids_are_the_in_process_reward_models(tmp_pat
         {"prompt": tok.decode(p), "completion": tok.decode(c), "prompt_ids": p, "completion_ids": c}
         for p, c in zip(prompts, completions)
     ]
-    scores = served.predict(records)["score"].tolist()
-    assert torch.allclose(torch.tensor(scores), expected, atol=1e-5)
+    widths = {"prompt_width": query_ids.shape[1], "completion_width": responses.shape[1]}
+    scores = served.predict(records, params=widths)["score"].tolist()
+    assert torch.equal(torch.tensor(scores), expected)  # the trainer's layout: bit for bit
     assert len(set(round(s, 4) for s in scores)) == 3  # the head tells them apart: the test can fail
+    packed = served.predict(records)["score"].tolist()  # the request's own widths: within float noise
+    assert torch.allclose(torch.tensor(packed), expected, atol=1e-5)
     # texts alone: the prompt as the tokenizer reads it, then the completion without special tokens
     text = served.predict([{"prompt": "the food was", "completion": " great"}])["score"].tolist()
     ids = tok("the food was")["input_ids"] + tok(" great", add_special_tokens=False)["input_ids"]
@@ -96,3 +99,11 @@ def test_the_served_scores_of_token_ids_are_the_in_process_reward_models(tmp_pat
 def test_bad_requests_are_refused_in_one_sentence(records, sentence):
     with pytest.raises(MlflowException, match=sentence):
         records_of(records)
+
+
+def test_the_layout_is_the_trainers_and_a_width_too_short_is_refused():
+    input_ids, mask, last = layout([([5, 6], [7]), ([8], [9, 10])], prompt_width=3, completion_width=2)
+    assert input_ids.tolist() == [[0, 5, 6, 7, 0], [0, 0, 8, 9, 10]]
+    assert mask.tolist() == [[0, 1, 1, 1, 0], [0, 0, 1, 1, 1]] and last.tolist() == [3, 4]
+    with pytest.raises(MlflowException, match="params.completion_width 1 is shorter than a record's 2 tokens"):
+        layout([([5], [9, 10])], completion_width=1)

@@ -146,3 +146,8 @@ def test_a_served_reward_model_gets_each_completions_token_ids(monkeypatch):
     first = sent[0]["dataframe_records"][0]
     assert (first["prompt_ids"], first["completion_ids"]) == ([5], [11, 12])  # no padding, up to the last real token
     assert sent[0]["dataframe_records"][1]["prompt_ids"] == [6, 7]
+    assert sent[0]["params"] == {"prompt_width": 2, "completion_width": 3}  # the rollout's widths
+    whole = ServedScorer(source.model_copy(update={"batch_size": None}), source.url, field="f", post=post)
+    sent.clear()
+    served_reward("rm", 1.0, whole).score(["p"] * 3, ["a", "b", "c"], rollout, [{"prompt": "p"}] * 3)
+    assert len(sent) == 1 and len(sent[0]["dataframe_records"]) == 3  # null: the step's completions in one request
