@@ -66,7 +66,7 @@ def test_a_policy_version_has_the_generation_params_and_an_input_example(cfg, sm
     assert default == served.predict([prompt]).to_dict("records")  # greedy by default: the same text twice
 
 
-def test_a_reward_model_version_has_no_generation_params(cfg, smoke_world, tmp_path):
+def test_a_reward_model_version_takes_layout_widths_not_generation_params(cfg, smoke_world, tmp_path):
     from transformers import AutoModelForSequenceClassification
 
     tok = load_tokenizer(str(smoke_world.tokenizer))
@@ -77,4 +77,7 @@ def test_a_reward_model_version_has_no_generation_params(cfg, smoke_world, tmp_p
         uri = registry.register_once(
             tmp_path / "reward", "unit-reward", task="text-classification", tags=tags, run_id=run_id
         )
-    assert mlflow.models.get_model_info(uri).signature.params is None
+    signature = mlflow.models.get_model_info(uri).signature
+    # the widths a request lays its records out in (tasks/served_reward.py), no generation params
+    assert {p.name: p.default for p in signature.params.params} == {"prompt_width": 0, "completion_width": 0}
+    assert [c.name for c in signature.outputs.inputs] == ["score"]
