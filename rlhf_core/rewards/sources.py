@@ -76,10 +76,13 @@ def function_reward(name: str, weight: float, fn) -> RewardSourceFn:
 def served_reward(name: str, weight: float, scorer: ServedScorer) -> RewardSourceFn:
     """A scorer served elsewhere, given the texts, the rows' columns and, when it sends them, each completion's
     prompt and completion token ids (the prompt's without padding; the completion's up to its last real token)
-    and the rollout's widths."""
+    and the rollout's widths. A judge or HTTP scorer gets a conversational prompt as its messages' contents
+    (as evaluation hands them), a reward model the rendered prompt it was trained on."""
 
     def score(prompts, completions, rollout, rows):
         columns, widths = extra_columns(rows), None
+        if scorer.source.kind != "reward_model" and rows and PROMPT_MESSAGES in rows[0]:
+            prompts = [row[PROMPT_MESSAGES] for row in rows]  # a judge reads the messages, not the template's text
         if scorer.wants_ids and rollout is not None:
             columns["prompt_ids"] = [q[m.bool()].tolist() for q, m in zip(rollout.query_ids, rollout.query_mask)]
             columns["completion_ids"] = completion_ids(rollout.responses, rollout.resp_mask)

@@ -114,6 +114,25 @@ def test_a_plain_scorer_gets_the_rows_columns_and_its_score_path():
     assert behaviour.seen[0]["body"] == {"answer": "42", "prompt": "p", "completion": "good"}
 
 
+def test_a_judge_of_conversational_rows_reads_the_messages_not_the_rendered_template():
+    seen = []
+
+    def post(url, body, headers, timeout_s):
+        seen.append(body["messages"][0]["content"])
+        return {"choices": [{"message": {"content": "7"}}]}
+
+    scorer = ServedScorer(judge("http://x/v1"), "http://x/v1", field="f", post=post)
+    rows = [
+        {
+            "prompt": "<|im_start|>user\nHi<|im_end|>",
+            "prompt_messages": [{"role": "user", "content": "Hi"}],
+            "topic": "t",
+        }
+    ]
+    assert served_reward("judge", 1.0, scorer).score([rows[0]["prompt"]], ["Hello"], None, rows) == [7.0]
+    assert seen == ["Rate the reply to 'Hi' (topic t) from 0 to 10.\nCompletion: Hello"]
+
+
 def test_a_dropped_completion_drops_its_whole_group_for_every_source():
     rows = [{"prompt": "a"}] * 4
     other = RewardSourceFn("other", 1.0, lambda p, c, r, rows: [1.0, 2.0, 3.0, 4.0])
