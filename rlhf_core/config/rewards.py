@@ -173,7 +173,7 @@ class RewardSource(Section):
     def _one_kind(self) -> RewardSource:
         where = f"reward '{self.name}'"
         for field, kinds in KIND_FIELDS.items():  # set to other than its default (a dumped config has them all)
-            if self.kind not in kinds and getattr(self, field) != self.model_fields[field].get_default(
+            if self.kind not in kinds and getattr(self, field) != type(self).model_fields[field].get_default(
                 call_default_factory=True
             ):
                 takes = " or ".join(k or "null (in-process)" for k in kinds)
