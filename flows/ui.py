@@ -15,13 +15,12 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 from rlhf_core.config.errors import UserError
+from tasks.servers import stop_group, wait_healthy
 
 BIN = Path(sys.executable).parent
-START_TIMEOUT_S = 120.0
 
 
 def port_free(port: int) -> bool:
@@ -36,39 +35,6 @@ def port_free(port: int) -> bool:
 def _start(command: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
     with log.open("w") as out:  # the child keeps its own descriptor
         return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-
-
-def wait_healthy(
-    proc: subprocess.Popen, url: str, what: str, log: Path | None = None, timeout_s: float = START_TIMEOUT_S
-) -> None:
-    """Return once `url` answers 200; raise when `proc` exits first (naming its log's last line) or after
-    `timeout_s`. The servers `rlhf ui` starts, and those the tests start, wait on it."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            tail = log.read_text(errors="replace")[-600:].strip().splitlines() if log else []
-            where = f"; see {log}" if log else ""
-            raise RuntimeError(
-                f"the {what} exited at start (exit {proc.returncode}: {tail[-1] if tail else 'no output'}{where})"
-            )
-        try:
-            with urllib.request.urlopen(url, timeout=2) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.5)
-    raise TimeoutError(f"the {what} did not answer {url} within {timeout_s:.0f} s")
-
-
-def stop_group(proc: subprocess.Popen, grace_s: float = 20) -> None:
-    """SIGTERM to the process group a server was started in (start_new_session), SIGKILL after `grace_s`."""
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
 
 
 def serve(config: str | None, overrides: list[str], mlflow_port: int, prefect_port: int, logs: Path) -> int:

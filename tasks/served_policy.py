@@ -1,8 +1,9 @@
 """A registered policy as `mlflow models serve` and `mlflow.pyfunc.load_model` run it.
 
 A policy version is saved with MLflow's transformers flavor, so `mlflow.transformers.load_model` still
-gives its model and tokenizer back, and with this file as its python_function loader: `save_model` copies
-the file into the version (its `code/` folder) and names it there. It imports nothing of this repository,
+gives its model and tokenizer back, and with this file as its python_function loader: registration
+(tasks/registry/logged_model.py `LoaderFlavor`) copies the file into the version (its `code/` folder) and
+names it there. It imports nothing of this repository,
 so a version serves wherever its requirements are installed (keep it that way: a test loads it alone).
 
 A request is `{"inputs": [prompt, ...], "params": {...}}`, each prompt a string as the client renders it
@@ -22,8 +23,6 @@ sentence and no stack trace.
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 
 from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
@@ -36,7 +35,6 @@ OUTPUT_COLUMNS = (
     ("completion_tokens", "long"),
     ("truncated_prompt_tokens", "long"),
 )
-LOADER_MODULE = Path(__file__).stem  # the module's name inside a version's code/ folder
 
 
 # the per-request generation params: name -> (MLflow type, Python type, default where the generation_config sets none)
@@ -72,26 +70,6 @@ def generation_signature(generation_config):
     # no input schema: MLflow's enforcement of one would turn `"inputs": 5` into the prompt "5"; `prompts_of`
     # checks the inputs instead
     return ModelSignature(inputs=None, outputs=outputs, params=params)
-
-
-def save_model(path, mlflow_model=None, **kwargs):
-    """MLflow's transformers save_model, with this file copied in as the python_function loader
-    (what `mlflow.models.Model.log(flavor=<this module>)` calls)."""
-    import mlflow.transformers
-    from mlflow.models import Model
-
-    mlflow_model = mlflow_model if mlflow_model is not None else Model()
-    code_paths = [*(kwargs.pop("code_paths", None) or []), __file__]
-    mlflow.transformers.save_model(path=path, mlflow_model=mlflow_model, code_paths=code_paths, **kwargs)
-    mlflow_model.flavors["python_function"]["loader_module"] = LOADER_MODULE
-    mlflow_model.save(str(Path(path) / "MLmodel"))
-
-
-def log_model(**kwargs):
-    """`mlflow.transformers.log_model`'s arguments; the version is saved by `save_model`."""
-    from mlflow.models import Model
-
-    return Model.log(artifact_path=None, flavor=sys.modules[__name__], **kwargs)
 
 
 def _load_pyfunc(path, model_config=None):

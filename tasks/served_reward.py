@@ -2,7 +2,7 @@
 
 A reward-model version is saved with MLflow's transformers flavor, so `mlflow.transformers.load_model` still
 gives its model and tokenizer back, and with this file as its python_function loader (copied into the version's
-`code/` folder, as tasks/served_policy.py is for policies). It imports nothing of this repository.
+`code/` folder by tasks/registry/logged_model.py `LoaderFlavor`, as tasks/served_policy.py is for policies). It imports nothing of this repository.
 
 A request is `{"dataframe_records": [{"prompt": ..., "completion": ...}, ...]}` and, optionally per record,
 `prompt_ids` and `completion_ids` (lists of token ids: this model's tokenizer must be the one that made them).
@@ -15,13 +15,9 @@ without special tokens, then joined. A bad request is answered 400 with one sent
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
 
-LOADER_MODULE = Path(__file__).stem
 # the widths a request may lay its records out in, as the RL stage holds its rollout (bit-equal scores)
 WIDTH_PARAMS = ("prompt_width", "completion_width")
 
@@ -34,25 +30,6 @@ def score_signature():
 
     params = ParamSchema([ParamSpec(name, "long", 0) for name in WIDTH_PARAMS])
     return ModelSignature(inputs=None, outputs=Schema([ColSpec("double", "score")]), params=params)
-
-
-def save_model(path, mlflow_model=None, **kwargs):
-    """MLflow's transformers save_model, with this file copied in as the python_function loader."""
-    import mlflow.transformers
-    from mlflow.models import Model
-
-    mlflow_model = mlflow_model if mlflow_model is not None else Model()
-    code_paths = [*(kwargs.pop("code_paths", None) or []), __file__]
-    mlflow.transformers.save_model(path=path, mlflow_model=mlflow_model, code_paths=code_paths, **kwargs)
-    mlflow_model.flavors["python_function"]["loader_module"] = LOADER_MODULE
-    mlflow_model.save(str(Path(path) / "MLmodel"))
-
-
-def log_model(**kwargs):
-    """`mlflow.transformers.log_model`'s arguments; the version is saved by `save_model`."""
-    from mlflow.models import Model
-
-    return Model.log(artifact_path=None, flavor=sys.modules[__name__], **kwargs)
 
 
 def _load_pyfunc(path, model_config=None):

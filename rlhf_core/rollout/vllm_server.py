@@ -234,14 +234,7 @@ class VllmServer:
         """SIGTERM to the server's process group, SIGKILL to whatever of it is left after `grace_s`."""
         if self.process is None:
             return
-        group = self.process.pid
-        try:
-            os.killpg(group, signal.SIGTERM)
-            self.process.wait(grace_s)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            pass
-        _kill_group_when_alive(group, wait_s=5.0)  # the engine processes may outlive the supervisor
-        self.process.wait()
+        stop_process_group(self.process, grace_s)
         self.process = None
 
     def __enter__(self) -> VllmServer:
@@ -263,6 +256,19 @@ def group_alive(group: int) -> list[int]:
         if int(fields[2]) == group and fields[0] != "Z":
             alive.append(int(stat.parent.name))
     return alive
+
+
+def stop_process_group(process: subprocess.Popen, grace_s: float) -> None:
+    """SIGTERM to the process group `process` leads (started with start_new_session), SIGKILL to whatever of it
+    is left `grace_s` later (a supervised server's own processes may outlive the supervisor)."""
+    group = process.pid
+    try:
+        os.killpg(group, signal.SIGTERM)
+        process.wait(grace_s)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        pass
+    _kill_group_when_alive(group, wait_s=5.0)
+    process.wait()
 
 
 def _kill_group_when_alive(group: int, wait_s: float) -> None:

@@ -9,6 +9,7 @@ from contextlib import contextmanager, nullcontext
 from functools import lru_cache
 from importlib import metadata
 from pathlib import Path
+from types import ModuleType
 
 import mlflow
 from mlflow.entities import LoggedModelStatus
@@ -72,8 +73,10 @@ def log_checkpoint(checkpoint_dir: Path, *, task: str, tags: dict[str, str], run
         logged = _initialize_logged_model(run_id, tags)
         try:
             with _random_state_kept() if input_example else nullcontext():
-                log_model = served_policy.log_model if task == "text-generation" else served_reward.log_model
-                info = log_model(
+                loader = served_policy if task == "text-generation" else served_reward
+                info = mlflow.models.Model.log(
+                    artifact_path=None,
+                    flavor=LoaderFlavor(loader),
                     transformers_model={"model": model, "tokenizer": tokenizer},
                     name=logged.name,
                     model_id=logged.model_id,
@@ -88,6 +91,30 @@ def log_checkpoint(checkpoint_dir: Path, *, task: str, tags: dict[str, str], run
             raise
     link_identical_files(local_artifact_dir(info.model_id), checkpoint_dir)
     return info
+
+
+def loader_module(loader: ModuleType) -> str:
+    """The name a python_function loader (tasks/served_policy.py, tasks/served_reward.py) has in a version."""
+    return Path(loader.__file__).stem
+
+
+class LoaderFlavor:
+    """What `mlflow.models.Model.log(flavor=...)` saves a checkpoint with: MLflow's transformers flavor (so
+    `mlflow.transformers.load_model` still gives the model and tokenizer back), with `loader` copied into the
+    version's code/ folder as its python_function loader."""
+
+    def __init__(self, loader: ModuleType):
+        self.loader, self.__name__ = loader, loader.__name__  # the name MLflow records as the flavor's
+
+    def save_model(self, path, mlflow_model=None, **kwargs):
+        import mlflow.transformers
+        from mlflow.models import Model
+
+        mlflow_model = mlflow_model if mlflow_model is not None else Model()
+        code_paths = [*(kwargs.pop("code_paths", None) or []), self.loader.__file__]
+        mlflow.transformers.save_model(path=path, mlflow_model=mlflow_model, code_paths=code_paths, **kwargs)
+        mlflow_model.flavors["python_function"]["loader_module"] = loader_module(self.loader)
+        mlflow_model.save(str(Path(path) / "MLmodel"))
 
 
 def local_artifact_dir(model_id: str | None) -> Path | None:

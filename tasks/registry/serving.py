@@ -7,11 +7,8 @@ been registered with tasks/served_reward.py as its loader (`check_servable`)."""
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
-import time
-import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -19,16 +16,14 @@ from pathlib import Path
 import mlflow
 
 from rlhf_core.config.errors import UserError
-from rlhf_core.rollout.vllm_server import SUPERVISOR, free_port, group_alive
-from tasks.served_reward import LOADER_MODULE
+from rlhf_core.rollout.vllm_server import SUPERVISOR, free_port, stop_process_group
+from tasks import served_reward
+from tasks.registry.logged_model import loader_module
+from tasks.servers import wait_healthy
 
 BIN = Path(sys.executable).parent
 STARTUP_TIMEOUT_S = 300.0
 GRACE_S = 15.0
-
-
-class ServingError(RuntimeError):
-    """The model server did not start; the message is one sentence with the end of its log."""
 
 
 def check_servable(uri: str, *, field: str) -> None:
@@ -38,11 +33,11 @@ def check_servable(uri: str, *, field: str) -> None:
         flavors = mlflow.models.get_model_info(uri).flavors
     except Exception as err:  # noqa: BLE001 - MLflow raises several kinds for a missing version or alias
         raise UserError(f"{field}: {uri} cannot be read from the registry ({str(err).splitlines()[0][:160]})") from None
-    loader = flavors.get("python_function", {}).get("loader_module")
-    if loader != LOADER_MODULE:
+    loader, ours = flavors.get("python_function", {}).get("loader_module"), loader_module(served_reward)
+    if loader != ours:
         raise UserError(
             f"{field}: {uri} is served by {loader or 'no python_function loader'}, not the pipeline's reward scorer "
-            f"({LOADER_MODULE}); register the reward model again with this version of the pipeline"
+            f"({ours}); register the reward model again with this version of the pipeline"
         )
 
 
@@ -67,51 +62,9 @@ def served_model(uri: str, log_path: Path, *, startup_timeout_s: float = STARTUP
             start_new_session=True,
         )
     try:
-        _wait_ready(process, f"http://127.0.0.1:{port}/ping", uri, log_path, startup_timeout_s)
+        wait_healthy(
+            process, f"http://127.0.0.1:{port}/ping", f"`mlflow models serve` of {uri}", log_path, startup_timeout_s
+        )
         yield f"http://127.0.0.1:{port}/invocations"
     finally:
-        stop(process)
-
-
-def _wait_ready(process: subprocess.Popen, ping: str, uri: str, log_path: Path, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise ServingError(
-                f"`mlflow models serve` of {uri} exited at start; its log ({log_path}) ends: {_tail(log_path)}"
-            )
-        try:
-            with urllib.request.urlopen(ping, timeout=2) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise ServingError(f"`mlflow models serve` of {uri} did not answer within {timeout_s:.0f} s; see {log_path}")
-
-
-def _tail(log_path: Path) -> str:
-    try:
-        lines = log_path.read_text(errors="replace").strip().splitlines()
-    except OSError:
-        return "(no log)"
-    return lines[-1][:300] if lines else "(nothing)"
-
-
-def stop(process: subprocess.Popen) -> None:
-    """SIGTERM to the server's process group, SIGKILL to what is left of it after GRACE_S."""
-    group = process.pid
-    try:
-        os.killpg(group, signal.SIGTERM)
-        process.wait(GRACE_S)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
-        pass
-    deadline = time.monotonic() + 5.0
-    while group_alive(group) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    if group_alive(group):
-        try:
-            os.killpg(group, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    process.wait()
+        stop_process_group(process, GRACE_S)

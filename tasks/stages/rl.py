@@ -188,6 +188,7 @@ def _train(
             kl_scale=kl_scale,
             **common,
         )
+    reward_endpoints.check_template_columns(cfg, set(prompt_rows[0]))  # before the first step
     return train_grpo(
         models.policy,
         models.ref_model,
@@ -251,7 +252,6 @@ def _stage(cfg: PipelineConfig, data: PreparedData, plan: InitPlan, parent_run_i
         reporter.start(cfg.rl.total_steps, f"{cfg.rl.algorithm.upper()}: {cfg.rl.total_steps} steps")
         functions = eval_functions(cfg)
         eval_rows = read_rows(data.tables["eval_prompts"])[: cfg.eval.num_prompts]
-        reward_endpoints.check_template_columns(cfg, set(read_rows(data.tables["prompts"])[0]))
         load = partial(fresh_models, cfg, plan, functions, eval_rows)
         train = partial(_train, cfg, data, plan, reporter=reporter)
         return reporter.finish(guarded_training(cfg, reporter, load, train))

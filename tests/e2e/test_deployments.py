@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from flows.ui import wait_healthy
+from tasks.servers import wait_healthy
 from tests.fixtures.servers import free_port
 
 REPO = Path(__file__).resolve().parents[2]

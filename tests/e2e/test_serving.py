@@ -20,8 +20,8 @@ import pytest
 from transformers import pipeline
 
 from flows.rlhf_pipeline import rlhf_pipeline
-from flows.ui import stop_group, wait_healthy
 from rlhf_core.models.loading import load_tokenizer
+from tasks.servers import stop_group, wait_healthy
 from tests.fixtures.servers import free_port
 
 REPO = Path(__file__).resolve().parents[2]

@@ -19,6 +19,7 @@ from mlflow.pyfunc import scoring_server
 from transformers import pipeline
 
 from tasks import registry, served_policy
+from tasks.registry.logged_model import LoaderFlavor
 from tests.fixtures.real_shapes import FAMILIES, build_family, family, render_prompt
 
 pytestmark = pytest.mark.filterwarnings("ignore")
@@ -55,7 +56,7 @@ def save(source: Path, destination: Path) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(source)
-    served_policy.save_model(
+    LoaderFlavor(served_policy).save_model(
         destination,
         transformers_model={"model": model, "tokenizer": AutoTokenizer.from_pretrained(source)},
         task="text-generation",

@@ -11,8 +11,9 @@ from rlhf_core.config import load_config
 from rlhf_core.models.forward import sequence_scores
 from rlhf_core.models.loading import load_tokenizer
 from rlhf_core.storage.saving import save_hf_dir
-from tasks import registry, tracking
-from tasks.served_reward import LOADER_MODULE, layout, records_of
+from tasks import registry, served_reward, tracking
+from tasks.registry.logged_model import loader_module
+from tasks.served_reward import layout, records_of
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -44,7 +45,11 @@ def left_padded(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Te
 
 def test_the_served_scores_of_token_ids_are_the_in_process_reward_models(tmp_path, mlflow_uri, smoke_world):
     uri, model, tok = registered_reward_model(tmp_path, mlflow_uri, smoke_world)
-    assert mlflow.models.get_model_info(uri).flavors["python_function"]["loader_module"] == LOADER_MODULE
+    assert (
+        mlflow.models.get_model_info(uri).flavors["python_function"]["loader_module"]
+        == loader_module(served_reward)
+        == "served_reward"
+    )
     prompts = [tok("the food was")["input_ids"], tok("i thought the movie")["input_ids"], tok("ok")["input_ids"]]
     eos = tok.eos_token_id
     completions = [
