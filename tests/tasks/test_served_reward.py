@@ -1,6 +1,8 @@
 """A registered reward-model version as `mlflow.pyfunc` (and so `mlflow models serve`) runs it: the scores of
-records with token ids equal the in-process reward model's (`sequence_scores`) within 1e-5, texts score as the
-tokenizer reads them, and bad requests are refused in one sentence (tests/e2e/test_served_rewards.py serves it)."""
+records with token ids in the trainer's widths are the in-process reward model's (`sequence_scores`) bit for
+bit, also through MLflow's scoring app on the four real-shape fixture families (pad == eos, two stop ids, no
+pad, a BOS the tokenizer adds); texts score as the tokenizer reads them, and bad requests are refused in one
+sentence (tests/flows/test_served_rewards.py serves it with `mlflow models serve`)."""
 
 import mlflow
 import pytest
@@ -12,8 +14,9 @@ from rlhf_core.models.forward import sequence_scores
 from rlhf_core.models.loading import load_tokenizer
 from rlhf_core.storage.saving import save_hf_dir
 from tasks import registry, served_reward, tracking
-from tasks.registry.logged_model import loader_module
+from tasks.registry.logged_model import LoaderFlavor, loader_module
 from tasks.served_reward import layout, records_of
+from tests.fixtures.real_shapes import FAMILIES, build_family, family, prompts_and_answers, render_prompt
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -112,3 +115,57 @@ def test_the_layout_is_the_trainers_and_a_width_too_short_is_refused():
     assert mask.tolist() == [[0, 1, 1, 1, 0], [0, 0, 1, 1, 1]] and last.tolist() == [3, 4]
     with pytest.raises(MlflowException, match="params.completion_width 1 is shorter than a record's 2 tokens"):
         layout([([5], [9, 10])], completion_width=1)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_on_real_shapes_the_served_scores_of_a_rollout_are_the_in_process_ones(name, tmp_path):
+    """A rollout whose completions end on the family's stop id and are padded after it (with the stop id itself
+    where pad == eos or there is no pad), scored by the served source through the scoring app."""
+    from fastapi.testclient import TestClient
+    from mlflow.pyfunc import scoring_server
+    from transformers import AutoModelForSequenceClassification
+
+    from rlhf_core.config import RewardSource
+    from rlhf_core.rewards.served import ServedScorer
+    from rlhf_core.rewards.sources import model_reward
+    from rlhf_core.rewards.sources import served_reward as served_source
+    from tests.fixtures.small_models import rollout_of
+
+    spec, source = family(name), build_family(name, tmp_path / "sources")
+    tok = load_tokenizer(str(source))
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_pretrained(source, num_labels=1).eval()
+    LoaderFlavor(served_reward).save_model(
+        tmp_path / "version",
+        transformers_model={"model": model, "tokenizer": tok},
+        task="text-classification",
+        signature=served_reward.score_signature(),
+        pip_requirements=registry.model_requirements(),
+    )
+    client = TestClient(scoring_server.init(mlflow.pyfunc.load_model(str(tmp_path / "version"))))
+
+    def post(url, body, headers, timeout_s):
+        return client.post("/invocations", json=body).json()
+
+    stop = tok.convert_tokens_to_ids(spec.stop_tokens[0])
+    pad = tok.pad_token_id if tok.pad_token_id is not None else stop
+    pairs = prompts_and_answers()[:4]
+    prompts = [tok(render_prompt(tok, spec, q))["input_ids"] for q, _ in pairs]
+    answers = [tok(a, add_special_tokens=False)["input_ids"][: 2 + i] + [stop] for i, (_, a) in enumerate(pairs)]
+    query_ids, query_mask = left_padded(prompts, pad)
+    width = max(map(len, answers)) + 2  # padding after every stop, as the decode loop leaves it
+    rollout = rollout_of(torch.tensor([[1] * len(a) + [0] * (width - len(a)) for a in answers]))
+    rollout.query_ids, rollout.query_mask = query_ids, query_mask
+    rollout.responses = torch.tensor([a + [pad] * (width - len(a)) for a in answers])
+    rows = [{"prompt": tok.decode(p)} for p in prompts]
+    texts = [r["prompt"] for r in rows], [tok.decode(a) for a in answers]
+    config = RewardSource(name="rm", kind="reward_model", url="http://app/invocations")
+    served = served_source("rm", 1.0, ServedScorer(config, config.url, field="f", post=post))
+    in_process = model_reward("rm", 1.0, model)
+    expected = in_process.score(*texts, rollout, rows)
+    assert served.score(*texts, rollout, rows) == expected  # bit for bit
+    assert len({round(v, 5) for v in expected}) == 4  # the head tells them apart: the test can fail
+    if spec.prepend_bos:  # a rendered prompt that starts with the BOS gets no second one from the server
+        record = {"prompt": tok.bos_token + "Tell me", "completion": " the cat"}
+        prompt_ids, _ = served_reward.ServedReward(model, tok)._encode(record)
+        assert prompt_ids.count(tok.bos_token_id) == 1
