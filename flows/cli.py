@@ -1,7 +1,8 @@
 """The `rlhf` command: validate a config, run the pipeline, print where everything went.
 
 A `UserError` (a config, a file, data, a model source the user supplied) prints one sentence on stderr and
-exits 2; any other exception is a bug in this code: its traceback, a one-line hint, exit 1.
+exits 2, a stage that did not finish on its processes (a worker lost after its restarts) one sentence and
+exits 1; any other exception is a bug in this code: its traceback, a one-line hint, exit 1.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
-from flows.console import fields_markdown, print_summary, promotion_line
+from flows.console import fields_markdown, print_summary, promotion_line, quiet_known_failures
 from rlhf_core.config import load_config
 from rlhf_core.config.errors import UserError
 
@@ -166,8 +167,26 @@ def run_command(args: argparse.Namespace, overrides: list[str]) -> int:
     from flows.rlhf_pipeline import rlhf_pipeline
 
     checked_config(args.config, overrides)  # before any work
-    print_summary(rlhf_pipeline(config_path=args.config, overrides=overrides))
+    if not debug_wanted(args):
+        quiet_known_failures(known_failures())
+    try:
+        summary = rlhf_pipeline(config_path=args.config, overrides=overrides)
+    finally:
+        stop_temporary_prefect_server()
+    print_summary(summary)
     return 0
+
+
+def stop_temporary_prefect_server() -> None:
+    """Stop the server Prefect started for this run (no PREFECT_API_URL) now rather than at exit, so that the
+    run's last words (the summary, or the failure's sentence) are the console's last lines."""
+    from prefect.server.api.server import SubprocessASGIServer
+    from prefect.settings import get_current_settings
+
+    if get_current_settings().api.url:  # a server of the user's (or a test harness's): not ours to stop
+        return
+    for server in list(getattr(SubprocessASGIServer, "_instances", {}).values()):  # private in Prefect 3.9
+        server.stop()
 
 
 COMMANDS: dict[str, Callable[[argparse.Namespace, list[str]], int]] = {
@@ -181,6 +200,14 @@ COMMANDS: dict[str, Callable[[argparse.Namespace, list[str]], int]] = {
 
 
 # errors ------------------------------------------------------------------------------------------------------
+
+
+def known_failures() -> tuple[type[BaseException], ...]:
+    """The failures that are not bugs: a user error (exit 2), a stage that did not finish on its processes
+    (a worker lost after its restarts: exit 1); both are one sentence, without a traceback."""
+    from tasks.launch.launcher import StageFailedError
+
+    return UserError, StageFailedError
 
 
 def is_user_error(err: BaseException) -> bool:
@@ -210,23 +237,25 @@ def bug_hint(err: BaseException) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run a command; a `UserError` prints one sentence on stderr and exits 2 (`--debug` or RLHF_DEBUG=1
-    print its traceback as well). Any other exception is a bug: it propagates with `bug_hint` as a note,
-    so the interpreter prints its traceback, that line under it, and exits 1."""
+    """Run a command; a `UserError` prints one sentence on stderr and exits 2, a stage that did not finish on
+    its processes (`StageFailedError`) one sentence and exits 1 (`--debug` or RLHF_DEBUG=1 print their
+    traceback as well). Any other exception is a bug: it propagates with `bug_hint` as a note, so the
+    interpreter prints its traceback, that line under it, and exits 1."""
     args = build_parser().parse_args(argv)
     try:
         overrides = export_credentials(getattr(args, "overrides", []))
         return COMMANDS[args.command](args, overrides)
-    except UserError as err:
+    except Exception as err:
+        code = 2 if isinstance(err, UserError) else 1 if isinstance(err, known_failures()) else None
+        if code is None:  # a bug
+            err.add_note(bug_hint(err))
+            raise
         if debug_wanted(args):
             import traceback
 
             traceback.print_exception(err, file=sys.stderr)
         print(f"error: {one_sentence(err)}", file=sys.stderr)
-        return 2
-    except Exception as err:
-        err.add_note(bug_hint(err))
-        raise
+        return code
 
 
 if __name__ == "__main__":

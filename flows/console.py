@@ -3,6 +3,7 @@ alignment before and after, and samples of the exported policy."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from rlhf_core.config.redaction import redact
@@ -106,3 +107,28 @@ def promotion_line(result: dict) -> str:
         f"{result['model']} version {result['candidate']} vs champion {result['champion']}: "
         f"{result['decision']}{'' if result['changed'] else ' (nothing changed)'}; {result['reason']}"
     )
+
+
+class _NoTraceback(logging.Filter):
+    """Drops the traceback of a known failure (`kinds`) from a console handler's record: Prefect logs every
+    failed task's and flow's exception with its traceback, and for these the sentence is the whole story
+    (the stage's log file holds its processes' tracebacks; Prefect's API log keeps its own)."""
+
+    def __init__(self, kinds: tuple[type[BaseException], ...]):
+        super().__init__()
+        self.kinds = kinds
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if isinstance(error, self.kinds):
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+def quiet_known_failures(kinds: tuple[type[BaseException], ...]) -> None:
+    """Keep the tracebacks of `kinds` off the console (Prefect's console handlers)."""
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, PrefectConsoleHandler) and not any(isinstance(f, _NoTraceback) for f in handler.filters):
+            handler.addFilter(_NoTraceback(kinds))

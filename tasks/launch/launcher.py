@@ -23,12 +23,15 @@ import re
 import subprocess
 import sys
 import tempfile
+import time
 from collections import deque
 from pathlib import Path
 from typing import Any
 
 from rlhf_core.config.base import ConfigError
+from rlhf_core.config.errors import UserError
 from rlhf_core.config.redaction import has_secret, redact, split_credentials
+from tasks.launch.story import ConsoleFilter
 from tasks.stage_io import Checkpoint
 
 WORKER_ENV = "RLHF_STAGE_WORKER"
@@ -157,38 +160,62 @@ def _cuda() -> bool:
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
-FAILURE_PREFIX = "rlhf-stage-failed: "  # a failed stage's last word (Ray driver, torchrun's rank 0): one sentence
 
 
-def launch(stage: str, body, cfg, **inputs):
+class StageFailedError(RuntimeError):
+    """A launched stage did not finish (a worker lost after the restarts, an error in a worker); the message is
+    one sentence that names what failed, where, and the stage's log file."""
+
+
+class StageRefusedError(UserError):
+    """A worker refused the stage with a user error (a config, data or guard stop): its sentence, no restart."""
+
+
+def log_path(cfg, stage: str) -> Path:
+    """The file that holds every line a launched stage's processes print: `<run.output_dir>/logs/<stage>.log`."""
+    return Path(cfg.run.output_dir).resolve() / "logs" / f"{stage}.log"
+
+
+def launch(stage: str, body, cfg, checkpoints: Path | None = None, **inputs):
     """Run the `stage` task's `body` (its `worker_body`: cfg and the inputs as JSON -> Checkpoint) in
-    cfg.run.num_processes processes; return its Checkpoint.
+    cfg.run.num_processes processes; return its Checkpoint. `checkpoints` is where the stage saves them (or
+    the directory of its keyed runs), for the story of a restart.
 
+    Every line the processes print goes to the stage's log file (`log_path`); on the console, the workers'
+    lines under torchrun, and under Ray the story and the workers' own `[rank N]` lines (tasks/launch/story.py).
     Whatever way the processes end, the stage's MLflow runs they left RUNNING under `parent_run_id` are
     ended (a worker killed mid-stage cannot end its own)."""
     logger = stage_logger()
     spec_data, worker_env = worker_spec(stage, body, cfg, inputs)
+    spec_data["checkpoints"] = str(Path(checkpoints).resolve()) if checkpoints is not None else None
+    log = log_path(cfg, stage)
+    log.parent.mkdir(parents=True, exist_ok=True)
     try:
         with tempfile.TemporaryDirectory(prefix=f"rlhf-{stage}-") as tmp:
             spec, result = Path(tmp) / "spec.json", Path(tmp) / "result.json"
             spec.write_text(json.dumps(spec_data))
             command = launch_command(cfg, spec, result)
-            logger.info("%s stage on %d processes: %s", stage, cfg.run.num_processes, " ".join(command))
+            logger.info(
+                "%s stage on %d processes: %s (their output: %s)", stage, cfg.run.num_processes, " ".join(command), log
+            )
             env = {
                 **os.environ,
                 **worker_env,
                 WORKER_ENV: "1",
                 "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
                 "RAY_COLOR_PREFIX": "0",
+                "RAY_DEDUP_LOGS": "0",  # Ray would fold the workers' lines that differ only in numbers (the ranks)
             }
-            tail, failure = _stream(command, env, logger)
+            console = ConsoleFilter(story_only=cfg.run.launcher == "ray")
+            tail = _stream(command, env, logger, console, log)
             if not result.is_file():  # (a failure said by an attempt that a restart then mended does not count)
-                raise RuntimeError(
-                    redact(failure)
-                    if failure is not None
-                    else f"the {stage} stage failed on {cfg.run.num_processes} processes ({cfg.run.launcher} "
-                    "launcher): " + redact(" | ".join(list(tail)[-5:]))
+                if console.refusal is not None:
+                    raise StageRefusedError(redact(console.refusal))
+                said = console.failure or (
+                    f"the {stage} stage failed on {cfg.run.num_processes} processes ({cfg.run.launcher} launcher): "
+                    + " | ".join(list(tail)[-5:])
                 )
+                raise StageFailedError(f"{redact(said)}; every line of its processes is in {log}")
             return Checkpoint(**json.loads(result.read_text()))
     finally:
         if inputs.get("parent_run_id"):
@@ -197,18 +224,24 @@ def launch(stage: str, body, cfg, **inputs):
             tracking.runs.end_orphan_stage_runs(inputs["parent_run_id"])
 
 
-def _stream(command: list[str], env: dict[str, str], logger) -> tuple[deque[str], str | None]:
-    """Run `command`, its output streamed into the task's log; (the last lines, the last failure sentence said)."""
+def _stream(command: list[str], env: dict[str, str], logger, console: ConsoleFilter, log: Path) -> deque[str]:
+    """Run `command`: every line into `log`, what `console` keeps into the task's log; the last lines."""
     tail: deque[str] = deque(maxlen=30)
-    failure = None
-    with subprocess.Popen(
-        command, cwd=Path.cwd(), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
-    ) as proc:
+    with (
+        open(log, "a", encoding="utf-8") as sink,
+        subprocess.Popen(
+            command, cwd=Path.cwd(), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
+        ) as proc,
+    ):
+        sink.write(f"---- {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(command)}\n")
         for raw in proc.stdout:
             line = _ANSI.sub("", raw).rstrip()
-            if line:
-                tail.append(line)
-                logger.info(line)
-                if line.startswith(FAILURE_PREFIX):
-                    failure = line[len(FAILURE_PREFIX) :]
-    return tail, failure
+            if not line:
+                continue
+            sink.write(redact(line) + "\n")
+            sink.flush()
+            tail.append(line)
+            shown = console.keep(line)
+            if shown is not None:
+                logger.info(shown)
+    return tail

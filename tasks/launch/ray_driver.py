@@ -26,11 +26,19 @@ import uuid
 from pathlib import Path
 
 from rlhf_core.config import RunConfig as RunSettings
-from tasks.launch.launcher import FAILURE_PREFIX
+from tasks.launch.story import FAILURE_PREFIX, REFUSAL_PREFIX, STORY_PREFIX, failure_line, plural
+
+# Ray Train's cluster-wide, detached actor (ray.data's autoscaling coordinator), created by the first trainer
+# of a cluster; a stage that created it removes it (`fit`)
+COORDINATOR = ("AutoscalingCoordinator", "AutoscalingCoordinator")
 
 
 class StageFailure(RuntimeError):
     """The stage cannot run, or did not finish, on Ray; the message is the sentence the user sees."""
+
+
+class StageRefusal(StageFailure):
+    """A worker refused the stage with a user error (a config, data or guard stop); its sentence."""
 
 
 def train_loop(spec: dict) -> dict:
@@ -70,17 +78,29 @@ def capacity_verdict(total: dict, workers: int, cpus: float, gpus: float) -> str
 
 
 def failure_sentence(stage: str, error: BaseException, max_failures: int) -> str:
-    """One sentence for a TorchTrainer that ended in `error` after its restarts."""
+    """One sentence for a TorchTrainer that ended in `error` without `StageStory` naming it (a failure of Ray's
+    own, such as workers that could not be placed; or worker failures without the controller's word)."""
     failures = getattr(error, "worker_failures", None) or {}
     if failures:
-        rank, cause = sorted(failures.items())[0]
-        first = str(cause).strip().splitlines() or [type(cause).__name__]
-        what = f"the worker of rank {rank} failed: {first[-1]}"
+        from tasks.launch.ray_callback import first_failure
+
+        rank, gone, cause = first_failure(failures)
+        what = f"rank {rank} {'lost' if gone else 'failed'}: {cause}"
     else:
         lines = str(error).strip().splitlines()
         what = lines[-1] if lines else type(error).__name__
-    restarts = f"{max_failures} restart{'s' if max_failures != 1 else ''}"
-    return f"the {stage} stage failed on Ray after {restarts} (run.max_failures {max_failures}): {what}"
+    return failure_line(stage, what, max_failures, max_failures)
+
+
+def stage_failure(stage: str, error: BaseException, max_failures: int) -> StageFailure:
+    """What the driver says for a TorchTrainer that failed: the refusal or the sentence the controller's
+    `StageStory` raised (Ray Train wraps it in a ControllerError), else `failure_sentence`."""
+    from tasks.launch.ray_callback import StageLost, StageRefused
+
+    cause = getattr(error, "controller_failure", None)
+    if isinstance(cause, StageRefused):
+        return StageRefusal(str(cause))
+    return StageFailure(str(cause) if isinstance(cause, StageLost) else failure_sentence(stage, error, max_failures))
 
 
 def connect(run: RunSettings) -> None:
@@ -94,6 +114,34 @@ def connect(run: RunSettings) -> None:
         cpus = max(os.cpu_count() or 1, math.ceil(run.num_processes * run.ray_cpus_per_worker))
         # the dashboard serves the state API, which Ray Train's placement-group cleaner polls every second
         ray.init(address="local", num_cpus=cpus, include_dashboard=True, log_to_driver=True)
+    nodes = [node for node in ray.nodes() if node.get("Alive")]
+    where = (
+        "a private Ray instance"
+        if run.ray_address is None
+        else f"the Ray cluster at {ray.get_runtime_context().gcs_address}"
+    )
+    cpus = ray.cluster_resources().get("CPU", 0)
+    print(f"{STORY_PREFIX}joined {where}: {plural(len(nodes), 'node')}, {cpus:g} CPUs", flush=True)
+
+
+def coordinator_exists() -> bool:
+    import ray
+
+    try:
+        ray.get_actor(COORDINATOR[0], namespace=COORDINATOR[1])
+    except ValueError:
+        return False
+    return True
+
+
+def remove_coordinator() -> None:
+    """Kill Ray Train's autoscaling coordinator (a detached actor that outlives the job that created it)."""
+    import ray
+
+    try:
+        ray.kill(ray.get_actor(COORDINATOR[0], namespace=COORDINATOR[1]), no_restart=True)
+    except ValueError:
+        pass
 
 
 def fit(spec: dict) -> dict:
@@ -102,6 +150,7 @@ def fit(spec: dict) -> dict:
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
+    from tasks.launch.ray_callback import StageStory
     from tasks.tracking.store import is_local_store
 
     run, stage = RunSettings.model_validate(spec["config"]["run"]), spec["stage"]
@@ -124,14 +173,20 @@ def fit(spec: dict) -> dict:
             placement_strategy=run.ray_placement_strategy,
         ),
         run_config=RunConfig(
-            name=name, storage_path=str(storage), failure_config=FailureConfig(max_failures=run.max_failures)
+            name=name,
+            storage_path=str(storage),
+            failure_config=FailureConfig(max_failures=run.max_failures),
+            callbacks=[StageStory(stage, run.max_failures, spec.get("checkpoints"))],
         ),
     )
+    ours = not coordinator_exists()
     try:
         result = trainer.fit()
     except ray.train.TrainingFailedError as err:
-        raise StageFailure(failure_sentence(stage, err, run.max_failures)) from err
+        raise stage_failure(stage, err, run.max_failures) from err
     finally:
+        if ours:
+            remove_coordinator()
         shutil.rmtree(storage / name, ignore_errors=True)  # Ray Train's own run state; ours is in the checkpoints
         try:
             storage.rmdir()
@@ -151,7 +206,8 @@ def main(spec_path: str, result_path: str) -> int:
         connect(RunSettings.model_validate(spec["config"]["run"]))
         checkpoint = fit(spec)
     except StageFailure as err:
-        print(FAILURE_PREFIX + str(err), flush=True)
+        prefix = REFUSAL_PREFIX if isinstance(err, StageRefusal) else FAILURE_PREFIX
+        print(prefix + " ".join(str(err).split()), flush=True)
         return 1
     except ConnectionError as err:
         address = spec["config"]["run"]["ray_address"]

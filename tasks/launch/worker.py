@@ -20,9 +20,11 @@ import sys
 from pathlib import Path
 
 from rlhf_core.config import PipelineConfig
+from rlhf_core.config.errors import UserError
 from rlhf_core.storage.shared import SharedStorageError, check_shared_storage
 from rlhf_core.training.parallel import all_gather_objects, from_main
-from tasks.launch.launcher import FAILURE_PREFIX, WORKER_ENV, WORKER_ENV_NEEDED, is_main, rank
+from tasks.launch.launcher import WORKER_ENV, WORKER_ENV_NEEDED, is_main, rank, stage_logger
+from tasks.launch.story import FAILURE_PREFIX, REFUSAL_PREFIX, node_label, resume_step
 
 
 def missing_env(spec: dict) -> list[str]:
@@ -53,6 +55,9 @@ def run_stage(spec: dict) -> dict | None:
 
     cfg = PipelineConfig.model_validate(spec["config"])
     tracking.store.configure(cfg.tracking_uri())
+    step = resume_step(spec.get("checkpoints"))
+    if step is not None and is_main():
+        stage_logger().info("the %s stage resumes from checkpoint %d", spec["stage"], step)
     module, _, name = spec["body"].partition(":")
     out = getattr(importlib.import_module(module), name)(cfg, spec["inputs"])
     return json.loads(json.dumps(dataclasses.asdict(out), default=str)) if is_main() else None
@@ -77,8 +82,7 @@ def ray_worker(spec: dict) -> dict:
         os.environ["ACCELERATE_USE_CPU"] = "true"
     if Path(spec["cwd"]).is_dir():
         os.chdir(spec["cwd"])
-    context = ray.get_runtime_context()
-    node = f"node {context.get_node_id()[:12]} ({socket.gethostname()}, {ray.util.get_node_ip_address()})"
+    node = node_label(ray.get_runtime_context().get_node_id(), socket.gethostname(), ray.util.get_node_ip_address())
     verdict = env_verdict(all_gather_objects((node, missing_env(spec))))
     if verdict is not None:
         return {"error": verdict}
@@ -93,16 +97,24 @@ def ray_worker(spec: dict) -> dict:
         )
     except SharedStorageError as err:
         return {"error": str(err)}
-    print(f"[rank {rank()}] on {node}", flush=True)
     return {"checkpoint": run_stage(spec)}
 
 
 def main(spec_path: str, result_path: str) -> None:
     """torchrun's and accelerate launch's entry point: rank 0 writes the result beside the spec, or says in
-    one line why the stage failed (the launcher raises it)."""
+    one line why the stage failed (the launcher raises it). A user error (a config, data or guard stop) is
+    said with `REFUSAL_PREFIX` and marked beside the spec: the processes torchrun restarts then end at once."""
     spec = json.loads(Path(spec_path).read_text())
+    refused = Path(spec_path).with_name("refused")
     try:
+        if refused.is_file():
+            raise StageRefused(refused.read_text())
         out = run_stage(spec)
+    except (UserError, StageRefused) as err:
+        sentence = " ".join(str(err).split())
+        refused.write_text(sentence)
+        print(REFUSAL_PREFIX + sentence, flush=True)
+        sys.exit(1)
     except Exception as err:
         if is_main():
             world = os.environ.get("WORLD_SIZE", "?")
@@ -114,6 +126,10 @@ def main(spec_path: str, result_path: str) -> None:
         raise
     if out is not None:
         Path(result_path).write_text(json.dumps(out))
+
+
+class StageRefused(Exception):
+    """An earlier attempt of the stage was refused by a user error (its sentence): a restart ends at once."""
 
 
 if __name__ == "__main__":

@@ -172,7 +172,15 @@ def model_card(cfg: PipelineConfig, data: PreparedData, base_identity: str) -> d
 def reward_stage(cfg: PipelineConfig, data: PreparedData, policy: Checkpoint | None, parent_run_id: str) -> Checkpoint:
     """Train (or resume, or reuse) the reward model and register each checkpoint as a model version."""
     if cfg.run.num_processes > 1 and not launcher.launched():
-        return launcher.launch("reward", worker_body, cfg, data=data, policy=policy, parent_run_id=parent_run_id)
+        return launcher.launch(
+            "reward",
+            worker_body,
+            cfg,
+            cfg.run.output_dir / "reward",
+            data=data,
+            policy=policy,
+            parent_run_id=parent_run_id,
+        )
     base, base_identity = reward_base(cfg, data, policy)
     key = reward_key(cfg, data, base_identity)
     out_dir = cfg.run.output_dir / "reward" / key

@@ -236,7 +236,7 @@ def rl_stage(cfg: PipelineConfig, data: PreparedData, plan: InitPlan, parent_run
         reward_endpoints.reward_servers(cfg, plan.reward_identity, out_dir) as cfg,
     ):
         if cfg.run.num_processes > 1:
-            return launcher.launch("rl", worker_body, cfg, data=data, plan=plan, parent_run_id=parent_run_id)
+            return launcher.launch("rl", worker_body, cfg, out_dir, data=data, plan=plan, parent_run_id=parent_run_id)
         return _stage(cfg, data, plan, parent_run_id, key, out_dir)
 
 

@@ -25,6 +25,8 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+from tests.fixtures.servers import free_port
+
 OBJECT_STORE = 150 * 1024**2  # bytes per node; the tests move only small objects
 # Ray's Unix sockets live at <temp dir>/session_<date>_<time>_<microseconds>_<pid>/sockets/plasma_store.N, and
 # a socket path must stay under 108 bytes: what that leaves for the directory `ray_temp_root` makes (base + 10)
@@ -70,7 +72,13 @@ def start_cluster(root: Path, nodes: int = 2):
         with ray_tmpdir(root):
             cluster = Cluster(
                 initialize_head=True,
-                head_node_args={**common, "include_dashboard": True, "temp_dir": str(root / "ray")},
+                # a free port for the dashboard: a Ray of the machine's own may hold the default 8265
+                head_node_args={
+                    **common,
+                    "include_dashboard": True,
+                    "dashboard_port": free_port(),
+                    "temp_dir": str(root / "ray"),
+                },
             )
             for _ in range(nodes - 1):
                 cluster.add_node(**common)

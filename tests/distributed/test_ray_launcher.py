@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import threading
@@ -35,6 +36,7 @@ from safetensors.torch import load_file
 import tasks.launch.launcher
 from flows.rlhf_pipeline import rlhf_pipeline
 from rlhf_core.config import load_config
+from tasks.launch.launcher import StageRefusedError
 from tasks.stage_io import checkpoint_steps
 from tasks.stages.reward_model import worker_body as reward_worker_body
 from tests.distributed.ray_nodes import blind_node, can_unshare, ray_temp_root, start_cluster, stop_cluster
@@ -217,10 +219,12 @@ def test_stages_under_torchrun_log_once_per_step_and_register_each_checkpoint_on
 
 def test_ray_workers_ran_on_both_nodes_and_trained_the_weights_torchrun_trains(prefect_harness, ray_run, torchrun_run):
     assert ray_run["state"].is_completed(), ray_run["state"].message
-    # each stage's two workers, one per node (the log lines of the workers, streamed into the task's log)
-    placed = [m for m in ray_run["messages"] if "[rank " in m and "] on node " in m]
-    nodes = {m.split(" on node ")[1].split()[0] for m in placed}
-    assert len(nodes) == 2, placed
+    # each stage's two workers, one per node (the controller's story line, streamed into the task's log)
+    for stage in ("reward", "rl"):
+        [placed] = [
+            m for m in ray_run["messages"] if m.startswith(f"{stage} stage: 2 workers started: rank 0 on node ")
+        ]
+        assert len(set(re.findall(r"rank \d on node (\w+)", placed))) == 2, placed
     assert any("reward stage on 2 processes: " in m and "tasks.launch.ray_driver" in m for m in ray_run["messages"])
     # the same reward model, and the same exported policy, as torchrun's uninterrupted run
     for pattern in ("reward/*/checkpoint-4/model.safetensors", "export/model.safetensors"):
@@ -232,6 +236,26 @@ def test_ray_workers_ran_on_both_nodes_and_trained_the_weights_torchrun_trains(p
 
 def test_a_killed_worker_is_restarted_and_its_stage_resumes_without_duplicates_or_runs_left_running(ray_run):
     assert ray_run["killed"], "the watcher never killed a worker (GRPO finished before its first checkpoint?)"
+    # the console's story: one line for the loss, one for the restart, one for the resume, from the same checkpoint;
+    # none of Ray's own lines, no line twice (both simulated nodes forward every worker's line)
+    messages = ray_run["messages"]
+    [lost] = [m for m in messages if m.startswith("rl stage: rank 0 on node ") and " lost: " in m]
+    assert lost.endswith("restart 1 of 1)") and "its process died (killed, or crashed); restarting" in lost
+    step = re.search(r"restarting the workers from checkpoint (\d+) ", lost).group(1)
+    assert len([m for m in messages if m.startswith("rl stage: 2 workers restarted (restart 1 of 1): ")]) == 1
+    assert [m for m in messages if " resumes from " in m] == [f"[rank 0] the rl stage resumes from checkpoint {step}"]
+    streamed = [m for m in messages if m.startswith(("[rank ", "rl stage: ", "reward stage: ", "joined "))]
+    assert len(streamed) == len(set(streamed)) and streamed
+    assert not [m for m in messages if re.match(r"\((RayTrainWorker|TrainController|raylet)", m) or "Traceback" in m]
+    log = (ray_run["out"] / "logs" / "rl.log").read_text()
+    assert "(TrainController pid=" in log and "[FailurePolicy] RETRY" in log  # Ray's own word, in the stage's log
+    # nothing of the run alive on the cluster: no actor (Ray Train's detached coordinator included), no placement group
+    from ray.util.state import list_actors, list_placement_groups
+
+    alive = list_actors(address=ray_run["address"], filters=[("state", "=", "ALIVE")], raise_on_missing_output=False)
+    assert [a.class_name for a in alive] == []
+    groups = list_placement_groups(address=ray_run["address"], raise_on_missing_output=False)
+    assert [g.state for g in groups if g.state != "REMOVED"] == []
     client = MlflowClient(ray_run["uri"], registry_uri=ray_run["uri"])
     policies = sorted(client.search_model_versions("name = 'smoke-policy'"), key=lambda v: int(v.version))
     assert [(v.tags["stage"], v.tags["step"]) for v in policies] == [
@@ -308,5 +332,37 @@ def test_an_output_directory_one_node_does_not_share_fails_in_seconds_naming_it_
     message = str(failed.value)
     assert message.startswith(f"run.output_dir {out} is not shared storage: the worker of rank ")
     assert f"node {blind[:12]}" in message and message.endswith("(NFS, a shared volume)")
-    # nothing trained, nothing left behind; 90 s: Ray's and torch's process start-up alone took 63 s at load 10 here
-    assert took < 90 and sorted(p.name for p in out.iterdir()) == []
+    # nothing trained, nothing left behind but the stage's log; 90 s: Ray's and torch's process start-up alone took
+    # 63 s at load 10 here
+    assert took < 90 and sorted(p.name for p in out.iterdir()) == ["logs"]
+
+
+@pytest.mark.parametrize("launcher", ["ray", "local"])
+def test_a_user_error_inside_a_worker_ends_the_stage_at_once_with_its_sentence(
+    cluster, tmp_path, monkeypatch, capsys, launcher
+):
+    """A reward base that does not exist is found by the workers (the launcher never resolves it): a restart cannot
+    mend it, so neither Ray nor torchrun spends run.max_failures on it."""
+    started, _ = cluster
+    monkeypatch.setenv("RAY_ADDRESS", started.address)
+    cfg = stage_config(
+        tmp_path,
+        f"run.launcher={launcher}",
+        "run.ray_address=auto",
+        "run.num_processes=2",
+        "run.max_failures=2",
+        f"reward.base={tmp_path / 'no-such-model'}",
+    )
+    data = {"tables": {}, "fingerprints": {}, "base_model": str(tmp_path), "tokenizer": str(tmp_path)}
+    with deadline(240, "the refused stage"), pytest.raises(StageRefusedError) as refused:
+        tasks.launch.launcher.launch("reward", reward_worker_body, cfg, data=data, policy=None, parent_run_id=None)
+    assert str(refused.value) == f"reward.base: directory {tmp_path / 'no-such-model'} does not exist"
+    messages = [line.removeprefix("[rank 0] ") for line in capsys.readouterr().out.splitlines()]  # outside Prefect
+    if launcher == "ray":  # one worker group, never restarted
+        assert len([m for m in messages if m.startswith("reward stage: 2 workers started: ")]) == 1
+        assert not [m for m in messages if "restart" in m]
+    else:  # torchrun restarts the processes anyway: each attempt after the first ends on the first one's sentence
+        said = [
+            line for line in (tmp_path / "out" / "logs" / "reward.log").read_text().splitlines() if "refused" in line
+        ]
+        assert len(said) > 2 and {line.split(": ", 1)[1] for line in said} == {str(refused.value)}
