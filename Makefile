@@ -26,7 +26,7 @@ else
 PYTEST := $(OFFLINE) OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 endif
 
-.PHONY: venv vllm-venv demo ui demo-seeds lint test test-fast chaos bench rlvr tools async-rollouts served-rewards clean
+.PHONY: venv vllm-venv demo ui demo-seeds lint test test-fast chaos bench rlvr tools async-rollouts served-rewards image clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -113,6 +113,27 @@ async-rollouts: venv
 # (docs/served-rewards.md): rewards and weights compared, seconds per step, latency. Run nothing beside it
 served-rewards: venv
 	$(OFFLINE) $(BIN)/python bench/served_rewards.py
+
+# The container image (Dockerfile, docs/image.md): this project with its `ray` extra at pyproject.toml's version,
+# built by the first of podman, docker and buildah found (BUILDER=... names one). DEVICE=cuda: the CUDA variant,
+# torch's CUDA build from PyPI on an nvidia/cuda base (CUDA 13.0, the CUDA of PyPI's torch 2.13.0; `base`, not
+# `runtime`: that wheel brings the CUDA libraries it links as pip packages). IMAGE_NAME=registry/name renames it;
+# IMAGE_ARGS passes more options to the builder (the build here: docs/image.md#how-it-was-built-here)
+PROJECT_VERSION := $(shell sed -n 's/^version = "\(.*\)"$$/\1/p' pyproject.toml)
+DEVICE ?= cpu
+IMAGE_NAME ?= rlhf-pipeline
+IMAGE_TAG := $(IMAGE_NAME):$(PROJECT_VERSION)$(if $(filter cuda,$(DEVICE)),-cuda)
+BUILDER ?= $(notdir $(firstword $(foreach tool,podman docker buildah,$(shell command -v $(tool)))))
+IMAGE_ARGS ?=
+CUDA_BASE_IMAGE := nvidia/cuda:13.0.0-base-ubuntu22.04
+DEVICE_BUILD_ARGS_cpu :=
+DEVICE_BUILD_ARGS_cuda := --build-arg BASE_IMAGE=$(CUDA_BASE_IMAGE) --build-arg TORCH_INDEX_URL=https://pypi.org/simple
+
+image:
+	@test -n "$(BUILDER)" || { echo "make image: no container builder found: install podman (apt-get install podman), docker or buildah" >&2; exit 1; }
+	@test "$(DEVICE)" = cpu -o "$(DEVICE)" = cuda || { echo "make image: DEVICE is cpu or cuda, not '$(DEVICE)'" >&2; exit 1; }
+	$(BUILDER) build -f Dockerfile -t $(IMAGE_TAG) --build-arg VERSION=$(PROJECT_VERSION) --build-arg DEVICE=$(DEVICE) \
+		$(DEVICE_BUILD_ARGS_$(DEVICE)) --build-arg VCS_REF=$(shell git describe --always --dirty 2>/dev/null) $(IMAGE_ARGS) .
 
 clean:
 	rm -rf outputs mlruns mlflow.db bench/results

@@ -55,11 +55,26 @@ def print_summary(summary: dict) -> None:
     print_alignment(console, summary)
     if uri.startswith("sqlite"):
         console.print(
-            f"Open the MLflow UI: .venv/bin/mlflow ui --backend-store-uri {uri} --port 5000"
+            f"Open the MLflow UI: {mlflow_command()} ui --backend-store-uri {uri} --port 5000"
             " and browse http://127.0.0.1:5000"
         )
     else:
         console.print(f"MLflow UI: {redact(uri)}")
+
+
+def mlflow_command() -> str:
+    """The `mlflow` of this environment, as the user types it: `.venv/bin/mlflow` in a checkout, `mlflow` where
+    the environment's scripts are on PATH (the container image)."""
+    import shutil
+    import sys
+
+    beside = Path(sys.executable).parent / "mlflow"
+    if shutil.which("mlflow") == str(beside):
+        return "mlflow"
+    try:
+        return str(beside.relative_to(Path.cwd()))
+    except ValueError:
+        return str(beside)
 
 
 def print_alignment(console, summary: dict) -> None:

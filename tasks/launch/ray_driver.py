@@ -10,7 +10,10 @@ group up to `run.max_failures` times and the stage resumes from its newest compl
 `run.output_dir`. Rank 0's Checkpoint comes back through Ray as the training function's return value;
 the driver hands it to the launcher in `<result>` beside the spec, on this machine.
 
-A failure ends with one line, `FAILURE_PREFIX` + a sentence, that the launcher raises. The driver runs in
+A failure ends with one line that the launcher raises: `REFUSAL_PREFIX` + a sentence for what the user can
+change (a cluster that cannot hold the workers, no cluster at run.ray_address, storage not shared, a user
+error in a worker: never restarted), `FAILURE_PREFIX` + a sentence for a stage that failed after its
+restarts (tasks/launch/story.py; the stage's story is told by tasks/launch/ray_callback.py). The driver runs in
 its own process so that the Ray job's entry point (its command line, which Ray records) holds nothing but
 two temporary file names, and so that `ray.init` never meets Prefect's process.
 """
@@ -103,7 +106,7 @@ def stage_failure(stage: str, error: BaseException, max_failures: int) -> StageF
     return StageFailure(str(cause) if isinstance(cause, StageLost) else failure_sentence(stage, error, max_failures))
 
 
-def connect(run: RunSettings) -> None:
+def connect(run: RunSettings, stage: str) -> None:
     """Connect to run.ray_address, or start a private local instance with CPUs enough for the workers
     (`ray.shutdown()` stops it)."""
     import ray
@@ -121,7 +124,7 @@ def connect(run: RunSettings) -> None:
         else f"the Ray cluster at {ray.get_runtime_context().gcs_address}"
     )
     cpus = ray.cluster_resources().get("CPU", 0)
-    print(f"{STORY_PREFIX}joined {where}: {plural(len(nodes), 'node')}, {cpus:g} CPUs", flush=True)
+    print(f"{STORY_PREFIX}{stage} stage: joined {where}: {plural(len(nodes), 'node')}, {cpus:g} CPUs", flush=True)
 
 
 def coordinator_exists() -> bool:
@@ -159,7 +162,7 @@ def fit(spec: dict) -> dict:
     uri = spec["config"]["tracking"]["uri"] or os.environ.get("MLFLOW_TRACKING_URI", "")
     verdict = verdict or local_store_verdict(uri, ray.nodes(), is_local_store)
     if verdict is not None:
-        raise StageFailure(verdict)
+        raise StageRefusal(verdict)
     resources = {"CPU": run.ray_cpus_per_worker, **({"GPU": gpu} if gpu else {})}
     storage = Path(run.output_dir) / ".ray-train"
     name = f"rlhf-{stage}-{uuid.uuid4().hex[:8]}"
@@ -193,8 +196,8 @@ def fit(spec: dict) -> dict:
         except OSError:
             pass
     value = result.return_value or {}
-    if "error" in value:
-        raise StageFailure(value["error"])
+    if "error" in value:  # the workers' own refusal before any training (storage not shared, credentials missing)
+        raise StageRefusal(value["error"])
     return value["checkpoint"]
 
 
@@ -203,7 +206,7 @@ def main(spec_path: str, result_path: str) -> int:
 
     spec = json.loads(Path(spec_path).read_text())
     try:
-        connect(RunSettings.model_validate(spec["config"]["run"]))
+        connect(RunSettings.model_validate(spec["config"]["run"]), spec["stage"])
         checkpoint = fit(spec)
     except StageFailure as err:
         prefix = REFUSAL_PREFIX if isinstance(err, StageRefusal) else FAILURE_PREFIX
@@ -211,7 +214,7 @@ def main(spec_path: str, result_path: str) -> int:
         return 1
     except ConnectionError as err:
         address = spec["config"]["run"]["ray_address"]
-        print(f"{FAILURE_PREFIX}run.ray_address {address} reaches no Ray cluster: {err}", flush=True)
+        print(f"{REFUSAL_PREFIX}run.ray_address {address} reaches no Ray cluster: {err}", flush=True)
         return 1
     finally:
         ray.shutdown()  # stops a private instance; leaves a joined cluster running

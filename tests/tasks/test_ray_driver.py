@@ -152,7 +152,7 @@ def test_a_dead_worker_reads_as_lost_and_an_exception_as_failed():
 
 RAY_OUTPUT = """\
 2026-11-27 12:19:18,949\tINFO worker.py:1691 -- Using address 192.0.2.2:6411 set in the environment variable RAY_ADDRESS
-rlhf-story: joined the Ray cluster at 192.0.2.2:6411: 2 nodes, 2 CPUs
+rlhf-story: rl stage: joined the Ray cluster at 192.0.2.2:6411: 2 nodes, 2 CPUs
 (TrainController pid=22914) Attempting to start training worker group of size 2 with the following resources: [{'CPU': 1.0}] * 2
 (TrainController pid=22914) [2026-11-27 12:29:24,836 E 22914 22946] core_worker.cc:2465: Actor with class name: 'PreemptionWatcher' has constructor arguments in the object store
 (TrainController pid=22914) rlhf-story: rl stage: 2 workers started: rank 0 on node 864f6921c2d6 (vm, 10.0.0.2), rank 1 on node 0ecc9fa5d104 (vm, 10.0.0.3)
@@ -176,7 +176,7 @@ def test_the_console_keeps_the_story_and_the_workers_own_lines_each_once_and_not
     console = ConsoleFilter()
     shown = [line for raw in RAY_OUTPUT.splitlines() if (line := console.keep(raw)) is not None]
     assert shown == [
-        "joined the Ray cluster at 192.0.2.2:6411: 2 nodes, 2 CPUs",
+        "rl stage: joined the Ray cluster at 192.0.2.2:6411: 2 nodes, 2 CPUs",
         "rl stage: 2 workers started: rank 0 on node 864f6921c2d6 (vm, 10.0.0.2), rank 1 on node 0ecc9fa5d104 (vm, 10.0.0.3)",
         "[rank 0] eval at step 1: eval/score_mean=0.008",
         "rl stage: rank 1 on node 0ecc9fa5d104 (vm, 10.0.0.3) lost: its process died (killed, or crashed); restarting the "
