@@ -185,6 +185,11 @@ def stop_temporary_prefect_server() -> None:
 
     if get_current_settings().api.url:  # a server of the user's (or a test harness's): not ours to stop
         return
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    for worker in (APILogWorker, EventsWorker):  # what the run still sends to the server, before it stops
+        worker.drain_all(timeout=5)
     for server in list(getattr(SubprocessASGIServer, "_instances", {}).values()):  # private in Prefect 3.9
         server.stop()
 

@@ -44,7 +44,7 @@ class RunConfig(Section):
     )
     ray_address: str | None = Field(
         None,
-        description="With launcher 'ray': null starts a private local Ray instance for the run and stops it after; 'auto' or 'host:port' joins an existing cluster (its nodes must share run.output_dir).",
+        description="With launcher 'ray': null starts a private local Ray instance for each stage that launches and stops it after the stage; 'auto' (RAY_ADDRESS when set, else the cluster this machine runs a node of) or 'host:port' joins an existing cluster (its nodes must share run.output_dir). Where another Ray runs on the machine, set RAY_ADDRESS or host:port (docs/ray.md).",
     )
     ray_cpus_per_worker: float = Field(
         1.0,
