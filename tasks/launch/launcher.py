@@ -178,8 +178,8 @@ def log_path(cfg, stage: str) -> Path:
 
 def launch(stage: str, body, cfg, checkpoints: Path | None = None, **inputs):
     """Run the `stage` task's `body` (its `worker_body`: cfg and the inputs as JSON -> Checkpoint) in
-    cfg.run.num_processes processes; return its Checkpoint. `checkpoints` is where the stage saves them (or
-    the directory of its keyed runs), for the story of a restart.
+    cfg.run.num_processes processes; return its Checkpoint. `checkpoints` is the directory the stage saves
+    them in, for the story of a restart (which checkpoint the workers resume from).
 
     Every line the processes print goes to the stage's log file (`log_path`); on the console, the workers'
     lines under torchrun, and under Ray the story and the workers' own `[rank N]` lines (tasks/launch/story.py).

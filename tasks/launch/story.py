@@ -47,15 +47,14 @@ def start_line(stage: str, start: int, max_failures: int, placed: dict[int, str]
     return f"{stage} stage: {plural(len(placed), 'worker')} restarted (restart {start - 1} of {max_failures}): {ranks}"
 
 
-def resume_step(root: str | Path | None) -> int | None:
-    """The step of the newest complete checkpoint under `root` (a stage's checkpoint directory, or the directory
-    of its keyed runs, e.g. `<output_dir>/reward`: the one written last), None when there is none."""
-    if root is None or not Path(root).is_dir():
+def resume_step(checkpoints: str | Path | None) -> int | None:
+    """The step of the newest complete checkpoint in a stage's checkpoint directory, None when there is none."""
+    if checkpoints is None or not Path(checkpoints).is_dir():
         return None
     from rlhf_core.storage.checkpoints import checkpoint_step, latest_checkpoint
 
-    found = [c for d in (Path(root), *Path(root).iterdir()) if d.is_dir() and (c := latest_checkpoint(d))]
-    return checkpoint_step(max(found, key=lambda c: c.stat().st_mtime)) if found else None
+    latest = latest_checkpoint(checkpoints)
+    return checkpoint_step(latest) if latest is not None else None
 
 
 def resume_point(step: int | None) -> str:

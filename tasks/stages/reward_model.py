@@ -45,14 +45,23 @@ score = model(**tokenizer(prompt + completion, return_tensors="pt")).logits[0, 0
 """
 
 
+def reward_identity(cfg: PipelineConfig, policy: Checkpoint | None) -> str:
+    """What the reward model starts from, for keys and cards: the policy's version, the base model or reward.base
+    as written (nothing is resolved: the launching process computes the stage's key with it too)."""
+    if cfg.reward.base != "policy":
+        return cfg.reward.base
+    if policy is not None:
+        return policy.model_uri or f"sft:{policy.key}"
+    return cfg.model.base
+
+
 def reward_base(cfg: PipelineConfig, data: PreparedData, policy: Checkpoint | None) -> tuple[str, str]:
     """(local path or hub name to load, identity for keys and cards) of the reward model's start."""
+    identity = reward_identity(cfg, policy)
     if cfg.reward.base == "policy":
-        if policy is not None:
-            return policy.path, policy.model_uri or f"sft:{policy.key}"
-        return data.base_model, cfg.model.base
+        return (policy.path if policy is not None else data.base_model), identity
     world = DemoWorld(Path(data.demo_world)) if data.demo_world else None
-    return resolve_model_source(cfg.reward.base, field="reward.base", cfg=cfg, world=world), cfg.reward.base
+    return resolve_model_source(cfg.reward.base, field="reward.base", cfg=cfg, world=world), identity
 
 
 TRAINER_VERSION = 3  # bump when training changes what a finished stage would contain (3: pairs end at a stop id)
@@ -172,14 +181,9 @@ def model_card(cfg: PipelineConfig, data: PreparedData, base_identity: str) -> d
 def reward_stage(cfg: PipelineConfig, data: PreparedData, policy: Checkpoint | None, parent_run_id: str) -> Checkpoint:
     """Train (or resume, or reuse) the reward model and register each checkpoint as a model version."""
     if cfg.run.num_processes > 1 and not launcher.launched():
+        out_dir = cfg.run.output_dir / "reward" / reward_key(cfg, data, reward_identity(cfg, policy))
         return launcher.launch(
-            "reward",
-            worker_body,
-            cfg,
-            cfg.run.output_dir / "reward",
-            data=data,
-            policy=policy,
-            parent_run_id=parent_run_id,
+            "reward", worker_body, cfg, out_dir, data=data, policy=policy, parent_run_id=parent_run_id
         )
     base, base_identity = reward_base(cfg, data, policy)
     key = reward_key(cfg, data, base_identity)
