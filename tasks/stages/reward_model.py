@@ -55,13 +55,12 @@ def reward_identity(cfg: PipelineConfig, policy: Checkpoint | None) -> str:
     return cfg.model.base
 
 
-def reward_base(cfg: PipelineConfig, data: PreparedData, policy: Checkpoint | None) -> tuple[str, str]:
-    """(local path or hub name to load, identity for keys and cards) of the reward model's start."""
-    identity = reward_identity(cfg, policy)
+def reward_base(cfg: PipelineConfig, data: PreparedData, policy: Checkpoint | None) -> str:
+    """The local path or hub name the reward model starts from (`reward_identity` names it in keys and cards)."""
     if cfg.reward.base == "policy":
-        return (policy.path if policy is not None else data.base_model), identity
+        return policy.path if policy is not None else data.base_model
     world = DemoWorld(Path(data.demo_world)) if data.demo_world else None
-    return resolve_model_source(cfg.reward.base, field="reward.base", cfg=cfg, world=world), identity
+    return resolve_model_source(cfg.reward.base, field="reward.base", cfg=cfg, world=world)
 
 
 TRAINER_VERSION = 3  # bump when training changes what a finished stage would contain (3: pairs end at a stop id)
@@ -177,29 +176,33 @@ def model_card(cfg: PipelineConfig, data: PreparedData, base_identity: str) -> d
     }
 
 
+def reuse_and_say(cfg: PipelineConfig, key: str, out_dir: Path, reporter) -> Checkpoint | None:
+    """`reuse_registered`, said in the stage's log and tagged on its run when it reuses."""
+    reused = reuse_registered(cfg, key, out_dir)
+    if reused is not None:
+        reporter.logger.info(
+            "reward model for stage key %s is already registered as %s: reused, not retrained", key, reused.model_uri
+        )
+        reporter.tag({"rlhf.reused": reused.model_uri})
+    return reused
+
+
 @task(name="reward", cache_policy=NO_CACHE, **IO_RETRIES)
 def reward_stage(cfg: PipelineConfig, data: PreparedData, policy: Checkpoint | None, parent_run_id: str) -> Checkpoint:
     """Train (or resume, or reuse) the reward model and register each checkpoint as a model version."""
+    base_identity = reward_identity(cfg, policy)
+    key = reward_key(cfg, data, base_identity)
+    out_dir = cfg.run.output_dir / "reward" / key
     if cfg.run.num_processes > 1 and not launcher.launched():
-        out_dir = cfg.run.output_dir / "reward" / reward_key(cfg, data, reward_identity(cfg, policy))
         return launcher.launch(
             "reward", worker_body, cfg, out_dir, data=data, policy=policy, parent_run_id=parent_run_id
         )
-    base, base_identity = reward_base(cfg, data, policy)
-    key = reward_key(cfg, data, base_identity)
-    out_dir = cfg.run.output_dir / "reward" / key
+    base = reward_base(cfg, data, policy)
     with (
         tracking.runs.stage_run(parent_run_id, "reward", tracking.runs.stage_params(cfg, "reward")) as run_id,
         RewardReporter(cfg, run_id, data, key, base_identity) as reporter,
     ):
-        reused = reuse_registered(cfg, key, out_dir)
-        if reused is not None:
-            reporter.logger.info(
-                "reward model for stage key %s is already registered as %s: reused, not retrained",
-                key,
-                reused.model_uri,
-            )
-            reporter.tag({"rlhf.reused": reused.model_uri})
+        if (reused := reuse_and_say(cfg, key, out_dir, reporter)) is not None:
             return reused
         tokenizer = stage_tokenizer(cfg, base)
         model = load_reward_model(
