@@ -354,7 +354,8 @@ def test_a_user_error_inside_a_worker_ends_the_stage_at_once_with_its_sentence(
         "run.max_failures=2",
         f"reward.base={tmp_path / 'no-such-model'}",
     )
-    data = {"tables": {}, "fingerprints": {}, "base_model": str(tmp_path), "tokenizer": str(tmp_path)}
+    fingerprints = {"preference": "0" * 16, "preference_eval": "1" * 16}  # the stage's key reads them
+    data = {"tables": {}, "fingerprints": fingerprints, "base_model": str(tmp_path), "tokenizer": str(tmp_path)}
     with deadline(240, "the refused stage"), pytest.raises(StageRefusedError) as refused:
         tasks.launch.launcher.launch("reward", reward_worker_body, cfg, data=data, policy=None, parent_run_id=None)
     assert str(refused.value) == f"reward.base: directory {tmp_path / 'no-such-model'} does not exist"
