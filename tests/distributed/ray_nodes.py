@@ -25,20 +25,13 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+from rlhf_core.rollout.vllm_server import free_port
+
 OBJECT_STORE = 150 * 1024**2  # bytes per node; the tests move only small objects
 # Ray's Unix sockets live at <temp dir>/session_<date>_<time>_<microseconds>_<pid>/sockets/plasma_store.N, and
 # a socket path must stay under 108 bytes: what that leaves for the directory `ray_temp_root` makes (base + 10)
 # and Ray's "/ray" below it
 SOCKET_PATH_ROOM = 27
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (this module also runs as a script, without the tests' fixtures)."""
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def ray_temp_root() -> Path:
