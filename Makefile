@@ -10,6 +10,12 @@ OFFLINE := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 # uv installs everything after torch: in parallel, about 30 s where pip took minutes
 UV_VERSION := 0.13.9
 UV := $(BIN)/uv pip install --python $(BIN)/python
+# Which torch build `make venv` installs: TORCH_INDEX names the index that serves it, e.g.
+# https://download.pytorch.org/whl/cpu (the CPU build, about 200 MB) or https://download.pytorch.org/whl/cu130 (CUDA 13.0);
+# PyPI stays the index of everything else. Empty (the default): pip's own configuration decides
+TORCH_VERSION := 2.13.0
+TORCH_INDEX ?=
+TORCH_PIP_ARGS := $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX) --extra-index-url https://pypi.org/simple)
 # Nothing is byte-compiled ahead: all of .venv is about 25,000 files (2.5 CPU-minutes), a test run imports about
 # 7,000. Python caches each module the first time it is imported instead, also where the environment says not to
 unexport PYTHONDONTWRITEBYTECODE
@@ -30,9 +36,12 @@ endif
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	# torch first and pinned, with pip: this takes the CPU build on disk (an unpinned torch pulls CUDA wheels); uv
-	# does not look on this disk, and keeps this torch below, as it satisfies pyproject.toml's range
-	$(BIN)/python -m pip install --no-compile torch==2.13.0 uv==$(UV_VERSION)
+	# torch first and pinned, with pip (docs/development.md#torch-cpu-or-cuda). TORCH_INDEX empty: pip's own
+	# configuration picks the build; on this CI machine that is the CPU build on disk (pip's find-links), on a plain
+	# Linux machine PyPI's CUDA build. uv does not look on this disk, and keeps this torch below, as it satisfies
+	# pyproject.toml's range
+	$(BIN)/python -m pip install --no-compile $(TORCH_PIP_ARGS) torch==$(TORCH_VERSION) uv==$(UV_VERSION)
+	$(BIN)/python -c "import torch; print('make venv: torch', torch.__version__, 'CUDA', torch.version.cuda or 'none (the CPU build)')"
 	$(UV) -e '.[dev]'
 	# TRL 1.12 (the last with PPOTrainer) for the PPO parity test, apart from the TRL 1.16 installed above
 	$(UV) --quiet --no-deps --target $(VENV)/trl-1.12.0 trl==1.12.0
@@ -62,9 +71,12 @@ demo: venv
 	$(OFFLINE) $(BIN)/rlhf run --config configs/demo.yaml
 
 # a Prefect server and the MLflow UI on 127.0.0.1 (ports 4200 and 5000), the demo run against them, both URLs
-# printed; Ctrl-C stops both (make demo's temporary Prefect server stops with the run)
+# printed; Ctrl-C or SIGTERM (to make, its process group or `rlhf ui`) stops both and a run still going (make
+# demo's temporary Prefect server stops with the run). UI_ARGS passes more options to `rlhf ui`, e.g.
+# UI_ARGS="--mlflow-port 5001 --prefect-port 4201" or "--no-run"
+UI_ARGS ?=
 ui: venv
-	$(OFFLINE) $(BIN)/rlhf ui --config configs/demo.yaml
+	$(OFFLINE) $(BIN)/rlhf ui --config configs/demo.yaml $(UI_ARGS)
 
 # the layering contracts (flows -> tasks -> rlhf_core, rlhf_core without prefect or mlflow, no import
 # cycles) and ruff's lint and format rules, all configured in pyproject.toml

@@ -38,7 +38,7 @@ def prepare(root: Path) -> None:
         model,
         tok,
         [r["text"] for r in world_rows(world, "text")],
-        SFTConfig(max_steps=300),
+        SFTConfig(max_steps=300, learning_rate=3e-3),
         RunConfig(device="cpu", seed=SEED),
         max_length=48,
         output_dir=root / "sft",

@@ -149,8 +149,11 @@ def ui_command(args: argparse.Namespace, overrides: list[str]) -> int:
 def validate_command(args: argparse.Namespace, overrides: list[str]) -> int:
     import yaml
 
+    from tasks.lengths import validate_lengths
+
     cfg = checked_config(args.config, overrides)
     print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    print(validate_lengths(cfg))
     return 0
 
 
@@ -247,6 +250,10 @@ def main(argv: list[str] | None = None) -> int:
     traceback as well). Any other exception is a bug: it propagates with `bug_hint` as a note, so the
     interpreter prints its traceback, that line under it, and exits 1."""
     args = build_parser().parse_args(argv)
+    # a module the config names (a reward function, a tool) may sit in the directory `rlhf` runs from, as with
+    # `python -m`; appended, so it never shadows an installed package
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
     try:
         overrides = export_credentials(getattr(args, "overrides", []))
         return COMMANDS[args.command](args, overrides)

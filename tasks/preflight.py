@@ -283,14 +283,16 @@ def model_context(cfg: PipelineConfig) -> tuple[int | None, str]:
 
 
 def _check_context(cfg: PipelineConfig) -> list[str]:
-    context, where = model_context(cfg)
-    needed = cfg.data.max_prompt_length + cfg.rl.response_length
+    """The limits against the policy's context: a prompt and its completion, and data.max_length."""
+    (context, where), needed, problems = model_context(cfg), cfg.data.max_prompt_length + cfg.rl.response_length, []
     if context is not None and needed > context:
-        return [
+        problems.append(
             f"data.max_prompt_length {cfg.data.max_prompt_length} + rl.response_length {cfg.rl.response_length} = "
             f"{needed} tokens exceeds the policy's context of {context} ({where})"
-        ]
-    return []
+        )
+    if context is not None and cfg.data.max_length > context:
+        problems.append(f"data.max_length {cfg.data.max_length} exceeds the policy's context of {context} ({where})")
+    return problems
 
 
 def _check_rollout_engine(cfg: PipelineConfig) -> list[str]:

@@ -55,7 +55,10 @@ def check_init_reference(init: InitConfig, lora_enabled: bool) -> None:
 
 def check_init_policy(init: InitConfig, sft: SFTConfig) -> None:
     if init.policy == "sft" and not sft.enabled:
-        raise ValueError("init.policy is 'sft' but sft.enabled is false; set init.policy to 'base' or enable sft")
+        raise ValueError(
+            "init.policy is 'sft' but the SFT stage is off (sft.enabled false, or null with sft.dataset 'demo' outside "
+            "the demo); set init.policy to 'base', or name your corpus in sft.dataset"
+        )
 
 
 # the launcher and its accelerate strategy ---------------------------------------------------

@@ -24,9 +24,9 @@ class EvalConfig(Section):
         gt=0.0,
         description="Sampling temperature of evaluation (top_k and top_p are rl's); null: rl.temperature, so that the KL is measured on the policy's own samples.",
     )
-    metrics: list[str] = Field(
-        default_factory=lambda: ["rlhf_core.rewards.functions:vader_compound"],
-        description="Extra metric functions 'module:function' scored on each completion.",
+    metrics: list[str] | None = Field(
+        None,
+        description="Metric functions 'module:function' scored on each held-out completion; the first is the gold metric the guard's divergence rule watches. null: in the demo (model.base 'demo') its VADER sentiment, elsewhere none (the divergence rule is then off).",
     )
     samples_per_prompt: int = Field(
         1,

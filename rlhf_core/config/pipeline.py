@@ -37,6 +37,7 @@ from rlhf_core.config.training import (
 )
 
 DEMO_MIN_IMPROVEMENT = 0.01  # the demo's promote.min_improvement when it is null
+DEMO_GOLD_METRIC = "rlhf_core.rewards.functions:vader_compound"  # the demo's eval.metrics when it is null
 
 
 class ExportConfig(Section):
@@ -148,6 +149,7 @@ class PipelineConfig(Section):
 
     @model_validator(mode="after")
     def _cross_checks(self) -> PipelineConfig:
+        resolve_demo_defaults(self)
         # in the order they fire: the first failing check's sentence is the one a user sees
         rl, lora = self.rl, self.model.lora.enabled
         check_ppo_mini_batches(rl, self.ppo)
@@ -188,7 +190,8 @@ class PipelineConfig(Section):
         return self.model.base == DEMO
 
     def gold_metric(self) -> str | None:
-        """guard.divergence.gold, else the first of eval.metrics (the demo's VADER), else None."""
+        """guard.divergence.gold, else the first of eval.metrics (the demo's VADER), else None: the guard's
+        divergence rule is then off."""
         names = self.metric_names()
         return self.guard.divergence.gold or (names[0] if names else None)
 
@@ -268,3 +271,14 @@ class PipelineConfig(Section):
         """Stable short hash of the whole config (JSON with sorted keys)."""
         blob = json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def resolve_demo_defaults(cfg: PipelineConfig) -> None:
+    """The null defaults that depend on whether this is the demo: what suits the demo's reviews (its VADER gold
+    metric, SFT on its corpus) is not assumed for a model of the user's own."""
+    if cfg.eval.metrics is None:
+        cfg.eval.metrics = [DEMO_GOLD_METRIC] if cfg.is_demo() else []
+    if cfg.sft.enabled is None:
+        cfg.sft.enabled = cfg.is_demo() or cfg.sft.dataset.path != DEMO
+    if cfg.init.policy is None:
+        cfg.init.policy = "sft" if cfg.sft.enabled else "base"

@@ -213,10 +213,18 @@ class DataConfig(Section):
     eval_prompts: DatasetSpec = Field(
         default_factory=lambda: DatasetSpec(split="test"), description="Held-out prompts for generation evaluation."
     )
+    # sized for real models: 1024 as TRL's RewardConfig and SFTConfig max_length; a prompt of 512 tokens and a
+    # completion of 256 (rl.response_length; TRL 1.16's GRPOConfig generates up to 512) fit in it
     max_length: int = Field(
-        64, ge=4, description="Longest prompt+completion in tokens; longer rows are handled by `overlong`."
+        1024,
+        ge=4,
+        description="Longest prompt+completion in tokens (preference pairs, the SFT text); longer rows are handled by `overlong`. `rlhf validate` prints each table's token lengths against it.",
     )
-    max_prompt_length: int = Field(16, ge=1, description="Longest prompt in tokens for RL and evaluation prompts.")
+    max_prompt_length: int = Field(
+        512,
+        ge=1,
+        description="Longest prompt in tokens for RL and evaluation prompts; longer ones are handled by `overlong`.",
+    )
     chat_template_kwargs: dict[str, Any] = Field(
         default_factory=dict,
         description="Extra keyword arguments for tokenizer.apply_chat_template on conversational data (e.g. enable_thinking).",

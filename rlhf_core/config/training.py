@@ -28,13 +28,16 @@ class OptimSettings(Section):
 
 
 class SFTConfig(OptimSettings):
-    enabled: bool = Field(True, description="Run the SFT warm start; with false the policy starts from model.base.")
+    enabled: bool | None = Field(
+        None,
+        description="Run the SFT warm start; false: the policy starts from model.base. null: on in the demo (model.base 'demo') and when sft.dataset names a corpus other than 'demo', off otherwise (a model of yours is not fine-tuned on the demo's reviews).",
+    )
     dataset: DatasetSpec = Field(
         default_factory=DatasetSpec, description="Text corpus to fine-tune on ('demo': the review corpus)."
     )
     max_steps: int = Field(300, ge=1, description="Optimizer steps of the warm start.")
     batch_size: int = Field(32, ge=1, description="Sequences per micro-batch.")
-    learning_rate: float = Field(3e-3, gt=0.0, description="Peak AdamW learning rate.")
+    learning_rate: float = Field(2e-5, gt=0.0, description="Peak AdamW learning rate (TRL's SFTConfig default).")
     log_steps: int = Field(10, ge=1, description="Log the loss every this many steps.")
 
 
@@ -48,7 +51,11 @@ class RewardConfig(OptimSettings):
     batch_size: int = Field(
         32, ge=1, description="Preference pairs per micro-batch (chosen and rejected share one forward)."
     )
-    learning_rate: float = Field(1e-3, gt=0.0, description="Peak AdamW learning rate.")
+    learning_rate: float = Field(
+        1e-5,
+        gt=0.0,
+        description="Peak AdamW learning rate: 1e-5 for full fine-tuning of a real model (InstructGPT and OpenRLHF use about 9e-6; TRL's 1e-4 suits LoRA).",
+    )
     center_rewards_coefficient: float | None = Field(
         None, gt=0.0, description="Weight of the reward-centering penalty (TRL's); null turns it off."
     )
@@ -65,9 +72,9 @@ class RewardConfig(OptimSettings):
 
 
 class InitConfig(Section):
-    policy: Literal["sft", "base", "champion"] = Field(
-        "sft",
-        description="Policy start: the SFT warm start's output, model.base as is, or the registry's champion (sft, else base, when there is none).",
+    policy: Literal["sft", "base", "champion"] | None = Field(
+        None,
+        description="Policy start: the SFT warm start's output, model.base as is, or the registry's champion (sft, else base, when there is none). null: 'sft' when the SFT stage runs, else 'base'.",
     )
     value_from: Literal["reward", "policy"] = Field(
         "reward", description="Value model start: the reward model's weights (as TRL) or the policy's."
@@ -114,7 +121,9 @@ class RLConfig(OptimSettings):
         1, ge=1, description="Micro-batches accumulated per optimizer step (PPO and GRPO alike)."
     )
     learning_rate: float = Field(3e-6, gt=0.0, description="Peak AdamW learning rate (TRL's default).")
-    response_length: int = Field(16, ge=1, description="Most new tokens per rollout.")
+    response_length: int = Field(
+        256, ge=1, description="Most new tokens per rollout (TRL's max_completion_length), evaluation included."
+    )
     temperature: float = Field(0.7, gt=0.0, description="Sampling temperature of rollouts (TRL's default).")
     top_k: int = Field(0, ge=0, description="Top-k filtering of rollouts; 0 disables it.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus filtering of rollouts; 1.0 disables it.")

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 from rlhf_core.config import DatasetSpec
 from rlhf_core.data.chat import ACCEPTED, encode, has_chat_template
+from rlhf_core.data.lengths import TableLengths, measure
 from rlhf_core.data.rows import (
     ROWS_PER_READ,
     DataValidationError,
@@ -87,35 +87,13 @@ def load_table(
     return out
 
 
-@dataclass
-class LengthReport:
-    """What the length policy did to a table."""
-
-    rows: int
-    overlong: int
-    action: Literal["truncate", "drop"]
-
-    @property
-    def kept(self) -> int:
-        return self.rows - self.overlong if self.action == "drop" else self.rows
-
-    def sentence(self, source: str) -> str:
-        verb = "dropped" if self.action == "drop" else "will be truncated"
-        return f"{source}: {self.overlong} of {self.rows} rows exceed the length limit and {verb}"
-
-
 def _token_lengths(tokenizer, texts: list[str]) -> list[int]:
     return [len(ids) for ids in encode(tokenizer, texts, add_special_tokens=True)]
 
 
-def apply_length_policy(
-    ds, kind: Kind, tokenizer, *, max_length: int, max_prompt_length: int, action: Literal["truncate", "drop"]
-):
-    """Count rows over the limits; drop them or keep them for truncation at collation. -> (ds, report)
-
-    Limits: preferences use prompt+chosen and prompt+rejected against `max_length`; prompts use
-    `max_prompt_length`; text uses `max_length`.
-    """
+def row_lengths(ds, kind: Kind, tokenizer) -> list[int]:
+    """Each row's length in tokens, as the limits count it (`rlhf_core.data.lengths.LIMITS`): a preference pair's
+    prompt + the longer of its answers, a prompt, a text; conversational rows as their chat template wrote them."""
     names = [c for c in ds.column_names if c in ("prompt", "chosen", "rejected", "text")]
     cols = {c: [] for c in names}
     for batch in ds.select_columns(names).iter(batch_size=ROWS_PER_READ):
@@ -124,15 +102,32 @@ def apply_length_policy(
     if kind == "preference":
         chosen = _token_lengths(tokenizer, [p + c for p, c in zip(cols["prompt"], cols["chosen"])])
         rejected = _token_lengths(tokenizer, [p + r for p, r in zip(cols["prompt"], cols["rejected"])])
-        over = [max(a, b) > max_length for a, b in zip(chosen, rejected)]
-    elif kind == "prompt":
-        over = [n > max_prompt_length for n in _token_lengths(tokenizer, cols["prompt"])]
-    else:
-        over = [n > max_length for n in _token_lengths(tokenizer, cols["text"])]
-    report = LengthReport(rows=len(ds), overlong=sum(over), action=action)
-    if action == "drop" and report.overlong:
-        ds = ds.select([i for i, o in enumerate(over) if not o])
-    return ds, report
+        return [max(a, b) for a, b in zip(chosen, rejected)]
+    return _token_lengths(tokenizer, cols["prompt" if kind == "prompt" else "text"])
+
+
+def apply_length_policy(
+    ds,
+    kind: Kind,
+    tokenizer,
+    *,
+    max_length: int,
+    max_prompt_length: int,
+    action: Literal["truncate", "drop"],
+    table: str = "",
+) -> tuple[Any, TableLengths]:
+    """Measure the rows against their limit; drop those over it or keep them for truncation at collation.
+    -> (ds, the table's lengths)
+
+    Limits: preferences use prompt+chosen and prompt+rejected against `max_length`; prompts use
+    `max_prompt_length`; text uses `max_length`.
+    """
+    lengths = row_lengths(ds, kind, tokenizer)
+    limit = max_prompt_length if kind == "prompt" else max_length
+    measured = measure(table, kind, lengths, limit=limit, action=action)
+    if action == "drop" and measured.over:
+        ds = ds.select([i for i, n in enumerate(lengths) if n <= limit])
+    return ds, measured
 
 
 def fingerprint_rows(ds) -> str:

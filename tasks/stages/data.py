@@ -15,12 +15,14 @@ from prefect.cache_policies import NO_CACHE
 from prefect.logging import get_run_logger
 
 from rlhf_core.config import DEMO, DatasetSpec, PipelineConfig
+from rlhf_core.data.lengths import TableLengths, length_table
 from rlhf_core.data.rows import DataValidationError, Kind
-from rlhf_core.data.tables import apply_length_policy, fingerprint_rows, load_table, save_table
+from rlhf_core.data.tables import fingerprint_rows, save_table
 from rlhf_core.demo.world import DemoWorld, build_demo_world
-from rlhf_core.models.loading import ModelSourceError, check_source, generation_config_of, load_tokenizer, run_stop_ids
+from rlhf_core.models.loading import ModelSourceError, check_source, generation_config_of, run_stop_ids
 from rlhf_core.rollout.tools import require_tool_template
 from tasks import registry, tracking
+from tasks.lengths import context_words, measure_table, stage_tokenizer
 from tasks.reporting.identity import StageIdentity
 from tasks.reporting.progress import publish_table
 from tasks.reporting.reporter import StageReporter
@@ -85,17 +87,6 @@ def tables_to_prepare(cfg: PipelineConfig) -> list[tuple[str, str, DatasetSpec, 
     return cfg.data_tables()
 
 
-def stage_tokenizer(cfg: PipelineConfig, source: str):
-    """A stage's tokenizer from `source` with the model.* loading options and model.chat_template (saved with
-    every checkpoint, so the export carries it)."""
-    return load_tokenizer(
-        source,
-        revision=cfg.model.revision,
-        trust_remote_code=cfg.model.trust_remote_code,
-        chat_template=cfg.model.chat_template,
-    )
-
-
 def check_policy_sources(cfg: PipelineConfig, world: DemoWorld | None) -> tuple[str, str, object]:
     """(base model path, tokenizer source, tokenizer), with reward.base and the stop tokens checked before any training."""
     base_model = resolve_model_source(cfg.model.base, field="model.base", cfg=cfg, world=world)
@@ -113,45 +104,31 @@ def check_policy_sources(cfg: PipelineConfig, world: DemoWorld | None) -> tuple[
 
 def prepare_table(
     cfg: PipelineConfig, world: DemoWorld | None, tokenizer, name: str, field_name: str, spec: DatasetSpec, kind: Kind
-) -> dict:
-    """Load, validate and length-check one table and save it under <output_dir>/data; its report row."""
+) -> tuple[dict, TableLengths]:
+    """Load, validate and length-check one table and save it under <output_dir>/data; its report row and lengths."""
     resolved = demo_path(world, kind, spec) if spec.path == DEMO else None
-    ds = load_table(
-        spec,
-        kind,
-        field=field_name,
-        resolved_path=resolved,
-        tokenizer=tokenizer,
-        chat_template_kwargs=cfg.data.chat_template_kwargs,
-    )
-    ds, report = apply_length_policy(
-        ds,
-        kind,
-        tokenizer,
-        max_length=cfg.data.max_length,
-        max_prompt_length=cfg.data.max_prompt_length,
-        action=cfg.data.overlong,
-    )
+    ds, lengths = measure_table(cfg, tokenizer, name, field_name, spec, kind, resolved)
     source = resolved or spec.path
-    if report.overlong:
-        get_run_logger().warning(report.sentence(source))
-    if report.kept == 0:
-        limit = "data.max_prompt_length" if kind == "prompt" else "data.max_length"
+    if lengths.over:
+        get_run_logger().warning(lengths.sentence(source))
+    if lengths.kept == 0:
         raise DataValidationError(
-            f"{field_name}: every row of {source} is over {limit} ({getattr(cfg.data, limit[5:])} tokens) and "
-            f"data.overlong is 'drop'; raise {limit}"
+            f"{field_name}: every row of {source} is over {lengths.limit_field} ({lengths.limit} tokens) and "
+            f"data.overlong is 'drop'; raise {lengths.limit_field}"
         )
     path = save_table(ds, cfg.run.output_dir / "data" / f"{name}.jsonl")
-    return {
+    report = {
         "table": name,
         "source": source,
-        "rows": report.rows,
-        "overlong": report.overlong,
-        "action": report.action,
-        "kept": report.kept,
+        "rows": lengths.rows,
+        "overlong": lengths.over,
+        "action": lengths.action,
+        "kept": lengths.kept,
+        **lengths.as_row(),
         "fingerprint": fingerprint_rows(ds),
         "path": str(path),
     }
+    return report, lengths
 
 
 EVALUATION_TABLES = ("preference_eval", "eval_prompts")
@@ -200,16 +177,21 @@ def data_stage(cfg: PipelineConfig, parent_run_id: str) -> PreparedData:
             )
             get_run_logger().info("demo world ready at %s", world.root)
         base_model, tokenizer_source, tokenizer = check_policy_sources(cfg, world)
-        reports = []
+        reports, measured = [], []
         for name, field_name, spec, kind in tables_to_prepare(cfg):
-            reports.append(prepare_table(cfg, world, tokenizer, name, field_name, spec, kind))
-            reporter.log(
-                {f"data/{name}/rows": reports[-1]["kept"], f"data/{name}/overlong": reports[-1]["overlong"]}, 0
-            )
+            report, lengths = prepare_table(cfg, world, tokenizer, name, field_name, spec, kind)
+            reports.append(report)
+            measured.append(lengths)
+            reporter.log({f"data/{name}/rows": lengths.kept, f"data/{name}/overlong": lengths.over}, 0)
+        get_run_logger().info(length_table(measured, {}, context_words(cfg)))
         for report in (r for r in reports if r["table"] == "prompts"):
             check_prompt_count(cfg, report)
         tables = {r["table"]: r.pop("path") for r in reports}
-        publish_table("data-report", reports, "Validated tables: rows, over-long rows and what was done with them")
+        publish_table(
+            "data-report",
+            reports,
+            "Validated tables: rows, token lengths (p50, p95, max) against the limit, rows over it and what was done",
+        )
         prepared = PreparedData(
             tables=tables,
             fingerprints={r["table"]: r["fingerprint"] for r in reports},

@@ -239,6 +239,19 @@ def test_prompt_and_response_must_fit_a_local_models_context(tmp_path, capsys):
     )
 
 
+def test_a_length_limit_above_a_local_models_context_is_refused(tmp_path, capsys):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "llama", "max_position_embeddings": 48}))
+    code, err = cli("validate", tmp_path, capsys, f"model.base={model}", "data.max_length=60")
+    assert_one_sentence(
+        code,
+        err,
+        f"data.max_length 60 exceeds the policy's context of 48 (max_position_embeddings in {model}/config.json)",
+        tmp_path,
+    )
+
+
 def test_conversational_data_without_a_chat_template_is_refused(tmp_path, capsys):
     model = tmp_path / "model"
     model.mkdir()

@@ -56,7 +56,7 @@ def test_init_needs_lora_for_a_disabled_adapter_and_sft_for_an_sft_start():
     with pytest.raises(ValueError, match="needs model.lora.enabled true"):
         check_init_reference(InitConfig(reference="adapter_disabled"), lora_enabled=False)
     check_init_policy(InitConfig(policy="sft"), SFTConfig(enabled=True))
-    with pytest.raises(ValueError, match="^init.policy is 'sft' but sft.enabled is false"):
+    with pytest.raises(ValueError, match="^init.policy is 'sft' but the SFT stage is off"):
         check_init_policy(InitConfig(policy="sft"), SFTConfig(enabled=False))
 
 

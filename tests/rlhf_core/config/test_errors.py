@@ -111,7 +111,7 @@ def error_of(*overrides: str) -> str:
         (["data.prompts.split=validation"], "`data.prompts`: split 'validation' does not exist in the demo world"),
         (["grpo.rewards=[{name: x}]"], "reward 'x' must set exactly one of model or function"),
         (["grpo.rewards=[{name: x, function: nocolon}]"], "must be written 'package.module:function'"),
-        (["sft.enabled=false"], "init.policy is 'sft' but sft.enabled is false"),
+        (["sft.enabled=false", "init.policy=sft"], "init.policy is 'sft' but the SFT stage is off"),
         (["data.max_prompt_length=64", "data.max_length=32"], "max_prompt_length 64 must be below max_length 32"),
     ],
 )

@@ -90,8 +90,35 @@ def test_outside_the_demo_promotion_is_on_score_and_needs_an_explicit_gate(tmp_p
     message = str(err.value)
     assert message.startswith("promote.min_value or promote.min_improvement must be set to promote on 'score'")
     assert message.count(". ") == 0 and "\n" not in message  # one sentence
-    explicit = load_config(REPO / "configs" / "demo.yaml", [f"model.base={tmp_path}", "promote.metric=vader_compound"])
+    vader = "eval.metrics=[rlhf_core.rewards.functions:vader_compound]"  # outside the demo only when named
+    explicit = load_config(
+        REPO / "configs" / "demo.yaml", [f"model.base={tmp_path}", vader, "promote.metric=vader_compound"]
+    )
     assert explicit.promotion_metric() == "vader_compound"
+
+
+def test_outside_the_demo_no_gold_metric_and_no_sft_on_the_demo_corpus_unless_named(tmp_path):
+    demo = load_config(REPO / "configs" / "demo.yaml")
+    assert (
+        demo.eval.metrics == ["rlhf_core.rewards.functions:vader_compound"] and demo.gold_metric() == "vader_compound"
+    )
+    assert demo.sft.enabled and demo.init.policy == "sft"
+    own = PipelineConfig(model={"base": str(tmp_path)})
+    assert own.eval.metrics == [] and own.gold_metric() is None and own.promotion_metric() == "score"
+    assert own.sft.enabled is False and own.init.policy == "base"  # not fine-tuned on the demo's reviews
+    corpus = PipelineConfig(model={"base": str(tmp_path)}, sft={"dataset": {"path": "corpus.jsonl"}})
+    assert corpus.sft.enabled and corpus.init.policy == "sft"
+    named = PipelineConfig(model={"base": str(tmp_path)}, eval={"metrics": ["m:f"]}, sft={"enabled": True})
+    assert named.gold_metric() == "f" and named.sft.enabled
+    # the resolved values are what a dump holds: loading it again gives the same config
+    assert PipelineConfig.model_validate(own.model_dump(mode="json")) == own
+
+
+def test_defaults_are_sized_for_real_models():
+    cfg = PipelineConfig(model={"base": "/models/x"})
+    assert (cfg.data.max_prompt_length, cfg.rl.response_length, cfg.data.max_length) == (512, 256, 1024)
+    assert cfg.data.max_prompt_length + cfg.rl.response_length <= cfg.data.max_length
+    assert (cfg.sft.learning_rate, cfg.reward.learning_rate) == (2e-5, 1e-5)
 
 
 def test_outside_the_demo_the_first_champion_needs_min_value(tmp_path):

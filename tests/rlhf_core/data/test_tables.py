@@ -40,10 +40,13 @@ def test_length_policy_counts_truncates_and_drops(tmp_path, smoke_world):
     kept, report = apply_length_policy(
         ds, "preference", tokenizer, max_length=10, max_prompt_length=4, action="truncate"
     )
-    assert (report.rows, report.overlong, report.kept, len(kept)) == (4, 1, 4, 4)
-    assert "1 of 4 rows exceed the length limit and will be truncated" in report.sentence("p.jsonl")
+    assert (report.rows, report.over, report.kept, len(kept)) == (4, 1, 4, 4)
+    assert report.longest == 35 and report.limit == 10  # bos + 3 prompt words + 30 x great + '.'
+    assert report.sentence("p.jsonl") == (
+        "p.jsonl: 1 of 4 rows are longer than data.max_length 10 tokens (the longest has 35) and will be truncated to it"
+    )
     kept, report = apply_length_policy(ds, "preference", tokenizer, max_length=10, max_prompt_length=4, action="drop")
-    assert (report.overlong, report.kept, len(kept)) == (1, 3, 3)
+    assert (report.over, report.kept, len(kept)) == (1, 3, 3)
     assert "great great" not in " ".join(kept["chosen"])
     prompts = load_table(
         DatasetSpec(path=str(write_jsonl(tmp_path / "q.jsonl", [{"prompt": "a b"}, {"prompt": "a b c d e f"}]))),
@@ -51,7 +54,7 @@ def test_length_policy_counts_truncates_and_drops(tmp_path, smoke_world):
         field="x",
     )
     _, report = apply_length_policy(prompts, "prompt", tokenizer, max_length=10, max_prompt_length=4, action="drop")
-    assert report.overlong == 1  # bos + 6 words > 4
+    assert (report.over, report.longest, report.limit_field) == (1, 7, "data.max_prompt_length")  # bos + 6 words > 4
 
 
 def test_fingerprint_depends_on_content_only(tmp_path):
@@ -89,9 +92,9 @@ def test_length_policy_measures_the_templated_text(tmp_path, chat_tokenizer):
     )
     n = len(chat_tokenizer(CHATML_PROMPT)["input_ids"])
     _, report = apply_length_policy(ds, "prompt", chat_tokenizer, max_length=64, max_prompt_length=n, action="drop")
-    assert report.overlong == 0
+    assert report.over == 0 and report.longest == n
     _, report = apply_length_policy(ds, "prompt", chat_tokenizer, max_length=64, max_prompt_length=n - 1, action="drop")
-    assert report.overlong == 1
+    assert report.over == 1
 
 
 def test_read_rows_gives_back_what_save_table_wrote(tmp_path):
