@@ -77,10 +77,14 @@ def mlflow_command() -> str:
         return str(beside)
 
 
+SAMPLE_PROMPTS = 3  # held-out prompts shown before and after, on the console and in the run's summary
+SAMPLES_TITLE = "Three held-out prompts, before and after"
+
+
 def print_alignment(console, summary: dict) -> None:
     """Before (the initial policy, step 0) and after (the exported checkpoint) side by side: the gold and
-    proxy rewards, the KL, length and diversity, the guard's verdict, and three completions of the same
-    prompts; then the one-line gold gain."""
+    proxy rewards, the KL, length and diversity, the guard's verdict, and the completions of the same
+    SAMPLE_PROMPTS prompts; then the one-line gold gain."""
     from rich.table import Table
 
     from rlhf_core.data.chat import shown_prompt
@@ -100,9 +104,11 @@ def print_alignment(console, summary: dict) -> None:
     console.print(table)
     triggers = summary.get("guard_triggers") or []
     console.print(f"Guard: {len(triggers)} trigger(s)" + "".join(f"\n  {t}" for t in triggers[:10]))
-    pairs = list(zip(summary.get("initial_eval_rows") or [], summary.get("final_eval_rows") or []))[:3]
+    if summary.get("guard_off"):
+        console.print(summary["guard_off"])
+    pairs = list(zip(summary.get("initial_eval_rows") or [], summary.get("final_eval_rows") or []))[:SAMPLE_PROMPTS]
     if pairs:
-        samples = Table(title="Three held-out prompts, before and after")
+        samples = Table(title=SAMPLES_TITLE)
         for column in ("prompt", "before", "after"):
             samples.add_column(column, overflow="fold")
         for first, last in pairs:

@@ -21,9 +21,12 @@ from prefect.logging import get_run_logger
 from prefect.runtime import flow_run as prefect_flow_run
 from prefect.states import Failed
 
+from flows.console import SAMPLE_PROMPTS, SAMPLES_TITLE
+from flows.stage_notes import data_note, describe_stages, stage_notes
 from rlhf_core.config import load_config
 from rlhf_core.config.redaction import redact, refuse_secret_overrides
 from rlhf_core.data.chat import shown_prompt
+from rlhf_core.evaluation.guard import divergence_off
 from rlhf_core.evaluation.promotion import alignment_markdown, eval_kl
 from rlhf_core.storage.ownership import check_pipeline_outputs
 from rlhf_core.training.parallel import use_cpu_threads
@@ -33,7 +36,7 @@ from tasks.reporting.progress import publish_markdown
 from tasks.run_lock import run_lock, terminate_on_sigterm
 from tasks.stage_io import Checkpoint
 from tasks.stages.data import PreparedData, data_stage
-from tasks.stages.eval_rows import load_eval_history, readable_rows
+from tasks.stages.eval_rows import load_eval_history
 from tasks.stages.export import CANDIDATE, export_stage
 from tasks.stages.initialization import init_stage
 from tasks.stages.reward_model import reward_stage
@@ -64,6 +67,7 @@ def _no_new_data(cfg, data: PreparedData, run_id: str, logger) -> dict | None:
         data.fingerprint,
     )
     tracking.logs.set_run_tags(run_id, {"rlhf.skipped": "no new data"})
+    describe_stages(run_id, {"data": data_note(cfg, data)})
     return {
         "mlflow_run_id": run_id,
         "skipped": "no new data",
@@ -77,14 +81,35 @@ def _final_metrics(trained: Checkpoint) -> dict[str, float]:
     return {**trained.extra.get("final_eval", {}), **trained.metrics}
 
 
+def before_and_after(before: list[dict], after: list[dict], before_step: int, after_step: int) -> list[dict]:
+    """One row per completion of `after`, beside the completion of `before` for the same prompt (the k-th of a
+    prompt beside its k-th): `prompt`, then each field as `<field>_before` and `<field>_after` (`completion_before`,
+    `completion_after`, `score_before`, ...), `step_before`, `step_after`, and the templated `rendered_prompt`.
+    A prompt `before` lacks has None there."""
+    earlier: dict[str, list[dict]] = {}
+    for row in before:
+        earlier.setdefault(row["prompt"], []).append(row)
+    rows = []
+    for row in after:
+        queue = earlier.get(row["prompt"], [])
+        first = queue.pop(0) if queue else {}
+        sides = {
+            f"{k}_{side}": r.get(k) for k in row if k != "prompt" for side, r in (("before", first), ("after", row))
+        }
+        steps = {"step_before": before_step if first else None, "step_after": after_step}
+        rows.append({"prompt": shown_prompt(row["prompt"]), **sides, **steps, "rendered_prompt": row["prompt"]})
+    return rows
+
+
 def _final_samples(cfg, trained: Checkpoint) -> list[dict]:
-    """The rows of the held-out evaluation of the exported checkpoint's step (every prompt, from the
-    Parquet file the stage saves), else the first rows its Checkpoint carries."""
+    """Every held-out prompt's completion by the initial policy (step 0) and by the exported checkpoint, side by
+    side (`before_and_after`), from the Parquet files the stage saves; else the first rows its Checkpoint carries."""
     history = load_eval_history(cfg.run.output_dir / cfg.rl.algorithm / trained.key) if trained.key else {}
     step = trained.step if trained.step in history else max(history, default=None)
     if step is not None:
-        return readable_rows(history[step], step)
-    return readable_rows(trained.extra.get("final_rows", []))
+        return before_and_after(history.get(0, []), history[step], 0, step)
+    extra = trained.extra
+    return before_and_after(extra.get("initial_rows", []), extra.get("final_rows", []), 0, trained.step)
 
 
 def summary_metrics(cfg, reward: Checkpoint | None, trained: Checkpoint) -> dict[str, float]:
@@ -104,15 +129,24 @@ def summary_metrics(cfg, reward: Checkpoint | None, trained: Checkpoint) -> dict
     return {k: float(v) for k, v in found.items() if v is not None}
 
 
-def record_summary(cfg, run_id: str, reward: Checkpoint | None, trained: Checkpoint, exported: Checkpoint) -> None:
-    """The summary metrics (at the RL stage's final step) and the final held-out samples
-    (`final_samples.json`, an MLflow table) on the pipeline's run, and the summary (`summary_markdown`) as
-    the flow's artifact and the MLflow run's description."""
+def record_summary(
+    cfg,
+    run_id: str,
+    data: PreparedData,
+    policy: Checkpoint | None,
+    reward: Checkpoint | None,
+    trained: Checkpoint,
+    exported: Checkpoint,
+) -> None:
+    """The summary metrics (at the RL stage's final step) and the held-out samples before and after
+    (`final_samples.json`, an MLflow table) on the pipeline's run; the summary (`summary_markdown`) as the
+    flow's artifact and the MLflow run's description; each stage run's description (flows/stage_notes.py)."""
     tracking.logs.log_metrics(run_id, summary_metrics(cfg, reward, trained), trained.step)
     tracking.logs.log_table(run_id, _final_samples(cfg, trained), "final_samples.json")
     text = summary_markdown(cfg, run_id, trained, exported)
     publish_markdown(SUMMARY_ARTIFACT, text, "What this run produced")
-    tracking.logs.set_run_tags(run_id, {"mlflow.note.content": text})  # the run page's description in MLflow
+    tracking.logs.describe_run(run_id, text)
+    describe_stages(run_id, stage_notes(cfg, data, policy, reward, trained, exported))
 
 
 SUMMARY_ARTIFACT = "rlhf-summary"
@@ -120,7 +154,7 @@ SUMMARY_ARTIFACT = "rlhf-summary"
 
 def summary_markdown(cfg, run_id: str, trained: Checkpoint, exported: Checkpoint) -> str:
     """The flow run's summary artifact: where the MLflow run and the candidate are, the before/after table
-    and the guard's verdict, and two held-out prompts before and after."""
+    and the guard's verdict, and SAMPLE_PROMPTS held-out prompts before and after (as the console shows them)."""
     history = {int(k): v for k, v in trained.extra.get("eval_history", {}).items()}
     candidate = tracking.logs.version_link(exported.model_uri) if exported.model_uri else "not registered"
     lines = [
@@ -132,9 +166,11 @@ def summary_markdown(cfg, run_id: str, trained: Checkpoint, exported: Checkpoint
         "",
         alignment_markdown(history, trained.step, cfg.gold_metric(), trained.extra.get("guard_triggers", [])),
     ]
-    pairs = list(zip(trained.extra.get("initial_rows", []), trained.extra.get("final_rows", [])))[:2]
+    if off := divergence_off(cfg.guard, cfg.gold_metric()):
+        lines += ["", off[0].upper() + off[1:] + "."]
+    pairs = list(zip(trained.extra.get("initial_rows", []), trained.extra.get("final_rows", [])))[:SAMPLE_PROMPTS]
     if pairs:
-        lines += ["", "| prompt | before | after |", "|---|---|---|"]
+        lines += ["", f"{SAMPLES_TITLE}:", "", "| prompt | before | after |", "|---|---|---|"]
         lines += [f"| {shown_prompt(a['prompt'])} | {a['completion']} | {b['completion']} |" for a, b in pairs]
     return "\n".join(lines)
 
@@ -163,6 +199,7 @@ def _summary(
         "candidate_uri": exported.model_uri,
         "candidate_alias": f"models:/{cfg.registry.policy_model_name}@candidate" if exported.model_uri else None,
         "gold_metric": trained.extra.get("gold"),
+        "guard_off": divergence_off(cfg.guard, cfg.gold_metric()),
         "eval_history": trained.extra.get("eval_history", {}),
         "selected_step": trained.step,
         "initial_eval_rows": trained.extra.get("initial_rows", []),
@@ -179,14 +216,31 @@ def _summary(
 
 
 def flow_run_name() -> str:
-    """The flow run's name in Prefect's UI: the config's run_label (demo-ppo-seed42), or the config file's
-    name when the config does not load (the flow then stops on it, in one sentence)."""
+    """The flow run's name in Prefect's UI, one per run: the config's run_label and the start time
+    (demo-ppo-seed42-20261126-095012, `tracking.runs.pipeline_run_name`), which the pipeline's MLflow run takes
+    too (`mlflow_run_name`); the config file's name when the config does not load (the flow then stops on it,
+    in one sentence)."""
     parameters = prefect_flow_run.parameters
     config_path = parameters.get("config_path")
     try:
-        return load_config(config_path, parameters.get("overrides") or []).run_label()
+        return tracking.runs.pipeline_run_name(load_config(config_path, parameters.get("overrides") or []))
     except Exception:  # noqa: BLE001 - a name must never fail the run; the flow reports the config's error
         return Path(config_path).stem if config_path else "rlhf-pipeline"
+
+
+def mlflow_run_name(cfg) -> str | None:
+    """The pipeline's MLflow run is named as its Prefect flow run, when that name is this config's (`flow_run_name`);
+    None (tracking.runs names it) outside a flow run."""
+    name = prefect_flow_run.name
+    return name if name and name.startswith(f"{cfg.run_label()}-") else None
+
+
+def _say_no_reward_stage(cfg, logger) -> None:
+    logger.info(
+        "no reward-model stage: %s scores with grpo.rewards %s, none of which is 'reward_stage'",
+        cfg.rl.algorithm,
+        ", ".join(r.name for r in cfg.grpo.rewards),
+    )
 
 
 @flow(name="rlhf-pipeline", log_prints=True, flow_run_name=flow_run_name)
@@ -210,7 +264,11 @@ def rlhf_pipeline(
         check_pipeline_outputs(cfg, config_path=config_path)  # before any work: owned writes only
         # one run at a time in a run directory: a second one stops here, naming the holder. SIGTERM ends the
         # MLflow runs KILLED and releases the lock (in a Prefect flow run, Prefect's own SIGTERM bridge does).
-        with run_lock(cfg.run.output_dir), terminate_on_sigterm(), tracking.runs.pipeline_run(cfg) as run_id:
+        with (
+            run_lock(cfg.run.output_dir),
+            terminate_on_sigterm(),
+            tracking.runs.pipeline_run(cfg, run_name=mlflow_run_name(cfg)) as run_id,
+        ):
             with stage("data"):
                 data = data_stage(cfg, run_id)
             skipped = _no_new_data(cfg, data, run_id, logger) if only_if_new_data else None
@@ -221,18 +279,14 @@ def rlhf_pipeline(
             with stage("reward"):
                 reward = reward_stage(cfg, data, policy, run_id) if cfg.trains_reward_model() else None
                 if reward is None:
-                    logger.info(
-                        "no reward-model stage: %s scores with grpo.rewards %s, none of which is 'reward_stage'",
-                        cfg.rl.algorithm,
-                        ", ".join(r.name for r in cfg.grpo.rewards),
-                    )
+                    _say_no_reward_stage(cfg, logger)
             with stage("init"):
                 plan = init_stage(cfg, data, policy, reward)
             with stage(cfg.rl.algorithm):
                 trained = rl_stage.with_options(name=cfg.rl.algorithm)(cfg, data, plan, run_id)
             with stage("export"):
                 exported = export_stage(cfg, data, plan, trained, run_id)
-            record_summary(cfg, run_id, reward, trained, exported)
+            record_summary(cfg, run_id, data, policy, reward, trained, exported)
     except Exception as err:  # the MLflow run is FAILED by now; say which stage failed and why
         logger.error("stage %s failed: %s", stage.current, redact(str(err)))
         return Failed(message=redact(f"stage '{stage.current}' failed: {type(err).__name__}: {err}"), data=err)

@@ -31,7 +31,8 @@ DEPLOYMENTS = yaml.safe_load((REPO / "deployments" / "prefect.yaml").read_text()
 NOT_CONFIG = {
     "guard.passed": "a registered version's tag (docs/registry.md)",
     "guard.broken": "a registered version's tag (docs/registry.md)",
-    "guard.selected": "a registered version's tag (docs/registry.md)",
+    "guard.rollback": "the RL stage run's tag guard.rollback.<n> after a rollback (docs/registry.md)",
+    "guard.stopped": "the RL stage run's tag after a guard stop (docs/registry.md)",
     "model.generate": "transformers' method, the rollout's speed anchor",
     "model.safetensors": "a checkpoint's weights file",
     "registry.example.com": "a container registry's host name in an example (docs/image.md)",

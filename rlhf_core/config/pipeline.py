@@ -170,8 +170,8 @@ class PipelineConfig(Section):
         return self.export.output_dir or self.run.output_dir / "export"
 
     def run_label(self) -> str:
-        """What tells two runs apart: run.name, the algorithm and the seed (demo-ppo-seed42); the Prefect flow
-        run's name, and the MLflow run's with the start time after it."""
+        """What tells two configs apart: run.name, the algorithm and the seed (demo-ppo-seed42), the versions' run_label
+        tag; the Prefect flow run and the MLflow run take it with the start time after it (two runs, two names)."""
         return f"{self.run.name}-{self.rl.algorithm}-seed{self.run.seed}"
 
     def metric_names(self) -> list[str]:

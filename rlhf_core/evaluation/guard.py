@@ -6,8 +6,9 @@ gamed) has learned to hack the reward model, not the task. Each rule of `guard` 
 `rlhf_core.config.GuardConfig`) compares the latest evaluation with the initial policy's (step 0) and
 with the evaluations before it; a breach is a `Trigger` with the rule's action: warn, stop or rollback.
 
-`GuardLedger` keeps the history (the summaries by step and the triggers), decides which checkpoints
-passed every rule, and is saved next to the checkpoints as JSON, so a resumed run keeps it.
+`GuardLedger` keeps the history (the summaries by step, the triggers and the rollbacks), decides which
+checkpoints passed every rule and which training attempt wrote a step, and is saved next to the checkpoints
+as JSON, so a resumed run keeps it.
 """
 
 from __future__ import annotations
@@ -34,6 +35,21 @@ class Trigger:
     value: float
     limit: float
     message: str
+
+
+@dataclass(frozen=True)
+class Rollback:
+    """One rollback: the training attempt it ended (1: the first), the step of its breach and the rule broken,
+    the step training went back to, the KL scale of the attempt after it, the checkpoints set aside (their
+    directory names) and what it did, in one sentence."""
+
+    attempt: int
+    at_step: int
+    rule: str
+    to_step: int
+    kl_scale: float
+    set_aside: tuple[str, ...] = ()
+    message: str = ""
 
 
 class GuardStopError(UserError):
@@ -126,6 +142,18 @@ def check(history: list[tuple[int, dict[str, float]]], guard: GuardConfig, gold:
     return triggers
 
 
+def divergence_off(guard: GuardConfig, gold: str | None) -> str | None:
+    """Why the divergence rule watches nothing, in one sentence (said once in the log and the summary), or None:
+    it runs, or guard.divergence.evals null turned it off on purpose."""
+    if guard.divergence.evals is None or gold is not None:
+        return None
+    return (
+        "guard: the divergence rule is off for lack of a gold metric (eval.metrics is empty and "
+        "guard.divergence.gold is null); name a metric function in eval.metrics to watch "
+        f"{guard.divergence.proxy} against it"
+    )
+
+
 def strongest(triggers: list[Trigger]) -> Trigger | None:
     """The trigger whose action goes furthest (rollback > stop > warn); None for none."""
     return max(triggers, key=lambda t: SEVERITY[t.action], default=None)
@@ -134,14 +162,31 @@ def strongest(triggers: list[Trigger]) -> Trigger | None:
 @dataclass
 class GuardLedger:
     """Evaluations by step and their breaches (of the current branch: a rollback abandons what came after the
-    step it returns to), every breach ever seen, the rollbacks done and the step the guard stopped RL at;
-    saved as JSON next to the checkpoints."""
+    step it returns to), every breach ever seen, the rollbacks done (their count, and each one in
+    `rollback_log`) and the step the guard stopped RL at; saved as JSON next to the checkpoints."""
 
     evals: dict[int, dict[str, float]] = field(default_factory=dict)
     triggers: list[Trigger] = field(default_factory=list)
     all_triggers: list[Trigger] = field(default_factory=list)
     rollbacks: int = 0
     stopped_at: int | None = None
+    rollback_log: list[Rollback] = field(default_factory=list)
+
+    @property
+    def attempt(self) -> int:
+        """The training attempt under way: 1, and one more after each rollback."""
+        return self.rollbacks + 1
+
+    def attempt_of(self, step: int) -> int:
+        """The attempt that wrote the current branch's `step`: the one after the last rollback that went back
+        to a step before it (steps up to a rollback's `to_step` are its earlier attempt's)."""
+        if len(self.rollback_log) < self.rollbacks:  # a ledger saved before rollbacks were logged one by one
+            return self.attempt
+        attempt = 1
+        for rollback in self.rollback_log:
+            if rollback.to_step < step:
+                attempt = rollback.attempt + 1
+        return attempt
 
     def observe(self, step: int, summary: dict[str, float], guard: GuardConfig, gold: str | None) -> list[Trigger]:
         """Record the evaluation at `step` (its ratios to the initial one added) and return its breaches."""
@@ -154,11 +199,13 @@ class GuardLedger:
         self.all_triggers += found
         return found
 
-    def rolled_back(self, to_step: int) -> None:
-        """Forget the evaluations and breaches after `to_step` (they will be run again) and count the rollback."""
-        self.evals = {s: v for s, v in self.evals.items() if s <= to_step}
-        self.triggers = [t for t in self.triggers if t.step <= to_step]
+    def rolled_back(self, rollback: Rollback) -> None:
+        """Forget the evaluations and breaches after the rollback's `to_step` (they will be run again), count
+        the rollback and log it."""
+        self.evals = {s: v for s, v in self.evals.items() if s <= rollback.to_step}
+        self.triggers = [t for t in self.triggers if t.step <= rollback.to_step]
         self.rollbacks += 1
+        self.rollback_log.append(rollback)
 
     def broken(self, step: int) -> list[str]:
         """The rules the evaluation at `step` broke (empty: it passed, or there was none)."""
@@ -191,6 +238,7 @@ class GuardLedger:
             "all_triggers": [asdict(t) for t in self.all_triggers],
             "rollbacks": self.rollbacks,
             "stopped_at": self.stopped_at,
+            "rollback_log": [asdict(r) for r in self.rollback_log],
         }
         tmp.write_text(json.dumps(payload, indent=2, sort_keys=True))
         tmp.replace(path)
@@ -207,6 +255,9 @@ class GuardLedger:
             all_triggers=[Trigger(**t) for t in data.get("all_triggers", [])],
             rollbacks=int(data.get("rollbacks", 0)),
             stopped_at=data.get("stopped_at"),
+            rollback_log=[
+                Rollback(**{**r, "set_aside": tuple(r.get("set_aside", ()))}) for r in data.get("rollback_log", [])
+            ],
         )
 
 

@@ -1,7 +1,8 @@
 """The model registry: checkpoints as registered model versions, their look-up, retention and aliases.
 
 `registration` makes a version of a checkpoint (logged to its run by `logged_model`, then a version with its
-lineage tags); `versions` works with versions once they exist (aliases, tags, retention, local copies).
+tags and description); `versions` works with versions once they exist (aliases, tags, descriptions, retention,
+local copies).
 Callers use the names re-exported here (`registry.register_once(...)`), which is also what tests patch.
 The store is tasks/tracking/store.py, runs tasks/tracking/runs.py, what is logged to them tasks/tracking/logs.py.
 """
@@ -16,14 +17,17 @@ from tasks.registry.logged_model import (
 )
 from tasks.registry.registration import (
     await_ready,
+    checkpoint_description,
     create_version,
     find_version,
     lineage_tags,
     register_checkpoint,
     register_once,
+    version_tags,
 )
 from tasks.registry.versions import (
     MissingVersion,
+    describe_model,
     describe_version,
     logged_model_id,
     materialize_model,
@@ -40,7 +44,9 @@ __all__ = [
     "MODEL_REQUIREMENTS",
     "MissingVersion",
     "await_ready",
+    "checkpoint_description",
     "create_version",
+    "describe_model",
     "describe_version",
     "find_version",
     "lineage_tags",
@@ -57,5 +63,6 @@ __all__ = [
     "set_version_tags",
     "version_by_alias",
     "version_cache_key",
+    "version_tags",
     "warm_up",
 ]

@@ -1,7 +1,12 @@
 """A checkpoint registered as a model version: logged to its run (tasks/registry/logged_model.py), then a
-version created from the logged model with its lineage tags in the same call, so there is never a version
-without its tags. `register_once` holds a file lock (`tracking.store.store_lock`), so concurrent processes
-never register one checkpoint twice."""
+version created from the logged model with its tags in the same call, so there is never a version without its
+tags. `register_once` holds a file lock (`tracking.store.store_lock`), so concurrent processes never register one
+checkpoint twice.
+
+A version's tags are what a person filters versions on and what the pipeline reads back (`version_tags`): its
+stage, step, run label, algorithm and lineage, its evaluation's gold metric and exact KL, the guard's verdict.
+What is read rather than filtered on (`DESCRIBED`: the config hash, the code version, the training KL estimate,
+the proxy score) is the version's description instead, and an empty value is no tag at all."""
 
 from __future__ import annotations
 
@@ -19,7 +24,7 @@ from tasks.tracking.store import store_lock, writes
 
 
 def lineage_tags(*, stage: str, step: int, config_hash: str, data_fingerprint: str, **extra: str) -> dict[str, str]:
-    """The tags every registered checkpoint carries."""
+    """What every registered checkpoint records (its tags and, for `DESCRIBED`, its description)."""
     tags = {
         "stage": stage,
         "step": str(step),
@@ -31,14 +36,36 @@ def lineage_tags(*, stage: str, step: int, config_hash: str, data_fingerprint: s
     return tags
 
 
+# recorded for every checkpoint, read on its page, rarely filtered on: the version's description, not its tags
+DESCRIBED = {
+    "eval_score_mean": "held-out reward-model score (the proxy)",
+    "kl": "training KL estimate at this step (k1, sampled, nats)",
+    "config_hash": "config hash",
+    "code_version": "code version",
+}
+
+
+def version_tags(tags: dict[str, str]) -> dict[str, str]:
+    """The tags a version is created with: `tags` less `DESCRIBED` and less empty values."""
+    return {k: str(v) for k, v in tags.items() if str(v) != "" and k not in DESCRIBED}
+
+
+def checkpoint_description(tags: dict[str, str]) -> str:
+    """A version's description (Markdown) from what `lineage_tags` records: what it is, then `DESCRIBED`."""
+    run = f" of run `{tags['run_label']}`" if tags.get("run_label") else ""
+    head = f"`{tags.get('stage', 'model')}` checkpoint at step {tags.get('step', '?')}{run}."
+    details = [f"- {label}: `{tags[key]}`" for key, label in DESCRIBED.items() if tags.get(key, "") != ""]
+    return "\n\n".join([head, "\n".join(details)]) if details else head
+
+
 def find_version(model_name: str, tags: dict[str, str]):
-    """The newest version of `model_name` carrying all `tags`, or None."""
+    """The newest version of `model_name` carrying all `tags` (an empty value: no such tag), or None."""
     client = MlflowClient()
     try:
         versions = client.search_model_versions(f"name = '{model_name}'")
     except mlflow.exceptions.MlflowException:
         return None
-    matching = [v for v in versions if all(v.tags.get(k) == val for k, val in tags.items())]
+    matching = [v for v in versions if all(v.tags.get(k, "") == str(val) for k, val in tags.items())]
     return max(matching, key=lambda v: int(v.version)) if matching else None
 
 
@@ -60,19 +87,23 @@ def register_checkpoint(
     input_example, a short input example whose run leaves the random state as it was (without one, nothing here
     draws from the global random generators). The logged model belongs to the run `run_id` (active or not: this
     may run on a background thread) and carries its metrics of the checkpoint's own step (tag `step`; MLflow
-    would take step 0). Returns {"name", "version", "uri"}.
+    would take step 0). The version gets `version_tags(tags)` and `checkpoint_description(tags)`.
+    Returns {"name", "version", "uri"}.
     """
     info = log_checkpoint(Path(checkpoint_dir), task=task, tags=tags, run_id=run_id, input_example=input_example)
-    version = create_version(info.model_uri, model_name, tags)
+    version = create_version(info.model_uri, model_name, version_tags(tags), checkpoint_description(tags))
     return {"name": model_name, "version": version, "uri": f"models:/{model_name}/{version}"}
 
 
-def create_version(model_uri: str, model_name: str, tags: dict[str, str]) -> str:
+def create_version(model_uri: str, model_name: str, tags: dict[str, str], description: str = "") -> str:
     """A new version of `model_name` from the logged model at `model_uri`, created with its tags in one call,
-    once READY; its number. If it never gets there it is deleted again, so no half-registered version remains."""
+    once READY and described; its number. If it never gets there it is deleted again, so no half-registered
+    version remains."""
     version = mlflow.register_model(model_uri, model_name, tags=tags)
     try:
         await_ready(model_name, version.version)
+        if description:
+            MlflowClient().update_model_version(model_name, version.version, description=description)
     except BaseException:
         MlflowClient().delete_model_version(model_name, version.version)
         raise
@@ -99,7 +130,7 @@ def register_once(
     task: str,
     tags: dict[str, str],
     run_id: str,
-    identity: tuple[str, ...] = ("stage", "stage_key", "step"),
+    identity: tuple[str, ...] = ("stage", "stage_key", "step", "attempt"),
     keep_last: int | None = None,
     input_example: bool = True,
 ) -> str:
@@ -113,7 +144,9 @@ def register_once(
     """
     if not writes():
         return ""
-    identity_tags = {k: tags[k] for k in identity}
+    # a tag of `identity` that `tags` lack must be absent from the version too (""): an RL checkpoint's
+    # `attempt` (2 and on, after a guard rollback) tells it from the first attempt's checkpoint of its step
+    identity_tags = {k: tags.get(k, "") for k in identity}
     existing = find_version(model_name, identity_tags)
     if existing is not None:
         return f"models:/{model_name}/{existing.version}"

@@ -36,17 +36,36 @@ def set_alias(model_name: str, alias: str, version: str) -> None:
 
 
 def set_version_tags(model_name: str, version: str, tags: dict[str, str]) -> None:
+    """Set the version's tags; an empty value removes the tag (no version carries an empty tag)."""
     if not writes():
         return
     client = MlflowClient()
+    current = client.get_model_version(model_name, str(version)).tags if "" in map(str, tags.values()) else {}
     for key, value in tags.items():
-        client.set_model_version_tag(model_name, str(version), key, str(value))
+        if str(value) != "":
+            client.set_model_version_tag(model_name, str(version), key, str(value))
+        elif key in current:
+            client.delete_model_version_tag(model_name, str(version), key)
 
 
 def describe_version(uri: str, description: str) -> None:
     """Set the description of the version `uri` (models:/name/N): what the registry UI shows on its page."""
     name, version = uri.removeprefix("models:/").rsplit("/", 1)
     MlflowClient().update_model_version(name, version, description=description)
+
+
+def describe_model(model_name: str, description: str) -> None:
+    """Give the registered model `model_name` its description (the first thing its page in MLflow's UI shows)
+    when it has none: a description a person wrote stays. Nothing when the model does not exist."""
+    if not writes():
+        return
+    client = MlflowClient()
+    try:
+        model = client.get_registered_model(model_name)
+    except mlflow.exceptions.MlflowException:
+        return
+    if not model.description:
+        client.update_registered_model(model_name, description=description)
 
 
 def prune_versions(model_name: str, keep_last: int | None) -> list[str]:

@@ -53,6 +53,15 @@ class MetricsWriter:
             if key is not None:
                 self.history[name].append((step, metrics[key]))
 
+    def start_over(self, after_step: int) -> dict[str, list[tuple[int, float]]]:
+        """Training went back to `after_step` (a guard rollback: a new attempt): every curve keeps its points up
+        to that step, the trunk the new attempt grows from, and the metrics kept for later steps are forgotten;
+        returns the curves as they were (the attempt rolled back)."""
+        before = self.history
+        self.history = {name: [(s, v) for s, v in points if s <= after_step] for name, points in before.items()}
+        self.step_metrics = {s: m for s, m in self.step_metrics.items() if s <= after_step}
+        return before
+
     def plot(self, artifact_file: str, title: str, history: dict[str, list[tuple[int, float]]] | None = None) -> None:
         """The curves (or `history`) as a PNG artifact of the stage run."""
         fig = curve_figure(self.history if history is None else history, title)

@@ -26,8 +26,34 @@ def no_checkpoint_tags(path: Path, step: int) -> dict[str, str]:
     return {}
 
 
+def model_description(cfg, model: RegisteredModel) -> str:
+    """The registered model's description: what its versions are, the tags to filter them on, the aliases."""
+    runs = f"`{cfg.run.name}-<algorithm>-seed<seed>` (e.g. `{cfg.run_label()}`)"
+    common = (
+        "\n\nFilter versions on their tags `stage`, `step`, `run_label` and lineage (`data_fingerprint`, "
+        "`base_model`); each version's description says what it is, with its config hash and code version."
+    )
+    if model.task == "text-classification":
+        return (
+            f"The reward models of the RLHF pipeline's runs named {runs}: Bradley-Terry models trained on "
+            "preference pairs, which score a prompt and its completion. Every reward checkpoint is a version "
+            "(`stage=reward`, with its held-out `eval_accuracy` and `eval_loss`); a run's RL stage scores with its "
+            f"last one, which the policy versions name in their tag `reward_model_version`.{common} Serve one with "
+            f"`mlflow models serve -m models:/{model.name}/<version>`: prompts and completions in, scores out."
+        )
+    return (
+        f"The policies of the RLHF pipeline's runs named {runs}. Every checkpoint is a version: the SFT warm "
+        "start (`stage=sft`), each RL checkpoint (`stage=ppo`, `grpo`, ..., with its held-out gold metric, exact "
+        "KL and the guard's verdict `guard.passed`) and the exported policy (`stage=export`)."
+        f"{common}\n\nThe alias `candidate` points at the latest export; `champion` at the candidate promotion "
+        f'last accepted (`rlhf promote`). Load one with `mlflow.transformers.load_model("models:/{model.name}'
+        '@candidate")`.'
+    )
+
+
 class Registrar:
-    """Registers one stage's checkpoints as versions of `model` with their lineage tags, once each.
+    """Registers one stage's checkpoints as versions of `model` with their lineage tags, once each, and gives the
+    model its description (`model_description`) when it has none.
 
     writer: the stage's metrics (a version waits for those of its step and is tagged with their evaluation).
     checkpoint_tags(path, step): a checkpoint's own tags beyond the lineage, read when it is handed over.
@@ -43,6 +69,7 @@ class Registrar:
         self.identity, self.model, self.writer, self.checkpoint_tags = identity, model, writer, checkpoint_tags
         self.logger = writer.logger
         self.registered: dict[int, str] = {}  # filled by the registration thread: read it through `version_of`
+        self.described = False  # the registered model's description (registry.describe_model) is set
         self.jobs = BackgroundJobs(f"{identity.stage}-registration")
 
     @property
@@ -62,13 +89,15 @@ class Registrar:
         return {k.replace("/", "_"): f"{metrics[k]:.4f}" for k in keys if k in metrics}
 
     def lineage_tags(self, step: int, **tags) -> dict[str, str]:
-        """A version's tags: the stage's lineage, the evaluation of its own step (`eval_tags`) and `tags`."""
+        """What a version records (registry.version_tags: its tags; the rest its description): the stage's
+        lineage and run label, the evaluation of its own step (`eval_tags`) and `tags`."""
         stage_key = {"stage_key": self.identity.key} if self.identity.key is not None else {}
         return registry.lineage_tags(
             stage=self.identity.stage,
             step=step,
             config_hash=self.identity.cfg.config_hash(),
             data_fingerprint=self.identity.data_fingerprint,
+            run_label=self.identity.cfg.run_label(),
             **stage_key,
             **(self.model.lineage if self.model else {}),
             **{**self.eval_tags(step), **tags},
@@ -144,4 +173,7 @@ class Registrar:
         )
         if self.registered[step]:
             self.logger.info("%s checkpoint %d is %s", self.identity.stage, step, self.registered[step])
+            if not self.described:  # once per stage: the model exists now
+                registry.describe_model(self.model.name, model_description(self.identity.cfg, self.model))
+                self.described = True
         return self.registered[step]

@@ -18,6 +18,7 @@ running one finishes, and the next run registers what is left (`register_saved`)
 from __future__ import annotations
 
 from concurrent.futures import Future
+from dataclasses import replace
 from pathlib import Path
 
 from tasks.launch.launcher import stage_logger
@@ -62,6 +63,15 @@ class StageReporter:
         finally:
             self.writer.close()
             self.registrar.close()
+
+    def switch_run(self, run_id: str) -> None:
+        """Report to the MLflow run `run_id` from now on (an RL attempt's run after a guard rollback): what was
+        handed to the writer and registration threads goes to the run before first, and the checkpoints
+        registered from now on are logged models of `run_id`."""
+        self.writer.wait()
+        self.wait_registrations()
+        self.identity = replace(self.identity, run_id=run_id)
+        self.run_id, self.writer.identity, self.registrar.identity = run_id, self.identity, self.identity
 
     @property
     def history(self) -> dict[str, list[tuple[int, float]]]:

@@ -2,7 +2,8 @@
 
 <out_dir>/eval/eval_step_NNNNNN.parquet holds the rows of one evaluation (prompt, completion, scores),
 each with its step. The stage writes them as it evaluates; its report and the pipeline's final samples
-read them back.
+read them back. A guard rollback sets the evaluations after the step it goes back to aside with the
+checkpoints, under <out_dir>/rolled_back/<attempt>/eval/: the report draws them as the attempt they were.
 """
 
 from __future__ import annotations
@@ -44,11 +45,35 @@ def load_eval_history(out_dir: Path) -> dict[int, list[dict]]:
     import pandas as pd
 
     history = {}
-    for path in sorted((out_dir / "eval").glob("eval_step_*.parquet")):
+    for step, path in _eval_files(out_dir):
         frame = pd.read_parquet(path)
         rows = [
             {k: (None if isinstance(v, float) and v != v else v) for k, v in r.items() if k != "step"}
             for r in frame.to_dict(orient="records")
         ]
-        history[int(path.stem.rsplit("_", 1)[1])] = rows
+        history[step] = rows
     return history
+
+
+def set_aside_eval_rows(out_dir: Path, after_step: int, attempt: int) -> list[Path]:
+    """Move the evaluations of `out_dir` after `after_step` into <out_dir>/rolled_back/<attempt>/eval/ (a guard
+    rollback: the next attempt evaluates those steps again); the files moved."""
+    moved = []
+    for step, path in _eval_files(out_dir):
+        if step > after_step:
+            target = out_dir / "rolled_back" / str(attempt) / "eval" / path.name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            path.replace(target)
+            moved.append(target)
+    return moved
+
+
+def set_aside_history(out_dir: Path) -> dict[int, dict[int, list[dict]]]:
+    """attempt -> step -> rows of the evaluations a rollback set aside (`set_aside_eval_rows`)."""
+    root = out_dir / "rolled_back"
+    attempts = sorted(int(p.name) for p in root.glob("*") if p.name.isdigit()) if root.is_dir() else []
+    return {a: history for a in attempts if (history := load_eval_history(root / str(a)))}
+
+
+def _eval_files(out_dir: Path) -> list[tuple[int, Path]]:
+    return [(int(p.stem.rsplit("_", 1)[1]), p) for p in sorted((out_dir / "eval").glob("eval_step_*.parquet"))]

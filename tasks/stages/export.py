@@ -126,25 +126,24 @@ def write_export(cfg: PipelineConfig, data: PreparedData, plan: InitPlan, traine
 
 
 def guard_tags(trained: Checkpoint) -> dict[str, str]:
-    """The guard's verdict on the exported checkpoint, as version tags promotion reads."""
+    """The guard's verdict on the exported checkpoint, as version tags promotion reads: `guard.passed`, and
+    `guard.broken` (the rules, comma-separated) only when it broke any."""
     broken = trained.extra.get("guard_broken", [])
-    return {
-        "guard.passed": str(not broken).lower(),
-        "guard.broken": ",".join(broken),
-        "guard.selected": f"{trained.extra.get('selected', 'last')} (step {trained.step})",
-    }
+    return {"guard.passed": str(not broken).lower(), **({"guard.broken": ",".join(broken)} if broken else {})}
 
 
 def version_description(cfg: PipelineConfig, trained: Checkpoint) -> str:
-    """The candidate version's description: what was trained, the before/after table and the guard's verdict."""
+    """The candidate version's description: what was trained and which checkpoint export.select picked, the
+    before/after table and the guard's verdict, the config hash and code version."""
     history = {int(k): v for k, v in trained.extra.get("eval_history", {}).items()}
     table = alignment_markdown(history, trained.step, cfg.gold_metric(), trained.extra.get("guard_triggers", []))
     head = (
-        f"{cfg.rl.algorithm.upper()} policy of run `{cfg.run.name}` (seed {cfg.run.seed}), exported at step "
-        f"{trained.step} ({trained.extra.get('selected', 'last')} checkpoint), "
+        f"{cfg.rl.algorithm.upper()} policy of run `{cfg.run_label()}`, exported at step {trained.step} "
+        f"(export.select `{trained.extra.get('selected', 'last')}`), "
         f"{trained.extra.get('rollbacks', 0)} guard rollback(s)."
     )
-    return f"{head}\n\n{table}" if table else head
+    made = f"Config hash `{cfg.config_hash()}`, code version `{tracking.runs.code_version()}`."
+    return "\n\n".join(part for part in (head, table, made) if part)
 
 
 def publish_candidate(reporter: StageReporter, out: Path, uri: str) -> None:

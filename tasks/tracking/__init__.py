@@ -3,7 +3,8 @@
 - `store`: where tracking and the registry point, credentials into MLflow's environment, the SQLite store
   and its cached template, locks, experiments, which process writes;
 - `runs`: the pipeline's run, a nested run per stage, ending runs their process left RUNNING;
-- `logs`: what a run receives (metrics, figures, artifacts, tables, dataset inputs, tags, links).
+- `logs`: what a run receives (metrics and tables rounded for reading, figures, artifacts, dataset inputs,
+  tags, its description, links).
 
 Callers write `from tasks import tracking` and `tracking.store.configure(...)`, `tracking.runs.stage_run(...)`,
 `tracking.logs.log_metrics(...)`.

@@ -1,9 +1,16 @@
-"""What the pipeline logs to an MLflow run: metrics, figures, artifacts, tables, dataset inputs, tags, and
-links to its artifacts. Every write is skipped on the processes of a data-parallel stage other than rank 0
-(`tasks.tracking.store.writes`)."""
+"""What the pipeline logs to an MLflow run: metrics, figures, artifacts, tables, dataset inputs, tags, its
+description, and links to its artifacts. Every write is skipped on the processes of a data-parallel stage other
+than rank 0 (`tasks.tracking.store.writes`).
+
+Numbers are rounded where they are logged, for the person who reads them: a metric to `METRIC_DIGITS`
+significant digits (MLflow's charts and tables otherwise show a float32 mean as 0.10000000149011612), a table's
+floats to `TABLE_DIGITS`. The full values stay in the stage's own files (its evaluation Parquet files,
+metrics.json)."""
 
 from __future__ import annotations
 
+import math
+import numbers
 import time
 from pathlib import Path
 from urllib.parse import unquote, urlparse
@@ -15,13 +22,25 @@ from mlflow.tracking import MlflowClient
 from rlhf_core.config.redaction import redact
 from tasks.tracking.store import writes
 
+METRIC_DIGITS, TABLE_DIGITS = 6, 4
+
+
+def rounded(value: float, digits: int) -> float:
+    """`value` to `digits` significant digits, never rounded left of the decimal point (a count stays exact);
+    inf and nan as they are."""
+    value = float(value)
+    if value == 0 or not math.isfinite(value):
+        return value
+    return round(value, max(0, digits - 1 - math.floor(math.log10(abs(value)))))
+
 
 def log_metrics(run_id: str, metrics: dict[str, float], step: int) -> None:
-    """Log a metric dict at `step` to the given run."""
+    """Log a metric dict at `step` to the given run, each value to METRIC_DIGITS significant digits."""
     if not writes():
         return
     now = int(time.time() * 1000)
-    MlflowClient().log_batch(run_id, metrics=[Metric(k, float(v), now, step) for k, v in metrics.items()])
+    batch = [Metric(k, rounded(v, METRIC_DIGITS), now, step) for k, v in metrics.items()]
+    MlflowClient().log_batch(run_id, metrics=batch)
 
 
 def log_figure(run_id: str, figure, artifact_file: str) -> None:
@@ -37,12 +56,21 @@ def log_artifact(run_id: str, path: str | Path, artifact_path: str | None = None
     MlflowClient().log_artifact(run_id, str(path), artifact_path)
 
 
+def _shown(value):
+    """A table cell as it is shown: a float (Python's or NumPy's; not a bool or an int) to TABLE_DIGITS
+    significant digits."""
+    if isinstance(value, numbers.Real) and not isinstance(value, numbers.Integral):
+        return rounded(value, TABLE_DIGITS)
+    return value
+
+
 def log_table(run_id: str, rows: list[dict], artifact_file: str) -> None:
-    """Log rows as an MLflow table artifact (a new file per call; nothing is overwritten)."""
+    """Log rows as an MLflow table artifact (a new file per call; nothing is overwritten), floats to TABLE_DIGITS
+    significant digits."""
     if not writes():
         return
     if rows:
-        columns = {key: [row.get(key) for row in rows] for key in rows[0]}
+        columns = {key: [_shown(row.get(key)) for row in rows] for key in rows[0]}
         MlflowClient().log_table(run_id, data=columns, artifact_file=artifact_file)
 
 
@@ -95,6 +123,36 @@ def set_run_tags(run_id: str, tags: dict[str, str]) -> None:
     client = MlflowClient()
     for key, value in tags.items():
         client.set_tag(run_id, key, str(value))
+
+
+DESCRIPTION = "mlflow.note.content"  # the tag MLflow's UI shows (and edits) as a run's description
+
+
+def describe_run(run_id: str, text: str, keep: bool = False) -> None:
+    """Set the run's description, the Markdown its page in MLflow's UI shows first. keep: `text` goes above
+    what the description says already (a guard rollback's sentence on an RL stage run), once."""
+    if not writes():
+        return
+    if keep:
+        existing = MlflowClient().get_run(run_id).data.tags.get(DESCRIPTION, "")
+        if text in existing:
+            return
+        text = f"{text}\n\n{existing}" if existing else text
+    set_run_tags(run_id, {DESCRIPTION: text})
+
+
+def stage_runs(parent_run_id: str) -> dict[str, str]:
+    """Stage name (tag `rlhf.stage`) -> the id of its newest FINISHED stage run under `parent_run_id` (a stage
+    reused whole has none: its empty run was deleted)."""
+    client = MlflowClient()
+    parent = client.get_run(parent_run_id)
+    runs = client.search_runs(
+        [parent.info.experiment_id],
+        f"tags.mlflow.parentRunId = '{parent_run_id}' and attributes.status = 'FINISHED'",
+        order_by=["attributes.start_time ASC"],
+        max_results=1000,
+    )
+    return {r.data.tags["rlhf.stage"]: r.info.run_id for r in runs if "rlhf.stage" in r.data.tags}
 
 
 def ui_page(fragment: str, label: str) -> str | None:

@@ -1,7 +1,9 @@
 """MLflow runs: the pipeline's run, a nested run per stage, and the ending of runs their process left RUNNING.
 
 A pipeline run is one MLflow run with the flattened config as params; each stage is a nested run
-under it, so every stage has its own step axis. Whatever raises inside a run ends it FAILED, or
+under it, so every stage has its own step axis. An RL stage that the guard rolls back trains again in a
+run nested in its stage run, one per attempt (`attempt_run`): no series of a run ever goes back to an
+earlier step. Whatever raises inside a run ends it FAILED, or
 KILLED when it is an interruption (Ctrl-C, SIGTERM), never RUNNING; a run left RUNNING by a process
 killed outright is marked KILLED by the next start on the same run directory, and a stage run left
 RUNNING by a killed worker by its stage's launcher.
@@ -27,9 +29,10 @@ from mlflow.tracking import MlflowClient
 from rlhf_core.config import PipelineConfig
 from rlhf_core.config.redaction import flatten_config, redact
 from rlhf_core.storage.ownership import pid_alive
+from tasks.tracking.logs import DESCRIPTION
 from tasks.tracking.store import configure, ensure_experiment, writes
 
-RUN_KIND = "rlhf.run_kind"  # pipeline, stage or promotion
+RUN_KIND = "rlhf.run_kind"  # pipeline, stage, attempt (an RL stage's attempt after a guard rollback) or promotion
 FLOW_RUN_ID, FLOW_RUN_URL = "prefect.flow_run_id", "prefect.flow_run_url"
 
 
@@ -102,7 +105,7 @@ def end_abandoned_runs(experiment_id: str, output_dir: str) -> list[str]:
             or pid_alive(int(pid))
         ):
             continue
-        children = [r for r in running if r.data.tags.get("mlflow.parentRunId") == run.info.run_id]
+        children = _descendants(running, run.info.run_id)
         fail_pending_models(experiment_id, [run.info.run_id, *(c.info.run_id for c in children)])
         for child in children:
             client.set_terminated(child.info.run_id, RunStatus.to_string(RunStatus.KILLED))
@@ -130,11 +133,25 @@ def end_orphan_stage_runs(parent_run_id: str) -> list[str]:
         max_results=1000,
     )
     ended = [run.info.run_id for run in running if run.data.tags.get(RUN_KIND) == "stage"]
+    if ended:  # and the attempts' runs nested in them (an RL stage the guard rolled back)
+        nested = client.search_runs([experiment_id], "attributes.status = 'RUNNING'", max_results=1000)
+        ended += [r.info.run_id for r in nested if r.data.tags.get("mlflow.parentRunId") in ended]
     fail_pending_models(experiment_id, ended)
     for run_id in ended:
         client.set_terminated(run_id, RunStatus.to_string(RunStatus.KILLED))
         client.set_tag(run_id, "rlhf.ended_by", "the stage's launcher: the process that ran it had ended")
     return ended
+
+
+def _descendants(runs: list, run_id: str) -> list:
+    """The runs of `runs` nested under `run_id`, at any depth (a stage run, and an RL attempt's run in it)."""
+    found, parents = [], {run_id}
+    while True:
+        more = [r for r in runs if r.data.tags.get("mlflow.parentRunId") in parents and r not in found]
+        if not more:
+            return found
+        found += more
+        parents = {r.info.run_id for r in more}
 
 
 def prefect_tags() -> dict[str, str]:
@@ -274,3 +291,40 @@ def stage_run(parent_run_id: str, stage: str, params: dict[str, str] | None = No
         mlflow.end_run(RunStatus.to_string(RunStatus.FINISHED))
         if run_is_empty(run.info.run_id):
             _drop_empty_stage_run(run.info.run_id, parent_run_id, stage)
+
+
+def attempt_run_name(stage: str, attempt: int) -> str:
+    """The run of an RL stage's training attempt after a guard rollback: `ppo-attempt-2`."""
+    return f"{stage}-attempt-{attempt}"
+
+
+@contextmanager
+def attempt_run(stage_run_id: str, stage: str, attempt: int, description: str) -> Iterator[str]:
+    """A run nested in the stage run `stage_run_id` for the RL stage's training `attempt` (2 and on: the guard
+    rolled the one before back), named `attempt_run_name`; yields its id ("" where this process does not write).
+
+    It carries the stage run's params, source and Prefect tags, `rlhf.run_kind=attempt`, `rlhf.stage`, `rlhf.attempt`
+    and `description` as its description; it ends FINISHED, or FAILED (KILLED: interrupted) if the block raises.
+    """
+    if not writes() or not stage_run_id:
+        yield ""
+        return
+    client = MlflowClient()
+    stage_run = client.get_run(stage_run_id)
+    kept = (FLOW_RUN_ID, FLOW_RUN_URL, "mlflow.user", "mlflow.source.name", "mlflow.source.type")
+    inherited = {k: v for k, v in stage_run.data.tags.items() if k in kept}
+    tags = {"mlflow.parentRunId": stage_run_id, "rlhf.stage": stage, RUN_KIND: "attempt", "rlhf.attempt": str(attempt)}
+    run = client.create_run(
+        stage_run.info.experiment_id,
+        run_name=attempt_run_name(stage, attempt),
+        tags={**tags, **inherited, DESCRIPTION: description},
+    )
+    run_id = run.info.run_id
+    try:
+        _log_params(run_id, stage_run.data.params)
+        yield run_id
+    except BaseException as err:
+        client.set_terminated(run_id, _end_status(err))
+        raise
+    else:
+        client.set_terminated(run_id, RunStatus.to_string(RunStatus.FINISHED))

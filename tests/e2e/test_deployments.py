@@ -159,7 +159,8 @@ def test_pipeline_and_promotion_run_as_deployments_on_team_servers(team):
     policies = sorted(client.search_model_versions("name = 'smoke-policy'"), key=lambda v: int(v.version))
     assert rewards and [v.tags["stage"] for v in policies] == ["sft", "ppo", "ppo", "export"]
     for version in policies + rewards:
-        assert {"stage", "step", "config_hash", "data_fingerprint", "code_version"} <= set(version.tags)
+        assert {"stage", "step", "run_label", "data_fingerprint"} <= set(version.tags)
+        assert "config hash" in version.description.lower() and "code version" in version.description.lower()
     candidate = client.get_model_version_by_alias("smoke-policy", "candidate")
     assert str(candidate.version) == str(policies[-1].version)
     assert candidate.tags["reward_model_version"].startswith("models:/smoke-reward-model/")

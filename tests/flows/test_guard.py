@@ -1,6 +1,7 @@
 """The guard in a real smoke pipeline: a breach with action rollback restores the last checkpoint that
-passed every rule, sets the later ones aside, doubles the KL coefficient and trains on to the end; a
-breach with action stop ends RL, and export takes the best checkpoint that passed."""
+passed every rule, sets the later ones aside, doubles the KL coefficient and trains on to the end, the next
+attempt in an MLflow run of its own (no series goes back) and Prefect artifacts of its own, and says what it did;
+a breach with action stop ends RL, and export takes the best checkpoint that passed."""
 
 from __future__ import annotations
 
@@ -78,10 +79,73 @@ def test_rollback_restores_the_last_passed_checkpoint_and_trains_on(prefect_harn
     coef = {s: json.loads((ppo / f"checkpoint-{s}" / "metrics.json").read_text())["objective/kl_coef"] for s in (2, 4)}
     assert coef[4] == pytest.approx(2 * coef[2])  # guard.kl_coef_factor
     client = MlflowClient(mlflow_uri, registry_uri=mlflow_uri)
-    (run,) = client.search_runs(
-        [client.get_run(summary["mlflow_run_id"]).info.experiment_id], "attributes.run_name = 'ppo'"
-    )
+    pipeline = client.get_run(summary["mlflow_run_id"])
+    (run,) = client.search_runs([pipeline.info.experiment_id], "attributes.run_name = 'ppo'")
     assert "guard.kl_budget" in run.data.tags and run.data.metrics["guard/kl_budget"] == 5.0
+
+    # the second attempt is a run of its own in the stage run; no series of either goes back to an earlier step
+    (attempt,) = client.search_runs([pipeline.info.experiment_id], f"tags.mlflow.parentRunId = '{run.info.run_id}'")
+    assert attempt.info.run_name == "ppo-attempt-2" and attempt.info.status == "FINISHED"
+    assert attempt.data.tags["rlhf.run_kind"] == "attempt" and attempt.data.tags["rlhf.attempt"] == "2"
+    first, second = metric_steps(client, run.info.run_id), metric_steps(client, attempt.info.run_id)
+    for steps in (*first.values(), *second.values()):
+        assert steps == sorted(set(steps)), steps
+    assert first["objective/kl_coef"] == [1, 2, 3, 4] and second["objective/kl_coef"] == [3, 4]
+    assert first["eval/kl_exact_mean"] == [0, 2, 4] and second["eval/kl_exact_mean"] == [4]
+
+    # what the rollback did, in one sentence: the log's, a tag and the description of the stage run, the guard's
+    # artifact of step 4, the attempt run's description
+    sentence = ledger.rollback_log[0].message
+    assert sentence.startswith("guard: attempt 1 rolled back at step 4 (kl_budget) to checkpoint-2; checkpoint-3")
+    assert f"ppo.kl_coef is now {coef[4]:g} ({coef[2]:g} x 2, guard.kl_coef_factor 2 per rollback)" in sentence
+    assert sentence.endswith("attempt 2 trains on from step 2 (MLflow run ppo-attempt-2)")
+    said = sentence.removeprefix("guard: ")
+    assert run.data.tags["guard.rollback.1"] == sentence and said in run.data.tags["mlflow.note.content"]
+    assert attempt.data.tags["mlflow.note.content"] == f"Attempt 2 of the ppo stage: {said}."
+    assert (ppo / "rolled_back" / "1" / "eval" / "eval_step_000004.parquet").is_file()
+
+    # each attempt's checkpoint of step 3 is a version of its own, logged to its attempt's run (the breach at
+    # step 4 came before the first attempt saved step 4)
+    versions = {
+        (v.tags["step"], v.tags.get("attempt", "1")): v
+        for v in client.search_model_versions("name = 'smoke-policy'")
+        if v.tags.get("stage") == "ppo"
+    }
+    assert sorted(versions) == [("1", "1"), ("2", "1"), ("3", "1"), ("3", "2"), ("4", "2")]
+    assert {versions[k].run_id for k in [("1", "1"), ("2", "1"), ("3", "1")]} == {run.info.run_id}
+    assert versions[("3", "2")].run_id == versions[("4", "2")].run_id == attempt.info.run_id
+    exported = client.get_model_version_by_alias("smoke-policy", "candidate")
+    selected = versions[(str(summary["selected_step"]), "2" if summary["selected_step"] > 2 else "1")]
+    assert exported.tags["source_checkpoint"] == f"models:/smoke-policy/{selected.version}"
+
+    # Prefect: one artifact per key, the second attempt's keys carry it, the guard's says what it did, and the
+    # evaluation report names the step exported
+    artifacts = flow_run_artifacts(pipeline.data.tags["prefect.flow_run_id"])
+    keys = [a.key for a in artifacts if a.key and a.key.startswith("ppo-")]
+    assert len(keys) == len(set(keys)), keys
+    assert {"ppo-eval-step-0", "ppo-eval-step-4", "ppo-attempt-2-eval-step-4", "ppo-guard-step-4"} <= set(keys)
+    (guard,) = [a for a in artifacts if a.key == "ppo-guard-step-4"]
+    assert f"**What the guard did**: {said}." in guard.data
+    (report,) = [a for a in artifacts if a.key == "ppo-evaluation"]
+    step = summary["selected_step"]
+    assert f"| {step} (exported) |" in report.data and f"the checkpoint of step {step}" in report.data
+
+
+def metric_steps(client: MlflowClient, run_id: str) -> dict[str, list[int]]:
+    """Each metric of the run: the steps of its points, in the order MLflow returns them (logged)."""
+    return {
+        key: [m.step for m in client.get_metric_history(run_id, key)] for key in client.get_run(run_id).data.metrics
+    }
+
+
+def flow_run_artifacts(flow_run_id: str) -> list:
+    """The Prefect artifacts of one flow run, every version of each key."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    only = ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]))
+    with get_client(sync_client=True) as client:
+        return client.read_artifacts(artifact_filter=only)
 
 
 def test_stop_ends_rl_and_export_takes_the_best_passed_checkpoint(prefect_harness, tmp_path, mlflow_uri, monkeypatch):
@@ -118,6 +182,8 @@ def attempt_reporter(out_dir: Path, seen: list) -> SimpleNamespace:
         logger=logging.getLogger("test_guard"),
         on_eval=on_eval,
         wait_registrations=lambda: None,
+        on_guard_action=lambda step, sentence: seen.append((step, sentence)),
+        begin_attempt=lambda: seen.append(("attempt", reporter.ledger.attempt)),
     )
     return reporter
 
@@ -173,10 +239,13 @@ def test_a_rolled_back_attempt_lets_its_models_go_before_the_next_one_loads(tmp_
             error = err
         raise error
 
-    reporter = attempt_reporter(tmp_path, [])
+    said = []
+    reporter = attempt_reporter(tmp_path, said)
     gc.disable()  # no collection but the guard's own
     try:
         assert guarded_training(cfg, reporter, load, train) == "trained"
     finally:
         gc.enable()
     assert released == [True] and reporter.ledger.rollbacks == 1
+    assert said[-1] == ("attempt", 2)  # the reporter starts the second attempt, after it heard what was done
+    assert said[-2][0] == 1 and said[-2][1].startswith("guard: attempt 1 rolled back at step 1 (kl_budget)")

@@ -57,7 +57,7 @@ def test_validate_prints_the_length_table_of_every_table(team, capsys, monkeypat
 
 
 @pytest.mark.parametrize("algorithm", ["ppo", "grpo"])
-def test_a_model_directory_and_four_files_run_end_to_end(team, algorithm, prefect_harness, monkeypatch):
+def test_a_model_directory_and_four_files_run_end_to_end(team, algorithm, prefect_harness, monkeypatch, caplog):
     root, config = team
     monkeypatch.chdir(root)  # run.output_dir and the MLflow store are the defaults, relative to here
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)  # an earlier test's mlflow.set_tracking_uri sets it
@@ -83,6 +83,11 @@ def test_a_model_directory_and_four_files_run_end_to_end(team, algorithm, prefec
     keys = [k for r in [parent, *runs] for k in [*r.data.metrics, *r.data.params, *r.data.tags]]
     assert not [k for k in keys if "vader" in k.lower() or "sentiment" in k.lower()]
     assert "eval/kl_exact_mean" in by_name[algorithm].data.metrics
+    # the guard's divergence rule says once that it is off, for lack of a gold metric, and the summary says it too
+    off = "guard: the divergence rule is off for lack of a gold metric"
+    assert summary["guard_off"].startswith(off)
+    assert sum(off in record.getMessage() for record in caplog.records) == 1
+    assert off.capitalize() in client.get_run(parent.info.run_id).data.tags["mlflow.note.content"]  # the summary
     assert (root / f"outputs/{algorithm}/export/model.safetensors").is_file()
 
 

@@ -1,5 +1,6 @@
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -79,7 +80,19 @@ def test_pipeline_runs_registers_and_reuses_finished_stages(prefect_harness, tmp
     assert ppo_version.tags["algorithm"] == "ppo"
     assert ppo_version.tags["reward_model_version"] == "models:/smoke-reward-model/2"
     assert ppo_version.tags["base_model"] == "models:/smoke-policy/1"
-    assert float(ppo_version.tags["kl"]) == pytest.approx(summary["metrics"]["objective/kl"], abs=1e-3)
+    assert ppo_version.tags["run_label"] == "smoke-ppo-seed7"
+    # the training KL estimate is read on the version's page, not filtered on: its description has it
+    kl = re.search(r"training KL estimate at this step \(k1, sampled, nats\): `([-\d.]+)`", ppo_version.description)
+    assert "kl" not in ppo_version.tags and float(kl[1]) == pytest.approx(summary["metrics"]["objective/kl"], abs=1e-3)
+    for version in policy_versions + reward_versions:  # a few tags a person filters on, none empty
+        assert len(version.tags) <= 13 and "" not in version.tags.values(), version.tags
+        assert (
+            f"`{version.tags['stage']}` checkpoint at step" in version.description or version.tags["stage"] == "export"
+        )
+    policy_model = client.get_registered_model("smoke-policy").description
+    assert policy_model.startswith("The policies of the RLHF pipeline's runs named `smoke-<algorithm>-seed<seed>`")
+    reward_model = client.get_registered_model("smoke-reward-model").description
+    assert reward_model.startswith("The reward models of the RLHF pipeline's runs named `smoke-<algorithm>-seed<seed>`")
     assert summary["policy_model_uri"] == "models:/smoke-policy/3"
     ppo_run = stages["ppo"].info.run_id
     assert [m.step for m in client.get_metric_history(ppo_run, "objective/scores")] == [1, 2]
@@ -115,23 +128,37 @@ def test_pipeline_runs_registers_and_reuses_finished_stages(prefect_harness, tmp
     # a description with the before/after table and the guard's verdict, and the pipeline run links to it
     export_run = client.get_run(stages["export"].info.run_id)
     assert export_run.data.metrics["eval/vader_compound_mean"] == pytest.approx(
-        summary["eval_history"][2]["eval/vader_compound_mean"]
+        summary["eval_history"][2]["eval/vader_compound_mean"], abs=1e-5
     )
     model_id = candidate.source.removeprefix("models:/")
     assert "eval/vader_compound_mean" in {m.key for m in client.get_logged_model(model_id).metrics}
     assert "| before (step 0) | after (step 2) |" in candidate.description and "Guard: " in candidate.description
+    assert f"Config hash `{client.get_run(summary['mlflow_run_id']).data.tags['rlhf.config_hash']}`" in (
+        candidate.description
+    )
     assert "eval_length_mean" not in candidate.tags and "eval_vader_compound_mean" in candidate.tags
     parent = client.get_run(summary["mlflow_run_id"])
     assert parent.data.tags["rlhf.candidate"] == "models:/smoke-policy/4"
     assert "| before (step 0) | after (step 2) |" in parent.data.tags["mlflow.note.content"]  # its description
     assert model_id in [o.model_id for o in parent.outputs.model_outputs]
     assert parent.info.run_name.startswith("smoke-ppo-seed7-")
+    # each stage run says what the stage did, with its numbers, on its page
+    notes = {
+        name: run.data.tags.get("mlflow.note.content", "")
+        for name, run in child_runs(client, parent.info.run_id).items()
+    }
+    assert notes["data"].startswith("Prepared 5 tables") and notes["sft"].startswith("Fine-tuned `demo`")
+    assert "held-out accuracy" in notes["reward"] and "Held-out evaluation, step 0 -> step 2: " in notes["ppo"]
+    assert (
+        notes["export"].startswith("Exported step 2 of the PPO policy to ")
+        and "`models:/smoke-policy/4`" in notes["export"]
+    )
     # what the Prefect UI shows: no library noise in the logs, no file:// link an http page cannot open
     records = prefect_records()
     assert "LOAD_GLOBAL" not in records and "RESUME" not in records
     assert "file://" not in records
     assert '"key":"rlhf-summary"' in records and "| before (step 0) | after (step 2) |" in records
-    assert '"name":"smoke-ppo-seed7"' in records  # the flow run's name, not a random one
+    assert f'"name":"{parent.info.run_name}"' in records  # the flow run's name is the MLflow run's: one per run
     assert candidate.tags["source_checkpoint"] == "models:/smoke-policy/3"
     card = read_front_matter(out / "export" / "README.md")  # the root base, not the SFT version URI
     assert card["base_model"] == "demo" and card["base_model_relation"] == "finetune" and card["datasets"] == ["demo"]
@@ -245,15 +272,20 @@ def test_a_prompt_set_one_step_cannot_use_fails_before_any_training(
     assert MlflowClient(mlflow_uri, registry_uri=mlflow_uri).search_registered_models() == []
 
 
-def test_the_flow_run_is_named_for_its_config_and_a_bad_config_still_gets_a_name(monkeypatch):
+def test_each_flow_run_is_named_for_its_config_and_start_and_a_bad_config_still_gets_a_name(monkeypatch):
+    from datetime import datetime
     from types import SimpleNamespace
 
     from flows import rlhf_pipeline as module
+
+    clock = iter([datetime(2026, 11, 26, 9, 50, 12), datetime(2026, 11, 26, 9, 58, 3), datetime(2026, 11, 27)])
+    monkeypatch.setattr("tasks.tracking.runs.datetime", SimpleNamespace(now=lambda: next(clock)))
 
     def named(**parameters):
         monkeypatch.setattr(module, "prefect_flow_run", SimpleNamespace(parameters=parameters))
         return module.flow_run_name()
 
-    assert named(config_path=SMOKE, overrides=["rl.algorithm=grpo", "run.seed=3"]) == "smoke-grpo-seed3"
+    grpo = {"config_path": SMOKE, "overrides": ["rl.algorithm=grpo", "run.seed=3"]}
+    assert [named(**grpo), named(**grpo)] == ["smoke-grpo-seed3-20261126-095012", "smoke-grpo-seed3-20261126-095803"]
     assert named(config_path=SMOKE, overrides=["rl.no_such_field=1"]) == "smoke"
-    assert named(config_path=None) == "rlhf-ppo-seed42"  # no file: the defaults
+    assert named(config_path=None) == "rlhf-ppo-seed42-20261127-000000"  # no file: the defaults

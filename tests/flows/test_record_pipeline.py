@@ -4,6 +4,7 @@ links back to the Prefect flow run, the data sets as dataset inputs, a named pro
 
 import hashlib
 import json
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -97,9 +98,13 @@ def test_the_pipeline_run_carries_summary_metrics_and_the_final_samples(record):
             parent.info.run_id, "final_samples.json", str(record.root / parent.info.run_id)
         )
         table = pd.read_json(local, orient="split")
-        assert len(table) == 8 and set(table["step"]) == {2}  # every held-out prompt of the last evaluation
-        assert {"prompt", "completion", "score", "vader_compound", "kl"} <= set(table.columns)
-        assert table["vader_compound"].mean() == pytest.approx(metrics["summary/gold"])
+        # every held-out prompt, its completion by the initial policy beside the exported checkpoint's
+        assert len(table) == 8 and set(table["step_before"]) == {0} and set(table["step_after"]) == {2}
+        sides = {f"{c}_{side}" for c in ("completion", "score", "vader_compound") for side in ("before", "after")}
+        assert {"prompt", *sides} <= set(table.columns) and table["completion_before"].notna().all()
+        assert table["vader_compound_after"].mean() == pytest.approx(metrics["summary/gold"], abs=1e-3)
+        step_0 = history_at(client, ppo_run, "eval/vader_compound_mean", 0)
+        assert table["vader_compound_before"].mean() == pytest.approx(step_0, abs=1e-3)
 
 
 def test_every_checkpoint_version_carries_the_evaluation_of_its_own_step(record):
@@ -112,9 +117,8 @@ def test_every_checkpoint_version_carries_the_evaluation_of_its_own_step(record)
     for step, version in versions.items():
         expected = history_at(client, ppo_run, "eval/vader_compound_mean", int(step))
         assert float(version.tags["eval_vader_compound_mean"]) == pytest.approx(expected, abs=1e-4)
-        assert float(version.tags["eval_score_mean"]) == pytest.approx(
-            history_at(client, ppo_run, "eval/score_mean", int(step)), abs=1e-4
-        )
+        proxy = re.search(r"held-out reward-model score \(the proxy\): `([-\d.]+)`", version.description)
+        assert float(proxy[1]) == pytest.approx(history_at(client, ppo_run, "eval/score_mean", int(step)), abs=1e-4)
         model = client.get_logged_model(logged_model_id(version))
         linked = {m.key: m for m in model.metrics}
         assert linked["eval/vader_compound_mean"].step == int(step)
@@ -139,6 +143,16 @@ def test_a_rerun_adds_no_empty_nested_runs(record):
     assert tags["rlhf.stage.sft"].startswith("reused")
     every = children(record, record.second["mlflow_run_id"], ViewType.ALL)
     assert all(r.info.lifecycle_stage == "deleted" for name, r in every.items() if name not in second)
+
+
+def test_each_flow_run_has_a_name_of_its_own_which_its_mlflow_run_shares(record):
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as prefect:
+        names = {label: prefect.read_flow_run(record.flow_runs[label]).name for label in ("first", "second")}
+    assert names["first"] != names["second"] and all(n.startswith("smoke-ppo-seed7-") for n in names.values())
+    for label in ("first", "second"):
+        assert record.client.get_run(getattr(record, label)["mlflow_run_id"]).info.run_name == names[label]
 
 
 def test_every_run_links_back_to_its_prefect_flow_run_and_says_what_it_is(record):

@@ -33,6 +33,19 @@ def test_record_keeps_each_curves_first_present_metric_and_every_metric_of_the_s
     assert writer.step_metrics == {1: {"loss": 2.0, "train/loss": 1.5}, 2: {"loss": 1.0, "eval_accuracy": 0.75}}
 
 
+def test_starting_over_keeps_the_trunk_and_returns_the_attempt_rolled_back(identity):
+    writer = MetricsWriter(identity, Log(), {"kl": ("kl",), "gold": ("eval/gold",)})
+    writer.record({"eval/gold": 0.1}, 0)
+    for step in (1, 2, 3):
+        writer.record({"kl": float(step)}, step)
+    writer.record({"eval/gold": 0.4}, 2)
+    before = writer.start_over(1)  # a guard rollback to step 1
+    assert before == {"kl": [(1, 1.0), (2, 2.0), (3, 3.0)], "gold": [(0, 0.1), (2, 0.4)]}
+    assert writer.history == {"kl": [(1, 1.0)], "gold": [(0, 0.1)]} and sorted(writer.step_metrics) == [0, 1]
+    writer.record({"kl": 1.5}, 2)
+    assert writer.history["kl"] == [(1, 1.0), (2, 1.5)]  # the new attempt's line never goes back
+
+
 def test_a_local_store_is_written_inline(identity, monkeypatch):
     written = []
     monkeypatch.setattr(tracking.logs, "log_metrics", lambda run_id, m, step: written.append((run_id, m, step)))

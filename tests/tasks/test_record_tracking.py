@@ -103,6 +103,27 @@ def test_a_failed_stage_run_is_kept_even_when_empty(cfg):
     assert len(MlflowClient().search_runs([experiment], run_view_type=ViewType.ALL)) == 2
 
 
+def test_an_rl_attempt_after_a_rollback_is_a_run_nested_in_its_stage_run(cfg, in_flow_run):
+    with tracking.runs.pipeline_run(cfg) as parent:
+        with tracking.runs.stage_run(parent, "ppo", {"ppo.kl_coef": "0.6"}) as stage:
+            tracking.logs.log_metrics(stage, {"loss": 2.0}, 4)  # the first attempt, rolled back at step 4
+            with tracking.runs.attempt_run(stage, "ppo", 2, "Attempt 2 after a rollback") as attempt:
+                tracking.logs.log_metrics(attempt, {"loss": 1.0}, 3)
+            with pytest.raises(RuntimeError), tracking.runs.attempt_run(stage, "ppo", 3, "again") as failed:
+                raise RuntimeError("boom")
+            left_running = tracking.runs.attempt_run(stage, "ppo", 4, "its process killed")  # never exited
+            killed = left_running.__enter__()
+            assert tracking.runs.end_orphan_stage_runs(parent) == [stage, killed]  # as the launcher does
+    client = MlflowClient()
+    run = client.get_run(attempt)
+    assert run.info.run_name == "ppo-attempt-2" and run.info.status == "FINISHED"
+    assert run.data.tags["mlflow.parentRunId"] == stage and run.data.tags["rlhf.run_kind"] == "attempt"
+    assert run.data.tags["mlflow.note.content"] == "Attempt 2 after a rollback"
+    assert run.data.tags["prefect.flow_run_id"] == "0b1c-flow-run" and run.data.params == {"ppo.kl_coef": "0.6"}
+    assert [m.step for m in client.get_metric_history(stage, "loss")] == [4]  # each run's series its own
+    assert client.get_run(failed).info.status == "FAILED" and client.get_run(killed).info.status == "KILLED"
+
+
 def test_datasets_are_logged_with_name_source_digest_and_context(cfg, tmp_path):
     local = tmp_path / "prefs.jsonl"
     local.write_text("{}\n")

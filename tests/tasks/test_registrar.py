@@ -29,6 +29,14 @@ def cfg(tmp_path, mlflow_uri):
     return load_config(None, [f"tracking.uri={mlflow_uri}", f"run.output_dir={tmp_path}", "run.name=unit"])
 
 
+@pytest.fixture(autouse=True)
+def described(monkeypatch):
+    """The registered models' descriptions the registrar sets (registry.describe_model), recorded instead."""
+    calls = []
+    monkeypatch.setattr(registry, "describe_model", lambda name, text: calls.append((name, text)))
+    return calls
+
+
 def registrar(cfg, key="k", lineage=None, checkpoint_tags=None, task="text-generation"):
     identity = StageIdentity(cfg, "ppo", "run-id", key, "fp")
     writer = MetricsWriter(identity, Log())
@@ -108,6 +116,7 @@ def test_a_version_is_tagged_with_its_lineage_its_checkpoint_and_its_steps_evalu
         "base_model": "base",
     }
     assert tags["config_hash"] == cfg.config_hash() and tags["kl"] == "2.0000"
+    assert tags["run_label"] == "unit-ppo-seed42"  # runs of one label are one filter away
     assert tags[gold.replace("/", "_")] == "0.2500" and tags["eval_kl_exact_mean"] == "0.1250"
     assert "loss" not in tags
     r.close()
@@ -174,3 +183,19 @@ def test_the_registry_warm_up_runs_on_the_registration_thread(cfg, monkeypatch):
     r.wait()
     assert len(threads) == 1 and threads[0].startswith("ppo-registration")
     r.close()
+
+
+def test_the_registered_model_is_described_once_as_the_policy_or_the_reward_model_of_its_runs(
+    cfg, monkeypatch, described
+):
+    monkeypatch.setattr(registry, "register_once", fake_register_once([]))
+    policies, rewards = registrar(cfg), registrar(cfg, task="text-classification")
+    for step in (1, 2):
+        policies.register(cfg.run.output_dir, step)
+    rewards.register(cfg.run.output_dir, 1)
+    assert [name for name, _ in described] == ["policy", "policy"]  # once per stage, each model
+    policy, reward = described[0][1], described[1][1]
+    assert policy.startswith("The policies of the RLHF pipeline's runs named `unit-<algorithm>-seed<seed>`")
+    assert "`candidate`" in policy and "`champion`" in policy and "`run_label`" in policy
+    assert reward.startswith("The reward models of the RLHF pipeline's runs named `unit-<algorithm>-seed<seed>`")
+    assert "`reward_model_version`" in reward

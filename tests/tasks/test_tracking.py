@@ -1,3 +1,6 @@
+import json
+from pathlib import Path
+
 import mlflow
 import pytest
 from mlflow.tracking import MlflowClient
@@ -24,6 +27,38 @@ def test_pipeline_run_logs_flat_params_and_finishes(cfg):
     assert run.data.tags["rlhf.config_hash"] == cfg.config_hash()
     history = MlflowClient().get_metric_history(run_id, "x/loss")
     assert [(m.step, m.value) for m in history] == [(3, 1.5)]
+
+
+def test_numbers_are_rounded_where_they_are_logged_for_a_person_to_read(cfg, tmp_path):
+    assert tracking.logs.rounded(0.10000000149011612, 6) == 0.1  # a float32 mean, as MLflow would show it
+    assert tracking.logs.rounded(-1.23456789e-9, 6) == -1.23457e-9
+    assert tracking.logs.rounded(1234567.89, 6) == 1234568.0  # never rounded left of the point: counts stay
+    with tracking.runs.pipeline_run(cfg) as run_id:
+        tracking.logs.log_metrics(run_id, {"kl": 0.12345678901234567, "tokens": 1234567.0}, step=1)
+        rows = [{"prompt": "p", "score": 0.30000001192092896, "length": 12, "stopped": True}]
+        tracking.logs.log_table(run_id, rows, "t.json")
+    client = MlflowClient()
+    assert client.get_run(run_id).data.metrics == {"kl": 0.123457, "tokens": 1234567.0}
+    table = json.loads(Path(client.download_artifacts(run_id, "t.json", str(tmp_path))).read_text())
+    assert table["data"] == [["p", 0.3, 12, True]]
+
+
+def test_each_stage_run_can_be_found_and_described(cfg):
+    with tracking.runs.pipeline_run(cfg) as parent:
+        for stage in ("data", "sft"):
+            with tracking.runs.stage_run(parent, stage) as run_id:
+                tracking.logs.log_metrics(run_id, {"x": 1.0}, step=1)
+        found = tracking.logs.stage_runs(parent)
+        tracking.logs.describe_run(found["sft"], "Fine-tuned for 8 steps.")
+        tracking.logs.describe_run(found["data"], "guard: attempt 1 rolled back.")
+        for _ in range(2):  # once: what the run said stays below
+            tracking.logs.describe_run(found["data"], "Prepared 5 tables.", keep=True)
+    assert set(found) == {"data", "sft"}
+    client = MlflowClient()
+    assert client.get_run(found["sft"]).data.tags["mlflow.note.content"] == "Fine-tuned for 8 steps."
+    note = client.get_run(found["data"]).data.tags["mlflow.note.content"]
+    assert note == "Prepared 5 tables.\n\nguard: attempt 1 rolled back."
+    assert client.get_run(found["data"]).data.tags["rlhf.stage"] == "data"
 
 
 def test_artifacts_of_a_sqlite_store_live_beside_it(cfg, tmp_path):
@@ -59,25 +94,40 @@ def test_secrets_never_reach_params(tmp_path):
     assert "hunter2" not in " ".join(params.values())
 
 
-def test_register_checkpoint_creates_a_tagged_version_that_loads(cfg, smoke_world):
+def test_register_checkpoint_creates_a_tagged_described_version_that_loads(cfg, smoke_world):
     with tracking.runs.pipeline_run(cfg) as parent, tracking.runs.stage_run(parent, "sft") as run_id:
-        tags = registry.lineage_tags(stage="sft", step=8, config_hash=cfg.config_hash(), data_fingerprint="abc123")
+        tags = registry.lineage_tags(
+            stage="sft", step=8, config_hash=cfg.config_hash(), data_fingerprint="abc123", run_label="unit-ppo-seed42"
+        )
         first = registry.register_checkpoint(
-            smoke_world.base_model, "unit-policy", task="text-generation", tags=tags, run_id=run_id
+            smoke_world.base_model, "unit-policy", task="text-generation", tags=dict(tags, stage_key=""), run_id=run_id
         )
         second = registry.register_checkpoint(
             smoke_world.base_model, "unit-policy", task="text-generation", tags=dict(tags, step="9"), run_id=run_id
         )
     assert (first["version"], second["version"]) == ("1", "2")
     version = MlflowClient().get_model_version("unit-policy", "1")
-    assert version.tags["stage"] == "sft" and version.tags["step"] == "8"
-    assert version.tags["data_fingerprint"] == "abc123" and version.tags["config_hash"] == cfg.config_hash()
-    assert version.tags["code_version"].startswith("0.1.0")
+    # what a person filters on is a tag; the config hash and code version are read on the version's page
+    assert version.tags == {"stage": "sft", "step": "8", "data_fingerprint": "abc123", "run_label": "unit-ppo-seed42"}
+    assert version.description.startswith("`sft` checkpoint at step 8 of run `unit-ppo-seed42`.")
+    assert f"- config hash: `{cfg.config_hash()}`" in version.description
+    assert "- code version: `0.1.0" in version.description
     assert version.run_id == run_id
+    assert str(registry.find_version("unit-policy", {"step": "8", "stage_key": ""}).version) == "1"  # empty: no tag
     found = registry.find_version("unit-policy", {"stage": "sft", "step": "9"})
     assert found is not None and str(found.version) == "2"
     assert registry.find_version("unit-policy", {"stage": "reward"}) is None
     assert registry.find_version("no-such-model", {}) is None
+    # the registered model's description is set once: one a person wrote later stays
+    registry.describe_model("unit-policy", "The policies of runs named `unit-<algorithm>-seed<seed>`.")
+    registry.describe_model("unit-policy", "another text")
+    registry.describe_model("no-such-model", "nothing to describe")
+    assert MlflowClient().get_registered_model("unit-policy").description.startswith("The policies of runs named")
+    # an empty value removes a tag instead of setting an empty one
+    registry.set_version_tags("unit-policy", "1", {"guard.broken": "kl_budget"})
+    registry.set_version_tags("unit-policy", "1", {"guard.broken": "", "guard.passed": "true"})
+    assert MlflowClient().get_model_version("unit-policy", "1").tags["guard.passed"] == "true"
+    assert "guard.broken" not in MlflowClient().get_model_version("unit-policy", "1").tags
 
     generator = mlflow.transformers.load_model(first["uri"])
     out = generator("the food was", max_new_tokens=3, do_sample=False)

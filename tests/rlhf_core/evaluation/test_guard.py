@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from rlhf_core.config import DivergenceRule, GuardConfig, GuardRule
-from rlhf_core.evaluation.guard import GuardLedger, check, relative_to_initial, set_aside, strongest
+from rlhf_core.evaluation.guard import GuardLedger, Rollback, check, relative_to_initial, set_aside, strongest
 
 INITIAL = {
     "eval/score_mean": 0.0,
@@ -102,15 +102,26 @@ def test_the_ledger_keeps_a_branch_picks_checkpoints_and_round_trips(tmp_path):
     assert ledger.evals[20]["eval/length_ratio"] == 1.0
     assert ledger.best([10, 20, 30], "eval/score_mean") == 20  # 30 scores higher but broke a rule
     assert ledger.last_passed([0, 10, 20, 25, 30]) == 20
-    ledger.rolled_back(20)
+    assert (ledger.attempt, ledger.attempt_of(30)) == (1, 1)
+    ledger.rolled_back(Rollback(1, 30, "kl_budget", 20, 2.0, ("checkpoint-30",), "attempt 1 rolled back"))
     assert sorted(ledger.evals) == [0, 10, 20] and ledger.triggers == [] and ledger.all_triggers == [trigger]
-    assert ledger.rollbacks == 1
+    assert ledger.rollbacks == 1 and ledger.attempt == 2
+    assert [ledger.attempt_of(s) for s in (10, 20, 21, 30)] == [1, 1, 2, 2]  # the trunk is the first attempt's
     ledger.observe(30, at(kl_k3_mean=1.5, score_mean=3.5), guard, None)  # the branch after the rollback
     assert ledger.passed(30) and ledger.best([10, 20, 30], "eval/score_mean") == 30
     ledger.stopped_at = 30
     ledger.save(tmp_path / "guard.json")
     assert GuardLedger.load(tmp_path / "guard.json") == ledger
     assert GuardLedger.load(tmp_path / "missing.json") == GuardLedger()
+
+
+def test_the_attempt_of_a_step_is_the_one_after_the_last_rollback_to_an_earlier_step():
+    ledger = GuardLedger()
+    ledger.rolled_back(Rollback(1, 80, "kl_budget", 40, 2.0))  # attempt 2 trains 41 on
+    ledger.rolled_back(Rollback(2, 60, "kl_budget", 0, 4.0))  # checkpoint-40 gone: attempt 3 trains 1 on
+    assert [ledger.attempt_of(s) for s in (0, 30, 40, 50, 90)] == [1, 3, 3, 3, 3]
+    ledger = GuardLedger(rollbacks=1)  # saved before rollbacks were logged: the attempt under way
+    assert ledger.attempt_of(10) == 2
 
 
 def test_set_aside_moves_later_checkpoints_and_deletes_nothing(tmp_path):
@@ -147,3 +158,23 @@ def test_a_breach_crosses_processes_as_the_same_decision():
         copy = pickle.loads(pickle.dumps(cls(trigger)))  # what the broadcast from the evaluating process does
         assert type(copy) is cls and isinstance(copy, GuardBreach)
         assert copy.trigger == trigger and str(copy) == trigger.message
+
+
+def test_the_divergence_rule_says_it_is_off_without_a_gold_metric():
+    from rlhf_core.config import GuardConfig
+    from rlhf_core.evaluation.guard import divergence_off
+
+    guard = GuardConfig()
+    said = divergence_off(guard, None)
+    assert said == (
+        "guard: the divergence rule is off for lack of a gold metric (eval.metrics is empty and "
+        "guard.divergence.gold is null); name a metric function in eval.metrics to watch score against it"
+    )
+    assert divergence_off(guard, "vader_compound") is None  # it runs
+    assert divergence_off(GuardConfig(divergence={"evals": None}), None) is None  # off on purpose: nothing to say
+    # and the rule then never fires, however the proxy and a metric move
+    history = [(s, {"eval/score_mean": float(s), "eval/m_mean": -float(s)}) for s in range(5)]
+    from rlhf_core.evaluation.guard import check
+
+    assert not [t for t in check(history, guard, None) if t.rule == "divergence"]
+    assert [t for t in check(history, guard, "m") if t.rule == "divergence"]
