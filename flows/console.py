@@ -104,6 +104,8 @@ def print_alignment(console, summary: dict) -> None:
     console.print(table)
     triggers = summary.get("guard_triggers") or []
     console.print(f"Guard: {len(triggers)} trigger(s)" + "".join(f"\n  {t}" for t in triggers[:10]))
+    for sentence in summary.get("guard_rollbacks") or []:
+        console.print(f"  what it did: {sentence}")
     if summary.get("guard_off"):
         console.print(summary["guard_off"])
     pairs = list(zip(summary.get("initial_eval_rows") or [], summary.get("final_eval_rows") or []))[:SAMPLE_PROMPTS]

@@ -166,6 +166,9 @@ def summary_markdown(cfg, run_id: str, trained: Checkpoint, exported: Checkpoint
         "",
         alignment_markdown(history, trained.step, cfg.gold_metric(), trained.extra.get("guard_triggers", [])),
     ]
+    rollbacks = trained.extra.get("guard_rollbacks", [])
+    if rollbacks:  # what each rollback did, as the guard's artifacts say it
+        lines += ["", "What the guard did:", "", *(f"- {sentence}" for sentence in rollbacks)]
     if off := divergence_off(cfg.guard, cfg.gold_metric()):
         lines += ["", off[0].upper() + off[1:] + "."]
     pairs = list(zip(trained.extra.get("initial_rows", []), trained.extra.get("final_rows", [])))[:SAMPLE_PROMPTS]
@@ -205,6 +208,7 @@ def _summary(
         "initial_eval_rows": trained.extra.get("initial_rows", []),
         "final_eval_rows": trained.extra.get("final_rows", []),
         "guard_triggers": trained.extra.get("guard_triggers", []),
+        "guard_rollbacks": trained.extra.get("guard_rollbacks", []),
         "reward_model_path": reward.path if reward else None,
         "reward_model_uri": reward.model_uri if reward else None,
         "metrics": {

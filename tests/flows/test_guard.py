@@ -129,6 +129,9 @@ def test_rollback_restores_the_last_passed_checkpoint_and_trains_on(prefect_harn
     (report,) = [a for a in artifacts if a.key == "ppo-evaluation"]
     step = summary["selected_step"]
     assert f"| {step} (exported) |" in report.data and f"the checkpoint of step {step}" in report.data
+    # and the run's summary says it too, on the pipeline's run and in the result the console prints
+    assert summary["guard_rollbacks"] == [sentence]
+    assert f"What the guard did:\n\n- {sentence}" in pipeline.data.tags["mlflow.note.content"]
 
 
 def metric_steps(client: MlflowClient, run_id: str) -> dict[str, list[int]]:
