@@ -54,3 +54,31 @@ def test_the_table_lines_up_and_names_what_it_did_not_measure():
     assert lines[5] == "The policy's context: 2048 tokens (config.json)."
     only_skipped = length_table([], {"prompts": "the demo world is built by the data stage"}, "128 tokens").splitlines()
     assert len(only_skipped) == 3 and "table" not in only_skipped[1]
+
+
+@pytest.mark.parametrize("name", ["qwen2.5", "qwen2.5-instruct", "llama-3-instruct", "gpt2"])
+def test_a_prompt_is_counted_as_the_rollout_encodes_it_on_real_tokenizer_shapes(name, tmp_path):
+    """The limit counts what the policy is fed: the templated prompt as `tokenize_prompts` encodes it (Llama 3's
+    template writes bos and the tokenizer would add another: counted once), plain text where there is no template."""
+    import json
+
+    from rlhf_core.config import DatasetSpec
+    from rlhf_core.data.tables import apply_length_policy, load_table, row_lengths
+    from rlhf_core.models.loading import load_tokenizer
+    from rlhf_core.rollout.generation import tokenize_prompts
+    from tests.fixtures.real_shapes import build_family, family, is_chat
+
+    tokenizer = load_tokenizer(str(build_family(name, tmp_path)))
+    questions = ["Tell me about the cat.", "Tell me about a dog. a dog runs in the park. Tell me about the queen."]
+    chat = is_chat(family(name))
+    rows = [{"prompt": [{"role": "user", "content": q}] if chat else q} for q in questions]
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ds = load_table(DatasetSpec(path=str(path)), "prompt", field="data.prompts", tokenizer=tokenizer)
+    fed = [len(ids) for ids in tokenize_prompts(tokenizer, list(ds["prompt"]), 10**6)]
+    assert row_lengths(ds, "prompt", tokenizer) == fed
+    if name == "llama-3-instruct":
+        first = tokenize_prompts(tokenizer, list(ds["prompt"]), 10**6)[0]
+        assert first.count(tokenizer.bos_token_id) == 1
+    _, measured = apply_length_policy(ds, "prompt", tokenizer, max_length=64, max_prompt_length=min(fed), action="drop")
+    assert (measured.longest, measured.over, measured.kept) == (max(fed), 1, 1)
