@@ -14,19 +14,8 @@ from rlhf_core.data.lengths import TableLengths, length_table
 from rlhf_core.data.rows import Kind
 from rlhf_core.data.sources import looks_local
 from rlhf_core.data.tables import apply_length_policy, load_table
-from rlhf_core.models.loading import load_tokenizer, looks_like_path
+from rlhf_core.models.loading import looks_like_path, model_tokenizer
 from tasks.preflight import model_context
-
-
-def stage_tokenizer(cfg: PipelineConfig, source: str):
-    """A stage's tokenizer from `source` with the model.* loading options and model.chat_template (saved with
-    every checkpoint, so the export carries it)."""
-    return load_tokenizer(
-        source,
-        revision=cfg.model.revision,
-        trust_remote_code=cfg.model.trust_remote_code,
-        chat_template=cfg.model.chat_template,
-    )
 
 
 def measure_table(
@@ -61,7 +50,7 @@ def context_words(cfg: PipelineConfig) -> str:
     return f"{context} tokens ({where}); data.max_prompt_length + rl.response_length = {cfg.data.max_prompt_length + cfg.rl.response_length}"
 
 
-def _not_here(cfg: PipelineConfig, spec: DatasetSpec) -> str | None:
+def _not_here(spec: DatasetSpec) -> str | None:
     """Why `rlhf validate` does not measure a table here, or None when it does."""
     if spec.path == DEMO:
         return "the demo world is built by the data stage"
@@ -75,25 +64,19 @@ def validate_lengths(cfg: PipelineConfig) -> str:
     named with the reason; nothing is downloaded or written. A table that cannot be read raises what the data
     stage would (DataValidationError, one sentence)."""
     source = cfg.model.tokenizer or cfg.model.base
+    if source == DEMO or source.startswith("models:/") or not looks_like_path(source):
+        why = "the demo's tokenizer is built by the data stage" if source == DEMO else None
+        why = why or f"the tokenizer {source} is not a local directory"
+        return length_table([], {name: why for name, *_ in cfg.data_tables()}, context_words(cfg))
+    import datasets
+
+    datasets.disable_progress_bars()  # a bar per table read would bury the table printed after them
+    tokenizer = model_tokenizer(cfg.model, source)
     skipped: dict[str, str] = {}
     measured: list[TableLengths] = []
-    tokenizer = None
-    if source == DEMO or source.startswith("models:/") or not looks_like_path(source):
-        why = (
-            "the demo's tokenizer is built by the data stage"
-            if source == DEMO
-            else f"the tokenizer {source} is not a local directory"
-        )
-        skipped = {name: why for name, *_ in cfg.data_tables()}
-    else:
-        import datasets
-
-        datasets.disable_progress_bars()  # a bar per table read would bury the table printed after them
-        tokenizer = stage_tokenizer(cfg, source)
-    for name, field_name, spec, kind in cfg.data_tables() if tokenizer is not None else []:
-        why = _not_here(cfg, spec)
-        if why:
+    for name, field_name, spec, kind in cfg.data_tables():
+        if why := _not_here(spec):
             skipped[name] = why
-            continue
-        measured.append(measure_table(cfg, tokenizer, name, field_name, spec, kind, None)[1])
+        else:
+            measured.append(measure_table(cfg, tokenizer, name, field_name, spec, kind, None)[1])
     return length_table(measured, skipped, context_words(cfg))

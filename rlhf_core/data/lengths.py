@@ -67,7 +67,7 @@ class TableLengths:
         )
 
     def as_row(self) -> dict:
-        """The table's line of the data stage's report (a Prefect table artifact, the MLflow run's tags)."""
+        """The table's columns in the data stage's report (its `data-report` Prefect table artifact)."""
         return {
             "tokens_p50": self.p50,
             "tokens_p95": self.p95,

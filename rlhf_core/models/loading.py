@@ -16,7 +16,7 @@ from safetensors import SafetensorError, safe_open
 from rlhf_core.config.errors import UserError
 
 if TYPE_CHECKING:
-    from rlhf_core.config import LoraSettings, RLConfig
+    from rlhf_core.config import LoraSettings, ModelConfig, RLConfig
 
 DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16", "auto": "auto"}
 
@@ -165,6 +165,14 @@ def load_tokenizer(
     ensure_pad_token(tokenizer, source)
     supply_chat_template(tokenizer, chat_template)
     return tokenizer
+
+
+def model_tokenizer(model: ModelConfig, source: str):
+    """A stage's tokenizer from `source` with the model.* loading options and model.chat_template (saved with
+    every checkpoint, so the export carries it)."""
+    return load_tokenizer(
+        source, revision=model.revision, trust_remote_code=model.trust_remote_code, chat_template=model.chat_template
+    )
 
 
 def load_causal_lm(

@@ -19,10 +19,10 @@ from rlhf_core.data.lengths import TableLengths, length_table
 from rlhf_core.data.rows import DataValidationError, Kind
 from rlhf_core.data.tables import fingerprint_rows, save_table
 from rlhf_core.demo.world import DemoWorld, build_demo_world
-from rlhf_core.models.loading import ModelSourceError, check_source, generation_config_of, run_stop_ids
+from rlhf_core.models.loading import ModelSourceError, check_source, generation_config_of, model_tokenizer, run_stop_ids
 from rlhf_core.rollout.tools import require_tool_template
 from tasks import registry, tracking
-from tasks.lengths import context_words, measure_table, stage_tokenizer
+from tasks.lengths import context_words, measure_table
 from tasks.reporting.identity import StageIdentity
 from tasks.reporting.progress import publish_table
 from tasks.reporting.reporter import StageReporter
@@ -93,7 +93,7 @@ def check_policy_sources(cfg: PipelineConfig, world: DemoWorld | None) -> tuple[
     if cfg.reward.base not in ("policy", DEMO) and not cfg.reward.base.startswith("models:/"):
         check_source(cfg.reward.base, "reward.base")  # fail before any training, not after SFT
     tokenizer_source = cfg.model.tokenizer or base_model
-    tokenizer = stage_tokenizer(cfg, tokenizer_source)  # conversational data is templated at the data stage
+    tokenizer = model_tokenizer(cfg.model, tokenizer_source)  # conversational data is templated at the data stage
     # the stop tokens against the base model's tokenizer now, before SFT or reward training
     generation_config = generation_config_of(base_model, trust_remote_code=cfg.model.trust_remote_code)
     run_stop_ids(tokenizer, generation_config, cfg.rl)

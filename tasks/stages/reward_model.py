@@ -17,7 +17,7 @@ from prefect.cache_policies import NO_CACHE
 from rlhf_core.config import PipelineConfig
 from rlhf_core.data.tables import read_rows
 from rlhf_core.demo.world import DemoWorld
-from rlhf_core.models.loading import generation_config_of, prepare_for_training, run_stop_ids
+from rlhf_core.models.loading import generation_config_of, model_tokenizer, prepare_for_training, run_stop_ids
 from rlhf_core.rewards.reward_model import load_reward_model, train_reward_model
 from rlhf_core.storage.checkpoints import list_checkpoints
 from tasks import registry, tracking
@@ -27,7 +27,7 @@ from tasks.reporting.progress import publish_table
 from tasks.reporting.reporter import StageReporter
 from tasks.retry import IO_RETRIES
 from tasks.stage_io import Checkpoint, stage_key
-from tasks.stages.data import PreparedData, resolve_model_source, stage_tokenizer
+from tasks.stages.data import PreparedData, resolve_model_source
 
 CARD_BODY = """\
 A reward model trained by the rlhf-pipeline with the Bradley-Terry loss
@@ -204,7 +204,7 @@ def reward_stage(cfg: PipelineConfig, data: PreparedData, policy: Checkpoint | N
     ):
         if (reused := reuse_and_say(cfg, key, out_dir, reporter)) is not None:
             return reused
-        tokenizer = stage_tokenizer(cfg, base)
+        tokenizer = model_tokenizer(cfg.model, base)
         model = load_reward_model(
             base,
             tokenizer,

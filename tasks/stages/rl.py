@@ -26,6 +26,7 @@ from rlhf_core.models.loading import (
     load_causal_lm,
     load_pretrained,
     lora_config,
+    model_tokenizer,
     prepare_for_training,
     run_stop_ids,
 )
@@ -38,7 +39,7 @@ from tasks import reward_endpoints, tracking
 from tasks.launch import launcher
 from tasks.retry import IO_RETRIES
 from tasks.stage_io import Checkpoint, stage_key
-from tasks.stages.data import PreparedData, resolve_model_source, stage_tokenizer
+from tasks.stages.data import PreparedData, resolve_model_source
 from tasks.stages.guard import guarded_training
 from tasks.stages.initialization import InitPlan
 from tasks.stages.policy_evaluation import RLModels, evaluate_policy, metric_functions
@@ -113,7 +114,7 @@ def rl_key(cfg: PipelineConfig, data: PreparedData, plan: InitPlan) -> str:
 def load_models(cfg: PipelineConfig, plan: InitPlan) -> RLModels:
     from transformers import AutoModelForSequenceClassification
 
-    tokenizer = stage_tokenizer(cfg, plan.policy_path)
+    tokenizer = model_tokenizer(cfg.model, plan.policy_path)
     load = dict(
         revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code, torch_dtype=cfg.model.torch_dtype
     )

@@ -15,14 +15,14 @@ from prefect.cache_policies import NO_CACHE
 
 from rlhf_core.config import PipelineConfig
 from rlhf_core.data.tables import read_column
-from rlhf_core.models.loading import load_causal_lm, prepare_for_training
+from rlhf_core.models.loading import load_causal_lm, model_tokenizer, prepare_for_training
 from rlhf_core.training.sft import train_sft
 from tasks import tracking
 from tasks.reporting.identity import RegisteredModel, StageIdentity
 from tasks.reporting.reporter import StageReporter
 from tasks.retry import IO_RETRIES
 from tasks.stage_io import Checkpoint, stage_key
-from tasks.stages.data import PreparedData, stage_tokenizer
+from tasks.stages.data import PreparedData
 
 STAGE_FILE = "rlhf_stage.json"
 
@@ -51,7 +51,7 @@ def _read_stage_file(path: Path) -> dict:
 def _train(cfg: PipelineConfig, data: PreparedData, reporter: StageReporter, out_dir: Path, key: str) -> dict:
     """Train the warm start into out_dir; its metrics. The stage file is written last: a crash before it means
     the next run trains again."""
-    tokenizer = stage_tokenizer(cfg, data.tokenizer)
+    tokenizer = model_tokenizer(cfg.model, data.tokenizer)
     model = load_causal_lm(
         data.base_model,
         revision=cfg.model.revision,
