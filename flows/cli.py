@@ -118,14 +118,18 @@ def deploy(pool: str) -> int:
 
 def checked_config(config_path: str, overrides: list[str]):
     """The config, validated, then checked as far as it can be without training: files, functions, models,
-    context, tracking server, registry names, and that run.output_dir is ours to write (nothing written)."""
+    context, tracking server, registry names, that run.output_dir is ours to write (nothing written), and every
+    row of the local tables as the data stage checks them, with the prompt count against one RL step.
+    -> (the config, the token-length table of `rlhf validate`). Light: no Prefect, MLflow or training code is
+    imported, so `rlhf run` refuses a mistake in seconds, before any server starts."""
     from rlhf_core.storage.ownership import check_pipeline_outputs
+    from tasks.lengths import check_tables
     from tasks.preflight import check_preflight
 
     cfg = load_config(config_path, overrides)
     check_preflight(cfg)
     check_pipeline_outputs(cfg, config_path=config_path, claim=False)
-    return cfg
+    return cfg, check_tables(cfg)
 
 
 def fields_command(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -149,11 +153,9 @@ def ui_command(args: argparse.Namespace, overrides: list[str]) -> int:
 def validate_command(args: argparse.Namespace, overrides: list[str]) -> int:
     import yaml
 
-    from tasks.lengths import validate_lengths
-
-    cfg = checked_config(args.config, overrides)
+    cfg, lengths = checked_config(args.config, overrides)
     print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
-    print(validate_lengths(cfg))
+    print(lengths)
     return 0
 
 
@@ -167,9 +169,9 @@ def promote_command(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def run_command(args: argparse.Namespace, overrides: list[str]) -> int:
+    checked_config(args.config, overrides)  # before any work, and before the pipeline's imports
     from flows.rlhf_pipeline import rlhf_pipeline
 
-    checked_config(args.config, overrides)  # before any work
     if not debug_wanted(args):
         quiet_known_failures(known_failures())
     try:

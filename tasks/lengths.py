@@ -1,19 +1,23 @@
-"""The tables' token lengths against the limits, measured before training: by `rlhf validate` here, by the data
-stage for every table.
+"""Every row of the tables checked, and their token lengths measured against the limits, before training: by
+`rlhf validate` and `rlhf run` here (`check_tables`, before the pipeline is imported), by the data stage for every
+table.
 
-Both load and validate a table and count its tokens the same way (`measure_table`: `load_table`, then
-`apply_length_policy`, which applies data.overlong); `rlhf validate` reads what it can without downloading or
-writing anything (local files with a local tokenizer) and names what it leaves to the data stage (hub data sets,
-the demo world, a tokenizer on the hub). The numbers printed come from `rlhf_core.data.lengths`.
+All three load and validate a table and count its tokens the same way (`measure_table`: `load_table`, then
+`apply_length_policy`, which applies data.overlong) and refuse a prompt set smaller than one RL step the same way
+(`check_prompt_count`), so they refuse the same inputs. `check_tables` reads what it can without downloading or
+writing anything: every row of a local file, measured when the tokenizer is a local directory and checked
+without its lengths when it is the demo's (which the data stage builds); hub data sets and the demo world's own
+tables are left to the data stage, the demo world's prompt count read from its config. The numbers printed come
+from `rlhf_core.data.lengths`.
 """
 
 from __future__ import annotations
 
 from rlhf_core.config import DEMO, DatasetSpec, PipelineConfig
 from rlhf_core.data.lengths import TableLengths, length_table
-from rlhf_core.data.rows import Kind
+from rlhf_core.data.rows import DataValidationError, Kind
 from rlhf_core.data.sources import looks_local
-from rlhf_core.data.tables import apply_length_policy, load_table
+from rlhf_core.data.tables import apply_length_policy, count_checked_rows, load_table
 from rlhf_core.models.loading import looks_like_path, model_tokenizer
 from tasks.preflight import model_context
 
@@ -50,8 +54,18 @@ def context_words(cfg: PipelineConfig) -> str:
     return f"{context} tokens ({where}); data.max_prompt_length + rl.response_length = {cfg.data.max_prompt_length + cfg.rl.response_length}"
 
 
+def check_prompt_count(cfg: PipelineConfig, usable: int, source: str) -> None:
+    """Refuse, before SFT, a prompt set smaller than one RL step (PPO would index past it, GRPO train on less)."""
+    needed, fields = cfg.prompts_per_step()
+    if usable < needed:
+        raise DataValidationError(
+            f"data.prompts: {source} has {usable} usable prompts, fewer than the {needed} one RL step takes "
+            f"({fields}); lower {fields.split()[0]} or add prompts"
+        )
+
+
 def _not_here(spec: DatasetSpec) -> str | None:
-    """Why `rlhf validate` does not measure a table here, or None when it does."""
+    """Why `check_tables` does not read a table here, or None when it does."""
     if spec.path == DEMO:
         return "the demo world is built by the data stage"
     if not looks_local(spec.path):
@@ -59,24 +73,42 @@ def _not_here(spec: DatasetSpec) -> str | None:
     return None
 
 
-def validate_lengths(cfg: PipelineConfig) -> str:
-    """The token-length table `rlhf validate` prints: every local table measured with a local tokenizer, the rest
-    named with the reason; nothing is downloaded or written. A table that cannot be read raises what the data
-    stage would (DataValidationError, one sentence)."""
+def local_tokenizer(cfg: PipelineConfig) -> tuple[object | None, str]:
+    """(the policy's tokenizer when it is a local directory, else None; why it is not, else '')."""
     source = cfg.model.tokenizer or cfg.model.base
-    if source == DEMO or source.startswith("models:/") or not looks_like_path(source):
-        why = "the demo's tokenizer is built by the data stage" if source == DEMO else None
-        why = why or f"the tokenizer {source} is not a local directory"
-        return length_table([], {name: why for name, *_ in cfg.data_tables()}, context_words(cfg))
-    import datasets
+    if source == DEMO:
+        return None, "the demo's tokenizer is built by the data stage"
+    if source.startswith("models:/") or not looks_like_path(source):
+        return None, f"the tokenizer {source} is not a local directory"
+    return model_tokenizer(cfg.model, source), ""
 
-    datasets.disable_progress_bars()  # a bar per table read would bury the table printed after them
-    tokenizer = model_tokenizer(cfg.model, source)
+
+def check_tables(cfg: PipelineConfig) -> str:
+    """Every row of every local table checked as the data stage checks it (the first bad row raises its
+    DataValidationError, one sentence), and the prompt count against one RL step (the demo world's from its
+    config); -> the token-length table `rlhf validate` prints. Nothing is downloaded or written. Without a local
+    tokenizer the rows are checked but not measured, and the table says why."""
+    tokenizer, no_tokenizer = local_tokenizer(cfg)
     skipped: dict[str, str] = {}
     measured: list[TableLengths] = []
+    usable: dict[str, int] = {}
     for name, field_name, spec, kind in cfg.data_tables():
         if why := _not_here(spec):
             skipped[name] = why
+            continue
+        import datasets  # here, not above: a config of the demo world's tables answers without it (seconds)
+
+        datasets.disable_progress_bars()  # a bar per table read would bury the table printed after them
+        if tokenizer is None:
+            skipped[name] = f"rows checked, not measured: {no_tokenizer}"
+            usable[name] = count_checked_rows(spec, kind, field=field_name)
         else:
             measured.append(measure_table(cfg, tokenizer, name, field_name, spec, kind, None)[1])
+            usable[name] = measured[-1].kept
+    prompts = cfg.data.prompts
+    if "prompts" in usable:
+        check_prompt_count(cfg, usable["prompts"], prompts.path)
+    elif prompts.path == DEMO:
+        most, field = cfg.data.demo.prompt_rows(prompts)
+        check_prompt_count(cfg, most, f"the demo world ({field})")
     return length_table(measured, skipped, context_words(cfg))

@@ -42,6 +42,8 @@ from rlhf_core.config import PipelineConfig, load_config  # noqa: E402
 from rlhf_core.demo.world import DemoWorld, build_demo_world  # noqa: E402
 from tests.fixtures.workers import longest_first  # noqa: E402
 
+pytest_plugins = ["tests.fixtures.file_durations"]
+
 REPO = Path(__file__).resolve().parents[1]
 SMOKE = REPO / "configs" / "smoke.yaml"
 

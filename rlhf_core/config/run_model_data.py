@@ -200,6 +200,14 @@ class DemoWorldConfig(Section):
         0.3, gt=0.0, le=2.0, description="Least VADER compound difference between chosen and rejected."
     )
 
+    def prompt_rows(self, spec: DatasetSpec) -> tuple[int, str]:
+        """(the most prompts the demo world's `spec.split` holds, after `spec.limit`; the field that says so): its
+        writer may make fewer distinct ones, but never more, so a batch larger than this is refused before the
+        world is built."""
+        field = "data.demo.num_train_prompts" if spec.split == "train" else "data.demo.num_eval_prompts"
+        rows = getattr(self, field.rsplit(".", 1)[1])
+        return (rows, field) if spec.limit is None or spec.limit >= rows else (spec.limit, f"{field} and its limit")
+
 
 class DataConfig(Section):
     preference: DatasetSpec = Field(

@@ -188,6 +188,21 @@ class RowConverter:
             self.fail(i, key, problem)
         return value
 
+    def check(self, i: int, row: dict) -> None:
+        """The row's values checked as converting it checks them, without rendering anything (no tokenizer at
+        hand): each value, an implicit prompt's shared messages, and chosen against rejected."""
+        values = {key: self.value(i, row, key) for key in self.mapping if key != "margin"}
+        if self.kind != "preference":
+            return
+        chosen, rejected = values["chosen"], values["rejected"]
+        if "prompt" not in self.mapping and self.data_format == "conversational":
+            if not extract_prompt(chosen, rejected)[0]:
+                self.fail(i, "chosen", "shares no leading message with `rejected`, so there is no prompt")
+        if chosen == rejected:
+            raise DataValidationError(
+                f"{self.source} row {i}: `{self.mapping['chosen']}` is identical to `{self.mapping['rejected']}`"
+            )
+
     def __call__(self, i: int, row: dict) -> dict:
         if self.data_format == "conversational" and self.tokenizer is None:
             raise DataValidationError(f"{self.source} is conversational and needs a tokenizer with a chat template")

@@ -31,6 +31,27 @@ from rlhf_core.data.rows import (
 from rlhf_core.data.sources import first_rows, read_source
 
 
+def read_table(spec: DatasetSpec, kind: Kind, *, field: str, resolved_path: str | None = None):
+    """`spec` read as a `datasets.Dataset` in its source's columns, before any row is converted or checked.
+    -> (ds, source for messages, pipeline column -> source column, 'standard' or 'conversational')
+
+    A missing column is refused here; `spec.limit` applies. `field` and `resolved_path` as in `load_table`.
+    """
+    path = resolved_path or spec.path
+    ds, source, file_fmt = read_source(spec, path, field)
+    mapping = layout(kind, spec, ds.column_names)
+    missing = [src for src in mapping.values() if src not in ds.column_names]
+    if missing:
+        raise DataValidationError(
+            f"{source} has no column `{missing[0]}` (columns are {ds.column_names}); map it with {field}.columns "
+            f"(accepted formats: {ACCEPTED[kind]})"
+        )
+    if spec.limit is not None and len(ds) > spec.limit:
+        ds = ds.select(range(spec.limit))
+    data_format = table_format(spec, ds, mapping, source, file_fmt) if len(ds) else "standard"
+    return ds, source, mapping, data_format
+
+
 def load_table(
     spec: DatasetSpec,
     kind: Kind,
@@ -50,18 +71,7 @@ def load_table(
     `field` is the config field the spec came from, for error messages; `resolved_path` replaces
     `spec.path` (used for 'demo', which the caller resolves to the demo world's file).
     """
-    path = resolved_path or spec.path
-    ds, source, file_fmt = read_source(spec, path, field)
-    mapping = layout(kind, spec, ds.column_names)
-    missing = [src for src in mapping.values() if src not in ds.column_names]
-    if missing:
-        raise DataValidationError(
-            f"{source} has no column `{missing[0]}` (columns are {ds.column_names}); map it with {field}.columns "
-            f"(accepted formats: {ACCEPTED[kind]})"
-        )
-    if spec.limit is not None and len(ds) > spec.limit:
-        ds = ds.select(range(spec.limit))
-    data_format = table_format(spec, ds, mapping, source, file_fmt) if len(ds) else "standard"
+    ds, source, mapping, data_format = read_table(spec, kind, field=field, resolved_path=resolved_path)
     if data_format == "standard" and mapping == required_columns(kind, spec):
         if kind != "prompt":  # prompt tables keep their other columns: GRPO reward functions receive them
             ds = ds.select_columns(list(mapping.values()))
@@ -85,6 +95,27 @@ def load_table(
         names["text"] = f"{mapping['prompt']}` + `{mapping['completion']}"
     validate_rows(out, kind, source=source, source_columns=names)
     return out
+
+
+def count_checked_rows(spec: DatasetSpec, kind: Kind, *, field: str, tokenizer=None, chat_template_kwargs=None) -> int:
+    """The rows of `spec`, each checked as `load_table` checks it; the first bad one raises its sentence.
+
+    With a tokenizer this is `load_table`. Without one (the demo's, which the data stage builds), a standard
+    table is still `load_table`, and a conversational one has every row's values checked as converting it
+    checks them (`RowConverter.check`: messages well formed, answers not empty, chosen not rejected), without
+    the chat template, which only the tokenizer has.
+    """
+    if tokenizer is not None:
+        return len(load_table(spec, kind, field=field, tokenizer=tokenizer, chat_template_kwargs=chat_template_kwargs))
+    ds, source, mapping, data_format = read_table(spec, kind, field=field)
+    if data_format == "standard":
+        return len(load_table(spec, kind, field=field))
+    if len(ds) == 0:
+        raise DataValidationError(f"{source} has no rows")
+    convert = RowConverter(kind, mapping, data_format, source, None, {})
+    for i, row in enumerate(iter_rows(ds), start=1):
+        convert.check(i, row)
+    return len(ds)
 
 
 def _token_lengths(tokenizer, texts: list[str]) -> list[int]:

@@ -22,7 +22,7 @@ from rlhf_core.demo.world import DemoWorld, build_demo_world
 from rlhf_core.models.loading import ModelSourceError, check_source, generation_config_of, model_tokenizer, run_stop_ids
 from rlhf_core.rollout.tools import require_tool_template
 from tasks import registry, tracking
-from tasks.lengths import context_words, measure_table
+from tasks.lengths import check_prompt_count, context_words, measure_table
 from tasks.reporting.identity import StageIdentity
 from tasks.reporting.progress import publish_table
 from tasks.reporting.reporter import StageReporter
@@ -49,16 +49,6 @@ class PreparedData:
         """One fingerprint over every table, for lineage tags."""
         blob = json.dumps(self.fingerprints, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
-
-
-def check_prompt_count(cfg: PipelineConfig, report: dict) -> None:
-    """Refuse, before SFT, a prompt set smaller than one RL step (PPO would index past it, GRPO train on less)."""
-    needed, fields = cfg.prompts_per_step()
-    if report["kept"] < needed:
-        raise DataValidationError(
-            f"data.prompts: {report['source']} has {report['kept']} usable prompts, fewer than the {needed} one RL "
-            f"step takes ({fields}); lower {fields.split()[0]} or add prompts"
-        )
 
 
 def demo_path(world: DemoWorld, kind: Kind, spec: DatasetSpec) -> str:
@@ -185,7 +175,7 @@ def data_stage(cfg: PipelineConfig, parent_run_id: str) -> PreparedData:
             reporter.log({f"data/{name}/rows": lengths.kept, f"data/{name}/overlong": lengths.over}, 0)
         get_run_logger().info(length_table(measured, {}, context_words(cfg)))
         for report in (r for r in reports if r["table"] == "prompts"):
-            check_prompt_count(cfg, report)
+            check_prompt_count(cfg, report["kept"], report["source"])
         tables = {r["table"]: r.pop("path") for r in reports}
         publish_table(
             "data-report",

@@ -1,6 +1,7 @@
 """The `rlhf` command: what each command prints, and how an error ends it (a user's: one sentence, exit 2;
 a bug: its traceback and a hint, exit 1)."""
 
+import json
 import os
 import subprocess
 import sys
@@ -155,3 +156,61 @@ def test_the_promotion_verdict_is_one_line():
         "rlhf-policy version 3 vs champion 2: promoted; score 0.5 > 0.4"
     )
     assert promotion_line({**result, "changed": False, "reason": "r"}).endswith("promoted (nothing changed); r")
+
+
+def three_mistakes(tmp_path: Path) -> dict[str, tuple[list[str], str]]:
+    """A config typo, an empty answer in row 8 of a preference file, and a PPO batch larger than the prompt set:
+    each as `--set` arguments and the sentence it is refused with."""
+    rows = [{"prompt": f"p{i}", "chosen": "" if i == 8 else f"good {i}", "rejected": f"bad {i}"} for i in range(1, 11)]
+    prefs = tmp_path / "prefs.jsonl"
+    prefs.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return {
+        "typo": (["rl.batchsize=4"], "error: unknown config field `rl.batchsize` (did you mean `rl.batch_size`?)"),
+        "empty answer": ([f"data.preference.path={prefs}"], f"error: {prefs} row 8 column `chosen` is empty"),
+        "batch": (
+            ["rl.batch_size=64"],
+            "error: data.prompts: the demo world (data.demo.num_train_prompts) has 32 usable prompts, fewer than "
+            "the 64 one RL step takes (rl.batch_size); lower rl.batch_size or add prompts",
+        ),
+    }
+
+
+def arguments(command: str, sets: list[str], out: Path) -> list[str]:
+    return [command, "--config", SMOKE, "--set", f"run.output_dir={out}", *(a for s in sets for a in ("--set", s))]
+
+
+@pytest.mark.parametrize("mistake", ["typo", "empty answer", "batch"])
+def test_validate_refuses_the_three_mistakes_in_one_sentence_with_nothing_written(capsys, tmp_path, mistake):
+    sets, sentence = three_mistakes(tmp_path)[mistake]
+    assert main(arguments("validate", sets, tmp_path / "out")) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(sentence) and err.count("\n") == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["prefs.jsonl"]
+
+
+@pytest.mark.slow  # a process of its own: the imports it counts are the command's, not the test session's
+def test_run_refuses_the_three_mistakes_as_validate_does_before_importing_the_pipeline(tmp_path):
+    """`rlhf run` checks the config and every data row before it imports Prefect, MLflow, torch or the pipeline
+    (so before any server starts): the same sentences as `rlhf validate`, exit 2, nothing written."""
+    mistakes = three_mistakes(tmp_path)
+    calls = {name: arguments("run", sets, tmp_path / "out") for name, (sets, _) in mistakes.items()}
+    script = (
+        "import contextlib, io, json, sys\n"
+        "from flows.cli import main\n"
+        "done = {}\n"
+        f"for name, argv in {calls!r}.items():\n"
+        "    err = io.StringIO()\n"
+        "    with contextlib.redirect_stderr(err):\n"
+        "        done[name] = (main(argv), err.getvalue())\n"
+        "heavy = ('prefect', 'mlflow', 'torch', 'transformers', 'flows.rlhf_pipeline', 'matplotlib')\n"
+        "print(json.dumps({'done': done, 'imported': [m for m in heavy if m in sys.modules]}))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    ran = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert ran.returncode == 0, ran.stderr
+    report = json.loads(ran.stdout)
+    assert report["imported"] == []
+    for name, (_, sentence) in mistakes.items():
+        code, err = report["done"][name]
+        assert code == 2 and err.startswith(sentence) and err.count("\n") == 1, (name, err)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["prefs.jsonl"]

@@ -11,7 +11,7 @@ from accelerate.commands.config.config_args import load_config_from_file
 from pydantic import ValidationError
 
 from rlhf_core.config import DEMO, DataConfig, DatasetSpec, DemoModelConfig, PipelineConfig, RunConfig
-from rlhf_core.config.run_model_data import accelerate_strategy
+from rlhf_core.config.run_model_data import DemoWorldConfig, accelerate_strategy
 
 REPO = Path(__file__).resolve().parents[3]
 ACCELERATE = REPO / "configs" / "accelerate"
@@ -81,3 +81,11 @@ def test_accelerate_config_errors_name_the_field_and_file(tmp_path):
     fsdp1.write_text("distributed_type: FSDP\nfsdp_config: {fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP}\n")
     with pytest.raises(ValueError, match="FSDP version 1"):
         PipelineConfig.model_validate({"run": {"accelerate_config": str(fsdp1)}})
+
+
+def test_the_demo_worlds_prompt_count_is_bounded_by_its_config_and_the_limit():
+    demo = DemoWorldConfig(num_train_prompts=32, num_eval_prompts=8)
+    assert demo.prompt_rows(DatasetSpec()) == (32, "data.demo.num_train_prompts")
+    assert demo.prompt_rows(DatasetSpec(split="test")) == (8, "data.demo.num_eval_prompts")
+    assert demo.prompt_rows(DatasetSpec(limit=10)) == (10, "data.demo.num_train_prompts and its limit")
+    assert demo.prompt_rows(DatasetSpec(limit=100)) == (32, "data.demo.num_train_prompts")

@@ -6,9 +6,9 @@ import pytest
 
 from rlhf_core.config import ColumnMap, DatasetSpec
 from rlhf_core.data.rows import DataValidationError
-from rlhf_core.data.tables import apply_length_policy, fingerprint_rows, load_table
+from rlhf_core.data.tables import apply_length_policy, count_checked_rows, fingerprint_rows, load_table
 from rlhf_core.models.loading import load_tokenizer
-from tests.fixtures.tables import CHATML_PROMPT, GOOD, USER, load, write_jsonl
+from tests.fixtures.tables import BYE, CHATML_PROMPT, GOOD, HELLO, USER, load, write_jsonl
 
 
 def test_limit(tmp_path):
@@ -105,3 +105,39 @@ def test_read_rows_gives_back_what_save_table_wrote(tmp_path):
     path = save_table(datasets.Dataset.from_list(GOOD), tmp_path / "t" / "prefs.jsonl")
     assert read_rows(path) == GOOD and read_column(path, "chosen") == [r["chosen"] for r in GOOD]
     assert not path.with_suffix(".jsonl.tmp").exists()
+
+
+EMPTY = [{"role": "assistant", "content": " "}]
+CONVERSATIONAL = [{"prompt": USER, "chosen": HELLO, "rejected": BYE}] * 3
+
+
+@pytest.mark.parametrize(
+    "rows",
+    [
+        GOOD[:2] + [{**GOOD[2], "chosen": "  "}],  # standard: an empty answer
+        CONVERSATIONAL[:2] + [{"prompt": USER, "chosen": EMPTY, "rejected": BYE}],  # an empty last message
+        CONVERSATIONAL[:1] + [{"prompt": USER, "chosen": [{"content": "Hello"}], "rejected": BYE}],  # no role
+        CONVERSATIONAL[:2] + [{"prompt": USER, "chosen": HELLO, "rejected": HELLO}],  # chosen is rejected
+        [{"chosen": USER + HELLO, "rejected": USER + BYE}, {"chosen": HELLO, "rejected": BYE}],  # no shared prompt
+    ],
+    ids=["standard-empty", "conversational-empty", "no-role", "identical", "implicit-without-prompt"],
+)
+def test_rows_checked_without_a_tokenizer_are_refused_in_the_sentence_of_the_templated_load(
+    tmp_path, chat_tokenizer, rows
+):
+    """`rlhf run` checks every row before the demo's tokenizer exists: the same row, the same sentence."""
+    spec = DatasetSpec(path=str(write_jsonl(tmp_path / "p.jsonl", rows)))
+    with pytest.raises(DataValidationError) as templated:
+        load_table(spec, "preference", field="data.preference", tokenizer=chat_tokenizer)
+    with pytest.raises(DataValidationError) as checked:
+        count_checked_rows(spec, "preference", field="data.preference")
+    assert str(checked.value) == str(templated.value)
+    assert f"row {len(rows)}" in str(checked.value)
+
+
+@pytest.mark.parametrize("rows", [GOOD, CONVERSATIONAL, [{"chosen": USER + HELLO, "rejected": USER + BYE}] * 4])
+def test_a_good_table_counts_the_rows_the_templated_load_keeps(tmp_path, chat_tokenizer, rows):
+    spec = DatasetSpec(path=str(write_jsonl(tmp_path / "p.jsonl", rows)), limit=2)
+    loaded = load_table(spec, "preference", field="data.preference", tokenizer=chat_tokenizer)
+    assert count_checked_rows(spec, "preference", field="data.preference") == len(loaded) == 2
+    assert count_checked_rows(spec, "preference", field="data.preference", tokenizer=chat_tokenizer) == 2
