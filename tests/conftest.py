@@ -82,8 +82,9 @@ def smoke_world(tmp_path_factory) -> DemoWorld:
 
 @pytest.fixture(scope="session")
 def prefect_harness():
-    """A temporary Prefect server and database for flow tests (started once per session)."""
-    from prefect.testing.utilities import prefect_test_harness
+    """A temporary Prefect server for flow tests, started once per session (per pytest worker) on a copy of the
+    run's migrated database (tests/fixtures/prefect_db.py)."""
+    from tests.fixtures.prefect_db import premigrated_harness
 
-    with prefect_test_harness(server_startup_timeout=180):
+    with premigrated_harness(server_startup_timeout=180):
         yield

@@ -37,6 +37,8 @@ from rlhf_core.rollout.engines import LoopEngine, engine_weights
 from rlhf_core.rollout.sampling import SamplingSettings
 
 CLOSE_TIMEOUT_S = 30.0
+# what a generator process needs before its first job, imported once by the forkserver it forks from
+PRELOAD = ("rlhf_core.rollout.ahead", "transformers.modeling_utils")
 
 
 class GeneratorError(RuntimeError):
@@ -164,15 +166,29 @@ class ThreadGenerator:
         self.pool.shutdown(wait=True, cancel_futures=True)
 
 
+def generator_context():
+    """How generator processes start: from a forkserver that imported torch, transformers and this module once
+    (`PRELOAD`), so that the first generator of a process pays for those imports (seconds) and every later one
+    (a rollback's, a resume's, the next test's) forks in milliseconds; spawn where the platform has no
+    forkserver. Never a plain fork: the trainer holds threads (torch's, the generator's reader). A generator's
+    parent is then the forkserver, but `next_job` watches the trainer, which `parent_process()` names under
+    both methods."""
+    import torch.multiprocessing as mp
+
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(list(PRELOAD))  # read when the forkserver starts (the first generator)
+    return context
+
+
 class ProcessGenerator:
-    """Our decode loop in a spawned process with its own copy of `policy` (LoRA merged), on `device`, with
+    """Our decode loop in a process of its own (`generator_context`) with its own copy of `policy` (LoRA merged), on `device`, with
     `threads` torch threads. Weights travel through `slots` places in shared memory, jobs and answers through
     queues; a reader thread here resolves the futures, and fails them all if the process dies."""
 
     def __init__(self, policy, spec: SamplingSpec, slots: int, *, device="cpu", threads: int = 1):
-        import torch.multiprocessing as mp
-
-        context = mp.get_context("spawn")
+        context = generator_context()
         state = engine_weights(policy)
         self.places = [{k: v.clone().share_memory_() for k, v in state.items()} for _ in range(slots)]
         self.versions = context.Array("q", [-1] * slots, lock=False)  # each place's version

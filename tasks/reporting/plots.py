@@ -7,11 +7,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
 
 @dataclass(frozen=True)
 class Line:
@@ -23,6 +18,17 @@ class Line:
     dashed: bool = False
 
 
+def pyplot():
+    """matplotlib's pyplot, drawing off-screen (Agg); imported at the first figure, not with this module: most
+    processes that import the reporters (a launched stage's ranks, the CLI) never draw one."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def curve_figure(history: dict[str, list[tuple[int, float]]], title: str):
     """One panel per metric name: value against step."""
     return lines_figure({name: [Line(points)] for name, points in history.items()}, title)
@@ -30,7 +36,7 @@ def curve_figure(history: dict[str, list[tuple[int, float]]], title: str):
 
 def lines_figure(panels: dict[str, list[Line]], title: str):
     """One panel per name, each `Line` of it drawn against step (a legend when a line is labelled)."""
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.2), squeeze=False)
+    fig, axes = pyplot().subplots(1, len(panels), figsize=(4.5 * len(panels), 3.2), squeeze=False)
     for ax, (name, lines) in zip(axes[0], panels.items()):
         for line in lines:
             steps, values = zip(*line.points) if line.points else ((), ())
@@ -47,4 +53,4 @@ def lines_figure(panels: dict[str, list[Line]], title: str):
 
 
 def close(fig) -> None:
-    plt.close(fig)
+    pyplot().close(fig)

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from tasks.servers import wait_healthy
+from tests.fixtures.prefect_db import NO_MIGRATION, database_copy
 from tests.fixtures.servers import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -74,7 +75,8 @@ def team(tmp_path_factory):
             "PREFECT_HOME": str(root / "prefect-home"),
             "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
             "PREFECT_UI_ENABLED": "false",
-            "PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{root / 'prefect.db'}",
+            "PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{database_copy(root)}",  # migrated
+            **NO_MIGRATION,
             "HF_HUB_OFFLINE": "1",
             "HF_DATASETS_OFFLINE": "1",
             "TOKENIZERS_PARALLELISM": "false",

@@ -100,6 +100,11 @@ def test_the_example_configs_validate_with_local_stand_ins_for_the_hub(team, exa
     tables = yaml.safe_load(config.read_text())["data"]
     local = [f"model.base={yaml.safe_load(config.read_text())['model']['base']}"]
     local += [f"data.{name}.path={spec['path']}" for name, spec in tables.items()]
+    # as many prompts as one RL step of the example takes (rl.batch_size x run.num_processes: 512 for multi-gpu),
+    # which `rlhf validate` checks as the data stage does: the stand-in's 32 prompts, repeated
+    prompts = Path(tables["prompts"]["path"]).read_text()
+    (root / "data" / "many-prompts.jsonl").write_text(prompts * 16)
+    local.append(f"data.prompts.path={root / 'data' / 'many-prompts.jsonl'}")
     assert (
         main(
             [

@@ -138,7 +138,7 @@ def test_data_paths_exist_and_their_first_rows_parse(tmp_path, capsys, rows, fie
 def test_a_glob_matching_nothing_and_a_renamed_column(tmp_path, capsys):
     code, err = cli("validate", tmp_path, capsys, f"data.prompts.path={tmp_path}/prefs/*.jsonl")
     assert_one_sentence(code, err, f"data.prompts.path: the glob {tmp_path}/prefs/*.jsonl matches no", tmp_path)
-    write_jsonl(tmp_path / "q.jsonl", [{"question": "hi"}])
+    write_jsonl(tmp_path / "q.jsonl", [{"question": f"hi {i}"} for i in range(8)])  # one PPO step's prompts
     code, err = cli(
         "validate",
         tmp_path,

@@ -209,3 +209,24 @@ def test_a_trainer_killed_with_sigkill_takes_its_generator_process_with_it(smoke
         raise AssertionError("the generator process outlived its trainer by 30 s")
     finally:
         trainer.kill()
+
+
+def parent_of(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def test_generators_fork_from_one_forkserver_that_imported_the_decode_loop_once(parts, generator):
+    """A second generator (a rollback's, a resume's) is forked from the same forkserver as the first, whose
+    command line names the modules it imported once for all of them."""
+    later = ProcessGenerator(parts[0], parts[3], 1)
+    try:
+        later.publish(parts[0], 0)
+        later.submit(job(parts, 0)).result(timeout=120)
+        server = parent_of(generator.process.pid)
+        assert parent_of(later.process.pid) == server != os.getpid()
+        command = Path(f"/proc/{server}/cmdline").read_bytes().decode()
+        assert "multiprocessing.forkserver" in command
+        assert "'rlhf_core.rollout.ahead', 'transformers.modeling_utils'" in command
+    finally:
+        later.close()
+    assert not later.process.is_alive()
