@@ -48,8 +48,17 @@ REPO = Path(__file__).resolve().parents[1]
 SMOKE = REPO / "configs" / "smoke.yaml"
 
 
+# fixtures that start a server: a test that uses one is in the slow tier (docs/development.md#test-tiers)
+SERVER_FIXTURES = {"prefect_harness"}
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m "not slow"` deselects by the marks
 def pytest_collection_modifyitems(config, items):
-    """In a pytest-xdist worker (`make test`): the longest files first (tests/fixtures/workers.py)."""
+    """A test that uses a server fixture is marked `slow`; in a pytest-xdist worker (`make test`) the longest files
+    go first (tests/fixtures/workers.py)."""
+    for item in items:
+        if SERVER_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
     if hasattr(config, "workerinput"):
         longest_first(items)
 

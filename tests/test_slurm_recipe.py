@@ -21,6 +21,7 @@ SCRIPT = REPO / "deployments" / "slurm" / "rlhf-ray.sbatch"
 NODES = ("n1", "n2")
 IPS = {"n1": "198.51.100.1", "n2": "198.51.100.2"}  # documentation addresses: only written, never reached
 HEAD = "198.51.100.1:6379"
+pytestmark = pytest.mark.slow  # bash runs the job script and its stand-ins: processes of their own
 
 STUBS = {
     # srun: runs the command on the node -w names, or once on every node of the job

@@ -88,6 +88,7 @@ def test_a_bare_value_error_of_our_own_code_is_a_bug_not_the_users(capsys, monke
     assert "error:" not in capsys.readouterr().err
 
 
+@pytest.mark.slow  # a Python process of its own
 def test_a_bug_exits_1_with_its_traceback_and_a_hint(tmp_path):
     script = (
         "import sys, flows.cli as cli\n"

@@ -10,7 +10,7 @@ from rlhf_core.storage.ownership import MARKER, OwnershipError, read_marker
 from tests.fixtures.user_files import filled, tree_hash
 
 SMOKE = str(Path(__file__).resolve().parents[2] / "configs" / "smoke.yaml")
-pytestmark = [pytest.mark.filterwarnings("ignore")]
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore")]
 
 
 def refused(overrides: list[str], field: str, what: str) -> str:

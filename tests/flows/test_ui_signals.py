@@ -181,6 +181,7 @@ def test_the_first_signal_interrupts_and_later_ones_are_ignored():
     stopper.on_signal(signal.SIGINT, None)
 
 
+@pytest.mark.slow  # a process of its own
 def test_a_signal_while_a_process_starts_is_raised_once_it_is_recorded(monkeypatch):
     stopper = Stopper()
     real_popen = subprocess.Popen

@@ -131,6 +131,7 @@ def test_a_slow_engine_samples_stale_batches_and_none_of_them_reaches_the_loss(t
     assert logs[-1]["async/dropped_batches"] >= len(stale) and logs[-1]["async/staleness_max"] == 1
 
 
+@pytest.mark.slow  # a generator process
 def test_our_loop_ahead_is_reproducible_resumes_from_the_trained_steps_and_leaves_no_process(tmp_path, smoke_world):
     rollout = RolloutConfig(max_staleness=1)
     prompts = {"a": {}, "c": {}, "resumed": {}}

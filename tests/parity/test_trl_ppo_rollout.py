@@ -27,7 +27,7 @@ from tests.parity.trl_ppo_common import (
     trl112_dir,
 )
 
-pytestmark = pytest.mark.usefixtures("report_max_diffs")
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("report_max_diffs")]  # TRL 1.12 runs in a process of its own
 
 
 def test_trl_112_is_installed_apart():

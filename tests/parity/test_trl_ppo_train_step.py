@@ -25,7 +25,7 @@ from tests.parity.trl_ppo_common import (
     trl_way,
 )
 
-pytestmark = pytest.mark.usefixtures("report_max_diffs")
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("report_max_diffs")]  # TRL 1.12 runs in a process of its own
 
 
 def prompt_text(ids: list[int]) -> str:

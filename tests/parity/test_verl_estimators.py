@@ -62,7 +62,10 @@ from tests.parity.verl_common import (
 
 CASE_IDS = [c.name for c in CASES]
 KL_CASES = [c for c in CASES if c.beta]
-pytestmark = pytest.mark.usefixtures("report_max_diffs")  # conftest.py: the largest difference per comparison
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.usefixtures("report_max_diffs"),
+]  # verl runs in a process of its own; conftest.py: the largest difference per comparison
 
 
 @pytest.fixture(scope="module")

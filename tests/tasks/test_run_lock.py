@@ -16,7 +16,7 @@ from rlhf_core.config import load_config
 from tasks import tracking
 from tasks.run_lock import HOLDER_FILE, RunLockedError, read_holder, run_lock, terminate_on_sigterm
 
-pytestmark = pytest.mark.filterwarnings("ignore")
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore")]  # processes of their own, killed
 
 WORKER = Path(__file__).with_name("lock_worker.py")
 REPO = Path(__file__).resolve().parents[2]

@@ -179,6 +179,7 @@ def test_temperature_zero_with_sampling_is_greedy(served):
     assert greedy == zero and greedy[0] == 200
 
 
+@pytest.mark.slow  # a Python process of its own
 def test_the_version_holds_its_loader_which_imports_nothing_of_this_repository(tmp_path):
     source = build_family("gpt2", tmp_path / "sources")
     version = save(source, tmp_path / "v")

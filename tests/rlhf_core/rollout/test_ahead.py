@@ -65,6 +65,7 @@ def perturbed(policy):
     return other
 
 
+@pytest.mark.slow  # a generator process
 def test_the_process_samples_what_our_loop_samples_with_the_same_weights_and_seed(parts, generator):
     policy = parts[0]
     generator.publish(policy, 0)
@@ -76,6 +77,7 @@ def test_the_process_samples_what_our_loop_samples_with_the_same_weights_and_see
     torch.testing.assert_close(made.sampled.behaviour, logp, rtol=0, atol=1e-5)  # the behaviour log-probs
 
 
+@pytest.mark.slow  # a generator process
 def test_each_job_is_sampled_by_the_version_it_names_and_a_replaced_one_is_refused(parts, generator):
     policy = parts[0]
     other = perturbed(policy)
@@ -90,6 +92,7 @@ def test_each_job_is_sampled_by_the_version_it_names_and_a_replaced_one_is_refus
         generator.submit(job(parts, 0, step=5)).result(timeout=60)
 
 
+@pytest.mark.slow  # a generator process
 def test_a_killed_process_fails_what_it_owed_and_close_leaves_nothing(parts):
     generator = ProcessGenerator(parts[0], parts[3], 1)
     generator.publish(parts[0], 0)
@@ -101,6 +104,7 @@ def test_a_killed_process_fails_what_it_owed_and_close_leaves_nothing(parts):
     assert not generator.process.is_alive() and not generator.reader.is_alive()
 
 
+@pytest.mark.slow  # a generator process
 def test_cancel_drops_queued_jobs_unanswered(parts, generator):
     generator.publish(parts[0], 0)
     futures = [generator.submit(job(parts, 0, seed=s)) for s in range(4)]
@@ -186,6 +190,7 @@ def running(pid: int) -> bool:
         return False
 
 
+@pytest.mark.slow  # a generator process
 def test_a_trainer_killed_with_sigkill_takes_its_generator_process_with_it(smoke_world, tmp_path):
     import subprocess
     import sys
@@ -215,6 +220,7 @@ def parent_of(pid: int) -> int:
     return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
 
 
+@pytest.mark.slow  # a generator process
 def test_generators_fork_from_one_forkserver_that_imported_the_decode_loop_once(parts, generator):
     """A second generator (a rollback's, a resume's) is forked from the same forkserver as the first, whose
     command line names the modules it imported once for all of them."""

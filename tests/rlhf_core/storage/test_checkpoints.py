@@ -207,6 +207,7 @@ def test_a_truncated_newest_checkpoint_is_skipped_with_a_warning_naming_it(tmp_p
     assert bad.is_dir() and good.is_dir()  # nothing is deleted: the user may want to look at them
 
 
+@pytest.mark.slow  # a training process, killed
 def test_reward_training_resumes_from_the_previous_good_checkpoint(tmp_path, smoke_world, caplog):
     tokenizer = load_tokenizer(str(smoke_world.tokenizer))
     rows = world_rows(smoke_world, "preference", "train")[:64]

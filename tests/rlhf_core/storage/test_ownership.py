@@ -114,6 +114,7 @@ def test_pipeline_check_names_inputs_from_the_config_and_marks_the_run_dir(tmp_p
     assert read_marker(tmp_path / "out") == marker
 
 
+@pytest.mark.slow  # a process, killed
 def test_orphan_temporaries_of_a_killed_run_are_removed_and_nothing_else(tmp_path):
     orphan = tmp_path / ".checkpoint-4-abc123"
     (orphan / "policy").mkdir(parents=True)
@@ -133,6 +134,7 @@ def test_orphan_temporaries_of_a_killed_run_are_removed_and_nothing_else(tmp_pat
     assert not orphan.exists() and live.is_dir() and hidden_file.is_file() and tree_hash(foreign) == kept
 
 
+@pytest.mark.slow  # a process, killed
 def test_a_save_killed_between_its_two_renames_gets_the_previous_directory_back(tmp_path):
     # atomic_dir moved the previous export aside, then the run died before the new one was renamed in
     previous = tmp_path / "export"

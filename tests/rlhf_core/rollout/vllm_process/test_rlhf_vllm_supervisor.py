@@ -10,9 +10,12 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from rlhf_core.rollout.vllm_server import SUPERVISOR, group_alive
 
 
+@pytest.mark.slow  # processes of its own
 def test_the_supervisor_stops_its_command_when_the_owner_is_killed(tmp_path):
     """The owner (here a short Python process) starts the supervisor as VllmServer does, then dies by SIGKILL;
     the supervised command and the process it started (vLLM's engine, here a sleep) go within seconds."""
