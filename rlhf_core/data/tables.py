@@ -97,16 +97,13 @@ def load_table(
     return out
 
 
-def count_checked_rows(spec: DatasetSpec, kind: Kind, *, field: str, tokenizer=None, chat_template_kwargs=None) -> int:
-    """The rows of `spec`, each checked as `load_table` checks it; the first bad one raises its sentence.
-
-    With a tokenizer this is `load_table`. Without one (the demo's, which the data stage builds), a standard
-    table is still `load_table`, and a conversational one has every row's values checked as converting it
-    checks them (`RowConverter.check`: messages well formed, answers not empty, chosen not rejected), without
-    the chat template, which only the tokenizer has.
+def count_checked_rows(spec: DatasetSpec, kind: Kind, *, field: str) -> int:
+    """The rows of `spec`, each checked as `load_table` checks it, when no tokenizer is at hand (the demo's, which
+    the data stage builds); the first bad row raises its sentence. A standard table is `load_table`'s; a
+    conversational one has every row's values checked as converting it checks them (`RowConverter.check`:
+    messages well formed, answers not empty, chosen not rejected), without the chat template, which only the
+    tokenizer has. With a tokenizer, `load_table` itself counts and checks.
     """
-    if tokenizer is not None:
-        return len(load_table(spec, kind, field=field, tokenizer=tokenizer, chat_template_kwargs=chat_template_kwargs))
     ds, source, mapping, data_format = read_table(spec, kind, field=field)
     if data_format == "standard":
         return len(load_table(spec, kind, field=field))

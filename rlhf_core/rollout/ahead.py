@@ -183,9 +183,9 @@ def generator_context():
 
 
 class ProcessGenerator:
-    """Our decode loop in a process of its own (`generator_context`) with its own copy of `policy` (LoRA merged), on `device`, with
-    `threads` torch threads. Weights travel through `slots` places in shared memory, jobs and answers through
-    queues; a reader thread here resolves the futures, and fails them all if the process dies."""
+    """Our decode loop in a process of its own (`generator_context`) with its own copy of `policy` (LoRA merged), on
+    `device`, with `threads` torch threads. Weights travel through `slots` places in shared memory, jobs and answers
+    through queues; a reader thread here resolves the futures, and fails them all if the process dies."""
 
     def __init__(self, policy, spec: SamplingSpec, slots: int, *, device="cpu", threads: int = 1):
         context = generator_context()

@@ -88,6 +88,12 @@ def test_a_bare_value_error_of_our_own_code_is_a_bug_not_the_users(capsys, monke
     assert "error:" not in capsys.readouterr().err
 
 
+def python_script(script: str, cwd: Path) -> subprocess.CompletedProcess:
+    """`script` run by this interpreter in a process of its own, this repository importable; its output captured."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, "-c", script], cwd=cwd, env=env, capture_output=True, text=True)
+
+
 @pytest.mark.slow  # a Python process of its own
 def test_a_bug_exits_1_with_its_traceback_and_a_hint(tmp_path):
     script = (
@@ -96,8 +102,7 @@ def test_a_bug_exits_1_with_its_traceback_and_a_hint(tmp_path):
         "cli.COMMANDS['fields'] = lambda args, overrides: pass_at_k(1, 2, 1)\n"
         "sys.exit(cli.main(['fields']))\n"
     )
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True)
+    done = python_script(script, tmp_path)
     assert done.returncode == 1
     lines = done.stderr.strip().splitlines()
     assert lines[0].startswith("Traceback") and any("rlhf_core/evaluation/verifiable.py" in line for line in lines)
@@ -206,8 +211,7 @@ def test_run_refuses_the_three_mistakes_as_validate_does_before_importing_the_pi
         "heavy = ('prefect', 'mlflow', 'torch', 'transformers', 'flows.rlhf_pipeline', 'matplotlib')\n"
         "print(json.dumps({'done': done, 'imported': [m for m in heavy if m in sys.modules]}))\n"
     )
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    ran = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True)
+    ran = python_script(script, tmp_path)
     assert ran.returncode == 0, ran.stderr
     report = json.loads(ran.stdout)
     assert report["imported"] == []

@@ -140,4 +140,3 @@ def test_a_good_table_counts_the_rows_the_templated_load_keeps(tmp_path, chat_to
     spec = DatasetSpec(path=str(write_jsonl(tmp_path / "p.jsonl", rows)), limit=2)
     loaded = load_table(spec, "preference", field="data.preference", tokenizer=chat_tokenizer)
     assert count_checked_rows(spec, "preference", field="data.preference") == len(loaded) == 2
-    assert count_checked_rows(spec, "preference", field="data.preference", tokenizer=chat_tokenizer) == 2
