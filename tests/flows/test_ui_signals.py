@@ -9,6 +9,7 @@ running when the signal comes."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -43,10 +44,25 @@ def make_ui(tmp_path: Path, mlflow_port: int, prefect_port: int) -> subprocess.P
     ]
     command = ["make", "--no-print-directory", "-f", str(REPO / "Makefile"), "-o", "venv", "ui"]
     command += [f"VENV={VENV}", f"UI_ARGS={' '.join(ui_args)}"]
-    with (tmp_path / "make.log").open("w") as log:
+    with (tmp_path / "make.log").open("w") as log, interruptible():
         return subprocess.Popen(
             command, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
+
+
+@contextlib.contextmanager
+def interruptible():
+    """SIGINT handled (not ignored) in this process while a child starts, so that the child starts with SIGINT's
+    default action, as a terminal's foreground job does. A test run started as a background job of a shell
+    ignores SIGINT, every process below it inherits that, and `rlhf ui` keeps a signal ignored from its start
+    ignored (as `nohup` means it): Ctrl-C would then stop nothing."""
+    previous = signal.getsignal(signal.SIGINT)
+    if previous == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def proc_stat(pid: int) -> tuple[str, int, int] | None:
@@ -154,11 +170,16 @@ def test_make_ui_stops_both_servers_and_the_run(tmp_path, case):
             assert make.poll() is None  # each arrives while `rlhf ui` stops the run and the servers
             os.killpg(make.pid, signum)
             time.sleep(0.5)
-        code = make.wait(timeout=STOP_S)
+        try:
+            code = make.wait(timeout=STOP_S)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"make did not exit within {STOP_S} s of the signal\n{(tmp_path / 'make.log').read_text()}")
         stopped_s = time.monotonic() - sent
     finally:
-        if make.poll() is None:
-            os.killpg(make.pid, signal.SIGKILL)
+        if make.poll() is None:  # and what `rlhf ui` did not stop: its servers and the run, each in a group of its own
+            for group in (make.pid, *descendants(make.pid)):
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(group, signal.SIGKILL)
     log = (tmp_path / "make.log").read_text()
     left = [pid for pid, start in started.items() if alive(pid, start)]
     assert not left, f"left running: {left}\n{log}"
