@@ -88,17 +88,18 @@ def check_tables(cfg: PipelineConfig) -> str:
     DataValidationError, one sentence), and the prompt count against one RL step (the demo world's from its
     config); -> the token-length table `rlhf validate` prints. Nothing is downloaded or written. Without a local
     tokenizer the rows are checked but not measured, and the table says why."""
-    tokenizer, no_tokenizer = local_tokenizer(cfg)
-    skipped: dict[str, str] = {}
-    measured: list[TableLengths] = []
-    usable: dict[str, int] = {}
-    for name, field_name, spec, kind in cfg.data_tables():
-        if why := _not_here(spec):
-            skipped[name] = why
-            continue
-        import datasets  # here, not above: a config of the demo world's tables answers without it (seconds)
+    tables = cfg.data_tables()
+    skipped = {name: why for name, _, spec, _ in tables if (why := _not_here(spec))}
+    if len(skipped) < len(tables):  # a local table to read (a config of the demo world's answers without datasets)
+        import datasets
 
         datasets.disable_progress_bars()  # a bar per table read would bury the table printed after them
+    tokenizer, no_tokenizer = local_tokenizer(cfg)
+    measured: list[TableLengths] = []
+    usable: dict[str, int] = {}
+    for name, field_name, spec, kind in tables:
+        if name in skipped:
+            continue
         if tokenizer is None:
             skipped[name] = f"rows checked, not measured: {no_tokenizer}"
             usable[name] = count_checked_rows(spec, kind, field=field_name)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.fixtures.prefect_db import NO_MIGRATION, database_copy
+from tests.fixtures.prefect_db import premigrated_home
 from tests.fixtures.servers import MLFLOW_ENV, free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -23,9 +23,8 @@ pytestmark = pytest.mark.slow
 
 def ui_process(tmp_path: Path, *args: str) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k not in MLFLOW_ENV and not k.startswith("PREFECT_API_")}
-    env.update(PREFECT_HOME=str(tmp_path / "prefect"), PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
-    database_copy(tmp_path / "prefect")  # the server's default database there, already migrated
-    env.update(NO_MIGRATION)
+    # PREFECT_HOME's default database already migrated
+    env.update(PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1", **premigrated_home(tmp_path / "prefect"))
     command = [sys.executable, "-m", "flows.cli", "ui", "--config", str(REPO / "configs" / "smoke.yaml"), *args]
     command += ["--set", f"run.output_dir={tmp_path / 'out'}"]
     return subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from flows.ui import Stopper
-from tests.fixtures.prefect_db import NO_MIGRATION, database_copy
+from tests.fixtures.prefect_db import premigrated_home
 from tests.fixtures.servers import MLFLOW_ENV, free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -35,9 +35,7 @@ STOP_S = 45  # make's exit after the signal: the run stopped (it ends its MLflow
 def make_ui(tmp_path: Path, mlflow_port: int, prefect_port: int) -> subprocess.Popen:
     """`make ui` in a process group of its own, as a shell starts a job, its output in tmp_path/make.log."""
     env = {k: v for k, v in os.environ.items() if k not in MLFLOW_ENV and not k.startswith("PREFECT_API_")}
-    env.update(PREFECT_HOME=str(tmp_path / "prefect"), PYTHONUNBUFFERED="1")
-    database_copy(tmp_path / "prefect")  # the server's default database there, already migrated
-    env.update(NO_MIGRATION)
+    env.update(PYTHONUNBUFFERED="1", **premigrated_home(tmp_path / "prefect"))  # its database already migrated
     ui_args = [
         f"--mlflow-port {mlflow_port} --prefect-port {prefect_port} --config {REPO / 'configs' / 'smoke.yaml'}",
         f"--set run.output_dir={tmp_path / 'out'} --set sft.max_steps=100000 --set sft.log_steps=1000",

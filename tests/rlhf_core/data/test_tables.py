@@ -111,6 +111,20 @@ EMPTY = [{"role": "assistant", "content": " "}]
 CONVERSATIONAL = [{"prompt": USER, "chosen": HELLO, "rejected": BYE}] * 3
 
 
+TEMPLATED = ["qwen2.5", "qwen2.5-instruct", "llama-3-instruct"]  # the real-shape families with a chat template
+
+
+@pytest.fixture(scope="module")
+def family_tokenizers(tmp_path_factory):
+    """The four real-shape fixture tokenizers (tests/fixtures/real_shapes.py): pad == eos, two stop ids, a
+    tokenizer-added BOS with Llama 3's template, GPT-2's without pad or template."""
+    from tests.fixtures.real_shapes import FAMILIES, build_family
+
+    root = tmp_path_factory.mktemp("families")
+    return {name: load_tokenizer(str(build_family(name, root))) for name in FAMILIES}
+
+
+@pytest.mark.parametrize("name", TEMPLATED)
 @pytest.mark.parametrize(
     "rows",
     [
@@ -123,20 +137,35 @@ CONVERSATIONAL = [{"prompt": USER, "chosen": HELLO, "rejected": BYE}] * 3
     ids=["standard-empty", "conversational-empty", "no-role", "identical", "implicit-without-prompt"],
 )
 def test_rows_checked_without_a_tokenizer_are_refused_in_the_sentence_of_the_templated_load(
-    tmp_path, chat_tokenizer, rows
+    tmp_path, family_tokenizers, name, rows
 ):
-    """`rlhf run` checks every row before the demo's tokenizer exists: the same row, the same sentence."""
+    """`rlhf run` checks every row before the demo's tokenizer exists: the same row, the same sentence as the
+    load templated by each real-shape family's chat template."""
     spec = DatasetSpec(path=str(write_jsonl(tmp_path / "p.jsonl", rows)))
     with pytest.raises(DataValidationError) as templated:
-        load_table(spec, "preference", field="data.preference", tokenizer=chat_tokenizer)
+        load_table(spec, "preference", field="data.preference", tokenizer=family_tokenizers[name])
     with pytest.raises(DataValidationError) as checked:
         count_checked_rows(spec, "preference", field="data.preference")
     assert str(checked.value) == str(templated.value)
     assert f"row {len(rows)}" in str(checked.value)
 
 
+@pytest.mark.parametrize("name", TEMPLATED)
 @pytest.mark.parametrize("rows", [GOOD, CONVERSATIONAL, [{"chosen": USER + HELLO, "rejected": USER + BYE}] * 4])
-def test_a_good_table_counts_the_rows_the_templated_load_keeps(tmp_path, chat_tokenizer, rows):
+def test_a_good_table_counts_the_rows_the_templated_load_keeps(tmp_path, family_tokenizers, name, rows):
     spec = DatasetSpec(path=str(write_jsonl(tmp_path / "p.jsonl", rows)), limit=2)
-    loaded = load_table(spec, "preference", field="data.preference", tokenizer=chat_tokenizer)
+    loaded = load_table(spec, "preference", field="data.preference", tokenizer=family_tokenizers[name])
     assert count_checked_rows(spec, "preference", field="data.preference") == len(loaded) == 2
+
+
+def test_a_standard_table_is_checked_alike_with_gpt2s_tokenizer_and_without_one(tmp_path, family_tokenizers):
+    """GPT-2's shape (no pad, no chat template) reads plain rows: the same count, the same refusal."""
+    spec = DatasetSpec(path=str(write_jsonl(tmp_path / "p.jsonl", GOOD)))
+    assert count_checked_rows(spec, "preference", field="data.preference") == 3
+    assert len(load_table(spec, "preference", field="data.preference", tokenizer=family_tokenizers["gpt2"])) == 3
+    bad = DatasetSpec(path=str(write_jsonl(tmp_path / "q.jsonl", GOOD[:1] + [{**GOOD[1], "rejected": ""}])))
+    with pytest.raises(DataValidationError, match="row 2 column `rejected` is empty") as checked:
+        count_checked_rows(bad, "preference", field="data.preference")
+    with pytest.raises(DataValidationError) as templated:
+        load_table(bad, "preference", field="data.preference", tokenizer=family_tokenizers["gpt2"])
+    assert str(checked.value) == str(templated.value)
