@@ -116,25 +116,25 @@ bench: venv
 # configs/demo.yaml on seeds 1-5 for PPO and GRPO, two runs at a time, one line per run: gold gain, eval KL,
 # length and distinct-2 against the SFT policy, guard triggers and rollbacks, the reward model's length bias
 demo-seeds: venv
-	$(OFFLINE) $(BIN)/python bench/demo_seeds.py
+	$(OFFLINE) $(BIN)/python -m bench.studies.demo_seeds
 
 # configs/rlvr.yaml on 3 seeds beside its continued-SFT control (docs/rlvr.md): bench/results/rlvr.md
 rlvr: venv
-	$(OFFLINE) $(BIN)/python bench/rlvr.py
+	$(OFFLINE) $(BIN)/python -m bench.studies.rlvr
 
 # configs/tools.yaml on 3 seeds beside GRPO without the tool (docs/tools.md): bench/results/tools.md
 tools: venv
-	$(OFFLINE) $(BIN)/python bench/tools.py
+	$(OFFLINE) $(BIN)/python -m bench.studies.tool_use
 
 # configs/tools.yaml on 3 seeds with rollout.max_staleness 0, 1 and 2, one after the other (docs/async-rollouts.md):
 # seconds per RL step and held-out accuracy, bench/results/async_rollouts.md. Run nothing beside it
 async-rollouts: venv
-	$(OFFLINE) $(BIN)/python bench/async_rollouts.py
+	$(OFFLINE) $(BIN)/python -m bench.studies.async_rollouts
 
 # configs/demo.yaml's GRPO with the in-process reward model, then with the same model behind `mlflow models serve`
 # (docs/served-rewards.md): rewards and weights compared, seconds per step, latency. Run nothing beside it
 served-rewards: venv
-	$(OFFLINE) $(BIN)/python bench/served_rewards.py
+	$(OFFLINE) $(BIN)/python -m bench.studies.served_rewards
 
 # The container image (Dockerfile, docs/image.md): this project with its `ray` extra at pyproject.toml's version,
 # built by the first of podman, docker and buildah found (BUILDER=... names one). DEVICE=cuda: the CUDA variant,

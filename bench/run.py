@@ -1,4 +1,4 @@
-"""Run every bench/bench_*.py, collect their JSON results into bench/results.json and results.md.
+"""Run every benchmark of bench/timing/, collect their JSON results into bench/results.json and results.md.
 
 Each benchmark measures our code and its anchor in the same process, on identical work, and reports
 ratios: absolute seconds on a shared machine mean little, ratios measured side by side do.
@@ -16,21 +16,44 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 PACKAGES = ("torch", "transformers", "accelerate", "prefect", "mlflow")
+# each row of results.json and the module of bench/timing/ that measures it, in the order they run
+BENCHMARKS = {
+    "async": "async_vs_sync",
+    "demo": "demo_gold_gain",
+    "engines": "hf_engine_vs_vllm",
+    "generate": "generate_vs_transformers",
+    "grpo": "grpo_vs_trl",
+    "overhead": "flow_vs_bare_loops",
+    "ppo": "ppo_vs_trl",
+    "ray": "ray_vs_torchrun",
+    "reward": "reward_model_vs_trl",
+    "rloo": "rloo_vs_trl",
+    "scaling": "scaling_vs_trl",
+    "sft": "sft_vs_trainer",
+}
 
 
 def main(selected: list[str]) -> int:
+    if {"-h", "--help", "--list"} & set(selected):
+        print("usage: bench/run.py [NAME ...] (every row, or the rows named, keeping the others); the rows:")
+        print("\n".join(f"  {name}: bench/timing/{module}.py" for name, module in BENCHMARKS.items()))
+        return 0
+    unknown = [name for name in selected if name not in BENCHMARKS]
+    if unknown:
+        print(f"unknown benchmarks: {', '.join(unknown)} (the rows: {', '.join(BENCHMARKS)})", file=sys.stderr)
+        return 2
     previous = HERE / "results.json"
     # a partial run (`bench/run.py reward`) updates its rows and keeps the others
     results = json.loads(previous.read_text())["results"] if selected and previous.is_file() else {}
     failed = []
-    for script in sorted(HERE.glob("bench_*.py")):
-        name = script.stem.removeprefix("bench_")
+    for name, module in BENCHMARKS.items():
         if selected and name not in selected:
             continue
         out = HERE / "results" / f"{name}.json"
         out.parent.mkdir(exist_ok=True)
         print(f"== {name}", flush=True)
-        proc = subprocess.run([sys.executable, str(script), "--out", str(out)], cwd=HERE.parent)
+        command = [sys.executable, "-m", f"bench.timing.{module}", "--out", str(out)]
+        proc = subprocess.run(command, cwd=HERE.parent)
         if proc.returncode != 0 or not out.is_file():
             failed.append(name)
             continue

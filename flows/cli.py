@@ -123,8 +123,8 @@ def checked_config(config_path: str, overrides: list[str]):
     -> (the config, the token-length table of `rlhf validate`). Light: no Prefect, MLflow or training code is
     imported, so `rlhf run` refuses a mistake in seconds, before any server starts."""
     from rlhf_core.storage.ownership import check_pipeline_outputs
-    from tasks.lengths import check_tables
-    from tasks.preflight import check_preflight
+    from tasks.checks.lengths import check_tables
+    from tasks.checks.preflight import check_preflight
 
     cfg = load_config(config_path, overrides)
     check_preflight(cfg)

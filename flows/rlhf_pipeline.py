@@ -31,16 +31,16 @@ from rlhf_core.evaluation.promotion import alignment_markdown, eval_kl
 from rlhf_core.storage.ownership import check_pipeline_outputs
 from rlhf_core.training.parallel import use_cpu_threads
 from tasks import registry, tracking
-from tasks.preflight import check_preflight
+from tasks.checks.preflight import check_preflight
 from tasks.reporting.progress import publish_markdown
-from tasks.run_lock import run_lock, terminate_on_sigterm
+from tasks.runtime.run_lock import run_lock, terminate_on_sigterm
 from tasks.stage_io import Checkpoint
 from tasks.stages.data import PreparedData, data_stage
-from tasks.stages.eval_rows import load_eval_history
 from tasks.stages.export import CANDIDATE, export_stage
 from tasks.stages.initialization import init_stage
 from tasks.stages.reward_model import reward_stage
-from tasks.stages.rl import rl_stage
+from tasks.stages.rl.eval_rows import load_eval_history
+from tasks.stages.rl.stage import rl_stage
 from tasks.stages.sft import sft_stage
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import IO
 
 from rlhf_core.config.errors import UserError
-from tasks.servers import stop_group, wait_healthy
+from tasks.runtime.server_processes import stop_group, wait_healthy
 
 BIN = Path(sys.executable).parent
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)

@@ -1,8 +1,11 @@
-"""The tests mirror the source: one test module per rlhf_core module (pure code tested without a flow).
+"""The tests mirror the source: one test module per rlhf_core module (pure code tested without a flow), and the
+tests of tasks in the folder of what they test.
 
 rlhf_core/<package>/<module>.py is tested in tests/rlhf_core/<package>/test_<module>.py (rlhf_core/rl_math.py in
-tests/rlhf_core/test_rl_math.py). Cross-module tests live in tests/integration/ and tests/distributed/, tasks in
-tests/tasks/, flows (end to end) in tests/flows/.
+tests/rlhf_core/test_rl_math.py). A test of tasks/<package>/ sits in tests/tasks/<package>/ (a stage's runs in the
+pipeline beside its task: tests/tasks/stages/rl/ for the RL stage), sharing tests/tasks/conftest.py's `cfg`.
+Cross-module tests live in tests/integration/ and tests/distributed/, the pipeline flow, the CLI, promotion,
+retraining and the UI (end to end) in tests/flows/.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 SOURCE = REPO / "rlhf_core"
 TESTS = REPO / "tests" / "rlhf_core"
+TASK_TESTS = REPO / "tests" / "tasks"
 
 # modules without a test module of their own, each with the reason
 EXEMPT = {
@@ -53,3 +57,12 @@ def test_every_test_module_names_a_source_module():
 def test_the_exemptions_are_still_needed():
     stale = [m for m in EXEMPT if "/" in m and not (SOURCE / m).is_file()]
     assert not stale, f"exempted modules that no longer exist: {stale}"
+
+
+def test_every_tasks_test_sits_in_a_folder_of_tasks():
+    strays = sorted(
+        str(p.relative_to(REPO))
+        for p in TASK_TESTS.rglob("test_*.py")
+        if not (REPO / "tasks" / p.parent.relative_to(TASK_TESTS)).is_dir()
+    )
+    assert not strays, f"tests/tasks modules in a folder that tasks/ does not have: {strays}"

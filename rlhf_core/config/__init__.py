@@ -10,9 +10,9 @@ Split by concern, everything importable from here:
 - ``run_model_data``: the run, model and data sections (and what an accelerate launch file asks for); ``training``: the optimizer settings, SFT,
   reward, init, RL, PPO and GRPO sections; ``pipeline``: eval, export, promote, tracking, registry and
   ``PipelineConfig`` with its derived values; ``cross_checks``: the checks across sections, in the order they fire;
-- ``rollout``: the rollout engine (our decode loop or a vLLM server) and its correction;
+- ``rollout``: the rollout engine (our decode loop or a vLLM server) and the correction of either;
 - ``rewards``: the reward sources of the GRPO family (in-process or served); ``redaction``: secrets out of logs and parameters;
-- ``loading``: YAML, ``--set`` overrides, validation; ``errors``: ``UserError`` (what a user causes: the CLI
+- ``loading``: YAML, ``--set`` overrides, validation, the old names of settings that moved; ``errors``: ``UserError`` (what a user causes: the CLI
   prints its sentence and exits 2), one-sentence messages and hints;
 - ``reference``: docs/configuration.md, the configuration reference, rendered from the field descriptions.
 """
@@ -38,7 +38,7 @@ from rlhf_core.config.pipeline import (
     TrackingConfig,
 )
 from rlhf_core.config.rewards import RewardSource
-from rlhf_core.config.rollout import RolloutConfig, VllmSettings
+from rlhf_core.config.rollout import CorrectionConfig, RolloutConfig, VllmSettings
 from rlhf_core.config.run_model_data import (
     ColumnMap,
     DataConfig,
@@ -98,6 +98,7 @@ __all__ = [
     "LoraSettings",
     "ModelConfig",
     "RunConfig",
+    "CorrectionConfig",
     "RolloutConfig",
     "VllmSettings",
     "GROUP_ALGORITHMS",

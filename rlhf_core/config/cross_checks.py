@@ -115,16 +115,17 @@ def group_batch_field(grpo: GRPOConfig) -> str:
 def check_group_family(
     rl: RLConfig, grpo: GRPOConfig, lora_enabled: bool, run: RunConfig, strategy: str | None
 ) -> None:
-    """The grpo.* checks for a group algorithm; for PPO, no dynamic sampling (it samples no groups)."""
+    """The grpo.* checks for a group algorithm; PPO reads no grpo.* field, and is refused the two that would change
+    what it samples (dynamic sampling: it samples no groups; tools)."""
     if rl.algorithm in GROUP_ALGORITHMS:
         check_group_fields(rl, grpo)
         check_generation_batch(rl, grpo)
         check_group_rewards(rl, grpo)
         check_sync_ref_model(grpo, lora_enabled, run, strategy)
-    elif rl.dynamic_sampling.enabled:
+    elif grpo.dynamic_sampling.enabled:
         raise ValueError(
-            f"rl.dynamic_sampling drops groups of completions, which rl.algorithm {rl.algorithm!r} does not "
-            f"sample; use one of {', '.join(GROUP_ALGORITHMS)} or turn rl.dynamic_sampling.enabled off"
+            f"grpo.dynamic_sampling drops groups of completions, which rl.algorithm {rl.algorithm!r} does not "
+            f"sample; use one of {', '.join(GROUP_ALGORITHMS)} or turn grpo.dynamic_sampling.enabled off"
         )
     elif grpo.uses_tools:
         raise ValueError(
@@ -225,24 +226,22 @@ def check_eval_columns(
 # the rollout engine ------------------------------------------------------------------------
 
 
-def check_rollout_engine(rl: RLConfig, rollout: RolloutConfig, run: RunConfig) -> None:
+def check_rollout_engine(rl: RLConfig, grpo: GRPOConfig, rollout: RolloutConfig, run: RunConfig) -> None:
     """The correction's bounds in order; rloo's loss is one ratio per sequence, so its correction is per sequence;
     generation ahead only where it is built (`check_ahead`)."""
-    v = rollout.vllm
-    if v.correction_min is not None and v.correction_cap is not None and v.correction_min > v.correction_cap:
+    c = rollout.correction
+    if c.min is not None and c.cap is not None and c.min > c.cap:
+        raise ValueError(f"rollout.correction.min {c.min} must not exceed rollout.correction.cap {c.cap}")
+    if rollout.off_policy and rl.algorithm == "rloo" and c.mode.startswith("token"):
         raise ValueError(
-            f"rollout.vllm.correction_min {v.correction_min} must not exceed rollout.vllm.correction_cap {v.correction_cap}"
-        )
-    if rollout.off_policy and rl.algorithm == "rloo" and v.correction.startswith("token"):
-        raise ValueError(
-            f"rollout.vllm.correction {v.correction!r} weighs tokens, but rloo's loss has one ratio per sequence; "
+            f"rollout.correction.mode {c.mode!r} weighs tokens, but rloo's loss has one ratio per sequence; "
             "use sequence_truncate, sequence_mask or none"
         )
     if rollout.max_staleness:
-        check_ahead(rl, rollout, run)
+        check_ahead(rl, grpo, rollout, run)
 
 
-def check_ahead(rl: RLConfig, rollout: RolloutConfig, run: RunConfig) -> None:
+def check_ahead(rl: RLConfig, grpo: GRPOConfig, rollout: RolloutConfig, run: RunConfig) -> None:
     """rollout.max_staleness > 0 runs the GRPO family in one process, without dynamic sampling's extra rounds or
     evaluations on the engine (both would sample beside the generator)."""
     k = f"rollout.max_staleness {rollout.max_staleness}"
@@ -250,9 +249,9 @@ def check_ahead(rl: RLConfig, rollout: RolloutConfig, run: RunConfig) -> None:
         raise ValueError(f"{k} runs generation ahead for the GRPO family; rl.algorithm {rl.algorithm!r} needs 0")
     if run.num_processes > 1:
         raise ValueError(f"{k} runs in one process; set run.num_processes to 1 or rollout.max_staleness to 0")
-    if rl.dynamic_sampling.enabled:
+    if grpo.dynamic_sampling.enabled:
         raise ValueError(
-            f"{k} samples each step's groups ahead, so rl.dynamic_sampling cannot refill them; turn one off"
+            f"{k} samples each step's groups ahead, so grpo.dynamic_sampling cannot refill them; turn one off"
         )
     if rollout.engine == "vllm" and rollout.vllm.evaluate:
         raise ValueError(f"{k} keeps the vLLM server busy ahead of training; set rollout.vllm.evaluate to false")

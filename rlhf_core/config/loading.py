@@ -1,8 +1,11 @@
-"""Reading a config: YAML file, `--set a.b=value` overrides, validation into a `PipelineConfig`."""
+"""Reading a config: YAML file, `--set a.b=value` overrides, validation into a `PipelineConfig`; the settings that
+moved to another section (`MOVED_FIELDS`) read under their old names, which the run names once."""
 
 from __future__ import annotations
 
+import functools
 import json
+import logging
 import re
 from pathlib import Path
 from typing import Any
@@ -72,7 +75,20 @@ def validate_config(raw: dict[str, Any]) -> PipelineConfig:
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> PipelineConfig:
-    """Read a YAML config (or the defaults with no path), apply overrides, validate."""
+    """Read a YAML config (or the defaults with no path), apply overrides, validate. Settings that moved
+    (`MOVED_FIELDS`) are read under their old names too, said once (`tell_moved`)."""
+    raw = read_config_file(path)
+    overrides = list(overrides or [])
+    moved = moved_fields(raw, f"config file {path}")
+    overrides, moved_by_set = moved_overrides(overrides)
+    raw = apply_overrides(raw, overrides)
+    tell_moved(moved, str(path))
+    tell_moved(moved_by_set + moved_fields(raw, "the --set overrides"), "your --set overrides")
+    return validate_config(raw)
+
+
+def read_config_file(path: str | Path | None) -> dict[str, Any]:
+    """The sections a YAML config file holds ({} with no path), or a ConfigError naming what is wrong with it."""
     raw: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
@@ -86,7 +102,87 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"config file {path} is not valid YAML{where}") from None
         if not isinstance(raw, dict):
             raise ConfigError(f"config file {path} must hold a mapping of sections, not a {type(raw).__name__}")
-    return validate_config(apply_overrides(raw, list(overrides or [])))
+    return raw
+
+
+# settings that moved to the section where they apply: old path -> new path. A config (or an older run's resolved
+# dump) that names an old path is read as the new one, and the run says so once.
+MOVED_FIELDS = {
+    "rollout.vllm.correction": "rollout.correction.mode",
+    "rollout.vllm.correction_cap": "rollout.correction.cap",
+    "rollout.vllm.correction_min": "rollout.correction.min",
+    "rl.dynamic_sampling": "grpo.dynamic_sampling",
+}
+
+
+def _section(raw: dict[str, Any], parts: list[str], create: bool = False) -> dict[str, Any] | None:
+    node: Any = raw
+    for part in parts:
+        node = node.setdefault(part, {}) if create else node.get(part)
+        if not isinstance(node, dict):
+            return None  # absent, or a value where a section goes (validation names it)
+    return node
+
+
+def moved_fields(raw: dict[str, Any], where: str) -> list[str]:
+    """Move each old path `raw` holds to its new one, in place; -> the old paths moved. Both set: a ConfigError."""
+    moved = []
+    for old, new in MOVED_FIELDS.items():
+        (*old_parents, old_key), (*new_parents, new_key) = old.split("."), new.split(".")
+        source = _section(raw, old_parents)
+        if source is None or old_key not in source:
+            continue
+        target = _section(raw, new_parents, create=True)
+        if target is None:
+            continue
+        if new_key in target:
+            raise ConfigError(
+                f"{old} and {new} are both set in {where}; {old} is the old name of {new}: keep only {new}"
+            )
+        target[new_key] = source.pop(old_key)
+        moved.append(old)
+    return moved
+
+
+def moved_overrides(overrides: list[str]) -> tuple[list[str], list[str]]:
+    """The overrides with each old path renamed (`rl.dynamic_sampling.enabled=true` ->
+    `grpo.dynamic_sampling.enabled=true`), and the old paths they named; both names of one setting: a ConfigError."""
+    keys = [text.partition("=")[0].strip() for text in overrides]
+    renamed, moved = [], []
+    for text, key in zip(overrides, keys, strict=True):
+        old = next((o for o in MOVED_FIELDS if _under(key, o)), None)
+        _, sep, value = text.partition("=")
+        if old is None or not sep:  # not moved, or not an override at all (parse_override names it)
+            renamed.append(text)
+            continue
+        new = MOVED_FIELDS[old]
+        if any(_under(k, new) for k in keys):
+            raise ConfigError(
+                f"{old} and {new} are both set in the --set overrides; {old} is the old name of {new}: keep only {new}"
+            )
+        renamed.append(f"{new}{key[len(old) :]}={value}")
+        moved.append(old)
+    return renamed, moved
+
+
+def _under(key: str, path: str) -> bool:
+    return key == path or key.startswith(f"{path}.")
+
+
+def tell_moved(old_paths: list[str], where: str) -> None:
+    """The one sentence that names the old paths a config used and their new ones; said once per process."""
+    if not old_paths:
+        return
+    pairs = ", ".join(f"{old} is now {MOVED_FIELDS[old]}" for old in dict.fromkeys(old_paths))
+    one = len(set(old_paths)) == 1
+    _say_once(f"config: {pairs} (read as {'that' if one else 'those'}; rename {'it' if one else 'them'} in {where})")
+
+
+@functools.cache
+def _say_once(sentence: str) -> None:
+    # `rlhf run` loads the config before its flow and the flow loads it again: the run says it once; workers get the
+    # validated config (the new names), so they have nothing to say
+    logging.getLogger(__name__).warning(sentence)
 
 
 # configs written before rlhf_core became packages (2026-11) name this module by its old path; they keep working

@@ -158,7 +158,7 @@ class PipelineConfig(Section):
         strategy = check_launcher(self.run, lora or self.reward.lora)
         check_group_family(rl, self.grpo, lora, self.run, strategy)
         check_nonfinite_skipping(self.run, strategy, rl, self.reward)
-        check_rollout_engine(rl, self.rollout, self.run)
+        check_rollout_engine(rl, self.grpo, self.rollout, self.run)
         check_init_policy(self.init, self.sft)
         check_eval_columns(self.metric_names(), self.verifier(), self.eval, self.guard, self.promote.metric)
         return self

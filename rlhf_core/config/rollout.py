@@ -1,6 +1,6 @@
 """The rollout engine section: which engine samples the RL stage's rollouts (`hf`, our decode loop, or `vllm`, a
-server apart), the vLLM server's settings, and the correction between the engine's numbers and the trainer's
-(docs/rollout-engines.md)."""
+server apart), the vLLM server's settings, and the correction between the behaviour policy's numbers (the engine's,
+or an older policy version's when generation runs ahead) and the trainer's (docs/rollout-engines.md)."""
 
 from __future__ import annotations
 
@@ -38,24 +38,12 @@ class VllmSettings(Section):
     )
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field(
         "float32",
-        description="The server's weights and activations: float32 on a CPU (here); bfloat16 on a GPU, where the correction below absorbs the gap to the trainer.",
+        description="The server's weights and activations: float32 on a CPU (here); bfloat16 on a GPU, where the correction (rollout.correction) absorbs the gap to the trainer.",
     )
     sync_every_steps: int = Field(
         1,
         ge=1,
-        description="RL steps between weight pushes to the server (the policy after the step's optimizer steps, LoRA merged, as safetensors in the stage's engine-weights/); between pushes the server samples from older weights and the correction weighs what that costs.",
-    )
-    correction: CorrectionName = Field(
-        "sequence_mask",
-        description="Truncated importance sampling between the engine's log-probs (the behaviour policy) and the trainer's (TRL's vllm_importance_sampling_mode): token_truncate, token_mask, sequence_truncate, sequence_mask (the default, as TRL), or none.",
-    )
-    correction_cap: float | None = Field(
-        3.0,
-        gt=0.0,
-        description="The ratio's upper bound: truncated above it (the *_truncate modes) or masked (the *_mask modes); TRL's vllm_importance_sampling_cap. null: none.",
-    )
-    correction_min: float | None = Field(
-        None, ge=0.0, description="The ratio's lower bound (the same way); null: none (TRL's default)."
+        description="RL steps between weight pushes to the server (the policy after the step's optimizer steps, LoRA merged, as safetensors in the stage's engine-weights/); between pushes the server samples from older weights and the correction (rollout.correction) weighs what that costs.",
     )
     evaluate: bool = Field(
         False,
@@ -70,16 +58,37 @@ class VllmSettings(Section):
         return Path(env) if env else REPOSITORY / ".venv-vllm" / "bin" / "python"
 
 
+class CorrectionConfig(Section):
+    """The truncated importance sampling between the behaviour policy and the trainer, for either engine."""
+
+    mode: CorrectionName = Field(
+        "sequence_mask",
+        description="Truncated importance sampling between the behaviour policy's log-probs and the trainer's, wherever they differ: the behaviour policy is the engine's (rollout.engine vllm), or the policy version a rollout sampled ahead was drawn from (rollout.max_staleness > 0, either engine). token_truncate, token_mask, sequence_truncate, sequence_mask (the default, as TRL's vllm_importance_sampling_mode), or none (the gap is logged, the loss left as it is). Unused by hf in step (the trainer samples itself).",
+    )
+    cap: float | None = Field(
+        3.0,
+        gt=0.0,
+        description="The ratio's upper bound: truncated above it (the *_truncate modes) or masked (the *_mask modes); TRL's vllm_importance_sampling_cap. null: none.",
+    )
+    min: float | None = Field(
+        None, ge=0.0, description="The ratio's lower bound (the same way); null: none (TRL's default)."
+    )
+
+
 class RolloutConfig(Section):
     engine: Literal["hf", "vllm"] = Field(
         "hf",
         description="What samples the RL stage's rollouts: hf (our decode loop in the trainer's process, the default) or vllm (a vLLM server apart, rollout.vllm.*).",
     )
     vllm: VllmSettings = Field(default_factory=VllmSettings, description="The vLLM engine (rollout.engine vllm).")
+    correction: CorrectionConfig = Field(
+        default_factory=CorrectionConfig,
+        description="The correction of the loss for a behaviour policy apart from the trainer's: the engine's, or an older policy version's (generation ahead).",
+    )
     max_staleness: int = Field(
         0,
         ge=0,
-        description="How many policy versions generation may run ahead of training (TRL's max_staleness, verl's staleness_threshold): with k > 0 the rollouts of steps t+1..t+k are sampled while step t trains, on a generator apart (vllm: its server, fed from a thread; hf: a process holding its own copy of the policy), and a batch sampled from weights more than k versions older than the step that trains on it is dropped and sampled again; the loss carries the correction rollout.vllm.correction* names. 0: each step samples with the weights it trains (the default). The GRPO family, one process (docs/async-rollouts.md).",
+        description="How many policy versions generation may run ahead of training (TRL's max_staleness, verl's staleness_threshold): with k > 0 the rollouts of steps t+1..t+k are sampled while step t trains, on a generator apart (vllm: its server, fed from a thread; hf: a process holding its own copy of the policy), and a batch sampled from weights more than k versions older than the step that trains on it is dropped and sampled again; the loss carries the correction rollout.correction names. 0: each step samples with the weights it trains (the default). The GRPO family, one process (docs/async-rollouts.md).",
     )
 
     @property
@@ -93,8 +102,8 @@ class RolloutConfig(Section):
         server runs."""
         if not self.off_policy:
             return {}
-        v = self.vllm
-        fields = {"engine": self.engine, "correction": [v.correction, v.correction_cap, v.correction_min]}
+        v, c = self.vllm, self.correction
+        fields = {"engine": self.engine, "correction": [c.mode, c.cap, c.min]}
         if self.engine == "vllm":
             fields |= {"dtype": v.dtype, "sync_every_steps": v.sync_every_steps, "evaluate": v.evaluate}
         if self.max_staleness:

@@ -97,7 +97,7 @@ Algorithm = Literal["ppo", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plu
 class DynamicSampling(Section):
     enabled: bool = Field(
         False,
-        description="Drop the groups whose reward has zero spread (they teach nothing) and sample more prompts until the generation batch is full (DAPO's dynamic sampling; GRPO family only).",
+        description="Drop the groups whose reward has zero spread (they teach nothing) and sample more prompts until the generation batch is full (DAPO's dynamic sampling; the GRPO family: refused for ppo).",
     )
     max_rounds: int = Field(
         3,
@@ -146,9 +146,6 @@ class RLConfig(OptimSettings):
     )
     save_steps: int = Field(50, ge=1, description="Checkpoint and register a policy version every this many steps.")
     log_steps: int = Field(1, ge=1, description="Log training metrics every this many steps.")
-    dynamic_sampling: DynamicSampling = Field(
-        default_factory=DynamicSampling, description="DAPO's dynamic sampling for the GRPO family."
-    )
     disable_dropout: bool = Field(
         True,
         description="Turn every dropout (LoRA's and attention's included) off in the trained policy and value models (TRL's default; frozen models run in eval mode anyway); false keeps them.",
@@ -286,6 +283,9 @@ class GRPOConfig(Section):
         0.6, ge=0.0, le=1.0, description="ref = alpha * policy + (1 - alpha) * ref at each sync."
     )
     ref_model_sync_steps: int = Field(512, ge=1, description="Optimizer steps between reference syncs.")
+    dynamic_sampling: DynamicSampling = Field(
+        default_factory=DynamicSampling, description="DAPO's dynamic sampling (any group algorithm)."
+    )
     rewards: list[RewardSource] = Field(
         default_factory=_default_grpo_rewards,
         min_length=1,
@@ -347,3 +347,11 @@ GROUP_FIELDS_FOR = {
     "reward_clip_range": ("rloo",),
     "gamma": ("reinforce_plus_plus",),
 }
+
+
+def keyed_sections(rl: RLConfig, ppo: PPOConfig, grpo: GRPOConfig) -> tuple[dict, dict]:
+    """(rl, the algorithm's section) as the RL stage's key dumps them: laid out as before dynamic_sampling moved from
+    rl to grpo (rl's dump with it, grpo's without), so that the runs before the move keep their keys and resume."""
+    section = ppo if rl.algorithm == "ppo" else grpo
+    moved = {"dynamic_sampling": grpo.dynamic_sampling.model_dump(mode="json")}
+    return rl.model_dump(mode="json") | moved, section.model_dump(mode="json", exclude=set(moved))

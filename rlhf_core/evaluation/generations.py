@@ -18,6 +18,8 @@ KL's median and p90. The caller turns rows into MLflow tables, Prefect artifacts
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -25,89 +27,117 @@ from rlhf_core.data.chat import assistant_messages, final_answer
 from rlhf_core.models.forward import logprobs_from_logits, response_logits, sequence_scores
 from rlhf_core.rewards.functions import accepts, call_scoring_function, completion_ids
 from rlhf_core.rl_math import exact_kl_per_token, kl_per_token
-from rlhf_core.rollout.collect import ToolRollout, collect_rollout, context_length, reference_context
-from rlhf_core.rollout.engines import RolloutEngine
+from rlhf_core.rollout.collect import (
+    Passes,
+    SamplingSpec,
+    ToolRollout,
+    context_length,
+    reference_context,
+    sample,
+    score_sampled,
+)
+from rlhf_core.rollout.engines import LoopEngine, RolloutEngine
 from rlhf_core.rollout.generation import decode_responses, left_pad, tokenize_prompts
 from rlhf_core.rollout.sampling import SamplingSettings
 from rlhf_core.rollout.tools import ToolUse
 from rlhf_core.storage.saving import is_peft
 
-SPREAD_COLUMNS = ("kl_exact",)  # columns whose median and p90 the summary adds (a mean alone hides the tail)
+SPREAD_COLUMNS = ("kl_exact",)
+NEITHER = Passes(
+    policy=False, reference=False
+)  # the KL is measured with both models' whole logits instead  # columns whose median and p90 the summary adds (a mean alone hides the tail)
+
+
+@dataclass(frozen=True)
+class EvalModels:
+    """What an evaluation reads: the policy that samples, the reference its KL is measured to (None: a PEFT
+    policy's disabled adapters, or, for a plain policy, no KL), the reward model that scores (None: no score)."""
+
+    policy: Any
+    tokenizer: Any
+    ref_model: Any = None
+    reward_model: Any = None
+
+
+@dataclass(frozen=True)
+class EvalPrompts:
+    """The prompts, with their message lists when they are conversational (metric functions then receive them,
+    and each completion as [{"role": "assistant", "content": text}], as GRPO's reward functions do: TRL's
+    convention) and their dataset's other columns (passed to metric functions as keyword arguments)."""
+
+    prompts: list[str]
+    messages: Sequence[list[dict]] | None = None
+    columns: dict[str, Sequence] | None = None
+
+    def repeated(self, n: int) -> EvalPrompts:
+        """Each prompt (and its messages and columns) n times in a row."""
+        return EvalPrompts(
+            [p for p in self.prompts for _ in range(n)],
+            [m for m in self.messages for _ in range(n)] if self.messages is not None else None,
+            {k: [v for v in values for _ in range(n)] for k, values in (self.columns or {}).items()},
+        )
+
+
+@dataclass(frozen=True)
+class EvalSampling:
+    """How an evaluation samples: `settings` (temperature, top-k, top-p, or greedy; the response length), the
+    prompt length, how many prompts per batch, what stops a response, and tool episodes (`tool_use`: each prompt an
+    episode, rendered with `template_kwargs`)."""
+
+    settings: SamplingSettings
+    max_prompt_length: int
+    batch_size: int
+    stop_token_ids: Sequence[int] = ()
+    tool_use: ToolUse | None = None
+    template_kwargs: dict | None = None
 
 
 @torch.no_grad()
 def evaluate_generations(
-    policy,
-    ref_model,
-    reward_model,
-    tokenizer,
-    prompts: list[str],
-    *,
-    response_length: int,
-    max_prompt_length: int,
+    models: EvalModels,
+    prompts: EvalPrompts,
+    sampling: EvalSampling,
     metrics: dict[str, object],
-    batch_size: int,
-    greedy: bool = False,
-    temperature: float = 1.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    stop_token_ids: Sequence[int] = (),
-    prompt_messages: Sequence[list[dict]] | None = None,
-    columns: dict[str, Sequence] | None = None,
+    *,
     device=None,
     engine: RolloutEngine | None = None,
     seed: int | None = None,
-    tool_use: ToolUse | None = None,
-    template_kwargs: dict | None = None,
 ) -> list[dict]:
-    """Rows of sampled (temperature, top_k, top_p; or greedy) completions of `prompts`, scored by the reward
-    model and `metrics`. The KL is of the policy's sampling distribution (logits / temperature) to the
-    reference's at the same temperature, on these samples: an estimate only when they are sampled.
+    """Rows of sampled completions of `prompts`, scored by the reward model and `metrics`. The KL is of the
+    policy's sampling distribution (logits / temperature) to the reference's at the same temperature, on these
+    samples: an estimate only when they are sampled.
 
-    `prompt_messages`: the prompts' message lists when they are conversational; metric functions then
-    receive them and each completion as [{"role": "assistant", "content": text}], as GRPO's reward
-    functions do (TRL's convention). `columns`: the prompts' other dataset columns, passed to the metric
-    functions as keyword arguments (TRL's convention), and `completion_ids` to those that take it. `engine`
+    Metric functions receive the prompts' columns as keywords, and `completion_ids` when they take it. `engine`
     samples (our decode loop when None); `seed`: the base seed of an engine's requests (the batch's offset added).
-    `tool_use`: each prompt is a tool episode (`rollout/episodes.py`); its row's completion is the transcript as
-    text, metric functions receive the transcript's messages, and the KL reads the model's tokens only."""
-    settings = SamplingSettings(
-        response_length=response_length, temperature=temperature, top_k=top_k, top_p=top_p, greedy=greedy
-    )
-    kl_temperature = 1.0 if greedy else temperature
+    With sampling.tool_use, each prompt is a tool episode (`rollout/episodes.py`); its row's completion is the
+    transcript as text, metric functions receive the transcript's messages, and the KL reads the model's tokens
+    only."""
+    policy, tokenizer, settings = models.policy, models.tokenizer, sampling.settings
+    kl_temperature = 1.0 if settings.greedy else settings.temperature
     was_training = policy.training
     policy.eval()
-    for model in (ref_model, reward_model):
+    for model in (models.ref_model, models.reward_model):
         if model is not None and device is not None:
             model.to(device)
-    scoring = (policy, ref_model, reward_model, tokenizer, metrics, prompt_messages, columns, kl_temperature)
+    tools = None
+    if sampling.tool_use is not None:
+        length = context_length(policy)
+        limits = (sampling.max_prompt_length, length, sampling.template_kwargs)
+        tools = ToolRollout(sampling.tool_use, tokenizer, [], *limits)
+    spec = SamplingSpec(settings, tokenizer.pad_token_id, tuple(sampling.stop_token_ids), tools=tools)
     rows: list[dict] = []
-    for start in range(0, len(prompts), batch_size):
-        chunk = prompts[start : start + batch_size]
-        query_ids, query_mask = left_pad(tokenize_prompts(tokenizer, chunk, max_prompt_length), tokenizer.pad_token_id)
+    for start in range(0, len(prompts.prompts), sampling.batch_size):
+        chunk = prompts.prompts[start : start + sampling.batch_size]
+        ids = tokenize_prompts(tokenizer, chunk, sampling.max_prompt_length)
+        query_ids, query_mask = left_pad(ids, tokenizer.pad_token_id)
         if device is not None:
             query_ids, query_mask = query_ids.to(device), query_mask.to(device)
-        batch = slice(start, start + batch_size)
-        tools = None
-        if tool_use is not None:
-            chunk_rows = _chunk_rows(chunk, prompt_messages, columns, batch)
-            length = context_length(policy)
-            tools = ToolRollout(tool_use, tokenizer, chunk_rows, max_prompt_length, length, template_kwargs)
-        rollout = collect_rollout(
-            policy,
-            None,
-            query_ids,
-            query_mask,
-            settings,
-            pad_token_id=tokenizer.pad_token_id,
-            stop_token_ids=stop_token_ids,
-            need_reference=False,
-            need_logprobs=False,
-            engine=engine,
-            seed=None if seed is None else seed + start,
-            tools=tools,
-        )
-        rows += _scored_rows(rollout, chunk, batch, scoring)
+        batch = slice(start, start + sampling.batch_size)
+        chunk_rows = _chunk_rows(chunk, prompts, batch) if tools is not None else None
+        batch_seed = None if seed is None else seed + start
+        sampled = sample(engine or LoopEngine(), policy, query_ids, query_mask, spec, seed=batch_seed, rows=chunk_rows)
+        rollout = score_sampled(policy, None, sampled, settings.temperature, NEITHER)
+        rows += _scored_rows(rollout, chunk, batch, (models, metrics, prompts, kl_temperature))
     policy.train(was_training)
     return rows
 
@@ -115,7 +145,9 @@ def evaluate_generations(
 def _scored_rows(rollout, chunk, batch: slice, scoring: tuple) -> list[dict]:
     """One batch's rows from its rollout: the KLs (over the model's tokens), the reward model's score, the
     metric functions' values (of the transcripts, for tool episodes)."""
-    policy, ref_model, reward_model, tokenizer, metrics, prompt_messages, columns, kl_temperature = scoring
+    models, metrics, prompts, kl_temperature = scoring
+    policy, ref_model, reward_model, tokenizer = models.policy, models.ref_model, models.reward_model, models.tokenizer
+    prompt_messages, columns = prompts.messages, prompts.columns
     args = (rollout.query_ids, rollout.query_mask, rollout.responses, rollout.resp_mask)
     kls = {}
     if ref_model is not None or is_peft(policy):  # the caller loads a reference even for GRPO with beta 0
@@ -165,13 +197,13 @@ def _metric_values(
     }
 
 
-def _chunk_rows(chunk, prompt_messages, columns, batch: slice) -> list[dict]:
+def _chunk_rows(chunk, prompts: EvalPrompts, batch: slice) -> list[dict]:
     """One batch's prompt rows as the pipeline holds them (prompt, messages, other columns): a tool episode's."""
     rows = [{"prompt": p} for p in chunk]
     for i, row in enumerate(rows):
-        if prompt_messages is not None:
-            row["prompt_messages"] = prompt_messages[batch][i]
-        row.update({k: list(v[batch])[i] for k, v in (columns or {}).items()})
+        if prompts.messages is not None:
+            row["prompt_messages"] = prompts.messages[batch][i]
+        row.update({k: list(v[batch])[i] for k, v in (prompts.columns or {}).items()})
     return rows
 
 

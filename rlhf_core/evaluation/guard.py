@@ -6,9 +6,10 @@ gamed) has learned to hack the reward model, not the task. Each rule of `guard` 
 `rlhf_core.config.GuardConfig`) compares the latest evaluation with the initial policy's (step 0) and
 with the evaluations before it; a breach is a `Trigger` with the rule's action: warn, stop or rollback.
 
-`GuardLedger` keeps the history (the summaries by step, the triggers and the rollbacks), decides which
-checkpoints passed every rule and which training attempt wrote a step, and is saved next to the checkpoints
-as JSON, so a resumed run keeps it.
+`GuardLedger` keeps the history (the summaries by step, the triggers and the rollbacks), gives the `Verdict` on
+each evaluation (`judge`: continue, stop or rollback, from the history and the rules), decides which checkpoints
+passed every rule and which training attempt wrote a step, and is saved next to the checkpoints as JSON, so a
+resumed run keeps it. Acting on a verdict (leaving the loop, setting checkpoints aside) is the RL stage's.
 """
 
 from __future__ import annotations
@@ -159,6 +160,32 @@ def strongest(triggers: list[Trigger]) -> Trigger | None:
     return max(triggers, key=lambda t: SEVERITY[t.action], default=None)
 
 
+@dataclass(frozen=True)
+class Verdict:
+    """The guard's verdict on the evaluation of `step`: the rules it broke, and what training does next (`action`):
+    'continue' when none was broken or only rules whose action is warn, else the strongest breach's, 'stop' or
+    'rollback'."""
+
+    step: int
+    triggers: tuple[Trigger, ...] = ()
+
+    @property
+    def breach(self) -> Trigger | None:
+        """The broken rule whose action goes furthest; None when none was broken."""
+        return strongest(list(self.triggers))
+
+    @property
+    def action(self) -> str:
+        breach = self.breach
+        return "continue" if breach is None or breach.action == "warn" else breach.action
+
+    def ending(self) -> GuardBreach | None:
+        """What leaves the training loop on this verdict: GuardStop or GuardRollback, None to continue."""
+        if self.action == "continue":
+            return None
+        return (GuardStop if self.action == "stop" else GuardRollback)(self.breach)
+
+
 @dataclass
 class GuardLedger:
     """Evaluations by step and their breaches (of the current branch: a rollback abandons what came after the
@@ -188,8 +215,9 @@ class GuardLedger:
                 attempt = rollback.attempt + 1
         return attempt
 
-    def observe(self, step: int, summary: dict[str, float], guard: GuardConfig, gold: str | None) -> list[Trigger]:
-        """Record the evaluation at `step` (its ratios to the initial one added) and return its breaches."""
+    def judge(self, step: int, summary: dict[str, float], guard: GuardConfig, gold: str | None) -> Verdict:
+        """Record the evaluation at `step` (its ratios to the initial one added) and give the guard's verdict: its
+        breaches of the rules against the history so far."""
         # a rollback re-runs steps: evaluations after `step` belong to the abandoned branch
         self.evals = {s: v for s, v in self.evals.items() if s < step}
         initial = self.evals.get(0, summary)
@@ -197,7 +225,7 @@ class GuardLedger:
         found = check(sorted(self.evals.items()), guard, gold)
         self.triggers = [t for t in self.triggers if t.step < step] + found
         self.all_triggers += found
-        return found
+        return Verdict(step, tuple(found))
 
     def rolled_back(self, rollback: Rollback) -> None:
         """Forget the evaluations and breaches after the rollback's `to_step` (they will be run again), count

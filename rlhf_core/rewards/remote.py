@@ -2,7 +2,7 @@
 concurrency limit, each with a timeout, retried with doubling back-off on what passes (connection refused,
 reset or broken mid-answer, a timeout, HTTP 408, 429 and 5xx; a 429's Retry-After is honoured), and counted: requests, retries, failures,
 parse failures, dropped groups and latency percentiles (`SourceStats`). What could not be scored comes back as
-`Unscored` with its reason; the source's failure policy decides what it becomes (`rlhf_core/rewards/served.py`).
+`Unscored` with its reason; the source's failure policy decides what it becomes (`rlhf_core/rewards/remote_scorers.py`).
 
 Credentials come from environment variables the config names (`credential_headers`); their values are sent and
 never kept anywhere else: no error, metric or log line carries a header."""

@@ -9,6 +9,7 @@ so re-running after a crash resumes from the last one and reaches the same weigh
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -20,14 +21,13 @@ from rlhf_core.data.chat import encode
 from rlhf_core.models.card import write_model_card
 from rlhf_core.models.forward import head_per_token
 from rlhf_core.training.loop import (
+    NO_HOOKS,
     Cadence,
+    Hooks,
     LoopCallbacks,
     LoopMetrics,
     LoopResult,
     LoopSettings,
-    OnCheckpoint,
-    OnLog,
-    OnStep,
     TrainingLoop,
 )
 
@@ -319,41 +319,44 @@ def pair_step(
     return step
 
 
+@dataclass(frozen=True)
+class PreferencePairs:
+    """A reward model's training data: the train and eval rows of preference pairs, tokenized up to `max_length`,
+    each response ending with one of `stop_ids` (the ids the policy stops on; see `tokenize_pairs`)."""
+
+    train: list[dict]
+    eval: list[dict]
+    max_length: int
+    stop_ids: Sequence[int] = ()
+
+
 def train_reward_model(
     model,
     tokenizer,
-    train_rows: list[dict],
-    eval_rows: list[dict],
+    pairs: PreferencePairs,
     cfg: RewardConfig,
     run: RunConfig,
     *,
-    max_length: int,
     output_dir: str | Path,
     card: dict,
-    stop_ids: Sequence[int] = (),
-    on_log: OnLog | None = None,
-    on_eval: Callable[[dict[str, float], int], None] | None = None,
-    on_checkpoint: OnCheckpoint | None = None,
-    on_step: OnStep | None = None,
-    show_progress: bool = True,
+    hooks: Hooks = NO_HOOKS,
 ) -> LoopResult:
     """Train for cfg.max_steps optimizer steps, resuming from the newest complete checkpoint in output_dir.
 
-    `stop_ids`: the ids the policy stops on (see `tokenize_pairs`). Each checkpoint is a loadable Hugging
-    Face directory (merged weights with LoRA, the adapter in `adapter/`) with a model card from `card`
-    ({"title", "metadata", "body"}) and the eval metrics of its step; the result's metrics are the last
-    evaluation's.
+    Each checkpoint is a loadable Hugging Face directory (merged weights with LoRA, the adapter in `adapter/`) with
+    a model card from `card` ({"title", "metadata", "body"}) and the eval metrics of its step; the result's metrics
+    are the last evaluation's. hooks.on_eval receives them at every evaluation.
     """
     settings = reward_loop_settings(cfg, run)
     # the scorer reads each row's last attended token; trained as one module so that DDP and DeepSpeed see the forward
     loop = TrainingLoop(LastTokenScore(model), {"": model}, tokenizer, settings, run, output_dir=output_dir)
     loop.trainable.train()
-    train_items = tokenize_pairs(tokenizer, train_rows, max_length, stop_ids)
-    eval_items = tokenize_pairs(tokenizer, eval_rows, max_length, stop_ids)
+    train_items = tokenize_pairs(tokenizer, pairs.train, pairs.max_length, pairs.stop_ids)
+    eval_items = tokenize_pairs(tokenizer, pairs.eval, pairs.max_length, pairs.stop_ids)
     pad_id = tokenizer.pad_token_id
     # data parallel: every process its own batch of cfg.batch_size pairs per micro-batch
     order = ShardedBatches(
-        len(train_rows),
+        len(pairs.train),
         cfg.batch_size,
         run.seed,
         rank=loop.rank,
@@ -378,12 +381,13 @@ def train_reward_model(
         )
 
     callbacks = LoopCallbacks(
-        on_log=on_log,
-        on_step=on_step,
+        on_log=hooks.on_log,
+        on_step=hooks.on_step,
         evaluate=evaluate,
-        on_eval=on_eval,
-        on_checkpoint=on_checkpoint,
+        on_eval=hooks.on_eval,
+        on_checkpoint=hooks.on_checkpoint,
         extra_files=card_file,
     )
     step = pair_step(loop, train_items, pad_id, cfg)
-    return loop.run(step, Grouped(order, cfg.gradient_accumulation_steps), callbacks, show_progress=show_progress)
+    batches = Grouped(order, cfg.gradient_accumulation_steps)
+    return loop.run(step, batches, callbacks, show_progress=hooks.show_progress)

@@ -1,5 +1,5 @@
 """The reward sources of the GRPO family: reward models and Python reward functions (`functions.py`) in this
-process, and scorers served elsewhere (`served.py`), each scoring a rollout's completions, one float or None
+process, and scorers served elsewhere (`remote_scorers.py`), each scoring a rollout's completions, one float or None
 ("not applicable") per completion, weighted; a served source's `Unscored` drops the completion's group."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from rlhf_core.data.chat import PROMPT_MESSAGES, assistant_messages, extra_colum
 from rlhf_core.models.forward import sequence_scores
 from rlhf_core.rewards.functions import accepts, call_scoring_function, check_finite, completion_ids
 from rlhf_core.rewards.remote import SourceStats, Unscored
-from rlhf_core.rewards.served import ServedScorer
+from rlhf_core.rewards.remote_scorers import RemoteScorer
 from rlhf_core.rollout.collect import Rollout
 from rlhf_core.rollout.tools import ToolUse
 
@@ -73,7 +73,7 @@ def function_reward(name: str, weight: float, fn) -> RewardSourceFn:
     return RewardSourceFn(name, weight, score)
 
 
-def served_reward(name: str, weight: float, scorer: ServedScorer) -> RewardSourceFn:
+def remote_reward(name: str, weight: float, scorer: RemoteScorer) -> RewardSourceFn:
     """A scorer served elsewhere, given the texts, the rows' columns and, when it sends them, each completion's
     prompt and completion token ids (the prompt's without padding; the completion's up to its last real token)
     and the rollout's widths. A judge or HTTP scorer gets a conversational prompt as its messages' contents

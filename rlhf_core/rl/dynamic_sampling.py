@@ -1,4 +1,4 @@
-"""DAPO's dynamic sampling (arXiv:2503.14476) for the GRPO family (rl.dynamic_sampling): a group whose
+"""DAPO's dynamic sampling (arXiv:2503.14476) for the GRPO family (grpo.dynamic_sampling): a group whose
 completions all earn the same reward has zero advantage under every group estimator, so it teaches nothing
 and only dilutes the batch. Such groups are dropped and more prompts are sampled until the generation
 batch is full again, for at most max_rounds extra rounds; a batch still short then is filled with dropped

@@ -18,9 +18,10 @@ lower bound; C_max None: no upper bound. The weights multiply the per-token loss
 Also reported, as TRL logs them: the ratio's min, mean and max (over the response tokens, or the sequences), and
 the mean and max of |old - behaviour| over the response tokens with a known behaviour log-prob.
 
-The "old" log-probs (`LossWeights`): a pass of their own at sampling time, or, when the batch trains in one
-optimizer step with dropout off, the update's own first pass, detached, micro-batch by micro-batch: the same numbers
-then (the policy has not moved yet), one forward pass fewer.
+Which log-probs are which is decided in one place, `old_logprobs_at_sampling`: the behaviour policy's are the
+engine's (or the generator's ahead) whenever one apart sampled, else the policy's own; the "old" ones are a pass of
+their own at sampling time, or, when that gives the same numbers, the update's own first pass, detached, micro-batch
+by micro-batch (`old_logprobs`, `LossWeights`): one forward pass fewer.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from typing import Literal
 
 import torch
 
-from rlhf_core.config import RolloutConfig
+from rlhf_core.config import RLConfig, RolloutConfig
 from rlhf_core.rollout.collect import Rollout
 
 CorrectionMode = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
@@ -88,7 +89,7 @@ def engine_correction(
 
 @dataclass(frozen=True)
 class CorrectionSettings:
-    """rollout.vllm.correction and its bounds; mode None: the gap is measured and logged, the loss left as it is."""
+    """rollout.correction, mode and bounds; mode None: the gap is measured and logged, the loss left as it is."""
 
     mode: CorrectionMode | None
     cap_max: float | None = 3.0
@@ -100,8 +101,30 @@ def correction_settings(rollout: RolloutConfig) -> CorrectionSettings | None:
     (the policy samples: there is no gap)."""
     if not rollout.off_policy:
         return None
-    v = rollout.vllm
-    return CorrectionSettings(None if v.correction == "none" else v.correction, v.correction_cap, v.correction_min)
+    v = rollout.correction
+    return CorrectionSettings(None if v.mode == "none" else v.mode, v.cap, v.min)
+
+
+def old_logprobs_at_sampling(rl: RLConfig, beta: float, updates_per_batch: int, rollout: RolloutConfig) -> bool:
+    """Whether a batch's "old" log-probs (PPO's ratio's denominator, the correction's numerator) are a pass of the
+    trainer's own at sampling time (True) or the update's first pass, detached (False: the same numbers, one pass
+    fewer). The behaviour policy, whose log-probs the correction divides by, is the engine's when rollout.off_policy
+    (they ride with the batch: `Rollout.behaviour_logprobs`), else the policy itself, and then old is behaviour.
+    `beta`: the KL coefficient of the GRPO family; `updates_per_batch`: optimizer steps per generation batch."""
+    if rl.algorithm == "ppo":
+        return True  # its KL penalty in the reward and its entropy read them when the batch is scored
+    if updates_per_batch > 1:
+        return True  # the policy moves between the batch's optimizer steps
+    if beta > 0 and rl.algorithm != "grpo":
+        return True  # the estimator puts the KL into the reward, before any update
+    # an engine apart sampled: with dropout on, the update's pass is not the policy the correction compares with
+    return rollout.off_policy and not rl.disable_dropout
+
+
+def old_logprobs(rollout: Rollout, rows, logp: torch.Tensor) -> torch.Tensor:
+    """The old log-probs of the micro-batch `rows`: the pass at sampling when the rollout carries one
+    (`old_logprobs_at_sampling`), else `logp`, the update's own, detached."""
+    return rollout.logprobs[rows] if rollout.logprobs is not None else logp.detach()
 
 
 def correct_rollout(

@@ -9,33 +9,41 @@ mini-batches. A checkpoint holds the policy (`policy/`, Hugging Face format), th
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from contextlib import closing
+from functools import partial
 from pathlib import Path
-from typing import Unpack
 
 import torch
 
-from rlhf_core.config import PPOConfig, RLConfig, RolloutConfig, RunConfig
+from rlhf_core.config import PPOConfig, RLConfig
 from rlhf_core.models.forward import response_logprobs, sequence_scores, token_values
 from rlhf_core.rewards.functions import check_finite
 from rlhf_core.rl.advantages.estimators import Estimate, EstimatorContext, estimator_for
-from rlhf_core.rl.engine_correction import CorrectionSettings, correct_rollout, correction_settings
+from rlhf_core.rl.engine_correction import correct_rollout, correction_settings
+from rlhf_core.rl.inputs import RLInputs, RLSettings
+from rlhf_core.rl.samplers import StepSampler
 from rlhf_core.rl.step import (
     BatchSizes,
     PromptBatch,
     PromptBatches,
-    RLHooks,
-    RolloutSettings,
+    Sampler,
     StepStats,
-    eval_cadence,
     eval_engine_of,
+    loop_callbacks,
     rl_loop_settings,
-    rollout_settings,
-    run_rl,
+    rl_step,
+    sampling_spec,
 )
 from rlhf_core.rl_math import masked_mean
-from rlhf_core.rollout.collect import Rollout, RolloutBatch, collect_rollout, completion_metrics, missing_stop_penalty
-from rlhf_core.rollout.engines import LoopEngine, RolloutEngine, make_engine, rollout_seed
+from rlhf_core.rollout.collect import (
+    Rollout,
+    RolloutBatch,
+    Sampled,
+    completion_metrics,
+    missing_stop_penalty,
+    score_sampled,
+)
+from rlhf_core.rollout.engines import make_engine
 from rlhf_core.training.loop import LoopResult, TrainingLoop
 from rlhf_core.training.parallel import reduce_metrics
 from rlhf_core.training.timing import PhaseTimer
@@ -164,48 +172,28 @@ def ppo_batch_sizes(rl: RLConfig, ppo: PPOConfig) -> BatchSizes:
 
 
 class PPOSteps:
-    """PPO's phases of one RL step (`rl_step`): rollout, update and metrics; the advantages are the estimator's.
-    `engine` samples (our loop when None); `correction` weighs the loss by the engine's gap to the trainer."""
+    """PPO's phases of one RL step (`rl_step`): `sampler`'s completions, scored by the reward model and valued,
+    then the estimator's advantages, the update and metrics; the update weighs the loss by the engine correction
+    (rollout.correction) when an engine apart sampled."""
 
     def __init__(
-        self,
-        loop: TrainingLoop,
-        settings: RolloutSettings,
-        ref_model,
-        reward_model,
-        rl,
-        ppo,
-        kl_ctl,
-        *,
-        engine: RolloutEngine | None = None,
-        correction: CorrectionSettings | None = None,
+        self, loop: TrainingLoop, sampler: Sampler, ref_model, reward_model, settings: RLSettings, kl_ctl, timer
     ):
-        self.loop, self.settings, self.ref_model, self.reward_model = loop, settings, ref_model, reward_model
-        self.rl, self.ppo, self.kl_ctl = rl, ppo, kl_ctl
-        self.engine, self.correction = engine or LoopEngine(), correction
+        self.loop, self.sampler, self.ref_model, self.reward_model = loop, sampler, ref_model, reward_model
+        self.rl, self.ppo, self.kl_ctl = settings.rl, settings.ppo, kl_ctl
+        self.estimator = estimator_for(self.rl.algorithm, with_values=True)
+        self.correction = correction_settings(settings.rollout)
         self.correction_metrics: dict[str, torch.Tensor] = {}  # the engine correction's, of the latest update
-        self.sizes = ppo_batch_sizes(rl, ppo)
-        self.timer = PhaseTimer(loop.device)
+        self.sizes = ppo_batch_sizes(self.rl, self.ppo)
+        self.timer = timer  # generate (the sampler's), policy_logprobs, reference, reward, value, optimize
         self.observed_kl = float("nan")  # the last step's mean KL over the global batch (the controller's input)
 
-    def rollout(self, prompts: PromptBatch) -> RolloutBatch:
-        """Generate one response per prompt; score it with the reward model, and value it."""
-        loop, settings = self.loop, self.settings
-        models = loop.unwrapped()
-        with loop.full_parameters():
-            self.engine.sync(models.policy, loop.step)
-            rollout = collect_rollout(
-                models.policy,
-                self.ref_model,
-                prompts.query_ids,
-                prompts.query_mask,
-                settings.sampling,
-                pad_token_id=settings.pad_token_id,
-                stop_token_ids=settings.stop_token_ids,
-                timer=self.timer,
-                engine=self.engine,
-                seed=rollout_seed(loop.run_cfg.seed, rank=loop.rank, step=loop.step),
-            )
+    def score(self, prompts: PromptBatch, sampled: Sampled) -> RolloutBatch:
+        """The one response per prompt with its log-probs under the policy (the old ones) and the reference,
+        scored by the reward model, and valued."""
+        models = self.loop.unwrapped()
+        with self.loop.full_parameters():
+            rollout = score_sampled(models.policy, self.ref_model, sampled, self.rl.temperature, timer=self.timer)
             scores, values = score_rollout(
                 rollout,
                 models.value_model,
@@ -215,6 +203,9 @@ class PPOSteps:
             )
         # the penalty is already taken off the score: one source, the reward model
         return RolloutBatch(rollout, scores.unsqueeze(1), values=values)
+
+    def refill(self, batch: RolloutBatch) -> RolloutBatch:
+        return batch  # PPO has no groups to refill
 
     def estimator_context(self) -> EstimatorContext:
         return EstimatorContext(self.ppo, self.loop, kl_coef=self.kl_ctl.value)
@@ -309,65 +300,42 @@ class PPOSteps:
         }
 
 
-def train_ppo(
-    policy,
-    value_model,
-    ref_model,
-    reward_model,
-    tokenizer,
-    prompts: list[str],
-    rl: RLConfig,
-    ppo: PPOConfig,
-    run: RunConfig,
-    *,
-    max_prompt_length: int,
-    output_dir: str | Path,
-    stop_token_ids: Sequence[int] | None = None,
-    kl_scale: float = 1.0,
-    rollout: RolloutConfig | None = None,
-    engine_url: str | None = None,
-    **hooks: Unpack[RLHooks],
-) -> LoopResult:
-    """Train `policy` and `value_model` with PPO for rl.total_steps iterations; resume from output_dir.
+def train_ppo(inputs: RLInputs) -> LoopResult:
+    """Train inputs.models.policy and .value with PPO for rl.total_steps iterations, scored by .reward_model;
+    resume from inputs.output_dir.
 
-    ref_model None means the policy is a PEFT model whose disabled adapters are the reference.
-    `stop_token_ids`: what ends a response, when the caller computed it (else `run_stop_ids` of the policy).
-    `kl_scale` multiplies the KL coefficient (the guard's rollbacks): the saved one on resume, once.
-    `rollout`: the engine that samples (our loop when None), at `engine_url` for vllm (else rollout.vllm.url).
-    `hooks` (`RLHooks`): on_log, on_checkpoint, on_step, show_progress, and `evaluate(policy, step)`, whose
-    eval rows go to on_eval every eval_every steps and at the end.
+    models.reference None means the policy is a PEFT model whose disabled adapters are the reference.
+    settings.kl_scale multiplies the KL coefficient (the guard's rollbacks): the saved one on resume, once.
     """
-    estimator = estimator_for(rl.algorithm, with_values=True)
+    models, settings, hooks, out = inputs.models, inputs.settings, inputs.hooks, Path(inputs.output_dir)
+    rl, ppo, run, rollout, policy = settings.rl, settings.ppo, settings.run, settings.rollout, models.policy
     kl_ctl = make_kl_controller(ppo)
     sizes = ppo_batch_sizes(rl, ppo)
-    settings = rl_loop_settings(rl, run, sizes, eval_every=eval_cadence(hooks))
     loop = TrainingLoop(
-        PolicyAndValue(policy, value_model),
-        {"policy": policy, "value": value_model},
-        tokenizer,
-        settings,
+        PolicyAndValue(policy, models.value),
+        {"policy": policy, "value": models.value},
+        models.tokenizer,
+        rl_loop_settings(rl, run, sizes, eval_every=hooks.eval_cadence),
         run,
-        output_dir=output_dir,
+        output_dir=out,
         state={"kl_coef": ppo.kl_coef, "kl_scale": 1.0},
     )
     # the coefficient a checkpoint saved, rescaled to this run's kl_scale (idempotent across resumes)
-    kl_ctl.value = loop.state["kl_coef"] * kl_scale / loop.state.get("kl_scale", 1.0)
-    loop.state.update(kl_coef=kl_ctl.value, kl_scale=kl_scale)
-    batches = PromptBatches(tokenizer, prompts, sizes, max_prompt_length=max_prompt_length, seed=run.seed, loop=loop)
-    for frozen in (ref_model, reward_model):
+    kl_ctl.value = loop.state["kl_coef"] * settings.kl_scale / loop.state.get("kl_scale", 1.0)
+    loop.state.update(kl_coef=kl_ctl.value, kl_scale=settings.kl_scale)
+    rows, max_prompt_length = inputs.prompts.rows, inputs.prompts.max_prompt_length
+    prompts = [r["prompt"] for r in rows]
+    batches = PromptBatches(
+        models.tokenizer, prompts, sizes, max_prompt_length=max_prompt_length, seed=run.seed, loop=loop
+    )
+    for frozen in (models.reference, models.reward_model):
         if frozen is not None:
             frozen.to(loop.device).eval().requires_grad_(False)
-    rollout = rollout or RolloutConfig()
-    engine = make_engine(rollout, engine_url, Path(output_dir) / "engine-weights", loop)
-    steps = PPOSteps(
-        loop,
-        rollout_settings(tokenizer, policy, rl, stop_token_ids),
-        ref_model,
-        reward_model,
-        rl,
-        ppo,
-        kl_ctl,
-        engine=engine,
-        correction=correction_settings(rollout),
-    )
-    return run_rl(loop, steps, estimator, batches, policy, hooks, eval_engine_of(engine, rollout))
+    engine = make_engine(rollout, out / "engine-weights", loop)
+    spec = sampling_spec(models.tokenizer, policy, settings)
+    timer = PhaseTimer(loop.device)
+    sampler = StepSampler(loop, engine, spec, rows, lambda: loop.unwrapped().policy, timer)
+    steps = PPOSteps(loop, sampler, models.reference, models.reward_model, settings, kl_ctl, timer)
+    callbacks = loop_callbacks(hooks, loop, policy, eval_engine_of(engine, rollout))
+    with closing(sampler):
+        return loop.run(partial(rl_step, steps), batches, callbacks, show_progress=hooks.show_progress)

@@ -1,20 +1,18 @@
-"""One RL step, the same shape for PPO and the GRPO family, read top to bottom as its phases:
+"""One RL step, the same shape for PPO and the GRPO family, read top to bottom as its phases (`rl_step`):
 
-    rollout (generate + score) -> advantages (ESTIMATORS[rl.algorithm]) -> update (the loss over
-    mini- and micro-batches) -> metrics
+    sample (the stage's sampler: here, or ahead) -> score -> refill (dynamic sampling) -> advantages (the
+    estimator of rl.algorithm) -> update (the loss over mini- and micro-batches) -> metrics
 
-`rl_step` runs them; a trainer (`ppo.PPOSteps`, `grpo.GRPOSteps`) supplies rollout, update and
-metrics, `advantages.estimator_for` the estimator. Around the step: the batch sizes under one set of
-names, each step's prompts, what the RL stage's loop runs with, and the metric names of each algorithm.
+Around it: the batch sizes under one set of names, each step's prompts, how rollouts are sampled, the loop the RL
+stage runs on and its callbacks, and the metric names of each algorithm.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
-from typing import NamedTuple, Protocol, TypedDict
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -23,21 +21,12 @@ from rlhf_core.data.batching import ShardedBatches
 from rlhf_core.data.rows import DataValidationError
 from rlhf_core.models.loading import run_stop_ids
 from rlhf_core.rl.advantages.estimators import Estimate, EstimatorContext
-from rlhf_core.rollout.collect import RolloutBatch, Sampled
+from rlhf_core.rl.inputs import RLHooks, RLSettings
+from rlhf_core.rollout.collect import RolloutBatch, Sampled, SamplingSpec, ToolRollout
 from rlhf_core.rollout.engines import RolloutEngine
 from rlhf_core.rollout.generation import left_pad, tokenize_prompts
-from rlhf_core.rollout.sampling import SamplingSettings, rl_sampling
-from rlhf_core.training.loop import (
-    Cadence,
-    LoopCallbacks,
-    LoopMetrics,
-    LoopResult,
-    LoopSettings,
-    OnCheckpoint,
-    OnLog,
-    OnStep,
-    TrainingLoop,
-)
+from rlhf_core.rollout.sampling import rl_sampling
+from rlhf_core.training.loop import Cadence, LoopCallbacks, LoopMetrics, LoopSettings, TrainingLoop
 
 
 @dataclass(frozen=True)
@@ -86,7 +75,6 @@ class PromptBatch(NamedTuple):
     query_ids: torch.Tensor  # (B, Q) left-padded
     query_mask: torch.Tensor  # (B, Q)
     indices: list[int]  # each row's prompt, an index into the prompt set
-    sampled: Sampled | None = None  # its rollout, sampled ahead (`off_policy.py`); None: the step samples it
 
 
 class PromptBatches:
@@ -125,21 +113,15 @@ class PromptBatches:
         return PromptBatch(query_ids.to(self.device), query_mask.to(self.device), indices)
 
 
-@dataclass(frozen=True)
-class RolloutSettings:
-    """How the rollout phase samples: the RL stage's sampling, the run's stop ids, the pad id."""
-
-    sampling: SamplingSettings
-    stop_token_ids: tuple[int, ...]
-    pad_token_id: int
-
-
-def rollout_settings(tokenizer, policy, rl: RLConfig, stop_token_ids: Sequence[int] | None = None) -> RolloutSettings:
-    """The sampling and stop ids of a policy's rollouts; `stop_token_ids` when the caller computed them already
-    (the RL task, which evaluates with them too), else `run_stop_ids` of the policy."""
+def sampling_spec(
+    tokenizer, policy, settings: RLSettings, prompt_repeats: int = 1, tools: ToolRollout | None = None
+) -> SamplingSpec:
+    """How a stage's rollouts are sampled: rl's sampling, the stop ids (settings.stop_token_ids when the caller
+    computed them, as the RL task does to evaluate with them too; else `run_stop_ids` of the policy), the pad id."""
+    stop_token_ids = settings.stop_token_ids
     if stop_token_ids is None:
-        stop_token_ids = run_stop_ids(tokenizer, getattr(policy, "generation_config", None), rl)
-    return RolloutSettings(rl_sampling(rl), tuple(stop_token_ids), tokenizer.pad_token_id)
+        stop_token_ids = run_stop_ids(tokenizer, getattr(policy, "generation_config", None), settings.rl)
+    return SamplingSpec(rl_sampling(settings.rl), tokenizer.pad_token_id, tuple(stop_token_ids), prompt_repeats, tools)
 
 
 def rl_loop_settings(rl: RLConfig, run: RunConfig, sizes: BatchSizes, *, eval_every: int | None) -> LoopSettings:
@@ -185,9 +167,14 @@ class StepStats:
 
 
 class RLSteps(Protocol):
-    """An algorithm's phases of one RL step; the advantages between rollout and update come from the estimator."""
+    """An algorithm's phases of one RL step (`rl_step`); `sampler` is where its batches come from (`samplers.py`)."""
 
-    def rollout(self, prompts: PromptBatch) -> RolloutBatch: ...
+    sampler: Sampler
+    estimator: Callable[[RolloutBatch, EstimatorContext], Estimate]
+
+    def score(self, prompts: PromptBatch, sampled: Sampled) -> RolloutBatch: ...
+
+    def refill(self, batch: RolloutBatch) -> RolloutBatch: ...
 
     def estimator_context(self) -> EstimatorContext: ...
 
@@ -196,70 +183,50 @@ class RLSteps(Protocol):
     def metrics(self, batch: RolloutBatch, estimate: Estimate, stats: StepStats) -> dict[str, torch.Tensor | float]: ...
 
 
-def rl_step(
-    steps: RLSteps, estimator: Callable[[RolloutBatch, EstimatorContext], Estimate], prompts: PromptBatch
-) -> dict[str, torch.Tensor | float]:
-    """One RL step: the four phases in order."""
-    batch = steps.rollout(prompts)  # generate and score
-    estimate = estimator(batch, steps.estimator_context())  # advantages
+class Sampler(Protocol):
+    """What samples a step's prompts: `sample(prompts, call)` gives their completions, unscored (`samplers.py`; `call`: the
+    generation round within the step, dynamic sampling's, which seeds an engine's requests); `metrics`, its own
+    numbers of the latest step; `close()` when the stage's loop ends."""
+
+    metrics: dict[str, float]
+
+    def sample(self, prompts: PromptBatch, call: int = 0) -> Sampled: ...
+
+    def close(self) -> None: ...
+
+
+def rl_step(steps: RLSteps, prompts: PromptBatch) -> dict[str, torch.Tensor | float]:
+    """One RL step. The batch is sampled by steps.sampler, chosen once for the stage (`samplers.sampler_for`):
+    here, on the rollout engine, by the policy this step trains; or, with rollout.max_staleness > 0, taken from
+    the generator that sampled it ahead, while earlier steps trained."""
+    sampled = steps.sampler.sample(prompts)  # the completions, unscored
+    batch = steps.score(prompts, sampled)  # log-probs under the policy and the reference, rewards (PPO: values)
+    batch = steps.refill(batch)  # dynamic sampling: groups without spread replaced by fresh ones (else as it is)
+    estimate = steps.estimator(batch, steps.estimator_context())  # advantages
     stats = steps.update(batch, estimate)  # the loss over mini- and micro-batches, optimizer steps
     return steps.metrics(batch, estimate, stats)  # what the loop logs
 
 
-class RLHooks(TypedDict, total=False):
-    """What the caller of an RL trainer receives along the way (see `TrainingLoop.run`)."""
+def loop_callbacks(hooks: RLHooks, loop: TrainingLoop, policy, eval_engine: RolloutEngine | None) -> LoopCallbacks:
+    """The loop's callbacks from an RL trainer's hooks: `evaluate(policy, step)` of the policy being trained; with
+    `eval_engine`, its samples drawn there (`evaluate(policy, step, engine=...)`), the current policy pushed first."""
 
-    on_log: OnLog
-    on_checkpoint: OnCheckpoint
-    on_eval: Callable[[list[dict], int], None]
-    on_step: OnStep
-    evaluate: Callable[..., list[dict]]  # eval rows of (policy, step), sampled by `engine=` when one is given
-    eval_every: int  # evaluate every this many steps and at the end
-    on_completions: Callable[[list[dict], int], None]  # GRPO's completions table
-    show_progress: bool
+    def evaluate(step: int) -> list[dict]:
+        if eval_engine is None:
+            return hooks.evaluate(policy, step)
+        with loop.full_parameters():
+            eval_engine.refresh(policy, step)
+        return hooks.evaluate(policy, step, engine=eval_engine)
 
-
-def run_rl(
-    loop: TrainingLoop,
-    steps: RLSteps,
-    estimator,
-    batches: PromptBatches,
-    policy,
-    hooks: RLHooks,
-    eval_engine: RolloutEngine | None = None,
-) -> LoopResult:
-    """The stage's loop over `rl_step`, with the caller's hooks; with `eval_engine`, evaluations sample there
-    (`evaluate(policy, step, engine=...)`), the current policy pushed first."""
-    evaluate = hooks.get("evaluate")
-    if evaluate is not None and eval_engine is not None:
-        evaluate = partial(evaluate_on_engine, evaluate, eval_engine, loop)
-    callbacks = LoopCallbacks(
-        on_log=hooks.get("on_log"),
-        on_step=hooks.get("on_step"),
-        evaluate=(lambda at: evaluate(policy, at)) if evaluate else None,
-        on_eval=hooks.get("on_eval"),
-        on_checkpoint=hooks.get("on_checkpoint"),
+    return LoopCallbacks(
+        on_log=hooks.on_log,
+        on_step=hooks.on_step,
+        evaluate=evaluate if hooks.evaluate is not None else None,
+        on_eval=hooks.on_eval,
+        on_checkpoint=hooks.on_checkpoint,
     )
-    return loop.run(
-        lambda prompts: rl_step(steps, estimator, prompts),
-        batches,
-        callbacks,
-        show_progress=hooks.get("show_progress", True),
-    )
-
-
-def evaluate_on_engine(evaluate, engine: RolloutEngine, loop: TrainingLoop, policy, step: int) -> list[dict]:
-    """`evaluate(policy, step)` with its samples drawn by `engine`, which gets the policy's weights first."""
-    with loop.full_parameters():
-        engine.refresh(policy, step)
-    return evaluate(policy, step, engine=engine)
 
 
 def eval_engine_of(engine: RolloutEngine, rollout: RolloutConfig) -> RolloutEngine | None:
     """The engine evaluations sample on: the rollout engine with rollout.vllm.evaluate, else None (our loop)."""
     return engine if rollout.engine == "vllm" and rollout.vllm.evaluate else None
-
-
-def eval_cadence(hooks: RLHooks) -> int | None:
-    """The loop's evaluation cadence: hooks' eval_every when someone receives the evaluations."""
-    return hooks.get("eval_every") if hooks.get("on_eval") is not None else None

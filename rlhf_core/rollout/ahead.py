@@ -1,6 +1,6 @@
 """Generators apart from the trainer, for generation ahead of training (rollout.max_staleness > 0): each takes
 jobs (one step's prompts and the policy version to sample them with) in order, one at a time, and answers with what
-it sampled and which version sampled it (`rl/off_policy.py` decides what to ask and what to keep). A job names its
+it sampled and which version sampled it (`rl/samplers.py` decides what to ask and what to keep). A job names its
 version, rather than taking the newest, so that a run is the same run every time: the trainer publishes each version
 into the next of `slots` places in turn (max_staleness + 1: a queued job's version is one of the last k + 1
 published), and a job reads the place that holds its version.
@@ -26,15 +26,14 @@ import threading
 import time
 import traceback
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from itertools import count
 from typing import Protocol
 
 import torch
 
-from rlhf_core.rollout.collect import Sampled, ToolRollout, sample
+from rlhf_core.rollout.collect import Sampled, SamplingSpec, sample
 from rlhf_core.rollout.engines import LoopEngine, engine_weights
-from rlhf_core.rollout.sampling import SamplingSettings
 
 CLOSE_TIMEOUT_S = 30.0
 # what a generator process needs before its first job, imported once by the forkserver it forks from
@@ -43,17 +42,6 @@ PRELOAD = ("rlhf_core.rollout.ahead", "transformers.modeling_utils")
 
 class GeneratorError(RuntimeError):
     """The generator apart failed (its process died, or sampling raised there)."""
-
-
-@dataclass(frozen=True)
-class SamplingSpec:
-    """What every job of a stage shares: how to sample, what stops and pads, the group size, tool episodes."""
-
-    settings: SamplingSettings
-    pad_token_id: int
-    stop_token_ids: tuple[int, ...]
-    prompt_repeats: int = 1
-    tools: ToolRollout | None = None  # rows filled in per job
 
 
 @dataclass(frozen=True)
@@ -75,18 +63,8 @@ class Made:
 
 def sample_job(engine, policy, job: Job, spec: SamplingSpec, device) -> Sampled:
     """`job`'s prompts sampled as the step would sample them (`collect.sample`), seeded with the job's seed."""
-    tools = replace(spec.tools, rows=job.rows) if spec.tools is not None else None
     return sample(
-        engine,
-        policy,
-        job.query_ids.to(device),
-        job.query_mask.to(device),
-        spec.settings,
-        tools=tools,
-        seed=job.seed,
-        pad_token_id=spec.pad_token_id,
-        stop_token_ids=spec.stop_token_ids,
-        prompt_repeats=spec.prompt_repeats,
+        engine, policy, job.query_ids.to(device), job.query_mask.to(device), spec, seed=job.seed, rows=job.rows
     )
 
 
@@ -197,10 +175,11 @@ class ProcessGenerator:
         self.skip_below = context.Value("q", 0)  # jobs numbered below it are dropped unanswered
         self.jobs, self.answers = context.Queue(), context.Queue()
         config = (policy.get_base_model() if hasattr(policy, "peft_config") else policy).config
+        shared = Shared(self.places, self.versions, self.lock, self.skip_below, self.jobs, self.answers)
         self.process = context.Process(
             target=serve,
-            args=(config, self.places, self.versions, self.lock, self.skip_below, self.jobs, self.answers),
-            kwargs={"spec": spec, "device": str(device), "threads": threads},
+            args=(config, shared, spec),
+            kwargs={"device": str(device), "threads": threads},
             name="rollout-ahead",
             daemon=True,
         )
@@ -269,19 +248,33 @@ class ProcessGenerator:
             q.close()
 
 
-def serve(config, places, versions, lock, skip_below, jobs, answers, *, spec: SamplingSpec, device: str, threads: int):
-    """The generator process: a model built from `config` takes each job's version from its place in `places`
-    (`versions` says which version each holds) and samples the job (`sample_job`), seeded with its seed, with the
-    log-probs of what it sampled (the behaviour policy); an error is answered, not raised."""
+@dataclass
+class Shared:
+    """What the trainer and the generator process share: the weights' places and the version each holds, the lock
+    both hold while a place is written or read, the job number below which jobs are dropped, the two queues."""
+
+    places: list[dict[str, torch.Tensor]]
+    versions: object  # a shared array of ints
+    lock: object
+    skip_below: object  # a shared int
+    jobs: object  # queues
+    answers: object
+
+
+def serve(config, shared: Shared, spec: SamplingSpec, *, device: str, threads: int):
+    """The generator process: a model built from `config` takes each job's version from its place in shared.places
+    (shared.versions says which version each holds) and samples the job (`sample_job`), seeded with its seed, with
+    the log-probs of what it sampled (the behaviour policy); an error is answered, not raised."""
     from transformers import AutoModelForCausalLM
 
+    places, versions, lock, jobs, answers = shared.places, shared.versions, shared.lock, shared.jobs, shared.answers
     torch.set_num_threads(threads)
     dtype = next(iter(places[0].values())).dtype
     model = AutoModelForCausalLM.from_config(config, dtype=dtype).to(device).eval()
     loaded, idle_since = None, time.perf_counter()
     while (message := next_job(jobs)) is not None:
         number, job = message
-        if number < skip_below.value:
+        if number < shared.skip_below.value:
             continue
         waited = time.perf_counter() - idle_since
         try:

@@ -3,18 +3,17 @@ under the policy and the reference; plus the completion statistics TRL logs for 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 import torch
 
 from rlhf_core.models.forward import response_logprobs
 from rlhf_core.rl_math import INVALID_LOGPROB, response_mask
 from rlhf_core.rollout.engines import LoopEngine, RolloutEngine
-from rlhf_core.rollout.episodes import EpisodeRecord, Episodes, episode_prompts, run_episodes
+from rlhf_core.rollout.episodes import EpisodeRecord, ToolRollout
 from rlhf_core.rollout.sampling import SamplingSettings
-from rlhf_core.rollout.tools import ToolUse
 from rlhf_core.training.timing import PhaseTimer
 
 
@@ -84,41 +83,25 @@ def context_length(policy) -> int | None:
     return getattr(config, "max_position_embeddings", None)
 
 
-@dataclass
-class ToolRollout:
-    """What a rollout of tool episodes needs beyond the prompts' ids: the tools, each row's prompt row (its
-    messages and columns), the tokenizer that renders and parses turns, and the lengths that bound an episode."""
+@dataclass(frozen=True)
+class SamplingSpec:
+    """How a stage's rollouts are sampled, whichever engine samples them and whenever: the sampling settings, what
+    stops and pads a response, the group size (completions per prompt), and tool episodes (the rows filled in per
+    batch)."""
 
-    tool_use: ToolUse
-    tokenizer: object
-    rows: list[dict]
-    max_prompt_length: int
-    max_length: int | None = None
-    template_kwargs: dict | None = None
-
-    def play(self, engine, policy, settings, device, **generate) -> Episodes:
-        boxes = self.tool_use.toolboxes(self.rows)
-        prompts = episode_prompts(self.tokenizer, self.rows, boxes, self.max_prompt_length, self.template_kwargs)
-        return run_episodes(
-            engine,
-            policy,
-            self.tokenizer,
-            prompts,
-            boxes,
-            settings,
-            self.tool_use,
-            max_length=self.max_length,
-            template_kwargs=self.template_kwargs,
-            device=device,
-            **generate,
-        )
+    settings: SamplingSettings
+    pad_token_id: int
+    stop_token_ids: tuple[int, ...] = ()
+    prompt_repeats: int = 1
+    tools: ToolRollout | None = None
 
 
 @dataclass
 class Sampled:
     """What an engine sampled for a batch, before any score: the prompts as sampled (a tool episode renders its
-    own), the responses and where they stop, the engine's log-probs of them (None: the policy itself sampled), and a
-    tool rollout's marks and record. Made by `sample`, in the step or ahead on a generator apart (`ahead.py`)."""
+    own), the responses and where they stop, the engine's log-probs of them (the behaviour policy's; None: the policy
+    that trains sampled them), and a tool rollout's marks and record. Made by `sample`, in the step or ahead on a
+    generator apart (`ahead.py`)."""
 
     query_ids: torch.Tensor  # (B, Q)
     query_mask: torch.Tensor
@@ -126,7 +109,7 @@ class Sampled:
     resp_mask: torch.Tensor
     last_index: torch.Tensor  # (B,)
     has_stop: torch.Tensor  # (B,)
-    behaviour: torch.Tensor | None = None  # (B, R)
+    behaviour_logprobs: torch.Tensor | None = None  # (B, R)
     model_tokens: torch.Tensor | None = None  # (B, R) tool rollouts
     record: EpisodeRecord | None = None
 
@@ -137,25 +120,32 @@ class Sampled:
         return Sampled(**moved)
 
 
-@torch.no_grad()
 def sample(
     engine: RolloutEngine,
     policy,
     query_ids: torch.Tensor,
     query_mask: torch.Tensor,
-    settings: SamplingSettings,
+    spec: SamplingSpec,
     *,
-    tools: ToolRollout | None = None,
     seed: int | None = None,
-    **generate,
+    rows: list[dict] | None = None,
 ) -> Sampled:
-    """One batch sampled on `engine`: a completion of each row of `query_ids`, or with `tools` a tool episode of
-    each of tools.rows. `generate`: pad_token_id, stop_token_ids, prompt_repeats (see `generation.generate`)."""
-    if tools is None:
-        responses, behaviour = engine.generate(policy, query_ids, query_mask, settings, seed=seed, **generate)
-        resp_mask, last_index, has_stop = response_mask(responses, generate.get("stop_token_ids", ()))
+    """One batch sampled on `engine`: a completion of each row of `query_ids` (spec.prompt_repeats of each prompt
+    in a row), or with spec.tools a tool episode of each of `rows` (the prompt rows). `seed`: the batch's base
+    seed (an engine apart seeds its requests with it; our loop draws from torch's generator). The engines sample
+    without gradients."""
+    generate = {
+        "pad_token_id": spec.pad_token_id,
+        "stop_token_ids": spec.stop_token_ids,
+        "prompt_repeats": spec.prompt_repeats,
+        "seed": seed,
+    }
+    if spec.tools is None:
+        responses, behaviour = engine.generate(policy, query_ids, query_mask, spec.settings, **generate)
+        resp_mask, last_index, has_stop = response_mask(responses, spec.stop_token_ids)
         return Sampled(query_ids, query_mask, responses, resp_mask, last_index, has_stop, behaviour)
-    played = tools.play(engine, policy, settings, query_ids.device, seed=seed, **generate)
+    tools = replace(spec.tools, rows=rows)
+    played = tools.play(engine, policy, spec.settings, query_ids.device, **generate)
     last_index = (played.resp_mask.sum(1) - 1).clamp(min=0)
     return Sampled(
         played.query_ids,
@@ -164,10 +154,45 @@ def sample(
         played.resp_mask,
         last_index,
         played.has_stop,
-        played.logprobs,
+        played.behaviour_logprobs,
         played.model_tokens,
         played.record,
     )
+
+
+class Passes(NamedTuple):
+    """The forward passes a sampled batch gets: the policy's log-probs of it (the "old" ones; see
+    `rl/engine_correction.py old_logprobs_at_sampling`) and the reference's."""
+
+    policy: bool = True
+    reference: bool = True
+
+
+BOTH = Passes()
+
+
+@torch.no_grad()
+def score_sampled(
+    policy, ref_model, sampled: Sampled, temperature: float, passes: Passes = BOTH, timer: PhaseTimer | None = None
+) -> Rollout:
+    """The rollout of a sampled batch: its log-probs under the policy and the reference as `passes` asks (each
+    None when not asked), on the policy's device. `ref_model` None: the policy with its adapters disabled.
+    `timer` times the phases policy_logprobs and reference."""
+    timer = timer or PhaseTimer(enabled=False)
+    policy.eval()
+    s = sampled.to(next(policy.parameters()).device)
+    args = (s.query_ids, s.query_mask, s.responses, s.resp_mask)
+    logprobs = ref_logprobs = None
+    if passes.policy:
+        with timer("policy_logprobs"):
+            logprobs, _ = response_logprobs(policy, *args, temperature)
+    if passes.reference:
+        with timer("reference"), reference_context(policy, ref_model):
+            ref_logprobs, _ = response_logprobs(ref_model or policy, *args, temperature)
+    behaviour = s.behaviour_logprobs
+    if behaviour is not None:
+        behaviour = behaviour.masked_fill(s.resp_mask == 0, INVALID_LOGPROB)
+    return Rollout(*args, s.last_index, logprobs, ref_logprobs, s.has_stop, behaviour, s.model_tokens, s.record)
 
 
 @torch.no_grad()
@@ -176,63 +201,16 @@ def collect_rollout(
     ref_model,
     query_ids,
     query_mask,
-    settings: SamplingSettings,
+    spec: SamplingSpec,
     *,
-    pad_token_id: int,
-    stop_token_ids: Sequence[int] = (),
-    need_reference: bool = True,
-    need_logprobs: bool = True,
-    prompt_repeats: int = 1,
-    timer: PhaseTimer | None = None,
     engine: RolloutEngine | None = None,
     seed: int | None = None,
-    tools: ToolRollout | None = None,
-    sampled: Sampled | None = None,
+    passes: Passes = BOTH,
 ) -> Rollout:
-    """Generate responses with `engine` (our decode loop when None), or take those `sampled` ahead, and score them
-    under the policy and, when asked, the reference.
-
-    need_logprobs=False skips the policy's forward pass: with one update per batch the "old"
-    log-probabilities equal the first update's own, detached (GRPO with num_iterations 1, as TRL).
-    prompt_repeats: see `generate`; `seed`: the call's base seed (an engine apart seeds its requests with it).
-    `timer` times the phases generate, policy_logprobs and reference. `tools`: play tool episodes (`episodes.py`)
-    from the rows' messages instead of one completion of `query_ids` each.
-    """
-    timer = timer or PhaseTimer(enabled=False)
+    """`sample` on `engine` (our decode loop when None), then `score_sampled`: one rollout of `query_ids`."""
     policy.eval()
-    if sampled is None:
-        generate = {"pad_token_id": pad_token_id, "stop_token_ids": stop_token_ids, "prompt_repeats": prompt_repeats}
-        with timer("generate"):
-            sampled = sample(
-                engine or LoopEngine(), policy, query_ids, query_mask, settings, tools=tools, seed=seed, **generate
-            )
-    s = sampled.to(query_ids.device)
-    logprobs = None
-    if need_logprobs:
-        with timer("policy_logprobs"):
-            logprobs, _ = response_logprobs(
-                policy, s.query_ids, s.query_mask, s.responses, s.resp_mask, settings.temperature
-            )
-    ref_logprobs = None
-    if need_reference:
-        with timer("reference"), reference_context(policy, ref_model):
-            ref_logprobs, _ = response_logprobs(
-                ref_model or policy, s.query_ids, s.query_mask, s.responses, s.resp_mask, settings.temperature
-            )
-    behaviour = s.behaviour.masked_fill(s.resp_mask == 0, INVALID_LOGPROB) if s.behaviour is not None else None
-    return Rollout(
-        s.query_ids,
-        s.query_mask,
-        s.responses,
-        s.resp_mask,
-        s.last_index,
-        logprobs,
-        ref_logprobs,
-        s.has_stop,
-        behaviour,
-        s.model_tokens,
-        s.record,
-    )
+    sampled = sample(engine or LoopEngine(), policy, query_ids, query_mask, spec, seed=seed)
+    return score_sampled(policy, ref_model, sampled, spec.settings.temperature, passes)
 
 
 def tool_metrics(rollout: Rollout) -> dict[str, torch.Tensor]:

@@ -1,6 +1,6 @@
 """The rollout engines behind `collect_rollout`, picked by rollout.engine: `LoopEngine` (hf, our decode loop in the
 trainer's process) and `VllmEngine` (a vLLM server apart, `vllm_server.py`), with what the second needs around it:
-the server for the stage's length (`serving`), the policy's weights pushed to it (`engine_weights`), seeded
+the server for the stage's length (`vllm_server`), the policy's weights pushed to it (`engine_weights`), seeded
 requests, and the completions turned back into the padded tensors our loop makes.
 
 An engine's `generate` returns the responses, (B, response_length) right-padded with the pad id after the stop token
@@ -36,7 +36,7 @@ MAX_CONCURRENT_REQUESTS = 64
 
 class Generated(NamedTuple):
     responses: torch.Tensor  # (B, R) right-padded with the pad id after the stop token
-    logprobs: torch.Tensor | None  # (B, R) the engine's log-probs of the sampled tokens; None: the engine has none
+    behaviour_logprobs: torch.Tensor | None  # (B, R) the engine's log-probs of the sampled tokens; None: it has none
 
 
 class RolloutEngine(Protocol):
@@ -235,7 +235,7 @@ class VllmEngine:
         self.sync(policy, step)
 
 
-def served_model(url: str, timeout_s: float = 10.0) -> str:
+def model_name_at(url: str, timeout_s: float = 10.0) -> str:
     """The name the server at `url` serves its model under (the first of GET /v1/models)."""
     try:
         with urllib.request.urlopen(f"{url.rstrip('/')}/v1/models", timeout=timeout_s) as response:
@@ -248,7 +248,7 @@ def served_model(url: str, timeout_s: float = 10.0) -> str:
 
 
 @contextmanager
-def serving(
+def vllm_server(
     rollout: RolloutConfig,
     model_dir: Path,
     *,
@@ -285,17 +285,17 @@ def serving(
         yield server.url
 
 
-def make_engine(rollout: RolloutConfig, url: str | None, weights_dir: Path, loop) -> RolloutEngine:
-    """The engine of rollout.engine for a training loop's process: for vllm, a client of the server at `url`
-    (rollout.vllm.url when None) whose main process pushes weights into `weights_dir`."""
+def make_engine(rollout: RolloutConfig, weights_dir: Path, loop) -> RolloutEngine:
+    """The engine of rollout.engine for a training loop's process: for vllm, a client of the server at
+    rollout.vllm.url whose main process pushes weights into `weights_dir`."""
     if rollout.engine != "vllm":
         return LoopEngine()
-    url = url or rollout.vllm.url
+    url = rollout.vllm.url
     if url is None:
         raise VllmError("rollout.engine vllm needs a server: rollout.vllm.url, or the RL stage starting one")
     barrier = loop.accelerator.wait_for_everyone if loop.world > 1 else None
     return VllmEngine(
-        VllmClient(url, served_model(url)),
+        VllmClient(url, model_name_at(url)),
         weights_dir,
         sync_every=rollout.vllm.sync_every_steps,
         pushes=loop.is_main,

@@ -69,8 +69,28 @@ class Episodes:
     resp_mask: torch.Tensor  # (B, R) every real token, the tools' included
     model_tokens: torch.Tensor  # (B, R) 1 where the model sampled the token
     has_stop: torch.Tensor  # (B,) the last model turn ended with a stop token
-    logprobs: torch.Tensor | None  # (B, R) the engine's own, of the model's tokens; None: the engine has none
+    behaviour_logprobs: torch.Tensor | None  # (B, R) the engine's own, of the model's tokens; None: it has none
     record: EpisodeRecord
+
+
+@dataclass
+class ToolRollout:
+    """What a rollout of tool episodes needs beyond the prompts' ids: the tools, each row's prompt row (its
+    messages and columns), the tokenizer that renders and parses turns, and the lengths that bound an episode
+    (`max_length`: the model's context, prompt and episode)."""
+
+    tool_use: ToolUse
+    tokenizer: object
+    rows: list[dict]
+    max_prompt_length: int
+    max_length: int | None = None
+    template_kwargs: dict | None = None
+
+    def play(self, engine, policy, settings: SamplingSettings, device, **generate) -> Episodes:
+        """Every row's episode played on `engine`; `generate`: pad_token_id, stop_token_ids, prompt_repeats, seed."""
+        boxes = self.tool_use.toolboxes(self.rows)
+        prompts = episode_prompts(self.tokenizer, self.rows, boxes, self.max_prompt_length, self.template_kwargs)
+        return run_episodes(engine, policy, self, prompts, boxes, settings, device=device, **generate)
 
 
 def episode_prompts(
@@ -114,25 +134,23 @@ class _Turns:
 def run_episodes(
     engine: RolloutEngine,
     policy,
-    tokenizer,
+    tools: ToolRollout,
     prompts: list[list[int]],
     toolboxes: list[Toolbox],
     settings: SamplingSettings,
-    tool_use: ToolUse,
     *,
-    pad_token_id: int,
-    stop_token_ids: Sequence[int],
-    prompt_repeats: int = 1,
-    seed: int | None = None,
-    max_length: int | None = None,
-    template_kwargs: dict | None = None,
     device=None,
+    **generate,
 ) -> Episodes:
     """Play every prompt's episode to its end; rows of one prompt (a GRPO group) share the first turn's request.
-    `max_length`: the model's context (prompt and episode); `settings.response_length`: the episode's budget."""
+    `tools`: the tools, tokenizer and lengths (tools.rows unused: `toolboxes` are the rows' own);
+    `settings.response_length`: the episode's budget; `generate`: pad_token_id, stop_token_ids, and optionally
+    prompt_repeats and seed (see `engines.RolloutEngine.generate`)."""
+    tokenizer, pad_token_id, stop_token_ids = tools.tokenizer, generate["pad_token_id"], generate["stop_token_ids"]
+    seed = generate.get("seed")
     budget, turns = settings.response_length, _Turns(len(prompts))
     turns.record.toolboxes = list(toolboxes)
-    active, repeats, turn, logprobs = list(range(len(prompts))), prompt_repeats, 0, None
+    active, repeats, turn, logprobs = list(range(len(prompts))), generate.get("prompt_repeats", 1), 0, None
     while active:
         room = [budget - len(turns.ids[i]) for i in active]
         query_ids, query_mask = left_pad([prompts[i] + turns.ids[i] for i in active], pad_token_id)
@@ -159,26 +177,24 @@ def run_episodes(
             message = parse_turn(tokenizer, ids, before, toolboxes[i].schemas())
             turns.record.transcripts[i].append(message)
             if message.get("tool_calls"):
-                if tool_use.max_calls is not None and turn >= tool_use.max_calls:
+                if tools.tool_use.max_calls is not None and turn >= tools.tool_use.max_calls:
                     turns.record.hit_limit[i] = True
                 else:
                     calling.append(i)
-        active = _answer_calls(
-            calling, turns, toolboxes, prompts, tokenizer, tool_use, budget, max_length, template_kwargs
-        )
+        active = _answer_calls(calling, turns, toolboxes, prompts, tools, budget)
         repeats, turn = 1, turn + 1
     return _episodes(prompts, turns, budget, pad_token_id, with_logprobs=logprobs is not None)
 
 
-def _answer_calls(calling, turns, toolboxes, prompts, tokenizer, tool_use, budget, max_length, kwargs) -> list[int]:
+def _answer_calls(calling, turns, toolboxes, prompts, tools: ToolRollout, budget: int) -> list[int]:
     """Run the calling episodes' calls and append their answers; the episodes that go on (the answers fit)."""
     jobs = [(toolboxes[i], turns.record.transcripts[i][-1]["tool_calls"]) for i in calling]
-    going_on = []
-    for i, answers in zip(calling, run_turns(jobs, tool_use.timeout_s)):
+    going_on, max_length = [], tools.max_length
+    for i, answers in zip(calling, run_turns(jobs, tools.tool_use.timeout_s)):
         turns.record.calls[i] += len(answers)
         turns.record.failures[i] += sum(a.failed for a in answers)
         messages = [{"role": "tool", "name": a.name, "content": a.content} for a in answers]
-        suffix = tool_suffix_ids(tokenizer, messages, kwargs)
+        suffix = tool_suffix_ids(tools.tokenizer, messages, tools.template_kwargs)
         used = len(turns.ids[i]) + len(suffix)
         if used >= budget or (max_length is not None and len(prompts[i]) + used >= max_length):
             continue  # no room left for the model to read the answers and speak: dropped, as TRL drops them

@@ -94,6 +94,21 @@ class LoopCallbacks:
     extra_files: Callable[[Path, dict], None] | None = None  # extra_files(directory, metrics) adds to a checkpoint
 
 
+@dataclass(frozen=True)
+class Hooks:
+    """What the caller of a stage's trainer receives along the way (all optional: see `LoopCallbacks`), and whether
+    the stage shows a progress bar."""
+
+    on_log: OnLog | None = None
+    on_checkpoint: OnCheckpoint | None = None
+    on_step: OnStep | None = None
+    on_eval: Callable[[Any, int], None] | None = None
+    show_progress: bool = True
+
+
+NO_HOOKS = Hooks()
+
+
 @dataclass
 class LoopResult:
     checkpoint: Path | None  # the newest checkpoint (None without checkpoints)

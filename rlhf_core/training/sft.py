@@ -15,7 +15,7 @@ from rlhf_core.config import RunConfig, SFTConfig
 from rlhf_core.data.batching import Grouped, LoaderCycle
 from rlhf_core.data.chat import encode
 from rlhf_core.storage.saving import save_pretrained_atomic
-from rlhf_core.training.loop import Cadence, LoopCallbacks, LoopMetrics, LoopSettings, OnCheckpoint, OnLog, TrainingLoop
+from rlhf_core.training.loop import NO_HOOKS, Cadence, Hooks, LoopCallbacks, LoopMetrics, LoopSettings, TrainingLoop
 
 
 def tokenize_corpus(tokenizer, texts: list[str], max_length: int) -> torch.utils.data.TensorDataset:
@@ -60,14 +60,12 @@ def train_sft(
     *,
     max_length: int,
     output_dir: str | Path,
-    on_log: OnLog | None = None,
-    on_checkpoint: OnCheckpoint | None = None,
-    show_progress: bool = True,
+    hooks: Hooks = NO_HOOKS,
 ) -> dict[str, float]:
     """Train `model` on `texts` for cfg.max_steps optimizer steps and save it to `output_dir`.
 
     Returns the final metrics ({"sft/loss": the last micro-batch's loss, "sft/first_loss": the first's,
-    "sft/steps"}). Callbacks receive metric dicts with steps and the saved directory.
+    "sft/steps"}). hooks.on_log receives metric dicts with steps, hooks.on_checkpoint the saved directory.
     """
     settings = LoopSettings(
         name="sft",
@@ -103,12 +101,12 @@ def train_sft(
         loop.optimizer_step()
         return {"sft/loss": total / len(micro_batches)}
 
-    loop.run(step, batches, LoopCallbacks(on_log=on_log), show_progress=show_progress)
+    loop.run(step, batches, LoopCallbacks(on_log=hooks.on_log), show_progress=hooks.show_progress)
     unwrapped = loop.unwrapped()
     unwrapped.eval()
     if loop.is_main:
         path = save_pretrained_atomic(unwrapped, tokenizer, output_dir)
-        if on_checkpoint is not None:
-            on_checkpoint(path, loop.step)
+        if hooks.on_checkpoint is not None:
+            hooks.on_checkpoint(path, loop.step)
     loop.accelerator.wait_for_everyone()
     return {"sft/loss": seen["last"].item(), "sft/first_loss": seen["first"].item(), "sft/steps": float(loop.step)}

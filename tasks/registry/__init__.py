@@ -2,7 +2,7 @@
 
 `registration` makes a version of a checkpoint (logged to its run by `logged_model`, then a version with its
 tags and description); `versions` works with versions once they exist (aliases, tags, descriptions, retention,
-local copies).
+local copies); `version_server` serves a version for a stage's length.
 Callers use the names re-exported here (`registry.register_once(...)`), which is also what tests patch.
 The store is tasks/tracking/store.py, runs tasks/tracking/runs.py, what is logged to them tasks/tracking/logs.py.
 """

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import logging
 import random
+import shutil
+import tempfile
 from contextlib import contextmanager, nullcontext
 from functools import lru_cache
 from importlib import metadata
@@ -22,7 +24,8 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 from rlhf_core.models.loading import MODEL_BUILDING, load_pretrained
 from rlhf_core.storage.checkpoints import link_identical_files
-from tasks import served_policy, served_reward
+from tasks.loaders import policy as policy_loader
+from tasks.loaders import reward as reward_loader
 
 # Packages a logged model needs to load again. Listed explicitly because MLflow's inference of
 # default requirements looks for torchvision, which has no CPU build in our registries.
@@ -69,11 +72,11 @@ def log_checkpoint(checkpoint_dir: Path, *, task: str, tags: dict[str, str], run
         tokenizer = AutoTokenizer.from_pretrained(checkpoint_dir)
     requirements = model_requirements()
     with _flavor_log_quiet():
-        serving = _serving(task, model, input_example)
+        signature = _signature(task, model, input_example)
         logged = _initialize_logged_model(run_id, tags)
         try:
             with _random_state_kept() if input_example else nullcontext():
-                loader = served_policy if task == "text-generation" else served_reward
+                loader = policy_loader if task == "text-generation" else reward_loader
                 info = mlflow.models.Model.log(
                     artifact_path=None,
                     flavor=LoaderFlavor(loader),
@@ -84,7 +87,7 @@ def log_checkpoint(checkpoint_dir: Path, *, task: str, tags: dict[str, str], run
                     pip_requirements=requirements,
                     step=_step_of(tags),  # the run's metrics of this step become the logged model's (MLflow: 0)
                     run_id=run_id,  # passed on to mlflow.models.Model.log
-                    **serving,
+                    **signature,
                 )
         except BaseException:
             mlflow.finalize_logged_model(logged.model_id, LoggedModelStatus.FAILED)
@@ -94,14 +97,16 @@ def log_checkpoint(checkpoint_dir: Path, *, task: str, tags: dict[str, str], run
 
 
 def loader_module(loader: ModuleType) -> str:
-    """The name a python_function loader (tasks/served_policy.py, tasks/served_reward.py) has in a version."""
-    return Path(loader.__file__).stem
+    """The name a python_function loader (tasks/loaders/policy.py, tasks/loaders/reward.py) has in a version: its
+    file's name before tasks/loaders/ (`served_policy`, `served_reward`), so that versions registered before and
+    after read alike (`check_servable` compares it)."""
+    return loader.MODULE_IN_VERSION
 
 
 class LoaderFlavor:
     """What `mlflow.models.Model.log(flavor=...)` saves a checkpoint with: MLflow's transformers flavor (so
     `mlflow.transformers.load_model` still gives the model and tokenizer back), with `loader` copied into the
-    version's code/ folder as its python_function loader."""
+    version's code/ folder, under `loader_module(loader)`, as its python_function loader."""
 
     def __init__(self, loader: ModuleType):
         self.loader, self.__name__ = loader, loader.__name__  # the name MLflow records as the flavor's
@@ -111,8 +116,10 @@ class LoaderFlavor:
         from mlflow.models import Model
 
         mlflow_model = mlflow_model if mlflow_model is not None else Model()
-        code_paths = [*(kwargs.pop("code_paths", None) or []), self.loader.__file__]
-        mlflow.transformers.save_model(path=path, mlflow_model=mlflow_model, code_paths=code_paths, **kwargs)
+        with tempfile.TemporaryDirectory() as tmp:
+            copy = shutil.copyfile(self.loader.__file__, Path(tmp) / f"{loader_module(self.loader)}.py")
+            code_paths = [*(kwargs.pop("code_paths", None) or []), str(copy)]
+            mlflow.transformers.save_model(path=path, mlflow_model=mlflow_model, code_paths=code_paths, **kwargs)
         mlflow_model.flavors["python_function"]["loader_module"] = loader_module(self.loader)
         mlflow_model.save(str(Path(path) / "MLmodel"))
 
@@ -129,15 +136,15 @@ def local_artifact_dir(model_id: str | None) -> Path | None:
     return Path(unquote(urlparse(location).path))
 
 
-def _serving(task: str, model, input_example: bool) -> dict:
-    """A text-generation model's signature (tasks/served_policy.py) and, with input_example, INPUT_EXAMPLE; a
-    reward model's (tasks/served_reward.py)."""
+def _signature(task: str, model, input_example: bool) -> dict:
+    """A text-generation model's signature (tasks/loaders/policy.py) and, with input_example, INPUT_EXAMPLE; a
+    reward model's (tasks/loaders/reward.py)."""
     if task != "text-generation":
-        return {"signature": served_reward.score_signature()}
-    serving = {"signature": served_policy.generation_signature(model.generation_config)}
+        return {"signature": reward_loader.score_signature()}
+    signature = {"signature": policy_loader.generation_signature(model.generation_config)}
     if input_example:
-        serving["input_example"] = INPUT_EXAMPLE
-    return serving
+        signature["input_example"] = INPUT_EXAMPLE
+    return signature
 
 
 def _initialize_logged_model(run_id: str, tags: dict[str, str]):

@@ -82,7 +82,7 @@ def register_checkpoint(
 
     `task` is the transformers pipeline task ("text-generation" for policies,
     "text-classification" for reward models). A text-generation version is served by
-    tasks/served_policy.py (its signature: per-request params max_new_tokens, temperature, top_p, do_sample with
+    tasks/loaders/policy.py (its signature: per-request params max_new_tokens, temperature, top_p, do_sample with
     defaults from the checkpoint's generation_config; completions, finish reasons and token counts out) and, with
     input_example, a short input example whose run leaves the random state as it was (without one, nothing here
     draws from the global random generators). The logged model belongs to the run `run_id` (active or not: this

@@ -3,7 +3,7 @@
 A stage's reporter (tasks/reporting/reporter.py) runs two: its metrics writer's writes the metrics and progress
 each step logs, its registrar's logs and registers each checkpoint the training loop saves, while training goes on. Jobs run one
 at a time in submission order, so metrics are written and versions created in step order. A transient
-failure (tasks/retry.py `is_transient`) is retried with exponential back-off; the first failure that
+failure (tasks/runtime/retry.py `is_transient`) is retried with exponential back-off; the first failure that
 stays stops the rest: the later jobs are not run, and the next `submit` and `wait` raise that failure
 in the caller's thread, as it was raised.
 
@@ -20,7 +20,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TypeVar
 
-from tasks.retry import is_transient
+from tasks.runtime.retry import is_transient
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)

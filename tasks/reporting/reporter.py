@@ -8,7 +8,7 @@ thread when the store is a server), the `Registrar` (tasks/reporting/registrar.p
 in step order on a registration thread) and the `ProgressUpdates` (tasks/reporting/progress_updates.py: the
 Prefect progress artifact, moved on the writer thread). What a stage reports beyond that is a subclass with
 its own `on_eval` and `checkpoint_tags` (`RewardReporter` in tasks/stages/reward_model.py, `PolicyReporter` in
-tasks/stages/rl_reporting.py) or a few functions beside the task (tasks/stages/data.py, tasks/stages/export.py).
+tasks/stages/rl/reporting.py) or a few functions beside the task (tasks/stages/data.py, tasks/stages/export.py).
 
 The reporter is a context manager: when the stage ends it waits for both threads (a failure fails the
 stage); when the stage fails, the metrics still go out, the registrations not started are dropped, the
@@ -133,7 +133,7 @@ class StageReporter:
 
     def version_of(self, step: int) -> str | None:
         """The registered version (models:/ URI) of the checkpoint of `step`, once registrations are done."""
-        self.wait_registrations()  # through the reporter: what bench/bench_overhead.py times
+        self.wait_registrations()  # through the reporter: what bench/timing/flow_vs_bare_loops.py times
         return self.registrar.version_of(step)
 
     def alias(self, alias: str, uri: str) -> str:

@@ -1,3 +1,2 @@
-"""One Prefect task per pipeline stage, in DAG order: `data`, `sft`, `reward_model`, `initialization`, `rl` (with
-its reporting, evaluation rows and `guard`), `export` (and `checkpoint_selection`), and promotion's
-`version_evaluation`."""
+"""One Prefect task per pipeline stage, in DAG order: `data`, `sft`, `reward_model`, `initialization`, the RL stage
+(the `rl` package, with what only it uses), `export`, and promotion's `version_evaluation`."""

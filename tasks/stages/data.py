@@ -22,11 +22,11 @@ from rlhf_core.demo.world import DemoWorld, build_demo_world
 from rlhf_core.models.loading import ModelSourceError, check_source, generation_config_of, model_tokenizer, run_stop_ids
 from rlhf_core.rollout.tools import require_tool_template
 from tasks import registry, tracking
-from tasks.lengths import check_prompt_count, context_words, measure_table
+from tasks.checks.lengths import check_prompt_count, context_words, measure_table
 from tasks.reporting.identity import StageIdentity
 from tasks.reporting.progress import publish_table
 from tasks.reporting.reporter import StageReporter
-from tasks.retry import IO_RETRIES
+from tasks.runtime.retry import IO_RETRIES
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from tasks import registry, tracking
 from tasks.reporting.identity import RegisteredModel, StageIdentity
 from tasks.reporting.progress import publish_markdown
 from tasks.reporting.reporter import StageReporter
-from tasks.retry import IO_RETRIES
+from tasks.runtime.retry import IO_RETRIES
 from tasks.stage_io import Checkpoint
 from tasks.stages.data import PreparedData
 from tasks.stages.initialization import InitPlan

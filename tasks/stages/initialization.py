@@ -3,7 +3,7 @@
 `init_stage` decides and checks every model source before any RL work: the policy (the
 champion, the SFT output or the base), the value model (the reward model's weights or the policy's),
 the reference (a frozen copy or, with LoRA, the policy with its adapters disabled), tokenizer
-agreement and the stop ids. Its `InitPlan` (paths and lineage identities) is what tasks/stages/rl.py trains from.
+agreement and the stop ids. Its `InitPlan` (paths and lineage identities) is what tasks/stages/rl/stage.py trains from.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from rlhf_core.models.loading import ModelSourceError, generation_config_of, loa
 from rlhf_core.rewards.functions import load_reward_function
 from tasks import registry
 from tasks.launch import launcher
-from tasks.retry import IO_RETRIES
+from tasks.runtime.retry import IO_RETRIES
 from tasks.stage_io import Checkpoint
 from tasks.stages.data import PreparedData, resolve_model_source
 

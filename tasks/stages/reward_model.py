@@ -18,14 +18,15 @@ from rlhf_core.config import PipelineConfig
 from rlhf_core.data.tables import read_rows
 from rlhf_core.demo.world import DemoWorld
 from rlhf_core.models.loading import generation_config_of, model_tokenizer, prepare_for_training, run_stop_ids
-from rlhf_core.rewards.reward_model import load_reward_model, train_reward_model
+from rlhf_core.rewards.reward_model import PreferencePairs, load_reward_model, train_reward_model
 from rlhf_core.storage.checkpoints import list_checkpoints
+from rlhf_core.training.loop import Hooks
 from tasks import registry, tracking
 from tasks.launch import launcher
 from tasks.reporting.identity import RegisteredModel, StageIdentity
 from tasks.reporting.progress import publish_table
 from tasks.reporting.reporter import StageReporter
-from tasks.retry import IO_RETRIES
+from tasks.runtime.retry import IO_RETRIES
 from tasks.stage_io import Checkpoint, stage_key
 from tasks.stages.data import PreparedData, resolve_model_source
 
@@ -221,17 +222,14 @@ def reward_stage(cfg: PipelineConfig, data: PreparedData, policy: Checkpoint | N
         result = train_reward_model(
             model,
             tokenizer,
-            train_rows,
-            eval_rows,
+            PreferencePairs(
+                train_rows, eval_rows, cfg.data.max_length, stop_ids=policy_stop_ids(cfg, data, policy, tokenizer)
+            ),
             cfg.reward,
             cfg.run,
-            max_length=cfg.data.max_length,
             output_dir=out_dir,
             card=model_card(cfg, data, base_identity),
-            stop_ids=policy_stop_ids(cfg, data, policy, tokenizer),
-            on_log=reporter.log,
-            on_eval=reporter.on_eval,
-            on_checkpoint=reporter.on_checkpoint,
+            hooks=Hooks(on_log=reporter.log, on_eval=reporter.on_eval, on_checkpoint=reporter.on_checkpoint),
         )
         return reporter.finish(result)
 

@@ -16,11 +16,12 @@ from prefect.cache_policies import NO_CACHE
 from rlhf_core.config import PipelineConfig
 from rlhf_core.data.tables import read_column
 from rlhf_core.models.loading import load_causal_lm, model_tokenizer, prepare_for_training
+from rlhf_core.training.loop import Hooks
 from rlhf_core.training.sft import train_sft
 from tasks import tracking
 from tasks.reporting.identity import RegisteredModel, StageIdentity
 from tasks.reporting.reporter import StageReporter
-from tasks.retry import IO_RETRIES
+from tasks.runtime.retry import IO_RETRIES
 from tasks.stage_io import Checkpoint, stage_key
 from tasks.stages.data import PreparedData
 
@@ -69,7 +70,7 @@ def _train(cfg: PipelineConfig, data: PreparedData, reporter: StageReporter, out
         cfg.run,
         max_length=cfg.data.max_length,
         output_dir=out_dir,
-        on_log=reporter.log,
+        hooks=Hooks(on_log=reporter.log),
     )
     (out_dir / STAGE_FILE).write_text(json.dumps({"key": key, "metrics": metrics}, indent=2))
     reporter.done()

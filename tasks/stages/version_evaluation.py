@@ -1,6 +1,6 @@
 """A registered policy version evaluated on the held-out prompts, for promotion (flows/promote.py).
 
-`evaluate_version` evaluates as the RL stage does (`tasks.stages.policy_evaluation.evaluate_policy`: sampled as
+`evaluate_version` evaluates as the RL stage does (`rlhf_core.evaluation.policy.evaluate_policy`: sampled as
 in training or greedy, the prompts' dataset columns for the metric functions, the verifier's pass@k and maj@n),
 seeded as the RL stage's step-0 evaluation, so the candidate and the champion are scored on the same draws:
 with the candidate's reward model and reference, and `eval.metrics`. With rollout.vllm.evaluate the samples come
@@ -21,12 +21,12 @@ from prefect.cache_policies import NO_CACHE
 from rlhf_core.config import PipelineConfig
 from rlhf_core.data.tables import read_rows
 from rlhf_core.evaluation.generations import summarize_rows
-from rlhf_core.rollout.engines import RolloutEngine, VllmEngine, served_model, serving
+from rlhf_core.evaluation.policy import LoadedModels, evaluate_policy, metric_functions
+from rlhf_core.rollout.engines import RolloutEngine, VllmEngine, model_name_at, vllm_server
 from rlhf_core.rollout.vllm_server import VllmClient
 from rlhf_core.training.determinism import seed_everything
-from tasks.retry import IO_RETRIES
+from tasks.runtime.retry import IO_RETRIES
 from tasks.stages.data import PreparedData, resolve_model_source
-from tasks.stages.policy_evaluation import RLModels, evaluate_policy, metric_functions
 
 
 def _model_dir(source: str, cfg: PipelineConfig, data: PreparedData, field: str) -> str:
@@ -44,10 +44,10 @@ def version_engine(cfg: PipelineConfig, policy, policy_dir: str) -> Iterator[Rol
         return
     length = cfg.data.max_prompt_length + cfg.rl.response_length
     with (
-        serving(cfg.rollout, Path(policy_dir), max_model_len=length, seed=cfg.run.seed) as url,
+        vllm_server(cfg.rollout, Path(policy_dir), max_model_len=length, seed=cfg.run.seed) as url,
         tempfile.TemporaryDirectory(prefix="rlhf-version-weights-") as weights,
     ):
-        engine = VllmEngine(VllmClient(url, served_model(url)), Path(weights))
+        engine = VllmEngine(VllmClient(url, model_name_at(url)), Path(weights))
         engine.refresh(policy, 0)
         yield engine
 
@@ -73,7 +73,7 @@ def evaluate_version(
         else None
     )
     rows = read_rows(data.tables["eval_prompts"])[: cfg.promote.num_prompts or cfg.eval.num_prompts]
-    models = RLModels(
+    models = LoadedModels(
         tokenizer=tokenizer,
         policy=policy,
         ref_model=ref,

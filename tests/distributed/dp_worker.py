@@ -16,10 +16,12 @@ from rlhf_core.config import GRPOConfig, PPOConfig, RewardConfig, RLConfig, RunC
 from rlhf_core.demo.world import build_demo_world, world_rows
 from rlhf_core.models.loading import load_causal_lm, load_tokenizer
 from rlhf_core.rewards.functions import vader_compound
-from rlhf_core.rewards.reward_model import load_reward_model, train_reward_model
+from rlhf_core.rewards.reward_model import PreferencePairs, load_reward_model, train_reward_model
 from rlhf_core.rewards.sources import function_reward
 from rlhf_core.rl.grpo import train_grpo
+from rlhf_core.rl.inputs import rl_inputs
 from rlhf_core.rl.ppo import train_ppo
+from rlhf_core.training.loop import Hooks
 
 
 def fingerprint(*models) -> str:
@@ -67,16 +69,16 @@ def main(world_root: str, out: str) -> None:
     train_reward_model(
         reward,
         tok,
-        world_rows(world, "preference", "train"),
-        world_rows(world, "preference", "test"),
+        PreferencePairs(world_rows(world, "preference", "train"), world_rows(world, "preference", "test"), 40),
         RewardConfig(max_steps=3, batch_size=4, eval_steps=3, save_steps=3, log_steps=1, learning_rate=1e-3),
         run,
-        max_length=40,
         output_dir=out_dir / "reward",
         card={"title": "r", "metadata": {}, "body": ""},
-        on_step=lambda step: record(stage="reward", step=step, weights=fingerprint(reward)),
-        on_log=lambda metrics, step: record(stage="reward", log=step),
-        show_progress=False,
+        hooks=Hooks(
+            on_step=lambda step: record(stage="reward", step=step, weights=fingerprint(reward)),
+            on_log=lambda metrics, step: record(stage="reward", log=step),
+            show_progress=False,
+        ),
     )
 
     prompts = [r["prompt"] for r in world_rows(world, "prompt", "train")]
@@ -85,20 +87,22 @@ def main(world_root: str, out: str) -> None:
     scorer = load_reward_model(str(world.base_model), tok, seed=4).eval()
     rl = RLConfig(total_steps=2, batch_size=4, response_length=4, save_steps=2, learning_rate=1e-3, temperature=1.0)
     train_ppo(
-        policy,
-        value,
-        ref,
-        scorer,
-        tok,
-        prompts,
-        rl,
-        PPOConfig(num_ppo_epochs=1),
-        run,
-        max_prompt_length=16,
-        output_dir=out_dir / "ppo",
-        on_step=lambda step: record(stage="ppo", step=step, weights=fingerprint(policy, value)),
-        on_log=lambda metrics, step: record(stage="ppo", log=step, episode=metrics["episode"]),
-        show_progress=False,
+        rl_inputs(
+            policy,
+            tok,
+            prompts,
+            out_dir / "ppo",
+            value=value,
+            reference=ref,
+            reward_model=scorer,
+            rl=rl,
+            ppo=PPOConfig(num_ppo_epochs=1),
+            run=run,
+            max_prompt_length=16,
+            on_step=lambda step: record(stage="ppo", step=step, weights=fingerprint(policy, value)),
+            on_log=lambda metrics, step: record(stage="ppo", log=step, episode=metrics["episode"]),
+            show_progress=False,
+        )
     )
 
     policy = load_causal_lm(str(world.base_model))
@@ -112,21 +116,25 @@ def main(world_root: str, out: str) -> None:
         temperature=1.0,
     )
     train_grpo(
-        policy,
-        None,
-        [function_reward("vader", 1.0, lambda prompts, completions, **_: vader_compound(completions=completions))],
-        tok,
-        world_rows(world, "prompt", "train"),
-        rl,
-        GRPOConfig(num_generations=2, beta=0.0),
-        run,
-        max_prompt_length=16,
-        output_dir=out_dir / "grpo",
-        on_step=lambda step: record(
-            stage="grpo", step=step, weights=fingerprint(policy), sampling_seed=torch.initial_seed()
-        ),
-        on_log=lambda metrics, step: record(stage="grpo", log=step),
-        show_progress=False,
+        rl_inputs(
+            policy,
+            tok,
+            world_rows(world, "prompt", "train"),
+            out_dir / "grpo",
+            reference=None,
+            rewards=[
+                function_reward("vader", 1.0, lambda prompts, completions, **_: vader_compound(completions=completions))
+            ],
+            rl=rl,
+            grpo=GRPOConfig(num_generations=2, beta=0.0),
+            run=run,
+            max_prompt_length=16,
+            on_step=lambda step: record(
+                stage="grpo", step=step, weights=fingerprint(policy), sampling_seed=torch.initial_seed()
+            ),
+            on_log=lambda metrics, step: record(stage="grpo", log=step),
+            show_progress=False,
+        )
     )
     torch.distributed.barrier() if torch.distributed.is_initialized() else None
 

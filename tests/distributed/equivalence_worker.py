@@ -33,10 +33,11 @@ from safetensors.torch import save_file
 
 import rlhf_core.rl.grpo as grpo_mod
 import rlhf_core.rl.ppo as ppo_mod
-import rlhf_core.rollout.collect as rollout_mod
+import rlhf_core.rl.samplers as samplers_mod
 import rlhf_core.rollout.generation as generation_mod
 from rlhf_core.config import GRPOConfig, PPOConfig, RLConfig, RunConfig
 from rlhf_core.rewards.sources import function_reward
+from rlhf_core.rl.inputs import rl_inputs
 from rlhf_core.training.loop import TrainingLoop
 
 FIRST_FREE_ID = 5  # ids 0..4 are the demo tokenizer's unk, bos, eos (== pad), <|im_start|> and <|im_end|>
@@ -73,14 +74,14 @@ def forced_choices(
     return as_tensor(first), as_tensor(stop_at)
 
 
-def deterministic_collect_rollout(real, recorder: Recorder, vocab_size: int):
-    """`collect_rollout` whose token choice is fixed by the prompt: a forced first token, greedy after it, and
-    the stop token at a forced step (see the module docstring)."""
+def deterministic_sample(real, recorder: Recorder, vocab_size: int):
+    """The step sampler's `sample` whose token choice is fixed by the prompt: a forced first token, greedy after
+    it, and the stop token at a forced step (see the module docstring)."""
 
-    def wrapper(policy, ref_model, query_ids, query_mask, settings, **kwargs):
-        stops = list(kwargs.get("stop_token_ids", ()))
+    def wrapper(engine, policy, query_ids, query_mask, spec, **kwargs):
+        stops, settings = list(spec.stop_token_ids), spec.settings
         first, stop_at = forced_choices(
-            query_ids, query_mask, vocab_size, kwargs.get("prompt_repeats", 1), settings.response_length
+            query_ids, query_mask, vocab_size, spec.prompt_repeats, settings.response_length
         )
         t = [0]
 
@@ -94,23 +95,23 @@ def deterministic_collect_rollout(real, recorder: Recorder, vocab_size: int):
         real_sample_next = generation_mod.sample_next
         generation_mod.sample_next = choose
         try:
-            greedy = dataclasses.replace(settings, greedy=True)
-            rollout = real(policy, ref_model, query_ids, query_mask, greedy, **kwargs)
+            greedy = dataclasses.replace(spec, settings=dataclasses.replace(settings, greedy=True))
+            sampled = real(engine, policy, query_ids, query_mask, greedy, **kwargs)
         finally:
             generation_mod.sample_next = real_sample_next
-        recorder.responses.append(rollout.responses.detach().cpu().clone())
-        return rollout
+        recorder.responses.append(sampled.responses.detach().cpu().clone())
+        return sampled
 
     return wrapper
 
 
-def recording_collect_rollout(real, recorder: Recorder):
-    """The real `collect_rollout`, its responses recorded."""
+def recording_sample(real, recorder: Recorder):
+    """The real `sample`, its responses recorded."""
 
     def wrapper(*args, **kwargs):
-        rollout = real(*args, **kwargs)
-        recorder.responses.append(rollout.responses.detach().cpu().clone())
-        return rollout
+        sampled = real(*args, **kwargs)
+        recorder.responses.append(sampled.responses.detach().cpu().clone())
+        return sampled
 
     return wrapper
 
@@ -120,7 +121,7 @@ def instrumented(*, deterministic: bool, vocab_size: int = 0):
     """Patch the rollouts of both algorithms (deterministic, or only recorded) and record every optimizer
     step's gradients; everything is restored on exit. Yields the Recorder."""
     recorder = Recorder()
-    real_collect, real_step = rollout_mod.collect_rollout, TrainingLoop.optimizer_step
+    real_sample, real_step = samplers_mod.sample, TrainingLoop.optimizer_step
 
     def optimizer_step(self):
         recorder.grads.append(
@@ -132,18 +133,16 @@ def instrumented(*, deterministic: bool, vocab_size: int = 0):
         )
         real_step(self)
 
-    collect = (
-        deterministic_collect_rollout(real_collect, recorder, vocab_size)
+    samplers_mod.sample = (
+        deterministic_sample(real_sample, recorder, vocab_size)
         if deterministic
-        else recording_collect_rollout(real_collect, recorder)
+        else recording_sample(real_sample, recorder)
     )
-    saved = (ppo_mod.collect_rollout, grpo_mod.collect_rollout)
-    ppo_mod.collect_rollout = grpo_mod.collect_rollout = collect
     TrainingLoop.optimizer_step = optimizer_step
     try:
         yield recorder
     finally:
-        ppo_mod.collect_rollout, grpo_mod.collect_rollout = saved
+        samplers_mod.sample = real_sample
         TrainingLoop.optimizer_step = real_step
 
 
@@ -208,21 +207,23 @@ def run_ppo(
     prompts = train_prompts(world_root)
     with instrumented(deterministic=deterministic, vocab_size=len(tok)) as recorder:
         ppo_mod.train_ppo(
-            policy,
-            value,
-            ref,
-            scorer,
-            tok,
-            prompts,
-            RLConfig(batch_size=batch_size, **{**PPO_RL, **(rl or {})}),
-            PPOConfig(**{**PPO_ALGO, **(ppo or {})}),
-            RunConfig(device="cpu", seed=SEED),
-            max_prompt_length=16,
-            output_dir=out / f"ppo-{tag}",
-            on_step=lambda step: snapshot(
-                out / f"ppo-{tag}-step{step}.safetensors", recorder, ("policy", policy), ("value", value)
-            ),
-            show_progress=show_progress,
+            rl_inputs(
+                policy,
+                tok,
+                prompts,
+                out / f"ppo-{tag}",
+                value=value,
+                reference=ref,
+                reward_model=scorer,
+                rl=RLConfig(batch_size=batch_size, **{**PPO_RL, **(rl or {})}),
+                ppo=PPOConfig(**{**PPO_ALGO, **(ppo or {})}),
+                run=RunConfig(device="cpu", seed=SEED),
+                max_prompt_length=16,
+                on_step=lambda step: snapshot(
+                    out / f"ppo-{tag}-step{step}.safetensors", recorder, ("policy", policy), ("value", value)
+                ),
+                show_progress=show_progress,
+            )
         )
     return recorder
 
@@ -249,18 +250,20 @@ def run_grpo(
     rows = [{"prompt": p} for p in train_prompts(world_root)]
     with instrumented(deterministic=deterministic, vocab_size=len(tok)) as recorder:
         grpo_mod.train_grpo(
-            policy,
-            ref,
-            [function_reward("high_ids", 1.0, high_id_reward(tok))],
-            tok,
-            rows,
-            RLConfig(batch_size=batch_size, **{**GRPO_RL, **(rl or {})}),
-            cfg,
-            RunConfig(device="cpu", seed=SEED),
-            max_prompt_length=16,
-            output_dir=out / f"grpo-{tag}",
-            on_step=lambda step: snapshot(out / f"grpo-{tag}-step{step}.safetensors", recorder, ("policy", policy)),
-            show_progress=show_progress,
+            rl_inputs(
+                policy,
+                tok,
+                rows,
+                out / f"grpo-{tag}",
+                reference=ref,
+                rewards=[function_reward("high_ids", 1.0, high_id_reward(tok))],
+                rl=RLConfig(batch_size=batch_size, **{**GRPO_RL, **(rl or {})}),
+                grpo=cfg,
+                run=RunConfig(device="cpu", seed=SEED),
+                max_prompt_length=16,
+                on_step=lambda step: snapshot(out / f"grpo-{tag}-step{step}.safetensors", recorder, ("policy", policy)),
+                show_progress=show_progress,
+            )
         )
     return recorder
 

@@ -11,7 +11,7 @@ credentials from: they must be nowhere in a spec file, Ray's state API (jobs, ac
 the MLflow server's store or the run directory.
 
 Then, before any training: an output directory that one node does not share fails the stage in one
-sentence (a credential that the nodes lack does the same: tests/tasks/test_launcher.py). What was not run here: nodes on separate hosts, GPUs
+sentence (a credential that the nodes lack does the same: tests/tasks/launch/test_launcher.py). What was not run here: nodes on separate hosts, GPUs
 and NCCL (docs/ray.md).
 """
 

@@ -15,6 +15,7 @@ from rlhf_core.config import GRPOConfig, RLConfig, RolloutConfig, RunConfig
 from rlhf_core.models.loading import load_causal_lm, load_tokenizer
 from rlhf_core.rewards.sources import function_reward
 from rlhf_core.rl.grpo import train_grpo
+from rlhf_core.rl.inputs import rl_inputs
 from rlhf_core.rollout import vllm_server
 
 
@@ -35,20 +36,23 @@ def main(policy_dir: str, url: str, out: str) -> None:
     logged = []
     policy = load_causal_lm(policy_dir)
     train_grpo(
-        policy,
-        None,
-        [function_reward("short", 1.0, short)],
-        load_tokenizer(policy_dir),
-        [{"prompt": f"what is {i} plus two"} for i in range(8)],
-        RLConfig(algorithm="grpo", total_steps=2, batch_size=8, response_length=6, temperature=1.0, save_steps=2),
-        GRPOConfig(num_generations=4, beta=0.0),
-        RunConfig(device="cpu", seed=3, num_processes=2),
-        max_prompt_length=32,
-        output_dir=Path(out) / "grpo",
-        rollout=RolloutConfig(engine="vllm"),
-        engine_url=url,
-        on_log=lambda metrics, step: logged.append({k: float(v) for k, v in metrics.items()}),
-        show_progress=False,
+        rl_inputs(
+            policy,
+            load_tokenizer(policy_dir),
+            [{"prompt": f"what is {i} plus two"} for i in range(8)],
+            Path(out) / "grpo",
+            reference=None,
+            rewards=[function_reward("short", 1.0, short)],
+            rl=RLConfig(
+                algorithm="grpo", total_steps=2, batch_size=8, response_length=6, temperature=1.0, save_steps=2
+            ),
+            grpo=GRPOConfig(num_generations=4, beta=0.0),
+            run=RunConfig(device="cpu", seed=3, num_processes=2),
+            max_prompt_length=32,
+            rollout=RolloutConfig(engine="vllm", vllm={"url": url}),
+            on_log=lambda metrics, step: logged.append({k: float(v) for k, v in metrics.items()}),
+            show_progress=False,
+        )
     )
     digest = hashlib.sha256()
     for name, param in sorted(policy.state_dict().items()):

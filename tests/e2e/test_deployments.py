@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks.servers import wait_healthy
+from tasks.runtime.server_processes import wait_healthy
 from tests.fixtures.prefect_db import NO_MIGRATION, database_copy
 from tests.fixtures.servers import free_port
 

@@ -1,6 +1,6 @@
 """Serving the registered policy: `mlflow models serve` on `models:/smoke-policy@candidate`, posts to
 /invocations with and without generation params, a prompt longer than the context, bad requests, and the
-exported generation_config (tests/tasks/test_served_policy.py has the served policy's answers in detail).
+exported generation_config (tests/tasks/loaders/test_policy.py has the served policy's answers in detail).
 
 The smoke pipeline trains and registers the policy; the server runs in this environment
 (`--env-manager local`) on a free loopback port and is stopped (its process group) at the end.
@@ -21,7 +21,7 @@ from transformers import pipeline
 
 from flows.rlhf_pipeline import rlhf_pipeline
 from rlhf_core.models.loading import load_tokenizer
-from tasks.servers import stop_group, wait_healthy
+from tasks.runtime.server_processes import stop_group, wait_healthy
 from tests.fixtures.servers import free_port
 
 REPO = Path(__file__).resolve().parents[2]

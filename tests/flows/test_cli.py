@@ -117,8 +117,8 @@ def test_every_user_caused_exception_is_a_user_error():
     from rlhf_core.rewards.functions import RewardFunctionError
     from rlhf_core.storage.ownership import OwnershipError
     from rlhf_core.storage.shared import SharedStorageError
-    from tasks.preflight import PreflightError
-    from tasks.run_lock import RunLockedError
+    from tasks.checks.preflight import PreflightError
+    from tasks.runtime.run_lock import RunLockedError
 
     family = (ConfigError, DataValidationError, ModelSourceError, RewardFunctionError, OwnershipError)
     family += (RunLockedError, GuardStopError, PreflightError, SharedStorageError)

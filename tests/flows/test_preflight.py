@@ -14,7 +14,7 @@ import flows.cli
 from flows.cli import is_user_error, main
 from rlhf_core.config import load_config
 from rlhf_core.data.rows import DataValidationError
-from tasks.preflight import preflight_problems
+from tasks.checks.preflight import preflight_problems
 from tests.fixtures.servers import free_port
 from tests.fixtures.tables import write_jsonl
 
@@ -347,7 +347,7 @@ def test_run_checks_before_any_work(tmp_path, capsys, monkeypatch):
 def test_debug_shows_the_traceback(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("RLHF_DEBUG", "1")
     code, err = cli("validate", tmp_path, capsys, "registry.policy_model_name=a/b")
-    assert code == 2 and "Traceback" in err and "tasks.preflight.PreflightError" in err
+    assert code == 2 and "Traceback" in err and "tasks.checks.preflight.PreflightError" in err
     assert err.splitlines()[-1].startswith("error: registry.policy_model_name 'a/b'")
     monkeypatch.delenv("RLHF_DEBUG")
     assert main(["--debug", "validate", "--config", SMOKE, "--set", "rl.total_steps=1.5"]) == 2
@@ -379,7 +379,7 @@ def test_a_user_error_inside_the_flow_exits_2_and_a_bug_keeps_its_traceback(tmp_
 def test_check_preflight_raises_what_the_stage_would_have_raised(tmp_path):
     from rlhf_core.models.loading import ModelSourceError
     from rlhf_core.rewards.functions import RewardFunctionError
-    from tasks.preflight import PreflightError, check_preflight
+    from tasks.checks.preflight import PreflightError, check_preflight
 
     cases = [
         (["eval.metrics=['no_such_module:f']"], RewardFunctionError),

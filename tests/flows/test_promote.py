@@ -12,8 +12,9 @@ from flows.promote import rlhf_promote
 from rlhf_core.config import ConfigError
 from rlhf_core.data.chat import prompt_columns
 from rlhf_core.demo.world import world_rows
-from rlhf_core.evaluation.generations import evaluate_generations
+from rlhf_core.evaluation.generations import EvalModels, EvalPrompts, EvalSampling, evaluate_generations
 from rlhf_core.models.loading import generation_config_of, load_causal_lm, load_tokenizer, stop_token_ids
+from rlhf_core.rollout.sampling import SamplingSettings
 from tasks import registry, tracking
 
 SMOKE = str(Path(__file__).resolve().parents[2] / "configs" / "smoke.yaml")
@@ -48,18 +49,14 @@ def write_targets(model_dir: Path, world, path: Path) -> None:
     """The greedy completions of `model_dir` on the held-out prompts become the metric's targets."""
     tok = load_tokenizer(str(model_dir))
     prompts, messages = prompt_columns(world_rows(world, "prompt", "test"))
-    rows = evaluate_generations(
-        load_causal_lm(str(model_dir)),
-        None,
-        None,
-        tok,
-        prompts,
-        response_length=6,
+    sampling = EvalSampling(
+        SamplingSettings(response_length=6, greedy=True),
         max_prompt_length=20,
-        metrics={},
         batch_size=64,
-        greedy=True,
         stop_token_ids=stop_token_ids(tok, generation_config_of(str(model_dir))),  # <|im_end|>, <|endoftext|>
+    )
+    rows = evaluate_generations(
+        EvalModels(load_causal_lm(str(model_dir)), tok), EvalPrompts(prompts), sampling, metrics={}
     )
     path.write_text(json.dumps({m[-1]["content"]: r["completion"] for m, r in zip(messages, rows)}))
 

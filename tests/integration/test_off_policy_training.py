@@ -24,6 +24,7 @@ from rlhf_core.demo.world import world_rows
 from rlhf_core.models.forward import response_logprobs
 from rlhf_core.models.loading import load_causal_lm, load_tokenizer
 from rlhf_core.rl.grpo import GRPOSteps, train_grpo
+from rlhf_core.rl.inputs import rl_inputs
 from rlhf_core.rl_math import response_mask
 from rlhf_core.rollout.engines import Generated, LoopEngine, rollout_seed
 from rlhf_core.storage.checkpoints import decode
@@ -81,19 +82,21 @@ def train(world, out, rollout: RolloutConfig, *, policy=None, steps=STEPS, **hoo
     tokenizer = load_tokenizer(str(world.tokenizer))
     policy = policy or load_causal_lm(str(world.base_model))
     result = train_grpo(
-        policy,
-        None,
-        [make_reward(tokenizer)],
-        tokenizer,
-        world_rows(world, "prompt", "train"),
-        RLConfig(**RL, total_steps=steps, save_steps=2),
-        GRPOConfig(num_generations=4, log_completions_steps=1),
-        RunConfig(device="cpu", seed=SEED),
-        max_prompt_length=12,
-        output_dir=out,
-        rollout=rollout,
-        show_progress=False,
-        **hooks,
+        rl_inputs(
+            policy,
+            tokenizer,
+            world_rows(world, "prompt", "train"),
+            out,
+            reference=None,
+            rewards=[make_reward(tokenizer)],
+            rl=RLConfig(**RL, total_steps=steps, save_steps=2),
+            grpo=GRPOConfig(num_generations=4, log_completions_steps=1),
+            run=RunConfig(device="cpu", seed=SEED),
+            max_prompt_length=12,
+            rollout=rollout,
+            show_progress=False,
+            **hooks,
+        )
     )
     return policy, result
 

@@ -14,7 +14,7 @@ import torch
 
 from rlhf_core.models.loading import stop_token_ids
 from rlhf_core.rl_math import INVALID_LOGPROB, response_mask
-from rlhf_core.rollout.collect import collect_rollout, completion_metrics
+from rlhf_core.rollout.collect import Passes, SamplingSpec, collect_rollout, completion_metrics
 from rlhf_core.rollout.generation import decode_responses, left_pad, tokenize_prompts
 from rlhf_core.rollout.sampling import SamplingSettings
 from tests.fixtures.real_shapes import (
@@ -30,6 +30,8 @@ from tests.integration.real_shapes_common import load
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 R = 7  # response length of the scripted rollouts
+
+POLICY_ONLY, NEITHER = Passes(reference=False), Passes(policy=False, reference=False)
 
 
 def scripted_batch(tok, model, stops, min_tokens=1):
@@ -59,10 +61,10 @@ def test_rollout_ends_at_either_stop_id_and_nothing_after_it_counts(family_root,
         None,
         ids,
         mask,
-        SamplingSettings(response_length=R, temperature=1.0, greedy=greedy),
-        pad_token_id=tok.pad_token_id,
-        stop_token_ids=stops,
-        need_reference=False,
+        SamplingSpec(
+            SamplingSettings(response_length=R, temperature=1.0, greedy=greedy), tok.pad_token_id, tuple(stops)
+        ),
+        passes=POLICY_ONLY,
     )
     a, b = stops[0], stops[-1]
     lengths = [3, 5, R, R, 2]
@@ -100,11 +102,8 @@ def test_missing_eos_penalty_only_hits_rows_without_a_stop(family_root, name):
         None,
         ids,
         mask,
-        SamplingSettings(response_length=R, greedy=True),
-        pad_token_id=tok.pad_token_id,
-        stop_token_ids=stops,
-        need_reference=False,
-        need_logprobs=False,
+        SamplingSpec(SamplingSettings(response_length=R, greedy=True), tok.pad_token_id, tuple(stops)),
+        passes=NEITHER,
     )
     counter = TokenCountReward()
     scores, values = score_rollout(rollout, counter, counter, missing_eos_penalty=10.0)
@@ -126,10 +125,8 @@ def test_no_stop_before_min_tokens_even_when_the_model_wants_one(family_root, na
         None,
         ids,
         mask,
-        SamplingSettings(response_length=R, greedy=True, min_tokens=3),
-        pad_token_id=tok.pad_token_id,
-        stop_token_ids=stops,
-        need_reference=False,
+        SamplingSpec(SamplingSettings(response_length=R, greedy=True, min_tokens=3), tok.pad_token_id, tuple(stops)),
+        passes=POLICY_ONLY,
     )
     assert rollout.has_stop.all() and rollout.last_index.tolist() == [3] * ids.shape[0]
     assert not torch.isin(rollout.responses[:, :3], torch.tensor(stops)).any()
@@ -202,8 +199,8 @@ def test_vllms_completions_become_the_tensors_our_loop_makes(family_root, name):
     stops = stop_token_ids(tok, model.generation_config)
     ids, mask, policy = scripted_batch(tok, model, stops)
     settings = SamplingSettings(response_length=R, greedy=True)
-    common = dict(pad_token_id=tok.pad_token_id, stop_token_ids=stops, need_reference=False)
-    ours = collect_rollout(policy, None, ids, mask, settings, **common)
+    spec = SamplingSpec(settings, tok.pad_token_id, tuple(stops))
+    ours = collect_rollout(policy, None, ids, mask, spec, passes=POLICY_ONLY)
 
     class ScriptServer:
         def complete(self, prompts, settings, stop_token_ids, *, n=1, seed=None):
@@ -213,7 +210,7 @@ def test_vllms_completions_become_the_tensors_our_loop_makes(family_root, name):
             return [Completion(script[:end], [-1.0] * end, end < R or script[end - 1] in stop_token_ids)]
 
     engine = VllmEngine(ScriptServer(), weights_dir=None)
-    theirs = collect_rollout(policy, None, ids, mask, settings, engine=engine, seed=0, **common)
+    theirs = collect_rollout(policy, None, ids, mask, spec, engine=engine, seed=0, passes=POLICY_ONLY)
     for field in ("responses", "resp_mask", "last_index", "has_stop"):
         assert torch.equal(getattr(theirs, field), getattr(ours, field)), field
     torch.testing.assert_close(theirs.logprobs, ours.logprobs)  # the trainer's own, computed the same way

@@ -15,6 +15,7 @@ from transformers import AutoTokenizer, GenerationConfig
 
 from rlhf_core.config import GRPOConfig, PPOConfig, RLConfig, RunConfig
 from rlhf_core.models.loading import ModelSourceError, load_causal_lm, load_tokenizer, stop_token_ids
+from rlhf_core.rl.inputs import rl_inputs
 from tests.fixtures.real_shapes import (
     FAMILIES,
     TokenCountReward,
@@ -134,35 +135,39 @@ def test_an_unknown_stop_token_stops_training_before_the_first_step(family_root,
         if algorithm == "ppo":
             _, ref = load(family_root, "llama-3-instruct")
             train_ppo(
-                policy,
-                TokenCountReward(),
-                ref,
-                TokenCountReward(),
-                tok,
-                prompts,
-                rl,
-                PPOConfig(),
-                RunConfig(device="cpu"),
-                max_prompt_length=16,
-                output_dir=tmp_path / "out",
-                on_step=steps.append,
-                show_progress=False,
+                rl_inputs(
+                    policy,
+                    tok,
+                    prompts,
+                    tmp_path / "out",
+                    value=TokenCountReward(),
+                    reference=ref,
+                    reward_model=TokenCountReward(),
+                    rl=rl,
+                    ppo=PPOConfig(),
+                    run=RunConfig(device="cpu"),
+                    max_prompt_length=16,
+                    on_step=steps.append,
+                    show_progress=False,
+                )
             )
         else:
             reward = function_reward("len", 1.0, lambda prompts, completions, **_: [float(len(c)) for c in completions])
             train_grpo(
-                policy,
-                None,
-                [reward],
-                tok,
-                [{"prompt": p} for p in prompts],
-                rl,
-                GRPOConfig(num_generations=2),
-                RunConfig(device="cpu"),
-                max_prompt_length=16,
-                output_dir=tmp_path / "out",
-                on_step=steps.append,
-                show_progress=False,
+                rl_inputs(
+                    policy,
+                    tok,
+                    [{"prompt": p} for p in prompts],
+                    tmp_path / "out",
+                    reference=None,
+                    rewards=[reward],
+                    rl=rl,
+                    grpo=GRPOConfig(num_generations=2),
+                    run=RunConfig(device="cpu"),
+                    max_prompt_length=16,
+                    on_step=steps.append,
+                    show_progress=False,
+                )
             )
     assert one_sentence(str(err.value))
     assert steps == [] and not list(tmp_path.glob("out/checkpoint-*"))

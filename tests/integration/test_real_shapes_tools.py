@@ -18,7 +18,7 @@ import pytest
 
 from rlhf_core.data.tool_calls import tool_template_problem
 from rlhf_core.models.loading import stop_token_ids
-from rlhf_core.rollout.episodes import episode_prompts, run_episodes
+from rlhf_core.rollout.episodes import ToolRollout, episode_prompts, run_episodes
 from rlhf_core.rollout.sampling import SamplingSettings
 from rlhf_core.rollout.tools import Toolbox, ToolUse
 from tests.fixtures.episodes import ScriptedTurns
@@ -94,11 +94,10 @@ def test_an_episode_on_a_real_template_puts_every_token_where_it_belongs(family_
     played = run_episodes(
         engine,
         None,
-        tokenizer,
-        prompts,
-        boxes,
-        SamplingSettings(response_length=200),
-        ToolUse([multiply]),
+        ToolRollout(ToolUse([multiply]), tokenizer, [], max_prompt_length=256),
+        prompts=prompts,
+        toolboxes=boxes,
+        settings=SamplingSettings(response_length=200),
         pad_token_id=tokenizer.pad_token_id,
         stop_token_ids=stops,
     )

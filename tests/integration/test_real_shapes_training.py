@@ -15,7 +15,8 @@ import torch
 
 from rlhf_core.config import GRPOConfig, PPOConfig, RLConfig, RunConfig, SFTConfig
 from rlhf_core.models.loading import load_causal_lm, stop_token_ids
-from rlhf_core.rollout.collect import collect_rollout, completion_metrics
+from rlhf_core.rl.inputs import rl_inputs
+from rlhf_core.rollout.collect import Passes, SamplingSpec, collect_rollout, completion_metrics
 from rlhf_core.rollout.generation import left_pad, tokenize_prompts
 from rlhf_core.rollout.sampling import SamplingSettings
 from tests.fixtures.real_shapes import FAMILIES, family, prompts_and_answers, render_prompt, sft_texts
@@ -32,11 +33,10 @@ def _rollout_stats(policy, tok, prompts, stops, response_length, seed=0):
         None,
         ids,
         mask,
-        SamplingSettings(response_length=response_length, temperature=1.0),
-        pad_token_id=tok.pad_token_id,
-        stop_token_ids=stops,
-        need_reference=False,
-        need_logprobs=False,
+        SamplingSpec(
+            SamplingSettings(response_length=response_length, temperature=1.0), tok.pad_token_id, tuple(stops)
+        ),
+        passes=Passes(policy=False, reference=False),
     )
     ended_on = [rollout.responses[i, rollout.last_index[i]].item() for i in range(len(prompts)) if rollout.has_stop[i]]
     return completion_metrics(rollout)["completions/clipped_ratio"].item(), ended_on
@@ -78,6 +78,7 @@ def test_sft_warm_start_then_ppo_and_grpo_responses_stop(family_root, tmp_path, 
     from rlhf_core.rewards.sources import function_reward
     from rlhf_core.rl.grpo import train_grpo
     from rlhf_core.rl.ppo import train_ppo
+    from rlhf_core.training.loop import Hooks
     from rlhf_core.training.sft import train_sft
 
     spec = family(name)
@@ -98,7 +99,7 @@ def test_sft_warm_start_then_ppo_and_grpo_responses_stop(family_root, tmp_path, 
         RunConfig(device="cpu", seed=1),
         max_length=64,
         output_dir=sft_dir,
-        show_progress=False,
+        hooks=Hooks(show_progress=False),
     )
     assert sft["sft/loss"] < 0.5
     warm = load_causal_lm(str(sft_dir)).eval()
@@ -121,19 +122,21 @@ def test_sft_warm_start_then_ppo_and_grpo_responses_stop(family_root, tmp_path, 
     )
     ppo_logs = []
     result = train_ppo(
-        load_causal_lm(str(sft_dir)),
-        load_reward_model(str(sft_dir), tok, seed=0),
-        load_causal_lm(str(sft_dir)),
-        load_reward_model(str(sft_dir), tok, seed=1),
-        tok,
-        prompts,
-        RLConfig(**rl),
-        PPOConfig(num_ppo_epochs=1),
-        RunConfig(device="cpu", seed=3),
-        max_prompt_length=48,
-        output_dir=tmp_path / "ppo",
-        on_log=lambda m, s: ppo_logs.append(m),
-        show_progress=False,
+        rl_inputs(
+            load_causal_lm(str(sft_dir)),
+            tok,
+            prompts,
+            tmp_path / "ppo",
+            value=load_reward_model(str(sft_dir), tok, seed=0),
+            reference=load_causal_lm(str(sft_dir)),
+            reward_model=load_reward_model(str(sft_dir), tok, seed=1),
+            rl=RLConfig(**rl),
+            ppo=PPOConfig(num_ppo_epochs=1),
+            run=RunConfig(device="cpu", seed=3),
+            max_prompt_length=48,
+            on_log=lambda m, s: ppo_logs.append(m),
+            show_progress=False,
+        )
     )
     assert len(ppo_logs) == 2
     for logged in ppo_logs:
@@ -146,18 +149,20 @@ def test_sft_warm_start_then_ppo_and_grpo_responses_stop(family_root, tmp_path, 
     grpo_logs = []
     has_a = function_reward("has_a", 1.0, lambda prompts, completions, **_: [float("a" in c) for c in completions])
     train_grpo(
-        load_causal_lm(str(sft_dir)),
-        None,
-        [has_a],
-        tok,
-        [{"prompt": p} for p in prompts],
-        RLConfig(algorithm="grpo", **rl),
-        GRPOConfig(num_generations=4),
-        RunConfig(device="cpu", seed=3),
-        max_prompt_length=48,
-        output_dir=tmp_path / "grpo",
-        on_log=lambda m, s: grpo_logs.append(m),
-        show_progress=False,
+        rl_inputs(
+            load_causal_lm(str(sft_dir)),
+            tok,
+            [{"prompt": p} for p in prompts],
+            tmp_path / "grpo",
+            reference=None,
+            rewards=[has_a],
+            rl=RLConfig(algorithm="grpo", **rl),
+            grpo=GRPOConfig(num_generations=4),
+            run=RunConfig(device="cpu", seed=3),
+            max_prompt_length=48,
+            on_log=lambda m, s: grpo_logs.append(m),
+            show_progress=False,
+        )
     )
     assert len(grpo_logs) == 2
     for logged in grpo_logs:
@@ -168,18 +173,20 @@ def test_sft_warm_start_then_ppo_and_grpo_responses_stop(family_root, tmp_path, 
     for algorithm in ("rloo", "reinforce_plus_plus"):
         logs = []
         train_grpo(
-            load_causal_lm(str(sft_dir)),
-            load_causal_lm(str(sft_dir)),
-            [has_a],
-            tok,
-            [{"prompt": p} for p in prompts],
-            RLConfig(algorithm=algorithm, **rl),
-            GRPOConfig(num_generations=4, beta=0.05),
-            RunConfig(device="cpu", seed=3),
-            max_prompt_length=48,
-            output_dir=tmp_path / algorithm,
-            on_log=lambda m, s, logs=logs: logs.append(m),
-            show_progress=False,
+            rl_inputs(
+                load_causal_lm(str(sft_dir)),
+                tok,
+                [{"prompt": p} for p in prompts],
+                tmp_path / algorithm,
+                reference=load_causal_lm(str(sft_dir)),
+                rewards=[has_a],
+                rl=RLConfig(algorithm=algorithm, **rl),
+                grpo=GRPOConfig(num_generations=4, beta=0.05),
+                run=RunConfig(device="cpu", seed=3),
+                max_prompt_length=48,
+                on_log=lambda m, s, logs=logs: logs.append(m),
+                show_progress=False,
+            )
         )
         assert len(logs) == 2
         for logged in logs:

@@ -16,6 +16,7 @@ from rlhf_core.config import GRPOConfig as OurGRPOConfig
 from rlhf_core.config import RLConfig, RunConfig
 from rlhf_core.rewards.sources import function_reward
 from rlhf_core.rl.grpo import train_grpo
+from rlhf_core.rl.inputs import rl_inputs
 from tests.parity.trl_grpo_common import MAX_COMPLETION, NAN, build_policy, drive_trl_scoring
 
 # ------------------------------------------------------------------------------------------
@@ -57,26 +58,28 @@ def test_train_grpo_step_advantages_and_reward_metrics_match_trl(
     logs, tables = [], []
     rows = [{"prompt": p} for p in ("w3 w4 w5", "w6 w7 w8", "w9 w10 w11", "w12 w13 w14")]
     train_grpo(
-        build_policy(seed=0),
-        None,
-        [source("length"), source("odd")],
-        tokenizer,
-        rows,
-        RLConfig(
-            algorithm="grpo",
-            total_steps=1,
-            batch_size=16,
-            response_length=MAX_COMPLETION,
-            temperature=0.7,
-            learning_rate=1e-3,
-        ),
-        OurGRPOConfig(num_generations=4, multi_objective_aggregation=aggregation, scale_rewards=scale_rewards),
-        RunConfig(device="cpu", seed=3),
-        max_prompt_length=8,
-        output_dir=tmp_path / "grpo",
-        on_log=lambda m, s: logs.append(m),
-        on_completions=lambda table, s: tables.append(table),
-        show_progress=False,
+        rl_inputs(
+            build_policy(seed=0),
+            tokenizer,
+            rows,
+            tmp_path / "grpo",
+            reference=None,
+            rewards=[source("length"), source("odd")],
+            rl=RLConfig(
+                algorithm="grpo",
+                total_steps=1,
+                batch_size=16,
+                response_length=MAX_COMPLETION,
+                temperature=0.7,
+                learning_rate=1e-3,
+            ),
+            grpo=OurGRPOConfig(num_generations=4, multi_objective_aggregation=aggregation, scale_rewards=scale_rewards),
+            run=RunConfig(device="cpu", seed=3),
+            max_prompt_length=8,
+            on_log=lambda m, s: logs.append(m),
+            on_completions=lambda table, s: tables.append(table),
+            show_progress=False,
+        )
     )
     table = tables[0]
     assert [[r["length"], r["odd"]] for r in table] == [list(v) for v in zip(*LOOP_REWARDS.values())]

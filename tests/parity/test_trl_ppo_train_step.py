@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from rlhf_core.rl.inputs import rl_inputs
 from tests.parity.trl_ppo_common import (
     ATOL_MODEL,
     BATCH,
@@ -124,18 +125,20 @@ def test_train_ppo_end_to_end(world, name, monkeypatch, tmp_path):
         num_mini_batches=1,
     )
     train_ppo(
-        copy.deepcopy(models["policy"]),
-        copy.deepcopy(models["value"]),
-        copy.deepcopy(models["ref"]),
-        copy.deepcopy(models["reward"]),
-        build_tokenizer(r["pad"] == EOS),
-        [prompt_text(p) for p in prompts],
-        rl,
-        ppo_cfg,
-        RunConfig(device="cpu", seed=0),
-        max_prompt_length=16,
-        output_dir=tmp_path / "ppo",
-        show_progress=False,
+        rl_inputs(
+            copy.deepcopy(models["policy"]),
+            build_tokenizer(r["pad"] == EOS),
+            [prompt_text(p) for p in prompts],
+            tmp_path / "ppo",
+            value=copy.deepcopy(models["value"]),
+            reference=copy.deepcopy(models["ref"]),
+            reward_model=copy.deepcopy(models["reward"]),
+            rl=rl,
+            ppo=ppo_cfg,
+            run=RunConfig(device="cpu", seed=0),
+            max_prompt_length=16,
+            show_progress=False,
+        )
     )
 
     assert seen["pad"] == r["pad"] and seen["stops"] == (EOS,), seen

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from rlhf_core.rollout.episodes import run_episodes
+from rlhf_core.rollout.episodes import ToolRollout, run_episodes
 from rlhf_core.rollout.sampling import SamplingSettings
 from rlhf_core.rollout.tools import Toolbox, ToolUse
 from tests.fixtures.episodes import ScriptedTurns
@@ -109,11 +109,10 @@ def ours(tokenizer, native_parser: bool = False):
     return run_episodes(
         engine,
         None,
-        tokenizer,
-        prompt_ids,
-        [Toolbox({fn.__name__: fn for fn in TOOLS}) for _ in prompt_ids],
-        SamplingSettings(response_length=BUDGET),
-        ToolUse(TOOLS, max_calls=MAX_ITERATIONS),
+        ToolRollout(ToolUse(TOOLS, max_calls=MAX_ITERATIONS), tokenizer, [], max_prompt_length=BUDGET),
+        prompts=prompt_ids,
+        toolboxes=[Toolbox({fn.__name__: fn for fn in TOOLS}) for _ in prompt_ids],
+        settings=SamplingSettings(response_length=BUDGET),
         pad_token_id=tokenizer.pad_token_id,
         stop_token_ids=stops,
     )

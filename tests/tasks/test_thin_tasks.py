@@ -24,7 +24,7 @@ def prefect_functions() -> list[tuple[str, ast.FunctionDef]]:
 
 def test_there_are_tasks_and_flows_to_check():
     names = [name for name, _ in prefect_functions()]
-    assert "tasks/stages/rl.py:rl_stage" in names and "flows/rlhf_pipeline.py:rlhf_pipeline" in names
+    assert "tasks/stages/rl/stage.py:rl_stage" in names and "flows/rlhf_pipeline.py:rlhf_pipeline" in names
 
 
 @pytest.mark.parametrize("name, node", prefect_functions(), ids=lambda x: x if isinstance(x, str) else "")

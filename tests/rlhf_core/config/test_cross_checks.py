@@ -109,9 +109,11 @@ def test_the_group_family_checks():
     rl = RLConfig(missing_eos_penalty=1.0)
     with pytest.raises(ValueError, match="^rl.missing_eos_penalty is subtracted from the summed reward"):
         check_group_rewards(rl, GRPOConfig(multi_objective_aggregation="normalize_then_sum"))
-    with pytest.raises(ValueError, match="^rl.dynamic_sampling drops groups of completions, which rl.algorithm 'ppo'"):
+    with pytest.raises(
+        ValueError, match="^grpo.dynamic_sampling drops groups of completions, which rl.algorithm 'ppo'"
+    ):
         check_group_family(
-            RLConfig(algorithm="ppo", dynamic_sampling={"enabled": True}), GRPOConfig(), False, RunConfig(), None
+            RLConfig(algorithm="ppo"), GRPOConfig(dynamic_sampling={"enabled": True}), False, RunConfig(), None
         )
 
 

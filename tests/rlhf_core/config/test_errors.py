@@ -77,7 +77,10 @@ def error_of(*overrides: str) -> str:
             ["rl.algorithm=rloo", "grpo.scale_rewards=group", "grpo.reward_clip_range=[2, 1]"],
             "grpo.reward_clip_range [2.0, 1.0] must be [low, high]",
         ),
-        (["rl.algorithm=ppo", "rl.dynamic_sampling.enabled=true"], "rl.dynamic_sampling drops groups of completions"),
+        (
+            ["rl.algorithm=ppo", "grpo.dynamic_sampling.enabled=true"],
+            "grpo.dynamic_sampling drops groups of completions",
+        ),
         (
             [
                 "rl.algorithm=rloo",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import re
 from pathlib import Path
 
 import pytest
@@ -117,3 +119,100 @@ def test_an_unset_environment_variable_in_a_path_is_refused(monkeypatch):
     monkeypatch.delenv("RLHF_NOT_SET", raising=False)
     with pytest.raises(ConfigError, match=r"run.output_dir.*environment variable RLHF_NOT_SET is not set"):
         load_config(None, ["run.output_dir=$RLHF_NOT_SET/x"])
+
+
+# settings that moved to the section where they apply: read under their old names, said once -------------------
+
+OLD_NAMES = {
+    "rl": {"algorithm": "grpo", "dynamic_sampling": {"enabled": True, "max_rounds": 2}},
+    "rollout": {
+        "engine": "vllm",
+        "vllm": {"correction": "token_truncate", "correction_cap": 2.0, "correction_min": 0.5},
+    },
+}
+NEW_NAMES = [
+    "rl.algorithm=grpo",
+    "grpo.dynamic_sampling.enabled=true",
+    "grpo.dynamic_sampling.max_rounds=2",
+    "rollout.engine=vllm",
+    "rollout.correction.mode=token_truncate",
+    "rollout.correction.cap=2.0",
+    "rollout.correction.min=0.5",
+]
+
+
+@pytest.fixture
+def said(caplog):
+    """The sentences the loader says (each once per process: forgotten before and after the test)."""
+    from rlhf_core.config import loading
+
+    loading._say_once.cache_clear()
+    caplog.set_level(logging.WARNING, logger=loading.__name__)
+    yield lambda: [r.getMessage() for r in caplog.records if r.name == loading.__name__]
+    loading._say_once.cache_clear()
+
+
+def test_moved_settings_are_read_under_their_old_names_and_said_once(tmp_path, said):
+    path = tmp_path / "old.yaml"
+    path.write_text(yaml.safe_dump(OLD_NAMES))
+    for _ in range(3):  # `rlhf run` loads it, then its flow (the flow run's name, the flow's body)
+        cfg = load_config(path)
+    assert cfg == load_config(None, NEW_NAMES)  # the new names: the same config, nothing said
+    assert cfg.grpo.dynamic_sampling.model_dump() == {"enabled": True, "max_rounds": 2}
+    assert cfg.rollout.correction.model_dump() == {"mode": "token_truncate", "cap": 2.0, "min": 0.5}
+    assert said() == [
+        "config: rollout.vllm.correction is now rollout.correction.mode, rollout.vllm.correction_cap is now "
+        "rollout.correction.cap, rollout.vllm.correction_min is now rollout.correction.min, rl.dynamic_sampling is "
+        f"now grpo.dynamic_sampling (read as those; rename them in {path})"
+    ]
+
+
+def test_an_override_by_an_old_name_is_read_as_the_new_one(said):
+    cfg = load_config(None, ["rl.algorithm=grpo", "rl.dynamic_sampling.enabled=true"])
+    assert cfg.grpo.dynamic_sampling.enabled is True
+    assert said() == [
+        "config: rl.dynamic_sampling is now grpo.dynamic_sampling (read as that; rename it in your --set overrides)"
+    ]
+    whole = load_config(None, ["rollout.max_staleness=1", "rl.algorithm=grpo", "rollout.vllm={correction: none}"])
+    assert whole.rollout.correction.mode == "none"
+    assert said()[-1] == (
+        "config: rollout.vllm.correction is now rollout.correction.mode (read as that; rename it in your --set overrides)"
+    )
+
+
+def test_both_names_of_one_setting_are_refused_naming_both(tmp_path, said):
+    both = tmp_path / "both.yaml"
+    both.write_text(yaml.safe_dump({**OLD_NAMES, "grpo": {"dynamic_sampling": {"enabled": False}}}))
+    with pytest.raises(
+        ConfigError,
+        match=f"^rl.dynamic_sampling and grpo.dynamic_sampling are both set in config file {re.escape(str(both))}; ",
+    ):
+        load_config(both)
+    with pytest.raises(
+        ConfigError,
+        match="^rollout.vllm.correction_cap and rollout.correction.cap are both set in the --set overrides; "
+        "rollout.vllm.correction_cap is the old name of rollout.correction.cap: keep only rollout.correction.cap$",
+    ):
+        load_config(None, ["rollout.vllm.correction_cap=2", "rollout.correction.cap=3"])
+    assert said() == []
+    # an override by either name applies over the file's setting, as every override does
+    old = tmp_path / "old.yaml"
+    old.write_text(yaml.safe_dump(OLD_NAMES))
+    assert load_config(old, ["grpo.dynamic_sampling.max_rounds=5"]).grpo.dynamic_sampling.max_rounds == 5
+    assert load_config(old, ["rl.dynamic_sampling.enabled=false"]).grpo.dynamic_sampling.enabled is False
+
+
+def test_an_older_runs_resolved_dump_loads_as_the_same_config(tmp_path, said):
+    cfg = load_config(REPO / "configs" / "smoke.yaml", NEW_NAMES)
+    dump = cfg.model_dump(mode="json")  # as `rlhf validate` prints it, with the names before the move
+    correction = dump["rollout"].pop("correction")
+    dump["rollout"]["vllm"] |= {
+        "correction": correction["mode"],
+        "correction_cap": correction["cap"],
+        "correction_min": correction["min"],
+    }
+    dump["rl"]["dynamic_sampling"] = dump["grpo"].pop("dynamic_sampling")
+    path = tmp_path / "resolved.yaml"
+    path.write_text(yaml.safe_dump(dump, sort_keys=False))
+    assert load_config(path) == cfg
+    assert len(said()) == 1

@@ -35,7 +35,7 @@ def test_the_stage_key_sees_what_changes_the_weights_and_not_where_the_server_ru
         None, ["rollout.engine=vllm", "rollout.vllm.url=http://gpu-7:8000", "rollout.vllm.startup_timeout_s=9"]
     ).rollout
     assert vllm.result_fields() == elsewhere.result_fields() != {}
-    capped = load_config(None, ["rollout.engine=vllm", "rollout.vllm.correction_cap=2.0"]).rollout
+    capped = load_config(None, ["rollout.engine=vllm", "rollout.correction.cap=2.0"]).rollout
     assert capped.result_fields() != vllm.result_fields()
     assert RolloutConfig(max_staleness=0).result_fields() == {}  # in step: the keys of earlier runs stay
     ahead = [RolloutConfig(max_staleness=k).result_fields() for k in (1, 2)]
@@ -48,16 +48,16 @@ def test_the_stage_key_sees_what_changes_the_weights_and_not_where_the_server_ru
     ("sets", "expected"),
     [
         (
-            ["rollout.vllm.correction_min=2.0", "rollout.vllm.correction_cap=1.5"],
-            "rollout.vllm.correction_min 2.0 must not exceed rollout.vllm.correction_cap 1.5",
+            ["rollout.correction.min=2.0", "rollout.correction.cap=1.5"],
+            "rollout.correction.min 2.0 must not exceed rollout.correction.cap 1.5",
         ),
         (
-            ["rollout.engine=vllm", "rl.algorithm=rloo", "rollout.vllm.correction=token_mask"],
-            "rollout.vllm.correction 'token_mask' weighs tokens, but rloo's loss has one ratio per sequence",
+            ["rollout.engine=vllm", "rl.algorithm=rloo", "rollout.correction.mode=token_mask"],
+            "rollout.correction.mode 'token_mask' weighs tokens, but rloo's loss has one ratio per sequence",
         ),
         (
-            ["rollout.max_staleness=1", "rl.algorithm=rloo", "rollout.vllm.correction=token_mask"],
-            "rollout.vllm.correction 'token_mask' weighs tokens, but rloo's loss has one ratio per sequence",
+            ["rollout.max_staleness=1", "rl.algorithm=rloo", "rollout.correction.mode=token_mask"],
+            "rollout.correction.mode 'token_mask' weighs tokens, but rloo's loss has one ratio per sequence",
         ),
         (
             ["rollout.max_staleness=1", "rl.algorithm=ppo"],
@@ -68,8 +68,8 @@ def test_the_stage_key_sees_what_changes_the_weights_and_not_where_the_server_ru
             "rollout.max_staleness 2 runs in one process; set run.num_processes to 1",
         ),
         (
-            ["rollout.max_staleness=1", "rl.algorithm=grpo", "rl.dynamic_sampling.enabled=true"],
-            "rollout.max_staleness 1 samples each step's groups ahead, so rl.dynamic_sampling cannot refill them",
+            ["rollout.max_staleness=1", "rl.algorithm=grpo", "grpo.dynamic_sampling.enabled=true"],
+            "rollout.max_staleness 1 samples each step's groups ahead, so grpo.dynamic_sampling cannot refill them",
         ),
         (
             ["rollout.max_staleness=1", "rl.algorithm=grpo", "rollout.engine=vllm", "rollout.vllm.evaluate=true"],
@@ -80,4 +80,4 @@ def test_the_stage_key_sees_what_changes_the_weights_and_not_where_the_server_ru
 def test_cross_section_checks_refuse_in_one_sentence(sets, expected):
     with pytest.raises(ConfigError, match=expected):
         load_config(None, sets)
-    assert load_config(None, ["rollout.engine=vllm", "rl.algorithm=rloo", "rollout.vllm.correction=sequence_mask"])
+    assert load_config(None, ["rollout.engine=vllm", "rl.algorithm=rloo", "rollout.correction.mode=sequence_mask"])

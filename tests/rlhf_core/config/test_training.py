@@ -1,6 +1,10 @@
-"""rlhf_core/config/training.py: the optimizer, SFT, reward, RL, PPO and GRPO sections: TRL's defaults, non-finite patience."""
+"""rlhf_core/config/training.py: the optimizer, SFT, reward, RL, PPO and GRPO sections: TRL's defaults, non-finite patience,
+the sections as the RL stage's key takes them."""
 
 from __future__ import annotations
+
+import hashlib
+import json
 
 import pytest
 
@@ -9,6 +13,7 @@ from rlhf_core.config import (
     PipelineConfig,
     load_config,
 )
+from rlhf_core.config.training import keyed_sections
 
 
 def test_defaults_follow_trl():
@@ -35,3 +40,34 @@ def test_every_optimizer_section_limits_nonfinite_steps_in_a_row():
     assert load_config(None, ["rl.max_nonfinite_steps_in_a_row=0"]).rl.max_nonfinite_steps_in_a_row == 0
     with pytest.raises(ConfigError, match="`rl.max_nonfinite_steps_in_a_row` got -1"):
         load_config(None, ["rl.max_nonfinite_steps_in_a_row=-1"])
+
+
+@pytest.mark.parametrize(
+    ("sets", "key"),
+    [
+        (
+            [
+                "rl.algorithm=grpo",
+                "grpo.dynamic_sampling.enabled=true",
+                "grpo.dynamic_sampling.max_rounds=2",
+                "rollout.engine=vllm",
+                "rollout.correction.mode=token_truncate",
+                "rollout.correction.cap=2.0",
+                "rollout.correction.min=0.5",
+            ],
+            "baed6bf160b6002e",
+        ),
+        ([], "a1ad8bbee27fee73"),
+        (["rl.algorithm=rloo", "rollout.max_staleness=1"], "5c1e4cd4839a44f3"),
+        (["grpo.dynamic_sampling.max_rounds=5"], "12e2f338ca4e2fa9"),  # ppo: its key held rl.dynamic_sampling too
+    ],
+)
+def test_the_rl_stage_keys_its_sections_as_before_dynamic_sampling_and_the_correction_moved(sets, key):
+    """What the RL stage's key (tasks/stages/rl/stage.py `rl_key`) takes from rl, the algorithm's section and rollout,
+    hashed as `stage_key` hashes it: each value computed by the code before grpo.dynamic_sampling was rl's and
+    rollout.correction.* was rollout.vllm.correction*, so every run directory keeps its keys and resumes."""
+    cfg = load_config(None, sets)
+    rl, section = keyed_sections(cfg.rl, cfg.ppo, cfg.grpo)
+    parts = {"rl": rl, cfg.rl.algorithm: section, "rollout": cfg.rollout.result_fields()}
+    assert hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16] == key
+    assert "dynamic_sampling" in rl and "dynamic_sampling" not in section

@@ -8,8 +8,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rlhf_core.evaluation.generations import evaluate_generations, summarize_rows
+from rlhf_core.evaluation.generations import (
+    EvalModels,
+    EvalPrompts,
+    EvalSampling,
+    evaluate_generations,
+    summarize_rows,
+)
 from rlhf_core.models.loading import load_causal_lm, load_tokenizer
+from rlhf_core.rollout.sampling import SamplingSettings
 
 
 def test_summary_means_every_numeric_column_skipping_missing_values():
@@ -26,14 +33,9 @@ def test_rows_hold_prompt_completion_length_and_the_metric_functions(smoke_world
     policy = load_causal_lm(str(smoke_world.base_model))
     prompts = ["the movie was", "i think the food"]
     rows = evaluate_generations(
-        policy,
-        None,
-        None,
-        tok,
-        prompts,
-        response_length=4,
-        max_prompt_length=16,
-        batch_size=1,
+        EvalModels(policy, tok),
+        EvalPrompts(prompts),
+        EvalSampling(SamplingSettings(response_length=4), max_prompt_length=16, batch_size=1),
         metrics={"chars": lambda prompts, completions, **_: [float(len(c)) for c in completions]},
     )
     assert [r["prompt"] for r in rows] == prompts
@@ -59,16 +61,10 @@ def test_conversational_prompts_reach_metric_functions_as_messages(smoke_world):
         return [0.0] * len(completions)
 
     rows = evaluate_generations(
-        policy,
-        None,
-        None,
-        tok,
-        prompts,
-        response_length=4,
-        max_prompt_length=20,
-        batch_size=2,
+        EvalModels(policy, tok),
+        EvalPrompts(prompts, messages=messages),
+        EvalSampling(SamplingSettings(response_length=4), max_prompt_length=20, batch_size=2),
         metrics={"record": record, "vader": vader_compound},
-        prompt_messages=messages,
     )
     assert [p for batch, _ in seen for p in batch] == messages
     completions = [c for _, batch in seen for c in batch]

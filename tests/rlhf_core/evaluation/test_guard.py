@@ -6,7 +6,15 @@ from __future__ import annotations
 import pytest
 
 from rlhf_core.config import DivergenceRule, GuardConfig, GuardRule
-from rlhf_core.evaluation.guard import GuardLedger, Rollback, check, relative_to_initial, set_aside, strongest
+from rlhf_core.evaluation.guard import (
+    GuardLedger,
+    Rollback,
+    Verdict,
+    check,
+    relative_to_initial,
+    set_aside,
+    strongest,
+)
 
 INITIAL = {
     "eval/score_mean": 0.0,
@@ -93,10 +101,12 @@ def test_relative_to_initial_and_the_strongest_action():
 def test_the_ledger_keeps_a_branch_picks_checkpoints_and_round_trips(tmp_path):
     guard = only(kl_budget=GuardRule(limit=3.0, action="rollback"))
     ledger = GuardLedger()
-    assert ledger.observe(0, INITIAL, guard, None) == []
-    ledger.observe(10, at(kl_k3_mean=1.0, score_mean=2.0), guard, None)
-    ledger.observe(20, at(kl_k3_mean=2.0, score_mean=3.0), guard, None)
-    (trigger,) = ledger.observe(30, at(kl_k3_mean=5.0, score_mean=4.0), guard, None)
+    assert ledger.judge(0, INITIAL, guard, None) == Verdict(0)
+    ledger.judge(10, at(kl_k3_mean=1.0, score_mean=2.0), guard, None)
+    ledger.judge(20, at(kl_k3_mean=2.0, score_mean=3.0), guard, None)
+    verdict = ledger.judge(30, at(kl_k3_mean=5.0, score_mean=4.0), guard, None)
+    (trigger,) = verdict.triggers
+    assert (verdict.action, verdict.breach) == ("rollback", trigger)
     assert ledger.broken(30) == ["kl_budget"] and ledger.passed(20) and not ledger.passed(30)
     assert not ledger.passed(15)  # no evaluation at that step
     assert ledger.evals[20]["eval/length_ratio"] == 1.0
@@ -107,7 +117,7 @@ def test_the_ledger_keeps_a_branch_picks_checkpoints_and_round_trips(tmp_path):
     assert sorted(ledger.evals) == [0, 10, 20] and ledger.triggers == [] and ledger.all_triggers == [trigger]
     assert ledger.rollbacks == 1 and ledger.attempt == 2
     assert [ledger.attempt_of(s) for s in (10, 20, 21, 30)] == [1, 1, 2, 2]  # the trunk is the first attempt's
-    ledger.observe(30, at(kl_k3_mean=1.5, score_mean=3.5), guard, None)  # the branch after the rollback
+    ledger.judge(30, at(kl_k3_mean=1.5, score_mean=3.5), guard, None)  # the branch after the rollback
     assert ledger.passed(30) and ledger.best([10, 20, 30], "eval/score_mean") == 30
     ledger.stopped_at = 30
     ledger.save(tmp_path / "guard.json")
@@ -178,3 +188,18 @@ def test_the_divergence_rule_says_it_is_off_without_a_gold_metric():
 
     assert not [t for t in check(history, guard, None) if t.rule == "divergence"]
     assert [t for t in check(history, guard, "m") if t.rule == "divergence"]
+
+
+def test_a_verdict_continues_on_warnings_and_ends_the_attempt_on_stop_or_rollback():
+    from rlhf_core.evaluation.guard import GuardRollback, GuardStop, Trigger
+
+    warn = Trigger("max_length_change", "warn", 8, 0.4, 0.3, "length x0.6")
+    stop = Trigger("divergence", "stop", 8, 1.0, 2.0, "gold fell")
+    rollback = Trigger("kl_budget", "rollback", 8, 5.0, 3.0, "eval KL 5 nats")
+    assert (Verdict(8).action, Verdict(8).breach, Verdict(8).ending()) == ("continue", None, None)
+    warned = Verdict(8, (warn,))
+    assert (warned.action, warned.breach, warned.ending()) == ("continue", warn, None)
+    stopped = Verdict(8, (warn, stop)).ending()
+    assert type(stopped) is GuardStop and stopped.trigger == stop
+    ended = Verdict(8, (stop, rollback, warn))
+    assert ended.action == "rollback" and type(ended.ending()) is GuardRollback and ended.ending().trigger == rollback

@@ -15,6 +15,7 @@ from rlhf_core.models.card import read_front_matter
 from rlhf_core.models.loading import load_tokenizer
 from rlhf_core.rewards.reward_model import (
     EVAL_METRICS,
+    PreferencePairs,
     bradley_terry_loss,
     collate_pairs,
     evaluate_reward_model,
@@ -24,6 +25,7 @@ from rlhf_core.rewards.reward_model import (
     tokenize_pairs,
     train_reward_model,
 )
+from rlhf_core.training.loop import Hooks
 
 CARD = {
     "title": "test reward model",
@@ -58,20 +60,17 @@ def short_run(smoke_world, out, *, lora=None, max_steps=6, on_log=None, **cfg):
         if on_log is not None:
             on_log(metrics, step)
 
-    result = train_reward_model(
-        model,
-        tokenizer,
-        world_rows(smoke_world, "preference", "train"),
-        world_rows(smoke_world, "preference", "test"),
-        settings,
-        RunConfig(device="cpu", seed=3),
-        max_length=40,
-        output_dir=out,
-        card=CARD,
+    pairs = PreferencePairs(
+        world_rows(smoke_world, "preference", "train"), world_rows(smoke_world, "preference", "test"), max_length=40
+    )
+    hooks = Hooks(
         on_log=log,
         on_eval=lambda m, s: events["eval"].append((s, m)),
         on_checkpoint=lambda p, s: events["ckpt"].append(s),
         show_progress=False,
+    )
+    result = train_reward_model(
+        model, tokenizer, pairs, settings, RunConfig(device="cpu", seed=3), output_dir=out, card=CARD, hooks=hooks
     )
     return model, tokenizer, result, events
 

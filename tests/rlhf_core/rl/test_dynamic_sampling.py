@@ -71,8 +71,8 @@ def half_flat_reward(prompts, completions, **_):
 def test_a_run_with_dynamic_sampling_logs_its_rounds_and_resumes_identically(tmp_path, smoke_world, algorithm):
     from rlhf_core.rewards.sources import function_reward
 
-    grpo = GRPOConfig(num_generations=4, log_completions_steps=1)
-    settings = dict(algorithm=algorithm, grpo=grpo, dynamic_sampling={"enabled": True, "max_rounds": 2})
+    grpo = GRPOConfig(num_generations=4, log_completions_steps=1, dynamic_sampling={"enabled": True, "max_rounds": 2})
+    settings = dict(algorithm=algorithm, grpo=grpo)
     rewards = [function_reward("half_flat", 1.0, half_flat_reward)]
     straight, _, logs, _, completions = run(smoke_world, tmp_path / "a", rewards=rewards, **settings)
     for _, metrics in logs:

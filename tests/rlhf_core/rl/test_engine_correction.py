@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from rlhf_core.config import RolloutConfig
 from rlhf_core.rl.engine_correction import engine_correction
 
 LN2 = math.log(2.0)
@@ -126,3 +127,43 @@ def test_loss_weights_from_the_updates_own_pass_equal_the_whole_batchs_part_by_p
         Rollout(ones, ones, ones, ones, stop, None, None, stop), mask, CorrectionSettings("sequence_mask")
     )
     assert in_step.of(slice(0, 2), old[:2]) is None and in_step.metrics() == {}  # no behaviour policy: nothing
+
+
+@pytest.mark.parametrize(
+    ("algorithm", "beta", "updates", "engine", "staleness", "dropout_off", "at_sampling"),
+    [
+        ("ppo", 0.0, 1, "hf", 0, True, True),  # PPO: its KL penalty and entropy read them when the batch is scored
+        ("grpo", 0.0, 1, "hf", 0, True, False),  # one update, in step: the update's own pass is the same numbers
+        ("grpo", 0.04, 1, "hf", 0, True, False),  # grpo's KL is in the loss, not the reward
+        ("grpo", 0.0, 2, "hf", 0, True, True),  # the policy moves between the batch's optimizer steps
+        ("rloo", 0.04, 1, "hf", 0, True, True),  # rloo puts the KL into the reward, before any update
+        ("rloo", 0.0, 1, "hf", 0, True, False),
+        ("grpo", 0.0, 1, "vllm", 0, True, False),  # an engine apart, dropout off: the update's pass is the policy's
+        ("grpo", 0.0, 1, "vllm", 0, False, True),  # with dropout on it is not: a pass of their own
+        ("grpo", 0.0, 1, "hf", 1, False, True),  # generation ahead is off-policy too
+        ("grpo", 0.0, 1, "hf", 0, False, False),  # in step, dropout or not, old is the update's own pass
+    ],
+)
+def test_which_logprobs_are_old_is_decided_once_from_the_algorithm_updates_kl_and_engine(
+    algorithm, beta, updates, engine, staleness, dropout_off, at_sampling
+):
+    from rlhf_core.config import RLConfig
+    from rlhf_core.rl.engine_correction import old_logprobs_at_sampling
+
+    rl = RLConfig(algorithm=algorithm, disable_dropout=dropout_off)
+    rollout = RolloutConfig(engine=engine, max_staleness=staleness)
+    assert old_logprobs_at_sampling(rl, beta, updates, rollout) is at_sampling
+
+
+def test_the_old_logprobs_of_a_micro_batch_are_the_sampling_pass_or_the_updates_own_detached():
+    from rlhf_core.rl.engine_correction import old_logprobs
+    from rlhf_core.rollout.collect import Rollout
+
+    ones, stop = torch.ones(3, 2), torch.ones(3, dtype=torch.bool)
+    logp = torch.full((2, 2), -0.5, requires_grad=True)
+    sampled = Rollout(
+        ones, ones, ones, ones, stop, torch.tensor([[-1.0, -2.0], [-3.0, -4.0], [-5.0, -6.0]]), None, stop
+    )
+    assert old_logprobs(sampled, slice(1, 3), logp).tolist() == [[-3.0, -4.0], [-5.0, -6.0]]
+    own = old_logprobs(Rollout(ones, ones, ones, ones, stop, None, None, stop), slice(0, 2), logp)
+    assert own.tolist() == [[-0.5, -0.5]] * 2 and not own.requires_grad

@@ -10,6 +10,7 @@ from rlhf_core.rewards.functions import RewardFunctionError
 from rlhf_core.rewards.sources import function_reward
 from rlhf_core.rl.grpo import mix_into_reference, train_grpo
 from rlhf_core.rl.grpo_losses import grpo_token_loss, high_entropy_mask, reduce_loss
+from rlhf_core.rl.inputs import rl_inputs
 
 
 def test_token_loss_clips_asymmetrically():
@@ -85,20 +86,22 @@ def run(world, out, steps=4, on_log=None, grpo=None, rewards=None, **rl):
 
     ref = load_causal_lm(str(world.base_model)) if grpo is not None and grpo.beta else None
     result = train_grpo(
-        policy,
-        ref,
-        rewards or [make_reward(tok)],
-        tok,
-        prompt_rows(world),
-        RLConfig(**{"total_steps": steps, "algorithm": "grpo", **RL, **rl}),
-        grpo or GRPOConfig(num_generations=4, log_completions_steps=2),
-        RunConfig(device="cpu", seed=5),
-        max_prompt_length=12,
-        output_dir=out,
-        on_log=log,
-        on_checkpoint=lambda p, s: ckpts.append(s),
-        on_completions=lambda rows, s: completions.append((s, rows)),
-        show_progress=False,
+        rl_inputs(
+            policy,
+            tok,
+            prompt_rows(world),
+            out,
+            reference=ref,
+            rewards=rewards or [make_reward(tok)],
+            rl=RLConfig(**{"total_steps": steps, "algorithm": "grpo", **RL, **rl}),
+            grpo=grpo or GRPOConfig(num_generations=4, log_completions_steps=2),
+            run=RunConfig(device="cpu", seed=5),
+            max_prompt_length=12,
+            on_log=log,
+            on_checkpoint=lambda p, s: ckpts.append(s),
+            on_completions=lambda rows, s: completions.append((s, rows)),
+            show_progress=False,
+        )
     )
     return policy, result, logs, ckpts, completions
 
@@ -137,18 +140,20 @@ def test_beta_uses_a_reference_and_logs_kl(tmp_path, smoke_world):
     ref = load_causal_lm(str(smoke_world.base_model))
     logs = []
     train_grpo(
-        policy,
-        ref,
-        [make_reward(tok)],
-        tok,
-        prompt_rows(smoke_world),
-        RLConfig(total_steps=2, algorithm="grpo", **RL),
-        GRPOConfig(num_generations=4, beta=0.04, loss_type="grpo", num_iterations=2),
-        RunConfig(device="cpu", seed=5),
-        max_prompt_length=12,
-        output_dir=tmp_path / "b",
-        on_log=lambda m, s: logs.append(m),
-        show_progress=False,
+        rl_inputs(
+            policy,
+            tok,
+            prompt_rows(smoke_world),
+            tmp_path / "b",
+            reference=ref,
+            rewards=[make_reward(tok)],
+            rl=RLConfig(total_steps=2, algorithm="grpo", **RL),
+            grpo=GRPOConfig(num_generations=4, beta=0.04, loss_type="grpo", num_iterations=2),
+            run=RunConfig(device="cpu", seed=5),
+            max_prompt_length=12,
+            on_log=lambda m, s: logs.append(m),
+            show_progress=False,
+        )
     )
     assert "kl" in logs[-1] and logs[-1]["kl"] >= 0
 
@@ -265,9 +270,9 @@ def test_steps_per_generation_feeds_several_optimizer_steps_from_one_generation(
     from rlhf_core.training.loop import TrainingLoop
 
     rollouts, steps = [], []
-    real_collect, real_step = grpo_module.collect_rollout, TrainingLoop.optimizer_step
+    real_score, real_step = grpo_module.score_sampled, TrainingLoop.optimizer_step
     monkeypatch.setattr(
-        grpo_module, "collect_rollout", lambda *a, **k: rollouts.append(real_collect(*a, **k)) or rollouts[-1]
+        grpo_module, "score_sampled", lambda *a, **k: rollouts.append(real_score(*a, **k)) or rollouts[-1]
     )
     monkeypatch.setattr(TrainingLoop, "optimizer_step", lambda self: steps.append(self.step) or real_step(self))
     run(
@@ -287,19 +292,21 @@ def test_sync_ref_model_moves_the_reference_and_saves_it(tmp_path, smoke_world):
     tok, policy = setup(smoke_world)
     ref = load_causal_lm(str(smoke_world.base_model))
     result = train_grpo(
-        policy,
-        ref,
-        [make_reward(tok)],
-        tok,
-        prompt_rows(smoke_world),
-        RLConfig(total_steps=2, algorithm="grpo", **RL),
-        GRPOConfig(
-            num_generations=4, beta=0.04, sync_ref_model=True, ref_model_mixup_alpha=1.0, ref_model_sync_steps=1
-        ),
-        RunConfig(device="cpu", seed=5),
-        max_prompt_length=12,
-        output_dir=tmp_path / "sync",
-        show_progress=False,
+        rl_inputs(
+            policy,
+            tok,
+            prompt_rows(smoke_world),
+            tmp_path / "sync",
+            reference=ref,
+            rewards=[make_reward(tok)],
+            rl=RLConfig(total_steps=2, algorithm="grpo", **RL),
+            grpo=GRPOConfig(
+                num_generations=4, beta=0.04, sync_ref_model=True, ref_model_mixup_alpha=1.0, ref_model_sync_steps=1
+            ),
+            run=RunConfig(device="cpu", seed=5),
+            max_prompt_length=12,
+            show_progress=False,
+        )
     )
     for (name, a), (_, b) in zip(policy.named_parameters(), ref.named_parameters()):
         torch.testing.assert_close(a, b, msg=f"alpha 1 after every step: the reference is the policy ({name})")
@@ -315,18 +322,20 @@ def test_unscorable_completions_are_counted_and_non_finite_rewards_stop_the_step
         lambda prompts, completions, **_: [None if i % 2 else float(len(c)) for i, c in enumerate(completions)],
     )
     train_grpo(
-        policy,
-        None,
-        [every_other],
-        tok,
-        prompt_rows(smoke_world),
-        RLConfig(total_steps=1, algorithm="grpo", **RL),
-        GRPOConfig(num_generations=4),
-        RunConfig(device="cpu", seed=5),
-        max_prompt_length=12,
-        output_dir=tmp_path / "none",
-        on_log=lambda m, s: logs.append(m),
-        show_progress=False,
+        rl_inputs(
+            policy,
+            tok,
+            prompt_rows(smoke_world),
+            tmp_path / "none",
+            reference=None,
+            rewards=[every_other],
+            rl=RLConfig(total_steps=1, algorithm="grpo", **RL),
+            grpo=GRPOConfig(num_generations=4),
+            run=RunConfig(device="cpu", seed=5),
+            max_prompt_length=12,
+            on_log=lambda m, s: logs.append(m),
+            show_progress=False,
+        )
     )
     assert logs[0]["rewards/num_unscorable"] == 8.0 and math.isfinite(logs[0]["reward"])
     broken = function_reward(
@@ -334,17 +343,19 @@ def test_unscorable_completions_are_counted_and_non_finite_rewards_stop_the_step
     )
     with pytest.raises(RewardFunctionError, match="reward function broken returned inf for completion 3"):
         train_grpo(
-            policy,
-            None,
-            [broken],
-            tok,
-            prompt_rows(smoke_world),
-            RLConfig(total_steps=1, algorithm="grpo", **RL),
-            GRPOConfig(num_generations=4),
-            RunConfig(device="cpu", seed=5),
-            max_prompt_length=12,
-            output_dir=tmp_path / "inf",
-            show_progress=False,
+            rl_inputs(
+                policy,
+                tok,
+                prompt_rows(smoke_world),
+                tmp_path / "inf",
+                reference=None,
+                rewards=[broken],
+                rl=RLConfig(total_steps=1, algorithm="grpo", **RL),
+                grpo=GRPOConfig(num_generations=4),
+                run=RunConfig(device="cpu", seed=5),
+                max_prompt_length=12,
+                show_progress=False,
+            )
         )
     assert not list((tmp_path / "inf").glob("checkpoint-*"))
 
@@ -354,18 +365,20 @@ def test_grpo_subtracts_the_missing_stop_penalty(tmp_path, smoke_world):
     logs = []
     zero = function_reward("zero", 1.0, lambda prompts, completions, **_: [0.0] * len(completions))
     train_grpo(
-        policy,
-        None,
-        [zero],
-        tok,
-        prompt_rows(smoke_world),
-        RLConfig(total_steps=2, algorithm="grpo", missing_eos_penalty=2.0, **RL),
-        GRPOConfig(num_generations=4),
-        RunConfig(device="cpu", seed=5),
-        max_prompt_length=12,
-        output_dir=tmp_path / "pen",
-        on_log=lambda m, s: logs.append(m),
-        show_progress=False,
+        rl_inputs(
+            policy,
+            tok,
+            prompt_rows(smoke_world),
+            tmp_path / "pen",
+            reference=None,
+            rewards=[zero],
+            rl=RLConfig(total_steps=2, algorithm="grpo", missing_eos_penalty=2.0, **RL),
+            grpo=GRPOConfig(num_generations=4),
+            run=RunConfig(device="cpu", seed=5),
+            max_prompt_length=12,
+            on_log=lambda m, s: logs.append(m),
+            show_progress=False,
+        )
     )
     for metrics in logs:
         assert 0 < metrics["completions/clipped_ratio"] <= 1
@@ -400,3 +413,24 @@ def test_gather_tokens_pools_every_processs_values_without_the_padding():
     )
     pooled = gather_tokens(SimpleNamespace(world=2, accelerator=accelerator), local)
     assert pooled.tolist() == [0.5, 2.0, 1.0]
+
+
+def test_the_first_sampled_token_is_seven_frames_below_the_trainer(tmp_path, smoke_world, monkeypatch):
+    """The path ARCHITECTURE.md's "One RL step" lists, from the trainer down: the loop, the step, the stage's
+    sampler, `sample`, the engine, the decode loop."""
+    import inspect
+
+    import rlhf_core.rollout.engines as engines
+    from rlhf_core.rollout import generation
+
+    seen, real = [], generation.generate
+
+    def generate(*args, **kwargs):
+        if not seen:
+            names = [f.function for f in inspect.stack()]
+            seen.append(names[: names.index("train_grpo") + 1])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engines, "generate", generate)
+    run(smoke_world, tmp_path / "frames", steps=1)
+    assert seen == [["generate", "generate", "sample", "sample", "rl_step", "run", "train_grpo"]]

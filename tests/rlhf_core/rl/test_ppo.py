@@ -11,6 +11,7 @@ from rlhf_core.config import PPOConfig, RLConfig, RunConfig
 from rlhf_core.demo.world import world_rows
 from rlhf_core.models.loading import load_causal_lm, load_tokenizer
 from rlhf_core.rewards.reward_model import load_reward_model
+from rlhf_core.rl.inputs import rl_inputs
 from rlhf_core.rl.ppo import AdaptiveKLController, FixedKLController, policy_loss, train_ppo, value_loss
 from tests.fixtures.small_models import dropout_policy
 
@@ -77,20 +78,22 @@ def run(world, out, steps=4, lora=False, on_log=None, ppo=None, **rl):
             on_log(metrics, step)
 
     result = train_ppo(
-        policy,
-        value,
-        ref,
-        reward,
-        tok,
-        prompts_of(world),
-        RLConfig(total_steps=steps, **{**RL, **rl}),
-        ppo or PPOConfig(num_ppo_epochs=2, num_mini_batches=2),
-        RunConfig(device="cpu", seed=5),
-        max_prompt_length=12,
-        output_dir=out,
-        on_log=log,
-        on_checkpoint=lambda p, s: ckpts.append((p, s)),
-        show_progress=False,
+        rl_inputs(
+            policy,
+            tok,
+            prompts_of(world),
+            out,
+            value=value,
+            reference=ref,
+            reward_model=reward,
+            rl=RLConfig(total_steps=steps, **{**RL, **rl}),
+            ppo=ppo or PPOConfig(num_ppo_epochs=2, num_mini_batches=2),
+            run=RunConfig(device="cpu", seed=5),
+            max_prompt_length=12,
+            on_log=log,
+            on_checkpoint=lambda p, s: ckpts.append((p, s)),
+            show_progress=False,
+        )
     )
     return policy, value, ref, result, logs, ckpts
 
@@ -183,18 +186,20 @@ def test_a_non_finite_loss_skips_the_step_and_never_corrupts_a_checkpoint(tmp_pa
 
     monkeypatch.setattr(ppo_module, "policy_loss", inf_loss)
     result = train_ppo(
-        policy,
-        value,
-        ref,
-        reward,
-        tok,
-        prompts_of(smoke_world),
-        RLConfig(total_steps=2, **RL),
-        PPOConfig(num_ppo_epochs=1),
-        RunConfig(device="cpu", seed=5),
-        max_prompt_length=12,
-        output_dir=tmp_path / "nan",
-        show_progress=False,
+        rl_inputs(
+            policy,
+            tok,
+            prompts_of(smoke_world),
+            tmp_path / "nan",
+            value=value,
+            reference=ref,
+            reward_model=reward,
+            rl=RLConfig(total_steps=2, **RL),
+            ppo=PPOConfig(num_ppo_epochs=1),
+            run=RunConfig(device="cpu", seed=5),
+            max_prompt_length=12,
+            show_progress=False,
+        )
     )
     assert result.skipped_steps == 2 and result.metrics["perf/skipped_steps"] == 2.0
     weights = load_file(str(result.checkpoint / "policy" / "model.safetensors"))
@@ -204,18 +209,20 @@ def test_a_non_finite_loss_skips_the_step_and_never_corrupts_a_checkpoint(tmp_pa
         FloatingPointError, match=r"gradient norm was (inf|nan) in 1 optimizer step\(s\) in a row \(step 1\)"
     ):
         train_ppo(
-            policy,
-            value,
-            ref,
-            reward,
-            tok,
-            prompts_of(smoke_world),
-            RLConfig(total_steps=2, max_nonfinite_steps_in_a_row=0, **RL),
-            PPOConfig(num_ppo_epochs=1),
-            RunConfig(device="cpu", seed=5),
-            max_prompt_length=12,
-            output_dir=tmp_path / "stop",
-            show_progress=False,
+            rl_inputs(
+                policy,
+                tok,
+                prompts_of(smoke_world),
+                tmp_path / "stop",
+                value=value,
+                reference=ref,
+                reward_model=reward,
+                rl=RLConfig(total_steps=2, max_nonfinite_steps_in_a_row=0, **RL),
+                ppo=PPOConfig(num_ppo_epochs=1),
+                run=RunConfig(device="cpu", seed=5),
+                max_prompt_length=12,
+                show_progress=False,
+            )
         )
     assert not list((tmp_path / "stop").glob("checkpoint-*"))
 
@@ -228,18 +235,20 @@ def test_a_non_finite_reward_model_score_stops_the_step_naming_the_sample(tmp_pa
         reward.score.bias.fill_(float("nan"))
     with pytest.raises(RewardFunctionError, match="the reward model returned nan for completion 0"):
         train_ppo(
-            policy,
-            value,
-            ref,
-            reward,
-            tok,
-            prompts_of(smoke_world),
-            RLConfig(total_steps=1, **RL),
-            PPOConfig(num_ppo_epochs=1),
-            RunConfig(device="cpu", seed=5),
-            max_prompt_length=12,
-            output_dir=tmp_path / "nan",
-            show_progress=False,
+            rl_inputs(
+                policy,
+                tok,
+                prompts_of(smoke_world),
+                tmp_path / "nan",
+                value=value,
+                reference=ref,
+                reward_model=reward,
+                rl=RLConfig(total_steps=1, **RL),
+                ppo=PPOConfig(num_ppo_epochs=1),
+                run=RunConfig(device="cpu", seed=5),
+                max_prompt_length=12,
+                show_progress=False,
+            )
         )
 
 
@@ -247,18 +256,20 @@ def test_empty_prompt_set_is_refused(tmp_path, smoke_world):
     tok, policy, ref, value, reward = setup(smoke_world)
     with pytest.raises(ValueError, match="prompt set is empty"):
         train_ppo(
-            policy,
-            value,
-            ref,
-            reward,
-            tok,
-            [],
-            RLConfig(total_steps=1, **RL),
-            PPOConfig(),
-            RunConfig(device="cpu"),
-            max_prompt_length=12,
-            output_dir=tmp_path / "x",
-            show_progress=False,
+            rl_inputs(
+                policy,
+                tok,
+                [],
+                tmp_path / "x",
+                value=value,
+                reference=ref,
+                reward_model=reward,
+                rl=RLConfig(total_steps=1, **RL),
+                ppo=PPOConfig(),
+                run=RunConfig(device="cpu"),
+                max_prompt_length=12,
+                show_progress=False,
+            )
         )
 
 
@@ -306,19 +317,21 @@ def test_ppo_ratio_is_one_on_policy_only_with_dropout_off(tmp_path, smoke_world,
     tok, _, _, value, reward = setup(smoke_world)
     logs = []
     train_ppo(
-        dropout_policy(smoke_world),
-        value,
-        None,
-        reward,
-        tok,
-        prompts_of(smoke_world),
-        RLConfig(total_steps=1, disable_dropout=disable, **RL),
-        PPOConfig(num_ppo_epochs=1),
-        RunConfig(device="cpu", seed=5),
-        max_prompt_length=12,
-        output_dir=tmp_path / str(disable),
-        on_log=lambda m, s: logs.append(m),
-        show_progress=False,
+        rl_inputs(
+            dropout_policy(smoke_world),
+            tok,
+            prompts_of(smoke_world),
+            tmp_path / str(disable),
+            value=value,
+            reference=None,
+            reward_model=reward,
+            rl=RLConfig(total_steps=1, disable_dropout=disable, **RL),
+            ppo=PPOConfig(num_ppo_epochs=1),
+            run=RunConfig(device="cpu", seed=5),
+            max_prompt_length=12,
+            on_log=lambda m, s: logs.append(m),
+            show_progress=False,
+        )
     )
     # one epoch, one mini-batch: the update's log-probabilities are the rollout's own, unless dropout differs
     if disable:

@@ -8,13 +8,14 @@ import torch
 from rlhf_core.config import GRPOConfig, PPOConfig, RLConfig, RunConfig
 from rlhf_core.rl.advantages.estimators import Estimate
 from rlhf_core.rl.grpo import grpo_batch_sizes
+from rlhf_core.rl.inputs import RLSettings
 from rlhf_core.rl.ppo import ppo_batch_sizes
 from rlhf_core.rl.step import (
     BatchSizes,
     StepStats,
     rl_loop_settings,
     rl_step,
-    rollout_settings,
+    sampling_spec,
     training_metric_names,
 )
 
@@ -51,13 +52,28 @@ def test_each_algorithm_names_its_training_score_and_kl_once():
     assert (settings.micro_batches, settings.micro_batch_size) == (2, 8)
 
 
-def test_one_step_runs_rollout_advantages_update_metrics_in_that_order():
+def test_one_step_samples_scores_refills_then_advantages_update_metrics_in_that_order():
     calls = []
 
+    class Sampler:
+        def sample(self, prompts, call=0):
+            calls.append(("sample", prompts, call))
+            return "sampled"
+
     class Steps:
-        def rollout(self, prompts):
-            calls.append(("rollout", prompts))
+        sampler = Sampler()
+
+        def score(self, prompts, sampled):
+            calls.append(("score", prompts, sampled))
+            return "scored"
+
+        def refill(self, batch):
+            calls.append(("refill", batch))
             return "batch"
+
+        def estimator(self, batch, context):
+            calls.append(("advantages", batch, context))
+            return Estimate(torch.tensor([0.5]))
 
         def estimator_context(self):
             calls.append(("context",))
@@ -71,13 +87,11 @@ def test_one_step_runs_rollout_advantages_update_metrics_in_that_order():
             calls.append(("metrics", batch, stats))
             return {"done": 1.0}
 
-    def estimator(batch, context):
-        calls.append(("advantages", batch, context))
-        return Estimate(torch.tensor([0.5]))
-
-    assert rl_step(Steps(), estimator, "prompts") == {"done": 1.0}
+    assert rl_step(Steps(), "prompts") == {"done": 1.0}
     assert calls == [
-        ("rollout", "prompts"),
+        ("sample", "prompts", 0),
+        ("score", "prompts", "sampled"),
+        ("refill", "scored"),
         ("context",),
         ("advantages", "batch", "context"),
         ("update", "batch", [0.5]),
@@ -95,7 +109,7 @@ def test_step_statistics_average_over_micro_batches_and_are_nan_when_never_recor
     assert math.isnan(stats.mean("entropy"))
 
 
-def test_rollout_settings_take_the_callers_stop_ids_or_compute_the_runs_own():
+def test_the_sampling_spec_takes_the_callers_stop_ids_or_computes_the_runs_own():
     class Tokenizer:
         pad_token_id, eos_token_id = 0, 7
 
@@ -103,7 +117,7 @@ def test_rollout_settings_take_the_callers_stop_ids_or_compute_the_runs_own():
             return {"<pad>": 0, "</s>": 7}
 
     rl = RLConfig(response_length=5, temperature=0.9)
-    given = rollout_settings(Tokenizer(), object(), rl, [3, 4])
-    assert given.stop_token_ids == (3, 4) and given.pad_token_id == 0
-    assert given.sampling.response_length == 5 and given.sampling.temperature == 0.9
-    assert rollout_settings(Tokenizer(), object(), rl).stop_token_ids == (7,)  # the tokenizer's eos
+    given = sampling_spec(Tokenizer(), object(), RLSettings(rl, RunConfig(), stop_token_ids=(3, 4)), prompt_repeats=4)
+    assert given.stop_token_ids == (3, 4) and given.pad_token_id == 0 and given.prompt_repeats == 4
+    assert given.settings.response_length == 5 and given.settings.temperature == 0.9
+    assert sampling_spec(Tokenizer(), object(), RLSettings(rl, RunConfig())).stop_token_ids == (7,)  # the eos

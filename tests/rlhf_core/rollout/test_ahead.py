@@ -1,7 +1,7 @@
 """The generators apart: the process samples exactly what our loop samples in the trainer from the same weights and
 seed, scores it as the trainer would, samples each job with the version it names (and refuses one whose weights are
 gone), fails its futures instead of hanging when it dies, and leaves nothing running; the thread loads a version
-into its engine before the job that needs it. The rule that uses them: tests/rlhf_core/rl/test_off_policy.py."""
+into its engine before the job that needs it. The rule that uses them: tests/rlhf_core/rl/test_samplers.py."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ import torch
 
 from rlhf_core.models.forward import response_logprobs
 from rlhf_core.models.loading import load_causal_lm, load_tokenizer
-from rlhf_core.rollout.ahead import GeneratorError, Job, ProcessGenerator, SamplingSpec, ThreadGenerator, sample_job
+from rlhf_core.rollout.ahead import GeneratorError, Job, ProcessGenerator, ThreadGenerator, sample_job
+from rlhf_core.rollout.collect import SamplingSpec
 from rlhf_core.rollout.engines import LoopEngine
 from rlhf_core.rollout.generation import left_pad, tokenize_prompts
 from rlhf_core.rollout.sampling import SamplingSettings
@@ -74,7 +75,7 @@ def test_the_process_samples_what_our_loop_samples_with_the_same_weights_and_see
     assert made.version == 0
     assert torch.equal(made.sampled.responses, expected.responses)
     assert torch.equal(made.sampled.resp_mask, expected.resp_mask)
-    torch.testing.assert_close(made.sampled.behaviour, logp, rtol=0, atol=1e-5)  # the behaviour log-probs
+    torch.testing.assert_close(made.sampled.behaviour_logprobs, logp, rtol=0, atol=1e-5)  # the behaviour log-probs
 
 
 @pytest.mark.slow  # a generator process
@@ -86,7 +87,7 @@ def test_each_job_is_sampled_by_the_version_it_names_and_a_replaced_one_is_refus
     old, new = (generator.submit(job(parts, v, seed=7)).result(timeout=60) for v in (0, 1))
     assert torch.equal(old.sampled.responses, in_trainer(policy, parts, 7)[0].responses)
     assert torch.equal(new.sampled.responses, in_trainer(other, parts, 7)[0].responses)
-    assert not torch.equal(old.sampled.behaviour, new.sampled.behaviour)
+    assert not torch.equal(old.sampled.behaviour_logprobs, new.sampled.behaviour_logprobs)
     generator.publish(other, 2)  # two places: version 2 takes version 0's
     with pytest.raises(GeneratorError, match="weights of version 0 for step 5 were replaced"):
         generator.submit(job(parts, 0, step=5)).result(timeout=60)
@@ -168,7 +169,8 @@ TRAINER = """
 import sys, time
 import torch
 from rlhf_core.models.loading import load_causal_lm
-from rlhf_core.rollout.ahead import Job, ProcessGenerator, SamplingSpec
+from rlhf_core.rollout.ahead import Job, ProcessGenerator
+from rlhf_core.rollout.collect import SamplingSpec
 from rlhf_core.rollout.sampling import SamplingSettings
 
 if __name__ == "__main__":

@@ -5,7 +5,14 @@ import pytest
 import torch
 
 from rlhf_core.models.loading import load_causal_lm
-from rlhf_core.rollout.collect import RolloutBatch, collect_rollout, completion_metrics, missing_stop_penalty
+from rlhf_core.rollout.collect import (
+    Passes,
+    RolloutBatch,
+    SamplingSpec,
+    collect_rollout,
+    completion_metrics,
+    missing_stop_penalty,
+)
 from rlhf_core.rollout.sampling import SamplingSettings
 from tests.fixtures.small_models import batch, rollout_of
 
@@ -46,11 +53,8 @@ def test_collect_rollout_runs_only_the_forward_passes_asked_for(smoke_world, nee
         reference,
         ids,
         mask,
-        SamplingSettings(response_length=4),
-        pad_token_id=tok.pad_token_id,
-        stop_token_ids=(tok.eos_token_id,),
-        need_logprobs=need_logprobs,
-        need_reference=need_reference,
+        SamplingSpec(SamplingSettings(response_length=4), tok.pad_token_id, (tok.eos_token_id,)),
+        passes=Passes(policy=need_logprobs, reference=need_reference),
     )
     assert rollout.responses.shape == (3, 4) and rollout.resp_mask.shape == (3, 4)
     assert (rollout.logprobs is not None) == need_logprobs

@@ -90,7 +90,7 @@ def test_a_group_is_one_request_with_n_samples_and_requests_are_seeded_n_apart()
     out = engine.generate(None, ids, mask, settings, pad_token_id=1, stop_token_ids=[0], prompt_repeats=3, seed=100)
     assert sorted((r["prompts"][0], r["n"], r["seed"]) for r in client.requests) == [([3, 4], 3, 100), ([5], 3, 103)]
     assert out.responses.tolist() == [[7, 0], [8, 0], [9, 9], [6, 0], [6, 6], [0, 1]]
-    assert out.logprobs[5].tolist() == [-0.5, INVALID_LOGPROB]
+    assert out.behaviour_logprobs[5].tolist() == [-0.5, INVALID_LOGPROB]
     # rows that are not groups: one request each, n = 1
     client.requests.clear()
     ids, mask = left_pad([[3, 4], [5]], pad_token_id=0)
@@ -154,6 +154,6 @@ def test_the_loop_engine_is_the_default_and_vllm_needs_a_server():
     class Loop:
         world, is_main = 1, True
 
-    assert isinstance(make_engine(RolloutConfig(), None, None, Loop()), LoopEngine)
+    assert isinstance(make_engine(RolloutConfig(), None, Loop()), LoopEngine)
     with pytest.raises(VllmError, match="rollout.engine vllm needs a server"):
-        make_engine(RolloutConfig(engine="vllm"), None, None, Loop())
+        make_engine(RolloutConfig(engine="vllm"), None, Loop())

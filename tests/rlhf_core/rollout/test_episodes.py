@@ -10,7 +10,7 @@ from rlhf_core.config import DemoModelConfig
 from rlhf_core.demo.arithmetic import build_arithmetic_model
 from rlhf_core.demo.calculator import build_calculator_tokenizer, multiply, question
 from rlhf_core.rollout.engines import LoopEngine
-from rlhf_core.rollout.episodes import EpisodeRecord, episode_prompts, run_episodes
+from rlhf_core.rollout.episodes import EpisodeRecord, ToolRollout, episode_prompts, run_episodes
 from rlhf_core.rollout.sampling import SamplingSettings
 from rlhf_core.rollout.tools import Toolbox, ToolUse
 from tests.fixtures.episodes import ScriptedTurns
@@ -31,11 +31,10 @@ def play(script, budget=40, max_calls=None, **kwargs):
     played = run_episodes(
         engine,
         None,
-        TOK,
-        prompts,
-        boxes,
-        SamplingSettings(response_length=budget),
-        ToolUse([multiply], max_calls=max_calls),
+        ToolRollout(ToolUse([multiply], max_calls=max_calls), TOK, [], max_prompt_length=12),
+        prompts=prompts,
+        toolboxes=boxes,
+        settings=SamplingSettings(response_length=budget),
         pad_token_id=TOK.pad_token_id,
         stop_token_ids=[TOK.eos_token_id],
         **kwargs,
@@ -103,11 +102,10 @@ def test_the_loop_engine_plays_episodes_on_a_model():
     played = run_episodes(
         LoopEngine(),
         model,
-        TOK,
-        episode_prompts(TOK, rows, boxes, 12),
-        boxes,
-        SamplingSettings(response_length=20),
-        ToolUse([multiply]),
+        ToolRollout(ToolUse([multiply]), TOK, [], max_prompt_length=12),
+        prompts=episode_prompts(TOK, rows, boxes, 12),
+        toolboxes=boxes,
+        settings=SamplingSettings(response_length=20),
         pad_token_id=TOK.pad_token_id,
         stop_token_ids=[TOK.eos_token_id],
         prompt_repeats=4,

@@ -22,6 +22,7 @@ from safetensors.torch import load_file
 
 from rlhf_core.models.forward import response_logprobs
 from rlhf_core.models.loading import load_causal_lm, load_tokenizer, stop_token_ids
+from rlhf_core.rl.inputs import rl_inputs
 from rlhf_core.rl_math import response_mask
 from rlhf_core.rollout.engines import LoopEngine, VllmEngine
 from rlhf_core.rollout.generation import generate, left_pad, tokenize_prompts
@@ -224,11 +225,10 @@ def test_a_tool_episode_continues_from_token_ids_on_the_server(client, policy_di
         return episodes.run_episodes(
             engine,
             policy,
-            tokenizer,
-            prompts,
-            [Toolbox({"lookup": lookup}) for _ in prompts],
-            settings,
-            ToolUse([lookup]),
+            episodes.ToolRollout(ToolUse([lookup]), tokenizer, [], max_prompt_length=64),
+            prompts=prompts,
+            toolboxes=[Toolbox({"lookup": lookup}) for _ in prompts],
+            settings=settings,
             pad_token_id=tokenizer.pad_token_id,
             stop_token_ids=stops,
         )
@@ -241,7 +241,7 @@ def test_a_tool_episode_continues_from_token_ids_on_the_server(client, policy_di
     transformers_logprobs, _ = response_logprobs(
         model, ours.query_ids, ours.query_mask, ours.responses, ours.resp_mask, 1.0
     )
-    gap = (theirs.logprobs - transformers_logprobs).abs()[model_tokens]
+    gap = (theirs.behaviour_logprobs - transformers_logprobs).abs()[model_tokens]
     assert float(gap.max()) < 10 * LOGPROB_ATOL
 
 
@@ -327,20 +327,21 @@ def grpo_on_the_server(server, policy_dir, out: Path, total_steps: int, on_log=N
         algorithm="grpo", total_steps=total_steps, batch_size=8, response_length=6, temperature=1.0, save_steps=2
     )
     return train_grpo(
-        load_causal_lm(str(policy_dir)),
-        None,
-        [function_reward("short", 1.0, short_reward)],
-        load_tokenizer(str(policy_dir)),
-        [{"prompt": f"what is {i} plus two"} for i in range(8)],
-        rl.model_copy(update={"learning_rate": 1e-3}),
-        GRPOConfig(num_generations=4, beta=0.0),
-        RunConfig(output_dir=out, seed=3),
-        max_prompt_length=32,
-        output_dir=out,
-        rollout=RolloutConfig(engine="vllm", max_staleness=max_staleness),
-        engine_url=server.url,
-        on_log=on_log,
-        show_progress=False,
+        rl_inputs(
+            load_causal_lm(str(policy_dir)),
+            load_tokenizer(str(policy_dir)),
+            [{"prompt": f"what is {i} plus two"} for i in range(8)],
+            out,
+            reference=None,
+            rewards=[function_reward("short", 1.0, short_reward)],
+            rl=rl.model_copy(update={"learning_rate": 1e-3}),
+            grpo=GRPOConfig(num_generations=4, beta=0.0),
+            run=RunConfig(output_dir=out, seed=3),
+            max_prompt_length=32,
+            rollout=RolloutConfig(engine="vllm", max_staleness=max_staleness, vllm={"url": server.url}),
+            on_log=on_log,
+            show_progress=False,
+        )
     )
 
 
@@ -405,21 +406,24 @@ def test_ppo_with_lora_samples_on_the_server_and_its_ratio_to_the_trainer_is_one
     logged: list[dict] = []
     try:
         train_ppo(
-            policy,
-            load_reward_model(str(policy_dir), tokenizer, seed=0),
-            None,
-            TokenCountReward(),
-            tokenizer,
-            [f"what is {i} plus two" for i in range(8)],
-            RLConfig(total_steps=2, batch_size=8, learning_rate=3e-3, response_length=6, temperature=1.0, save_steps=2),
-            PPOConfig(num_ppo_epochs=2, num_mini_batches=2),
-            RunConfig(output_dir=tmp_path, seed=5),
-            max_prompt_length=32,
-            output_dir=tmp_path / "ppo",
-            rollout=RolloutConfig(engine="vllm"),
-            engine_url=server.url,
-            on_log=lambda metrics, step: logged.append(metrics),
-            show_progress=False,
+            rl_inputs(
+                policy,
+                tokenizer,
+                [f"what is {i} plus two" for i in range(8)],
+                tmp_path / "ppo",
+                value=load_reward_model(str(policy_dir), tokenizer, seed=0),
+                reference=None,
+                reward_model=TokenCountReward(),
+                rl=RLConfig(
+                    total_steps=2, batch_size=8, learning_rate=3e-3, response_length=6, temperature=1.0, save_steps=2
+                ),
+                ppo=PPOConfig(num_ppo_epochs=2, num_mini_batches=2),
+                run=RunConfig(output_dir=tmp_path, seed=5),
+                max_prompt_length=32,
+                rollout=RolloutConfig(engine="vllm", vllm={"url": server.url}),
+                on_log=lambda metrics, step: logged.append(metrics),
+                show_progress=False,
+            )
         )
     finally:
         client_of(server, policy_dir).load_weights(policy_dir)
@@ -469,22 +473,22 @@ def client_of(server, policy_dir) -> VllmClient:
 
 
 def test_the_server_hosts_a_judge_whose_labels_structured_outputs_enforce(server, policy_dir):
-    """A grpo.rewards judge (rlhf_core/rewards/served.py) on this OpenAI-compatible server: free answers of the tiny
+    """A grpo.rewards judge (rlhf_core/rewards/remote_scorers.py) on this OpenAI-compatible server: free answers of the tiny
     model are parse failures, counted and dropped; with vLLM's structured_outputs every answer is a label."""
     from rlhf_core.config import RewardSource
     from rlhf_core.rewards.remote import Unscored
-    from rlhf_core.rewards.served import ServedScorer
+    from rlhf_core.rewards.remote_scorers import RemoteScorer
 
     fields = dict(name="judge", kind="judge", url=server.url + "/v1", judge_model=str(policy_dir))
     fields |= dict(
         template="Is this reply polite? Answer yes or no. Reply: {completion}", labels={"yes": 1.0, "no": 0.0}
     )
     completions = ["thank you so much", "go away", "seven plus two", "no"]
-    free = ServedScorer(RewardSource(**fields, on_failure="drop_group", max_retries=0), fields["url"], field="f")
+    free = RemoteScorer(RewardSource(**fields, on_failure="drop_group", max_retries=0), fields["url"], field="f")
     assert any(isinstance(v, Unscored) and v.parse_failure for v in free(["Hi"] * 4, completions))
     assert free.stats.pop()["rewards/judge/parse_failures"] >= 1
     choice = {"structured_outputs": {"choice": ["yes", "no"]}}
-    forced = ServedScorer(RewardSource(**fields, request_params=choice), fields["url"], field="f")
+    forced = RemoteScorer(RewardSource(**fields, request_params=choice), fields["url"], field="f")
     assert set(forced(["Hi"] * 4, completions)) <= {0.0, 1.0}
     assert forced.stats.pop()["rewards/judge/failures"] == 0.0
 

@@ -20,7 +20,8 @@ from safetensors.torch import save_file
 from rlhf_core.config import RewardConfig, RunConfig
 from rlhf_core.demo.world import world_rows
 from rlhf_core.models.loading import load_tokenizer
-from rlhf_core.rewards.reward_model import load_reward_model, train_reward_model
+from rlhf_core.rewards.reward_model import PreferencePairs, load_reward_model, train_reward_model
+from rlhf_core.rl.inputs import rl_inputs
 from rlhf_core.storage.checkpoints import (
     checkpoint_problem,
     checkpoints_to_delete,
@@ -35,6 +36,7 @@ from rlhf_core.storage.checkpoints import (
 )
 from rlhf_core.storage.ownership import ATOMIC_CREATOR, MARKER, host_id, remove_orphan_temps
 from rlhf_core.storage.saving import atomic_dir
+from rlhf_core.training.loop import Hooks
 
 
 def _setup():
@@ -108,20 +110,24 @@ def reward_run(smoke_world, out, keep, on_log=None, accuracy=None):
     def on_checkpoint(path, step):  # registration sees every checkpoint before retention runs
         seen.append((step, path.is_dir(), sorted(p.name for p in out.glob("checkpoint-*"))))
 
-    result = train_reward_model(
-        model,
-        tokenizer,
-        world_rows(smoke_world, "preference", "train"),
-        world_rows(smoke_world, "preference", "test"),
-        settings,
-        RunConfig(device="cpu", seed=3, keep_last_checkpoints=keep),
-        max_length=40,
-        output_dir=out,
-        card=CARD,
+    pairs = PreferencePairs(
+        world_rows(smoke_world, "preference", "train"), world_rows(smoke_world, "preference", "test"), max_length=40
+    )
+    hooks = Hooks(
         on_log=on_log,
         on_checkpoint=on_checkpoint,
         show_progress=False,
         on_eval=lambda m, s: accuracy.__setitem__(s, m["eval_accuracy"]) if accuracy is not None else None,
+    )
+    result = train_reward_model(
+        model,
+        tokenizer,
+        pairs,
+        settings,
+        RunConfig(device="cpu", seed=3, keep_last_checkpoints=keep),
+        output_dir=out,
+        card=CARD,
+        hooks=hooks,
     )
     return result, seen
 
@@ -221,15 +227,12 @@ def test_reward_training_resumes_from_the_previous_good_checkpoint(tmp_path, smo
         result = train_reward_model(
             model,
             tokenizer,
-            rows,
-            eval_rows,
+            PreferencePairs(rows, eval_rows, max_length=32),
             settings,
             RunConfig(device="cpu", seed=3),
-            max_length=32,
             output_dir=out,
             card=CARD,
-            show_progress=False,
-            on_checkpoint=lambda p, s: saved.append(s),
+            hooks=Hooks(show_progress=False, on_checkpoint=lambda p, s: saved.append(s)),
         )
         return result, saved
 
@@ -378,20 +381,24 @@ def test_ppo_keeps_the_newest_and_the_best_scoring_and_resumes(tmp_path, smoke_w
                 on_log(metrics, step)
 
         return train_ppo(
-            policy,
-            value,
-            ref,
-            reward,
-            tok,
-            prompts,
-            RLConfig(total_steps=steps, batch_size=4, learning_rate=3e-3, response_length=4, save_steps=1, log_steps=1),
-            PPOConfig(num_ppo_epochs=1, num_mini_batches=1),
-            RunConfig(device="cpu", seed=5, keep_last_checkpoints=1),
-            max_prompt_length=12,
-            output_dir=out,
-            on_log=log,
-            show_progress=False,
-            on_checkpoint=lambda p, s: seen.append((s, p.is_dir())),
+            rl_inputs(
+                policy,
+                tok,
+                prompts,
+                out,
+                value=value,
+                reference=ref,
+                reward_model=reward,
+                rl=RLConfig(
+                    total_steps=steps, batch_size=4, learning_rate=3e-3, response_length=4, save_steps=1, log_steps=1
+                ),
+                ppo=PPOConfig(num_ppo_epochs=1, num_mini_batches=1),
+                run=RunConfig(device="cpu", seed=5, keep_last_checkpoints=1),
+                max_prompt_length=12,
+                on_log=log,
+                show_progress=False,
+                on_checkpoint=lambda p, s: seen.append((s, p.is_dir())),
+            )
         )
 
     def crash(metrics, step):

@@ -4,6 +4,7 @@ from transformers import AutoModelForCausalLM
 from rlhf_core.config import RunConfig, SFTConfig
 from rlhf_core.demo.world import world_rows
 from rlhf_core.models.loading import load_causal_lm, load_tokenizer
+from rlhf_core.training.loop import Hooks
 from rlhf_core.training.sft import tokenize_corpus, train_sft
 
 
@@ -32,9 +33,11 @@ def test_short_run_changes_every_parameter_lowers_loss_and_saves(tmp_path, smoke
         RunConfig(device="cpu"),
         max_length=40,
         output_dir=tmp_path / "sft",
-        on_log=lambda m, s: logs.append((s, m)),
-        on_checkpoint=lambda p, s: saved.append((p, s)),
-        show_progress=False,
+        hooks=Hooks(
+            on_log=lambda m, s: logs.append((s, m)),
+            on_checkpoint=lambda p, s: saved.append((p, s)),
+            show_progress=False,
+        ),
     )
     # then
     assert [s for s, _ in logs] == [4, 8, 12]

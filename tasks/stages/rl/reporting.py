@@ -1,0 +1,383 @@
+"""The RL stage's reporting: its `PolicyReporter` (the loop's callbacks) and the report of its evaluations.
+
+Each held-out evaluation is a metric set, an MLflow table, a Parquet file (tasks/stages/rl/eval_rows.py) and the
+guard's verdict in its ledger (tasks/stages/rl/guard.py); each checkpoint is registered with its KL and that
+verdict as tags; at the end the evaluations are plotted and tabulated, and `finish` hands on the
+checkpoint that `export.select` picks (tasks/stages/rl/checkpoint_selection.py), which the report names.
+
+A guard rollback starts a new training attempt, shown as one: its metrics, evaluations and checkpoints go to an
+MLflow run of its own nested in the stage run (`ppo-attempt-2`, tasks/tracking/runs.py `attempt_run`), its
+Prefect artifacts' keys carry it (`ppo-attempt-2-eval-step-40`), its checkpoints' versions the tag `attempt`,
+and the plots draw each attempt as its own line, the ones rolled back dashed. What the guard did is one
+sentence (tasks/stages/rl/guard.py): in the guard's Prefect artifact of that step, a tag and the description of
+the stage run, the attempt run's description and the log.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack
+from pathlib import Path
+
+from rlhf_core.config import PipelineConfig
+from rlhf_core.evaluation.generations import summarize_rows
+from rlhf_core.evaluation.guard import GuardLedger, GuardStopError, Rollback, Verdict, divergence_off
+from rlhf_core.rl.step import training_metric_names
+from rlhf_core.training.loop import LoopResult
+from tasks import tracking
+from tasks.launch import launcher
+from tasks.reporting.identity import RegisteredModel, StageIdentity
+from tasks.reporting.plots import Line, close, lines_figure
+from tasks.reporting.progress import print_rows, publish_markdown, publish_table
+from tasks.reporting.reporter import StageReporter
+from tasks.stage_io import Checkpoint
+from tasks.stages.data import PreparedData
+from tasks.stages.initialization import InitPlan
+from tasks.stages.rl.checkpoint_selection import select_step
+from tasks.stages.rl.eval_rows import load_eval_history, readable_rows, save_eval_rows, set_aside_history
+from tasks.stages.rl.guard import Guard, GuardListener
+
+
+class PolicyReporter(StageReporter):
+    """The RL stage's reporting: checkpoints tagged with their KL, held-out evaluations, GRPO's completions, and
+    each training attempt after a guard rollback in an MLflow run of its own."""
+
+    def __init__(
+        self,
+        cfg: PipelineConfig,
+        run_id: str,
+        data: PreparedData,
+        plan: InitPlan,
+        key: str,
+        guard: Guard,
+        gold: str | None,
+    ):
+        algorithm = cfg.rl.algorithm
+        self.names = training_metric_names(algorithm)
+        lineage = {
+            "algorithm": algorithm,
+            "reward_model_version": plan.reward_identity,
+            "base_model": plan.policy_identity,
+        }
+        super().__init__(
+            StageIdentity(cfg, algorithm, run_id, key, data.fingerprint),
+            model=RegisteredModel(cfg.registry.policy_model_name, lineage=lineage),
+            curves={
+                self.names.score: (self.names.score,),
+                "kl": (self.names.kl,),
+                "eval/gold": (f"eval/{gold}_mean",) if gold else (),
+            },
+        )
+        self.key, self.out_dir, self.gold, self.stage_run_id = key, guard.out_dir, gold, run_id
+        self.guard = guard  # read only: the ledger is the guard's
+        for step, summary in sorted(self.ledger.evals.items()):  # a resumed attempt's checkpoints carry them too
+            self.writer.step_metrics[step] = summary
+        self.attempts = Attempts(self.stage, run_id)
+        self.pending_guard: tuple[str, list[str], str] | None = None  # a breach's artifact, told what was done
+        if self.ledger.rollbacks and self.ledger.stopped_at is None:  # resumed after a rollback
+            self.tag({"rlhf.attempt": str(self.ledger.attempt)})
+        if off := divergence_off(cfg.guard, gold):
+            self.logger.info(off)
+
+    def __exit__(self, error_type, error, traceback) -> None:
+        try:
+            super().__exit__(error_type, error, traceback)
+        except BaseException as err:
+            self.attempts.end(type(err), err, err.__traceback__)
+            raise
+        self.attempts.end(error_type, error, traceback)
+
+    @property
+    def ledger(self) -> GuardLedger:
+        return self.guard.ledger
+
+    def listener(self) -> GuardListener:
+        """What the guard tells this reporter (tasks/stages/rl/guard.py)."""
+        return GuardListener(self.on_eval, self.on_guard_action, self.begin_attempt, self.wait_registrations)
+
+    @property
+    def prefix(self) -> str:
+        """What the stage's Prefect artifact keys start with: `ppo`, or `ppo-attempt-2` after a rollback."""
+        attempt = self.ledger.attempt
+        return tracking.runs.attempt_run_name(self.stage, attempt) if attempt > 1 else self.stage
+
+    def checkpoint_tags(self, path: Path, step: int) -> dict[str, str]:
+        saved = json.loads((path.parent / "metrics.json").read_text())
+        kl = saved.get(self.names.kl)
+        tags = {"kl": f"{kl:.4f}"} if kl is not None else {}
+        if (attempt := self.ledger.attempt_of(step)) > 1:  # one version per attempt of a step (registry identity)
+            tags["attempt"] = str(attempt)
+        if step in self.ledger.evals:  # the guard's verdict on this step's evaluation
+            broken = self.ledger.broken(step)
+            tags.update({"guard.passed": str(not broken).lower(), "guard.broken": ",".join(broken)})
+        return tags
+
+    def on_eval(self, rows: list[dict], step: int, verdict: Verdict) -> None:
+        """One evaluation and the guard's verdict on it: metrics, an MLflow table, a Parquet file, a Prefect table,
+        the console, and each broken rule (`report_triggers`)."""
+        summary = self.ledger.evals[step]  # with the ratios to the initial policy
+        tracking.logs.log_metrics(self.run_id, summary, step)
+        # one MLflow table and one Parquet file per evaluation step: nothing is overwritten
+        readable = readable_rows(rows, step)
+        tracking.logs.log_table(self.run_id, readable, f"eval/completions_step_{step:06d}.json")
+        self.artifact(save_eval_rows(self.out_dir, rows, step), "eval")
+        self.record(summary, step)
+        shown = [{k: v for k, v in r.items() if k != "rendered_prompt"} for r in readable[:20]]
+        what = f" (attempt {self.ledger.attempt})" if self.ledger.attempt > 1 else ""
+        publish_table(f"{self.prefix}-eval-step-{step}", shown, f"Held-out completions at step {step}{what}")
+        print_rows(
+            shown[:5],
+            f"{self.stage.upper()} held-out completions at step {step}{what} ({'first 5 of ' if len(rows) > 5 else 'all '}{len(rows)})",
+        )
+        self.logger.info("eval at step %d: %s", step, ", ".join(f"{k}={v:.3f}" for k, v in summary.items()))
+        self.report_triggers(verdict)
+
+    def report_triggers(self, verdict: Verdict) -> None:
+        """Each breach as a metric, a run tag, a console line and one Prefect artifact per evaluation (for a breach
+        that stops or rolls back, published once the guard has acted: `on_guard_action`)."""
+        triggers, step = verdict.triggers, verdict.step
+        if not triggers:
+            return
+        tracking.logs.log_metrics(self.run_id, {f"guard/{t.rule}": t.value for t in triggers}, step)
+        tracking.logs.log_metrics(self.run_id, {"guard/triggers": float(len(self.ledger.all_triggers))}, step)
+        tracking.logs.set_run_tags(self.stage_run_id, {f"guard.{t.rule}": t.message[:250] for t in triggers})
+        for t in triggers:
+            self.logger.warning("%s", t.message)
+        lines = [f"- **{t.rule}** ({t.action}): {t.message}" for t in triggers]
+        what = f" (attempt {self.ledger.attempt})" if self.ledger.attempt > 1 else ""
+        guard = (f"{self.prefix}-guard-step-{step}", lines, f"Guard rules broken at step {step}{what}")
+        if verdict.action == "continue":
+            publish_markdown(guard[0], "\n".join(guard[1]), guard[2])
+        else:
+            self.pending_guard = guard
+
+    def on_guard_action(self, step: int, sentence: str) -> None:
+        """What the guard did at the breach of `step` (stop, or roll back), in one sentence: in the log, the
+        guard's Prefect artifact of that step, and the stage run's tags and description."""
+        guard, self.pending_guard = self.pending_guard, None
+        report_guard_action(self, step, sentence, guard)
+
+    def begin_attempt(self) -> None:
+        """The next training attempt after a rollback (tasks/stages/rl/guard.py): the curves start over from the step
+        it goes back to, and its metrics, evaluations and checkpoints go to a run of its own in the stage run."""
+        rollback = self.ledger.rollback_log[-1]
+        self.attempts.begin(rollback, self.writer.start_over(rollback.to_step), self.switch_run)
+
+    def on_completions(self, rows: list[dict], step: int) -> None:
+        """GRPO's sampled completions of one step as <out_dir>/completions/completions_step_NNNNNN.parquet."""
+        import pandas as pd
+
+        path = self.out_dir / "completions" / f"completions_step_{step:06d}.parquet"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        pd.DataFrame(rows).to_parquet(path)
+        self.artifact(path, "completions")
+
+    def finish(self, result: LoopResult | None) -> Checkpoint:
+        """The progress completed, curves and the evaluation report published; the stage's Checkpoint: the
+        one export.select picks (result None: the guard stopped RL)."""
+        self.done()
+        if result is not None and result.skipped_steps:
+            self.logger.warning("%d optimizer steps were skipped because a loss was not finite", result.skipped_steps)
+        if any(self.history.values()):
+            self.attempts.plot(self.history, self.ledger.attempt)
+        evals = {s: r for s, r in load_eval_history(self.out_dir).items() if s in self.ledger.evals}
+        try:
+            step = select_step(self.cfg, self.ledger, self.out_dir, self.stage, self.logger)
+        except GuardStopError:
+            report_stage_evaluations(self, evals, None)
+            raise
+        report_stage_evaluations(self, evals, step)
+        return stage_checkpoint(self, result, step, evals)
+
+
+class Attempts:
+    """The RL stage's training attempts after guard rollbacks in this process: the MLflow run of the one under
+    way (nested in the stage run: tasks/tracking/runs.py `attempt_run`) and the curves of those rolled back."""
+
+    def __init__(self, stage: str, stage_run_id: str):
+        self.stage, self.stage_run_id = stage, stage_run_id
+        self.run = ExitStack()  # the run of the attempt under way (none for the stage's first)
+        self.rolled_back: list[tuple[str, dict[str, list[tuple[int, float]]]]] = []  # (label, curves)
+
+    def begin(self, rollback: Rollback, curves: dict, switch_run: Callable[[str], None]) -> None:
+        """The attempt after `rollback`, whose attempt left `curves`: its run started and `switch_run` to it; the
+        run of the attempt before (when it had one) ends FINISHED."""
+        self.rolled_back.append((f"attempt {rollback.attempt}, rolled back at step {rollback.at_step}", curves))
+        attempt = rollback.attempt + 1
+        description = f"Attempt {attempt} of the {self.stage} stage: {rollback.message.removeprefix('guard: ')}."
+        previous, self.run = self.run, ExitStack()
+        switch_run(
+            self.run.enter_context(tracking.runs.attempt_run(self.stage_run_id, self.stage, attempt, description))
+        )
+        previous.close()
+        tracking.logs.set_run_tags(self.stage_run_id, {"rlhf.attempts": str(attempt)})
+
+    def end(self, error_type, error, traceback) -> None:
+        """The run of the attempt under way ends with the stage: FINISHED, or FAILED when `error`."""
+        self.run.__exit__(error_type, error, traceback)
+
+    def plot(self, history: dict[str, list[tuple[int, float]]], attempt: int) -> None:
+        """<stage>_curves.png in the stage run: each curve of `history` (the attempt under way, `attempt`) against
+        step, and each attempt rolled back its own dashed line."""
+        current = f"attempt {attempt}" if self.rolled_back else None
+        panels = {
+            name: [
+                *(Line(curves.get(name, []), label, dashed=True) for label, curves in self.rolled_back),
+                Line(points, current),
+            ]
+            for name, points in history.items()
+            if points or any(curves.get(name) for _, curves in self.rolled_back)
+        }
+        fig = lines_figure(panels, self.stage.upper())
+        tracking.logs.log_figure(self.stage_run_id, fig, f"{self.stage}_curves.png")
+        close(fig)
+
+
+def report_guard_action(
+    reporter: PolicyReporter, step: int, sentence: str, guard: tuple[str, list[str], str] | None
+) -> None:
+    """What the guard did at the breach of `step`: the log, the breach's Prefect artifact `guard` (key, lines,
+    title) ending with `sentence`, the stage run's tag `guard.stopped` or `guard.rollback.<n>` and description."""
+    reporter.logger.warning("%s", sentence)
+    key, lines, title = guard or (f"{reporter.stage}-guard-step-{step}", [], f"Guard at step {step}")
+    did = sentence.removeprefix("guard: ")
+    publish_markdown(key, "\n".join([*lines, "", f"**What the guard did**: {did}."]), title)
+    ledger, run_id = reporter.ledger, reporter.stage_run_id
+    if ledger.stopped_at is not None:
+        tracking.logs.set_run_tags(run_id, {"guard.stopped": sentence})
+        return
+    tracking.logs.set_run_tags(run_id, {f"guard.rollback.{r.attempt}": r.message for r in ledger.rollback_log})
+    note = "\n".join(f"- {r.message.removeprefix('guard: ')}." for r in ledger.rollback_log)
+    tracking.logs.describe_run(
+        run_id, f"The guard rolled this stage back; each later attempt has a run of its own:\n\n{note}"
+    )
+
+
+def report_stage_evaluations(reporter: PolicyReporter, evals: dict[int, list[dict]], exported: int | None) -> None:
+    """The evaluation report (`report_evaluations`) in the stage run, with the attempts rolled back and the
+    exported step (None: none)."""
+    if not launcher.is_main():
+        return
+    set_aside = set_aside_history(reporter.out_dir)
+    rolled_back = [(r, set_aside[r.attempt]) for r in reporter.ledger.rollback_log if r.attempt in set_aside]
+    selected = (exported, reporter.cfg.export.select) if exported is not None else None
+    report_evaluations(reporter.stage_run_id, reporter.stage, evals, reporter.gold, selected, rolled_back)
+
+
+def stage_checkpoint(reporter: PolicyReporter, result: LoopResult | None, step: int, evals: dict) -> Checkpoint:
+    """What the RL stage hands on: the checkpoint of `step` (export.select's), its version, metrics and story."""
+    ledger = reporter.ledger
+    metrics = {**(result.metrics if result is not None and result.step == step else {}), **ledger.evals.get(step, {})}
+    triggers = ledger.all_triggers
+    return Checkpoint(
+        path=str((reporter.out_dir / f"checkpoint-{step}" / "policy").resolve()),
+        model_uri=reporter.version_of(step),
+        step=step,
+        metrics={**metrics, "guard/triggers": float(len(triggers))},
+        key=reporter.key,
+        extra={
+            "resumed_from": result.resumed_from if result is not None else None,
+            "skipped_steps": result.skipped_steps if result is not None else 0,
+            "gold": reporter.gold,
+            "eval_history": dict(sorted(ledger.evals.items())),
+            "final_eval": ledger.evals.get(step, {}),
+            "final_rows": evals.get(step, [])[:5],
+            "initial_rows": evals.get(0, [])[:5],
+            "selected": reporter.cfg.export.select,
+            "guard_broken": ledger.broken(step),
+            "guard_triggers": [t.message for t in triggers],
+            "guard_stopped_at": ledger.stopped_at,
+            "rollbacks": ledger.rollbacks,
+            "guard_rollbacks": [r.message for r in ledger.rollback_log],
+            "attempt": ledger.attempt_of(step),
+        },
+    )
+
+
+def report_evaluations(
+    run_id: str,
+    algorithm: str,
+    evals: dict[int, list[dict]],
+    gold: str | None,
+    exported: tuple[int, str] | None = None,
+    rolled_back: Sequence[tuple[Rollback, dict[int, list[dict]]]] = (),
+) -> None:
+    """The reward, gold metric and KL of every evaluation against step: a PNG in MLflow (each attempt the guard
+    rolled back a dashed line of its own), linked from a Prefect markdown artifact `<algorithm>-evaluation` that
+    tabulates the numbers of the branch the stage ended on and names the step exported ((step, export.select))."""
+    if not evals:
+        return
+    summaries = {step: summarize_rows(rows) for step, rows in sorted(evals.items())}
+    columns = [c for c in ("score", gold, "kl_exact", "length") if c]
+    present = [c for c in columns if any(f"eval/{c}_mean" in m for m in summaries.values())]
+    artifact = "eval/eval_curves.png"
+    discarded = [(r, {s: summarize_rows(rows) for s, rows in sorted(h.items())}) for r, h in rolled_back]
+    fig = lines_figure(eval_panels(summaries, present, gold, discarded), f"{algorithm.upper()}: held-out evaluation")
+    tracking.logs.log_figure(run_id, fig, artifact)
+    close(fig)
+    lines = [
+        f"# {algorithm.upper()} evaluation on held-out prompts",
+        "",
+        f"Reward, gold metric and KL against step: {tracking.logs.artifact_link(run_id, artifact)}",
+        *(["", rolled_back_paragraph(rolled_back)] if rolled_back else []),
+        "",
+        "| step | " + " | ".join(present) + " |",
+        "|---" * (len(present) + 1) + "|",
+    ]
+    chosen = exported[0] if exported else None
+    for step, m in summaries.items():
+        cells = [f"{m[f'eval/{c}_mean']:.4f}" if f"eval/{c}_mean" in m else "" for c in present]
+        lines.append(f"| {step}{' (exported)' if step == chosen else ''} | " + " | ".join(cells) + " |")
+    lines += ["", *exported_lines(summaries, gold, exported)]
+    title = f"{algorithm.upper()} held-out evaluation" + (f" (exported step {chosen})" if chosen is not None else "")
+    publish_markdown(f"{algorithm}-evaluation", "\n".join(lines), title)
+
+
+def eval_panels(
+    summaries: dict[int, dict], columns: list[str], gold: str | None, discarded: list[tuple[Rollback, dict]]
+) -> dict[str, list[Line]]:
+    """One panel per evaluation column: the branch the stage ended on, and each attempt rolled back (its
+    summaries by step) dashed from the step it branched off (`to_step`)."""
+    panels = {}
+    for c in columns:
+        key = f"eval/{c}_mean"
+        points = [(s, m[key]) for s, m in summaries.items() if key in m]
+        lines = []
+        for r, rolled in discarded:
+            trunk = [(r.to_step, summaries[r.to_step][key])] if key in summaries.get(r.to_step, {}) else []
+            later = [(s, m[key]) for s, m in rolled.items() if key in m]
+            lines.append(Line(trunk + later, f"attempt {r.attempt}, rolled back at step {r.at_step}", dashed=True))
+        current = f"attempt {discarded[-1][0].attempt + 1}" if discarded else None
+        panels[f"eval {c}" + (" (gold)" if c == gold else "")] = [*lines, Line(points, current)]
+    return panels
+
+
+def rolled_back_paragraph(rolled_back: Sequence[tuple[Rollback, dict]]) -> str:
+    """What the guard rolled back, for the report: dashed in the figure, not in the table."""
+    said = "; ".join(f"attempt {r.attempt} at step {r.at_step} ({r.rule}) to step {r.to_step}" for r, _ in rolled_back)
+    return (
+        f"The guard rolled back {said}. The rolled-back evaluations are dashed in the figure; the table holds "
+        "those of the attempt the stage ended on."
+    )
+
+
+def exported_lines(summaries: dict[int, dict], gold: str | None, exported: tuple[int, str] | None) -> list[str]:
+    """Which step the export takes (export.select) and the gold metric from step 0 to it, and at the last step."""
+    if exported is None:
+        return ["No checkpoint is exported: the guard stopped RL before the first one was saved."]
+    step, select = exported
+    lines = [f"Exported: the checkpoint of step {step} (export.select `{select}`)."]
+    key, first, last = f"eval/{gold}_mean", min(summaries), max(summaries)
+    if gold and len(summaries) > 1 and key in summaries[first]:
+        start = summaries[first][key]
+        if key in summaries.get(step, {}):
+            end = summaries[step][key]
+            text = f"Gold metric `{gold}`: {start:.4f} at step {first} -> {end:.4f} at step {step}, the exported one"
+            text += f" ({end - start:+.4f})"
+        else:
+            text = f"Gold metric `{gold}`: {start:.4f} at step {first}; the exported step {step} was not evaluated"
+        if last != step and key in summaries[last]:
+            text += f"; the last evaluation (step {last}): {summaries[last][key]:.4f}"
+        lines.append(text + ".")
+    return lines
