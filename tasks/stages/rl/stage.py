@@ -1,10 +1,9 @@
 """The RL stage (PPO or GRPO) as a Prefect task, from the `InitPlan` of tasks/stages/initialization.py.
 
-`rl_stage` loads the policy, its reference and the reward sources, trains with resume under the guard
-(tasks/stages/rl/guard.py: stop, or roll back to the last checkpoint that passed every rule), evaluates generations
-of the held-out prompts periodically, and registers every policy checkpoint as a version of
-registry.policy_model_name (tasks/stages/rl/reporting.py); `export.select` picks the one it hands on
-(tasks/stages/rl/checkpoint_selection.py). The stage is named for its algorithm: its MLflow run, its directory under
+`rl_stage` loads the policy, its reference and the reward sources into one `RLInputs` per attempt, trains with
+resume under the guard (tasks/stages/rl/guard.py: each evaluation judged; stop, or roll back to the last checkpoint
+that passed every rule), and registers every policy checkpoint as a version of registry.policy_model_name
+(tasks/stages/rl/reporting.py); `export.select` picks the one it hands on (tasks/stages/rl/checkpoint_selection.py). The stage is named for its algorithm: its MLflow run, its directory under
 run.output_dir, its versions' `stage` tag and, in the flow, its Prefect task are `ppo` or `grpo`.
 """
 

@@ -11,8 +11,8 @@ import pytest
 from rlhf_core.config import load_config
 from rlhf_core.evaluation.guard import Rollback
 from tasks.reporting.plots import Line, close, curve_figure, lines_figure
+from tasks.stages.rl.evaluation_report import eval_panels, exported_lines
 from tasks.stages.rl.guard import rollback_sentence
-from tasks.stages.rl.reporting import eval_panels, exported_lines
 
 ROLLBACK = Rollback(attempt=1, at_step=40, rule="kl_budget", to_step=0, kl_scale=2.0, set_aside=("checkpoint-40",))
 
