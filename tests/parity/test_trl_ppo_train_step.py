@@ -37,7 +37,7 @@ def prompt_text(ids: list[int]) -> str:
 def test_train_ppo_end_to_end(world, name, monkeypatch, tmp_path):
     """Our real `train_ppo`, one iteration on copies of the same models, with the same prompts and responses:
     only `rlhf_core.rollout.engines.generate` (our loop engine's) is replaced (it returns each prompt's fixed
-    response, padded with the loop's pad id); collect_rollout, score_rollout, the KL, rewards, GAE and whitening are ours, recorded
+    response, padded with the loop's pad id); score_sampled, score_rollout, the KL, rewards, GAE and whitening are ours, recorded
     through wrappers that call the originals. The temperature is TRL's, 0.7 + 1e-7."""
     import copy
 
@@ -74,8 +74,8 @@ def test_train_ppo_end_to_end(world, name, monkeypatch, tmp_path):
     monkeypatch.setattr(rollout_module, "generate", generate)
     monkeypatch.setattr(
         ppo_module,
-        "collect_rollout",
-        recording(ppo_module.collect_rollout, lambda out, *a, **k: rec.update(rollout=out)),
+        "score_sampled",
+        recording(ppo_module.score_sampled, lambda out, *a, **k: rec.update(rollout=out)),
     )
     monkeypatch.setattr(
         ppo_module,

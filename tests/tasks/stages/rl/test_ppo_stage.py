@@ -1,5 +1,6 @@
 """The PPO stage inside the pipeline: resume without duplicate versions, and refusals before any RL work."""
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -26,13 +27,13 @@ def test_a_crash_in_ppo_resumes_from_the_last_checkpoint_without_duplicate_versi
     overrides = [f"run.output_dir={tmp_path / 'out'}", f"tracking.uri={mlflow_uri}", "rl.total_steps=3"]
     real = tasks.stages.rl.stage.train_ppo
 
-    def crashing(*args, on_log, **kwargs):
+    def crashing(inputs):
         def log(metrics, step):
-            on_log(metrics, step)
+            inputs.hooks.on_log(metrics, step)
             if step == 2:
                 raise RuntimeError("injected crash at step 2")
 
-        return real(*args, on_log=log, **kwargs)
+        return real(dataclasses.replace(inputs, hooks=dataclasses.replace(inputs.hooks, on_log=log)))
 
     monkeypatch.setattr(tasks.stages.rl.stage, "train_ppo", crashing)
     assert rlhf_pipeline(config_path=SMOKE, overrides=overrides, return_state=True).is_failed()
