@@ -1,2 +1,3 @@
-"""The rollout phase of an RL step: the decode loop (`generation`), sampling settings (`sampling`), and
-`collect`, which turns prompts into a `RolloutBatch` of completions, masks and log-probs."""
+"""The rollout phase of an RL step: the decode loop (`generation`), sampling settings (`sampling`), the engines that
+sample (`engines`, `vllm_server`, and the generators ahead of training in `ahead`), tool episodes (`episodes`,
+`tools`), and `collect`: a batch sampled (`sample` -> `Sampled`), then scored into a `Rollout`."""

@@ -1,4 +1,4 @@
-"""The rollout engines behind `collect_rollout`, picked by rollout.engine: `LoopEngine` (hf, our decode loop in the
+"""The rollout engines behind `collect.sample`, picked by rollout.engine: `LoopEngine` (hf, our decode loop in the
 trainer's process) and `VllmEngine` (a vLLM server apart, `vllm_server.py`), with what the second needs around it:
 the server for the stage's length (`vllm_server`), the policy's weights pushed to it (`engine_weights`), seeded
 requests, and the completions turned back into the padded tensors our loop makes.
