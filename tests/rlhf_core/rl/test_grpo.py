@@ -321,63 +321,41 @@ def test_unscorable_completions_are_counted_and_non_finite_rewards_stop_the_step
         1.0,
         lambda prompts, completions, **_: [None if i % 2 else float(len(c)) for i, c in enumerate(completions)],
     )
-    train_grpo(
-        rl_inputs(
-            policy,
-            tok,
-            prompt_rows(smoke_world),
-            tmp_path / "none",
-            reference=None,
-            rewards=[every_other],
-            rl=RLConfig(total_steps=1, algorithm="grpo", **RL),
-            grpo=GRPOConfig(num_generations=4),
-            run=RunConfig(device="cpu", seed=5),
-            max_prompt_length=12,
-            on_log=lambda m, s: logs.append(m),
-            show_progress=False,
-        )
-    )
+    train_grpo(bare_run(smoke_world, tok, policy, tmp_path / "none", [every_other], on_log=lambda m, s: logs.append(m)))
     assert logs[0]["rewards/num_unscorable"] == 8.0 and math.isfinite(logs[0]["reward"])
     broken = function_reward(
         "broken", 1.0, lambda prompts, completions, **_: [1.0] * 3 + [float("inf")] + [0.0] * (len(completions) - 4)
     )
     with pytest.raises(RewardFunctionError, match="reward function broken returned inf for completion 3"):
-        train_grpo(
-            rl_inputs(
-                policy,
-                tok,
-                prompt_rows(smoke_world),
-                tmp_path / "inf",
-                reference=None,
-                rewards=[broken],
-                rl=RLConfig(total_steps=1, algorithm="grpo", **RL),
-                grpo=GRPOConfig(num_generations=4),
-                run=RunConfig(device="cpu", seed=5),
-                max_prompt_length=12,
-                show_progress=False,
-            )
-        )
+        train_grpo(bare_run(smoke_world, tok, policy, tmp_path / "inf", [broken]))
     assert not list((tmp_path / "inf").glob("checkpoint-*"))
+
+
+def bare_run(world, tok, policy, out, rewards: list, *, steps: int = 1, **settings):
+    """`rewards` alone, no reference, four completions per prompt, `steps` steps: the input of a short GRPO run."""
+    return rl_inputs(
+        policy,
+        tok,
+        prompt_rows(world),
+        out,
+        rewards=rewards,
+        rl=RLConfig(total_steps=steps, algorithm="grpo", **{**RL, **settings.pop("rl", {})}),
+        grpo=GRPOConfig(num_generations=4),
+        run=RunConfig(device="cpu", seed=5),
+        max_prompt_length=12,
+        show_progress=False,
+        **settings,
+    )
 
 
 def test_grpo_subtracts_the_missing_stop_penalty(tmp_path, smoke_world):
     tok, policy = setup(smoke_world)
     logs = []
     zero = function_reward("zero", 1.0, lambda prompts, completions, **_: [0.0] * len(completions))
+    on_log = lambda m, s: logs.append(m)  # noqa: E731
     train_grpo(
-        rl_inputs(
-            policy,
-            tok,
-            prompt_rows(smoke_world),
-            tmp_path / "pen",
-            reference=None,
-            rewards=[zero],
-            rl=RLConfig(total_steps=2, algorithm="grpo", missing_eos_penalty=2.0, **RL),
-            grpo=GRPOConfig(num_generations=4),
-            run=RunConfig(device="cpu", seed=5),
-            max_prompt_length=12,
-            on_log=lambda m, s: logs.append(m),
-            show_progress=False,
+        bare_run(
+            smoke_world, tok, policy, tmp_path / "pen", [zero], steps=2, rl={"missing_eos_penalty": 2.0}, on_log=on_log
         )
     )
     for metrics in logs:

@@ -174,10 +174,29 @@ def test_lora_reference_is_the_policy_with_adapters_disabled(tmp_path, smoke_wor
     assert lora_logs[0][1]["objective/kl"] == pytest.approx(0.0, abs=1e-4)  # adapters start as identity
 
 
+def one_epoch_steps(world, models: tuple, out, **rl):
+    """The input of a short, silent PPO run of `models` (setup's) with one PPO epoch per step."""
+    tok, policy, ref, value, reward = models
+    return rl_inputs(
+        policy,
+        tok,
+        prompts_of(world),
+        out,
+        value=value,
+        reference=ref,
+        reward_model=reward,
+        rl=RLConfig(**{**RL, **rl}),
+        ppo=PPOConfig(num_ppo_epochs=1),
+        run=RunConfig(device="cpu", seed=5),
+        max_prompt_length=12,
+        show_progress=False,
+    )
+
+
 def test_a_non_finite_loss_skips_the_step_and_never_corrupts_a_checkpoint(tmp_path, smoke_world, monkeypatch):
     import rlhf_core.rl.ppo as ppo_module
 
-    tok, policy, ref, value, reward = setup(smoke_world)
+    models = setup(smoke_world)
     finite_loss = ppo_module.policy_loss
 
     def inf_loss(*args, **kwargs):  # a forced inf in every policy loss: the gradient norm is not finite
@@ -185,22 +204,7 @@ def test_a_non_finite_loss_skips_the_step_and_never_corrupts_a_checkpoint(tmp_pa
         return loss * float("inf"), stats
 
     monkeypatch.setattr(ppo_module, "policy_loss", inf_loss)
-    result = train_ppo(
-        rl_inputs(
-            policy,
-            tok,
-            prompts_of(smoke_world),
-            tmp_path / "nan",
-            value=value,
-            reference=ref,
-            reward_model=reward,
-            rl=RLConfig(total_steps=2, **RL),
-            ppo=PPOConfig(num_ppo_epochs=1),
-            run=RunConfig(device="cpu", seed=5),
-            max_prompt_length=12,
-            show_progress=False,
-        )
-    )
+    result = train_ppo(one_epoch_steps(smoke_world, models, tmp_path / "nan", total_steps=2))
     assert result.skipped_steps == 2 and result.metrics["perf/skipped_steps"] == 2.0
     weights = load_file(str(result.checkpoint / "policy" / "model.safetensors"))
     assert all(t.isfinite().all() for t in weights.values())
@@ -209,20 +213,7 @@ def test_a_non_finite_loss_skips_the_step_and_never_corrupts_a_checkpoint(tmp_pa
         FloatingPointError, match=r"gradient norm was (inf|nan) in 1 optimizer step\(s\) in a row \(step 1\)"
     ):
         train_ppo(
-            rl_inputs(
-                policy,
-                tok,
-                prompts_of(smoke_world),
-                tmp_path / "stop",
-                value=value,
-                reference=ref,
-                reward_model=reward,
-                rl=RLConfig(total_steps=2, max_nonfinite_steps_in_a_row=0, **RL),
-                ppo=PPOConfig(num_ppo_epochs=1),
-                run=RunConfig(device="cpu", seed=5),
-                max_prompt_length=12,
-                show_progress=False,
-            )
+            one_epoch_steps(smoke_world, models, tmp_path / "stop", total_steps=2, max_nonfinite_steps_in_a_row=0)
         )
     assert not list((tmp_path / "stop").glob("checkpoint-*"))
 
@@ -230,26 +221,11 @@ def test_a_non_finite_loss_skips_the_step_and_never_corrupts_a_checkpoint(tmp_pa
 def test_a_non_finite_reward_model_score_stops_the_step_naming_the_sample(tmp_path, smoke_world):
     from rlhf_core.rewards.functions import RewardFunctionError
 
-    tok, policy, ref, value, reward = setup(smoke_world)
+    models = setup(smoke_world)
     with torch.no_grad():
-        reward.score.bias.fill_(float("nan"))
+        models[4].score.bias.fill_(float("nan"))  # the reward model
     with pytest.raises(RewardFunctionError, match="the reward model returned nan for completion 0"):
-        train_ppo(
-            rl_inputs(
-                policy,
-                tok,
-                prompts_of(smoke_world),
-                tmp_path / "nan",
-                value=value,
-                reference=ref,
-                reward_model=reward,
-                rl=RLConfig(total_steps=1, **RL),
-                ppo=PPOConfig(num_ppo_epochs=1),
-                run=RunConfig(device="cpu", seed=5),
-                max_prompt_length=12,
-                show_progress=False,
-            )
-        )
+        train_ppo(one_epoch_steps(smoke_world, models, tmp_path / "nan", total_steps=1))
 
 
 def test_empty_prompt_set_is_refused(tmp_path, smoke_world):
