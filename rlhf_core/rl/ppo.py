@@ -19,7 +19,7 @@ from rlhf_core.config import PPOConfig, RLConfig
 from rlhf_core.models.forward import response_logprobs, sequence_scores, token_values
 from rlhf_core.rewards.functions import check_finite
 from rlhf_core.rl.advantages.estimators import Estimate, EstimatorContext, estimator_for
-from rlhf_core.rl.engine_correction import correct_rollout, correction_settings
+from rlhf_core.rl.engine_correction import correct_rollout, correction_settings, old_logprobs_at_sampling
 from rlhf_core.rl.inputs import RLInputs, RLSettings
 from rlhf_core.rl.samplers import StepSampler
 from rlhf_core.rl.step import (
@@ -36,6 +36,7 @@ from rlhf_core.rl.step import (
 )
 from rlhf_core.rl_math import masked_mean
 from rlhf_core.rollout.collect import (
+    Passes,
     Rollout,
     RolloutBatch,
     Sampled,
@@ -185,6 +186,9 @@ class PPOSteps:
         self.correction = correction_settings(settings.rollout)
         self.correction_metrics: dict[str, torch.Tensor] = {}  # the engine correction's, of the latest update
         self.sizes = ppo_batch_sizes(self.rl, self.ppo)
+        updates = self.ppo.num_ppo_epochs * self.sizes.mini_batches
+        at_sampling = old_logprobs_at_sampling(self.rl, self.ppo.kl_coef, updates, settings.rollout)  # always, PPO
+        self.passes = Passes(policy=at_sampling, reference=True)
         self.timer = timer  # generate (the sampler's), policy_logprobs, reference, reward, value, optimize
         self.observed_kl = float("nan")  # the last step's mean KL over the global batch (the controller's input)
 
@@ -193,7 +197,9 @@ class PPOSteps:
         scored by the reward model, and valued."""
         models = self.loop.unwrapped()
         with self.loop.full_parameters():
-            rollout = score_sampled(models.policy, self.ref_model, sampled, self.rl.temperature, timer=self.timer)
+            rollout = score_sampled(
+                models.policy, self.ref_model, sampled, self.rl.temperature, self.passes, self.timer
+            )
             scores, values = score_rollout(
                 rollout,
                 models.value_model,
