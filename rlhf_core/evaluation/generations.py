@@ -31,12 +31,11 @@ from rlhf_core.rollout.collect import (
     Passes,
     SamplingSpec,
     ToolRollout,
+    collect_rollout,
     context_length,
     reference_context,
-    sample,
-    score_sampled,
 )
-from rlhf_core.rollout.engines import LoopEngine, RolloutEngine
+from rlhf_core.rollout.engines import RolloutEngine
 from rlhf_core.rollout.generation import decode_responses, left_pad, tokenize_prompts
 from rlhf_core.rollout.sampling import SamplingSettings
 from rlhf_core.rollout.tools import ToolUse
@@ -135,8 +134,8 @@ def evaluate_generations(
         batch = slice(start, start + sampling.batch_size)
         chunk_rows = _chunk_rows(chunk, prompts, batch) if tools is not None else None
         batch_seed = None if seed is None else seed + start
-        sampled = sample(engine or LoopEngine(), policy, query_ids, query_mask, spec, seed=batch_seed, rows=chunk_rows)
-        rollout = score_sampled(policy, None, sampled, settings.temperature, NEITHER)
+        request = {"seed": batch_seed, "rows": chunk_rows}
+        rollout = collect_rollout(policy, None, query_ids, query_mask, spec, engine=engine, passes=NEITHER, **request)
         rows += _scored_rows(rollout, chunk, batch, (models, metrics, prompts, kl_temperature))
     policy.train(was_training)
     return rows

@@ -36,10 +36,6 @@ class PromptSet:
     rows: list[dict]
     max_prompt_length: int
 
-    @classmethod
-    def of(cls, prompts: Sequence[str], max_prompt_length: int) -> PromptSet:
-        return cls([{"prompt": p} for p in prompts], max_prompt_length)
-
 
 @dataclass(frozen=True)
 class RLSettings:

@@ -45,10 +45,9 @@ class StepSampler:
     seeded from the run's seed, the process, the step and the call; `rows`: the prompt rows by index (tool episodes
     read their messages). The engine gets the policy's weights first (vllm: every rollout.vllm.sync_every_steps)."""
 
-    metrics: dict[str, float] = {}  # noqa: RUF012 (none of its own; read only)
-
     def __init__(self, loop, engine: RolloutEngine, spec: SamplingSpec, rows: list[dict], policy, timer: PhaseTimer):
         self.loop, self.engine, self.spec, self.rows, self.policy, self.timer = loop, engine, spec, rows, policy, timer
+        self.metrics: dict[str, float] = {}  # none of its own
 
     def close(self) -> None:
         """Nothing to stop: the engine outlives the stage's loop (the stage stops its server)."""

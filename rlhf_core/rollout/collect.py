@@ -204,12 +204,13 @@ def collect_rollout(
     spec: SamplingSpec,
     *,
     engine: RolloutEngine | None = None,
-    seed: int | None = None,
     passes: Passes = BOTH,
+    **request,
 ) -> Rollout:
-    """`sample` on `engine` (our decode loop when None), then `score_sampled`: one rollout of `query_ids`."""
+    """`sample` on `engine` (our decode loop when None), then `score_sampled`: one rollout of `query_ids`.
+    `request`: the batch's `seed` and, for tool episodes, its prompt `rows` (see `sample`)."""
     policy.eval()
-    sampled = sample(engine or LoopEngine(), policy, query_ids, query_mask, spec, seed=seed)
+    sampled = sample(engine or LoopEngine(), policy, query_ids, query_mask, spec, **request)
     return score_sampled(policy, ref_model, sampled, spec.settings.temperature, passes)
 
 

@@ -53,4 +53,3 @@ def test_a_misspelt_keyword_is_refused_rather_than_dropped():
 def test_evaluations_are_scheduled_only_when_someone_receives_them():
     assert RLHooks(eval_every=5).eval_cadence is None
     assert RLHooks(eval_every=5, on_eval=lambda rows, step: None).eval_cadence == 5
-    assert PromptSet.of(["x"], 3) == PromptSet([{"prompt": "x"}], 3)
