@@ -160,10 +160,9 @@ def validate_command(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def promote_command(args: argparse.Namespace, overrides: list[str]) -> int:
-    from flows.promote import rlhf_promote
+    from flows.promote import check_promotion, rlhf_promote
 
-    # outside the demo an explicit gate is needed: one sentence before any flow run
-    load_config(args.config, overrides).promotion_gates()
+    check_promotion(load_config(args.config, overrides))  # one sentence before any flow run
     print(promotion_line(rlhf_promote(config_path=args.config, overrides=overrides)))
     return 0
 

@@ -1,17 +1,18 @@
-"""Promotion: evaluate the `candidate` policy version against the `champion` and move `champion` when it wins.
+"""Promotion: judge the `candidate` policy version against the `champion` and move `champion` when it wins.
 
-Both are evaluated (tasks/stages/version_evaluation.py) on the same held-out prompts, with the same reward model (the candidate's
-`reward_model_version`), metric functions (`eval.metrics`) and reference (the candidate's
-`base_model`), sampled as in training and seeded. `rlhf_core.evaluation.promotion.decide` applies `promote.*`. The
-decision and its numbers become tags of the candidate version and a Prefect markdown artifact.
-A candidate already judged against the current champion (or already champion) is left alone, so a
-second run changes nothing.
+The evaluator is one the candidate was not trained against (promote.evaluator: a pairwise judge, a reward model
+registered apart, metric functions; the demo's gold metric), resolved and checked before any generation
+(tasks/promotion/evaluator.py). Both policies sample the same held-out prompts with the same seeds and are compared
+prompt by prompt (tasks/promotion/contest.py); with no champion yet, the candidate is compared with the policy it
+started from (its `base_model`). `rlhf_core.evaluation.promotion.decide` applies promote.*: the guard's verdict,
+the KL, promote.min_value, and the win rate's 95% interval against promote.min_win_rate. With
+promote.approval: required a passing candidate waits for a person (tasks/promotion/approval.py). The decision and
+its numbers become tags of the candidate version, the per-prompt table and the report go to the run and Prefect
+(tasks/promotion/record.py). A candidate already judged against the current champion (or already champion) is left
+alone, so a second run changes nothing.
 """
 
 from __future__ import annotations
-
-import datetime as dt
-import re
 
 from prefect import flow
 from prefect.logging import get_run_logger
@@ -19,17 +20,28 @@ from prefect.logging import get_run_logger
 from rlhf_core.config import PipelineConfig, load_config
 from rlhf_core.config.errors import UserError
 from rlhf_core.config.redaction import refuse_secret_overrides
-from rlhf_core.evaluation.promotion import Decision, decide
+from rlhf_core.evaluation.promotion import decide
 from rlhf_core.training.parallel import use_cpu_threads
 from tasks import registry, tracking
-from tasks.reporting.progress import print_rows, publish_markdown
-from tasks.stages.data import PreparedData, data_stage
+from tasks.promotion import evaluator as evaluators
+from tasks.promotion.approval import ask_approval
+from tasks.promotion.contest import Contestants, run_contest
+from tasks.promotion.record import (
+    CHAMPION,
+    TAG,
+    Outcome,
+    comparison_tags,
+    link_from_description,
+    publish,
+    record,
+    report,
+)
+from tasks.reporting.progress import print_rows
+from tasks.stages.data import data_stage
 from tasks.stages.export import CANDIDATE
-from tasks.stages.version_evaluation import evaluate_version
 
-CHAMPION = "champion"
-TAG = "promotion."
 PROMOTION_TAGS = {"rlhf.flow": "promote", "rlhf.run_kind": "promotion"}
+FINAL = ("promoted", "refused", "rejected")  # decisions a rerun keeps; a timed-out approval is asked again
 
 
 def promotion_run_name(name: str, candidate) -> str:
@@ -37,82 +49,25 @@ def promotion_run_name(name: str, candidate) -> str:
     return f"promote-{name}-v{candidate.version}"
 
 
-def _report(
-    name: str, candidate, champion, decision: Decision, summaries: dict[str, dict[str, float]], metric: str
-) -> str:
-    columns = sorted({k for s in summaries.values() for k in s})
-    lines = [
-        f"# Promotion of `{name}` version {candidate.version}",
-        "",
-        f"**{'Promoted' if decision.promote else 'Refused'}**: {decision.reason}.",
-        "",
-        f"Compared on `{metric}`; champion: " + (f"version {champion.version}" if champion else "none"),
-        "",
-        "| version | " + " | ".join(columns) + " |",
-        "|---" * (len(columns) + 1) + "|",
-    ]
-    for label, summary in summaries.items():
-        lines.append(f"| {label} | " + " | ".join(f"{summary[c]:.4f}" if c in summary else "" for c in columns) + " |")
-    return "\n".join(lines)
+def check_promotion(cfg: PipelineConfig, champion_exists: bool | None = None) -> None:
+    """What can be refused before any registry call or generation: an evaluator outside the demo, a first
+    champion's gate, an approval with no Prefect server. `champion_exists` None: not known yet."""
+    cfg.promotion(first=champion_exists is False)
+    evaluators.check_approval_server(cfg)
 
 
-def _evaluate_both(
-    cfg: PipelineConfig,
-    data: PreparedData,
-    run_id: str,
-    name: str,
-    candidate,
-    champion,
-    reference: str | None,
-    reward_model: str | None,
-) -> dict[str, dict[str, float]]:
-    """Evaluate the candidate and (when there is one) the champion; label -> summary, logged to the run."""
-    summaries: dict[str, dict[str, float]] = {}
-    candidate_summary, rows = evaluate_version(
-        cfg, data, f"models:/{name}/{candidate.version}", reference, reward_model
-    )
-    summaries[f"candidate v{candidate.version}"] = candidate_summary
-    print_rows(rows[:5], f"Candidate v{candidate.version}: held-out completions (first 5)")
-    tracking.logs.log_metrics(
-        run_id, {f"candidate/{k.removeprefix('eval/')}": v for k, v in candidate_summary.items()}, 0
-    )
+def contestants(name: str, candidate, champion) -> Contestants:
+    """The candidate against the champion, or with none against the policy it started from (its base_model)."""
+    reference = candidate.tags.get("base_model")
+    uri = f"models:/{name}/{candidate.version}"
     if champion is not None:
-        champion_summary, champion_rows = evaluate_version(
-            cfg, data, f"models:/{name}/{champion.version}", reference, reward_model
+        return Contestants(uri, f"models:/{name}/{champion.version}", f"champion v{champion.version}", True, reference)
+    if not reference:
+        raise UserError(
+            f"version {candidate.version} of {name} has no base_model tag, so with no champion yet there is "
+            "nothing to compare it with; register it through the pipeline's export"
         )
-        summaries[f"champion v{champion.version}"] = champion_summary
-        tracking.logs.log_metrics(
-            run_id, {f"champion/{k.removeprefix('eval/')}": v for k, v in champion_summary.items()}, 0
-        )
-        tracking.logs.log_table(run_id, champion_rows, "promotion/champion_completions.json")
-    tracking.logs.log_table(run_id, rows, "promotion/candidate_completions.json")
-    return summaries
-
-
-def _record(
-    run_id: str, name: str, candidate, champion, decision: Decision, against: str, metric: str
-) -> dict[str, str]:
-    """Move `champion` when the candidate won; the decision as tags of the candidate version and the run."""
-    if decision.promote:  # the alias first: if tagging fails after it, a rerun finds it champion
-        registry.set_alias(name, CHAMPION, str(candidate.version))
-        if champion is not None:
-            registry.set_version_tags(name, champion.version, {TAG + "replaced_by": str(candidate.version)})
-    tags = {
-        "decision": "promoted" if decision.promote else "refused",
-        "reason": decision.reason,
-        "evaluated_against": against,
-        "metric": metric,
-        "candidate_value": f"{decision.candidate_value:.6f}",
-        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "mlflow_run_id": run_id,
-    }
-    if decision.champion_value is not None:
-        tags["champion_value"] = f"{decision.champion_value:.6f}"
-    if decision.candidate_kl is not None:
-        tags["kl"] = f"{decision.candidate_kl:.6f}"
-    registry.set_version_tags(name, candidate.version, {TAG + k: v for k, v in tags.items()})
-    tracking.logs.set_run_tags(run_id, {TAG + k: v for k, v in tags.items()})
-    return tags
+    return Contestants(uri, reference, f"its start ({reference})", False, reference)
 
 
 def _already_judged(name: str, candidate, champion, against: str, logger) -> dict | None:
@@ -121,7 +76,7 @@ def _already_judged(name: str, candidate, champion, against: str, logger) -> dic
     if champion is not None and str(champion.version) == str(candidate.version):
         logger.info("version %s is already the champion; nothing to do", candidate.version)
         return {**base, "decision": "unchanged", "reason": f"version {candidate.version} is already the champion"}
-    if candidate.tags.get(TAG + "evaluated_against") == against:
+    if candidate.tags.get(TAG + "evaluated_against") == against and candidate.tags.get(TAG + "decision") in FINAL:
         logger.info(
             "version %s was already judged against %s: %s",
             candidate.version,
@@ -149,44 +104,58 @@ def _candidate(name: str):
 
 @flow(name="rlhf-promote", log_prints=True)
 def rlhf_promote(config_path: str | None = "configs/demo.yaml", overrides: list[str] | None = None) -> dict:
-    """Promote `models:/<policy>@candidate` to `@champion` when it passes the promote.* gates."""
+    """Promote `models:/<policy>@candidate` to `@champion` when it beats the champion by promote.* (and, with
+    promote.approval: required, a person approves)."""
     refuse_secret_overrides(overrides)  # Prefect stores parameters: credentials come from MLflow's env variables
     cfg = load_config(config_path, overrides or [])
     use_cpu_threads(cfg.run.cpu_threads)
-    cfg.promotion_gates()  # outside the demo an explicit gate is needed: checked before any registry call
+    check_promotion(cfg)  # before any registry call
     logger = get_run_logger()
     name = cfg.registry.policy_model_name
     tracking.store.configure(cfg.tracking_uri())
     candidate = _candidate(name)
     champion = registry.version_by_alias(name, CHAMPION)
-    gates = cfg.promotion_gates(first=champion is None)  # a first champion outside the demo needs min_value
+    plan = cfg.promotion(first=champion is None)
     against = str(champion.version) if champion is not None else "none"
     judged = _already_judged(name, candidate, champion, against, logger)
     if judged is not None:
         return judged
-
-    metric = gates.metric
-    reference = candidate.tags.get("base_model")
-    reward_model = candidate.tags.get("reward_model_version")
-    reward_model = reward_model if reward_model and reward_model != "none" else None
+    judging = evaluators.resolve(plan.evaluator, candidate)  # a bad evaluator: one sentence, before generation
+    who = contestants(name, candidate, champion)
+    label = judging.evaluator.label()
     with tracking.runs.pipeline_run(cfg, tags=PROMOTION_TAGS, run_name=promotion_run_name(name, candidate)) as run_id:
         data = data_stage(cfg, run_id)
-        summaries = _evaluate_both(cfg, data, run_id, name, candidate, champion, reference, reward_model)
-        candidate_summary = summaries[f"candidate v{candidate.version}"]
-        champion_summary = summaries.get(f"champion v{champion.version}") if champion is not None else None
+        contest = run_contest(cfg, data, judging, who)
+        print_rows(contest.rows[:5], f"Candidate v{candidate.version} against {who.label} (first 5 prompts)")
         broken = candidate.tags.get("guard.broken", "").split(",")  # the rules its checkpoint broke in training
-        decision = decide(candidate_summary, champion_summary, gates, broken=broken)
-        tags = _record(run_id, name, candidate, champion, decision, against, metric)
-        report = _report(name, candidate, champion, decision, summaries, metric)
-        publish_markdown(re.sub(r"[^a-z0-9-]+", "-", f"promotion-{name.lower()}"), report, f"Promotion of {name}")
-    logger.info("version %s %s: %s", candidate.version, tags["decision"], decision.reason)
+        outcome = Outcome(decide(contest.comparison, plan.gates, broken=broken))
+        training_reward = plan.evaluator.kind == "training_reward"
+        if outcome.decision.promote and cfg.promote.approval == "required":
+            draft = report(name, candidate, contest, outcome, label, training_reward)
+            link = publish(run_id, name, contest, draft)
+            approval = ask_approval(f"{draft}\n\nPrompt by prompt: {link}", cfg.promote.approval_timeout_h)
+            outcome = Outcome(outcome.decision, approval, cfg.promote.approval_timeout_h)
+        markdown = report(name, candidate, contest, outcome, label, training_reward)
+        link = publish(run_id, name, contest, markdown)
+        tags = record(
+            run_id,
+            name,
+            (candidate, champion),
+            outcome,
+            {"evaluated_against": against, **comparison_tags(contest, label)},
+        )
+        link_from_description(name, candidate, outcome, contest.comparison.result.summary(), link)
+    logger.info("version %s %s: %s", candidate.version, tags["decision"], tags["reason"])
     return {
         "model": name,
         "candidate": str(candidate.version),
         "champion": against,
         "changed": True,
         "decision": tags["decision"],
-        "reason": decision.reason,
-        "candidate_summary": candidate_summary,
-        "champion_summary": champion_summary,
+        "reason": tags["reason"],
+        "win_rate": contest.comparison.result.win_rate,
+        "ci": [contest.comparison.result.ci_low, contest.comparison.result.ci_high],
+        "n": contest.comparison.result.n,
+        "candidate_summary": contest.summaries["candidate"],
+        "opponent_summary": contest.summaries["opponent"],
     }

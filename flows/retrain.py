@@ -14,7 +14,7 @@ from typing import Literal
 from prefect import flow
 from prefect.logging import get_run_logger
 
-from flows.promote import CHAMPION, rlhf_promote
+from flows.promote import CHAMPION, check_promotion, rlhf_promote
 from flows.rlhf_pipeline import rlhf_pipeline
 from rlhf_core.config import load_config
 from tasks import registry, tracking
@@ -33,12 +33,13 @@ def rlhf_retrain(
     settings = list(overrides or []) + [f"init.policy={start_from}"]
     if preference_path:
         settings.append(f"data.preference.path={preference_path}")
-    if promote:  # a promotion that cannot run (no explicit gate outside the demo) fails before training
+    if promote:  # a promotion that cannot run (no evaluator outside the demo, ...) fails before training
         cfg = load_config(config_path, settings)
-        cfg.promotion_gates()
-        if not cfg.is_demo() and cfg.promote.min_value is None:  # a first champion needs promote.min_value
+        check_promotion(cfg)
+        if not cfg.is_demo() and cfg.promote.min_value is None:  # a first champion may need promote.min_value
             tracking.store.configure(cfg.tracking_uri())
-            cfg.promotion_gates(first=registry.version_by_alias(cfg.registry.policy_model_name, CHAMPION) is None)
+            champion = registry.version_by_alias(cfg.registry.policy_model_name, CHAMPION)
+            check_promotion(cfg, champion_exists=champion is not None)
     trained = rlhf_pipeline(config_path=config_path, overrides=settings, only_if_new_data=True)
     result = {"pipeline": trained, "promotion": None}
     if trained.get("skipped"):

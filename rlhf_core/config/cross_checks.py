@@ -204,11 +204,9 @@ def check_sync_ref_model(grpo: GRPOConfig, lora_enabled: bool, run: RunConfig, s
 # evaluation, guard and promotion columns ----------------------------------------------------
 
 
-def check_eval_columns(
-    names: list[str], verifier: str | None, evaluation: EvalConfig, guard: GuardConfig, promote_metric: str | None
-) -> None:
-    """guard.divergence.gold, eval.verifier (when sampling) and promote.metric name columns the evaluation
-    has: `names`, the eval metrics' columns (`PipelineConfig.metric_names`), and for promotion 'score'."""
+def check_eval_columns(names: list[str], verifier: str | None, evaluation: EvalConfig, guard: GuardConfig) -> None:
+    """guard.divergence.gold and eval.verifier (when sampling) name columns the evaluation has: `names`, the eval
+    metrics' columns (`PipelineConfig.metric_names`)."""
     if guard.divergence.gold is not None and guard.divergence.gold not in names:
         allowed = ", ".join(repr(n) for n in names) or "none (eval.metrics is empty)"
         raise ValueError(f"guard.divergence.gold {guard.divergence.gold!r} is not an eval metric; allowed: {allowed}")
@@ -218,9 +216,6 @@ def check_eval_columns(
             f"eval.samples_per_prompt {evaluation.samples_per_prompt} counts correct completions with "
             f"eval.verifier {verifier!r}, which is not an eval metric; allowed: {allowed}"
         )
-    if promote_metric is not None and promote_metric not in ("score", *names):
-        allowed = ", ".join(repr(n) for n in ("score", *names))
-        raise ValueError(f"promote.metric {promote_metric!r} is not an eval column; allowed: {allowed}")
 
 
 # the rollout engine ------------------------------------------------------------------------

@@ -88,6 +88,10 @@ REPLACED_FIELDS: dict[tuple[str | None, str], str] = {
         "skip_nonfinite_steps",
     ): "`{section}.skip_nonfinite_steps` was replaced by `{section}.max_nonfinite_steps_in_a_row`: "
     "0 stops at the first non-finite step, as false did",
+    ("promote", "metric"): "`promote.metric` was replaced by `promote.evaluator`: a metric function is "
+    "`promote.evaluator.metrics: ['module:function']`, the reward model `promote.evaluator.reward_model`",
+    ("promote", "min_improvement"): "`promote.min_improvement` was replaced by `promote.min_win_rate`: the "
+    "candidate must beat the champion prompt by prompt, with 95% confidence",
 }
 
 

@@ -3,7 +3,6 @@ with a verifier's pass@k and maj@n) and the guard's rules against over-optimizat
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import Field, model_validator
@@ -106,13 +105,3 @@ class GuardConfig(Section):
     max_rollbacks: int = Field(
         2, ge=0, description="Rollbacks allowed in a run; one more breach that asks for one stops RL."
     )
-
-
-@dataclass(frozen=True)
-class Gates:
-    """The promote.* gates as promotion (rlhf_core/evaluation/promotion.py) reads them."""
-
-    metric: str  # eval column: "score" or a metric function's name
-    min_improvement: float | None  # None: the candidate need only be strictly better than the champion
-    max_kl: float | None
-    min_value: float | None  # absolute floor, with or without a champion

@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from rlhf_core.config.base import DEMO, ConfigError, ExpandedPath, Section
+from rlhf_core.config.base import DEMO, ExpandedPath, Section
 from rlhf_core.config.cross_checks import (
     check_eval_columns,
     check_group_family,
@@ -24,7 +24,8 @@ from rlhf_core.config.cross_checks import (
     check_rollout_engine,
     group_batch_field,
 )
-from rlhf_core.config.evaluation import EvalConfig, Gates, GuardConfig
+from rlhf_core.config.evaluation import EvalConfig, GuardConfig
+from rlhf_core.config.promotion import PromoteConfig, PromotionPlan, promotion_plan
 from rlhf_core.config.rollout import RolloutConfig
 from rlhf_core.config.run_model_data import DataConfig, DatasetSpec, ModelConfig, RunConfig
 from rlhf_core.config.training import (
@@ -36,7 +37,6 @@ from rlhf_core.config.training import (
     SFTConfig,
 )
 
-DEMO_MIN_IMPROVEMENT = 0.01  # the demo's promote.min_improvement when it is null
 DEMO_GOLD_METRIC = "rlhf_core.rewards.functions:vader_compound"  # the demo's eval.metrics when it is null
 
 
@@ -53,45 +53,6 @@ class ExportConfig(Section):
         "best",
         description="Which RL checkpoint is exported: 'best' (the highest promotion metric among checkpoints that passed every guard rule) or 'last'.",
     )
-
-
-class PromoteConfig(Section):
-    metric: str | None = Field(
-        None,
-        description="Eval column that decides promotion: 'score' (reward model) or a metric function's name; null: 'score' (the reward model's mean score on the eval prompts), or in the demo (model.base 'demo') the first of eval.metrics.",
-    )
-    min_improvement: float | None = Field(
-        None,
-        description="With a champion, the candidate's metric must beat the champion's by at least this much; null: strictly better (in the demo: 0.01). Outside the demo this or min_value must be set.",
-    )
-    max_kl: float | None = Field(
-        20.0,
-        gt=0.0,
-        description="Refuse a candidate whose mean KL to its reference (nats per completion) exceeds this; null: no KL gate.",
-    )
-    min_value: float | None = Field(
-        None,
-        description="The candidate's metric must reach this, with or without a champion; null: no such floor. Outside the demo the first promotion (no champion yet) needs it.",
-    )
-    num_prompts: int | None = Field(None, ge=1, description="Held-out prompts evaluated; null: eval.num_prompts.")
-
-    def gates(self, metric: str, *, model_base: str, first: bool) -> Gates:
-        """The gates on `metric` (`PipelineConfig.promotion_gates`): in the demo (`model_base` 'demo') an implicit
-        min_improvement; elsewhere an explicit gate, for a `first` champion min_value, else a ConfigError."""
-        min_improvement = self.min_improvement
-        if model_base == DEMO:
-            min_improvement = DEMO_MIN_IMPROVEMENT if min_improvement is None else min_improvement
-        elif self.min_value is None and min_improvement is None:
-            raise ConfigError(
-                f"promote.min_value or promote.min_improvement must be set to promote on {metric!r} outside the "
-                f"demo (model.base is {model_base!r}), so that no value becomes champion by default"
-            )
-        elif first and self.min_value is None:
-            raise ConfigError(
-                f"promote.min_value must be set to promote a first champion on {metric!r} outside the demo: "
-                "there is no champion yet for promote.min_improvement to be measured against"
-            )
-        return Gates(metric, min_improvement, self.max_kl, self.min_value)
 
 
 class TrackingConfig(Section):
@@ -160,7 +121,7 @@ class PipelineConfig(Section):
         check_nonfinite_skipping(self.run, strategy, rl, self.reward)
         check_rollout_engine(rl, self.grpo, self.rollout, self.run)
         check_init_policy(self.init, self.sft)
-        check_eval_columns(self.metric_names(), self.verifier(), self.eval, self.guard, self.promote.metric)
+        check_eval_columns(self.metric_names(), self.verifier(), self.eval, self.guard)
         return self
 
     # derived values, computed in one place ---------------------------------------------------
@@ -198,18 +159,17 @@ class PipelineConfig(Section):
     def eval_temperature(self) -> float:
         return self.eval.temperature or self.rl.temperature
 
-    def promotion_metric(self) -> str:
-        """The eval column promotion compares: promote.metric; else in the demo the first metric function
-        (else score); else score, the reward model's mean score on the eval prompts."""
-        if self.promote.metric is not None:
-            return self.promote.metric
+    def selection_metric(self) -> str:
+        """The eval column export.select 'best' ranks checkpoints by: the gold metric (the first of eval.metrics;
+        the demo's VADER), else score, the reward model's."""
         names = self.metric_names()
-        return names[0] if self.is_demo() and names else "score"
+        return names[0] if names else "score"
 
-    def promotion_gates(self, first: bool = False) -> Gates:
-        """The promote.* gates; `first`: there is no champion yet. Outside the demo promotion needs an
-        explicit gate (and a first promotion promote.min_value), else a one-sentence ConfigError."""
-        return self.promote.gates(self.promotion_metric(), model_base=self.model.base, first=first)
+    def promotion(self, first: bool = False) -> PromotionPlan:
+        """promote.*'s evaluator and gates; `first`: there is no champion yet. Outside the demo promotion needs an
+        evaluator (or promote.allow_training_reward), else a one-sentence ConfigError."""
+        demo_gold = self.eval.metrics[0] if self.is_demo() and self.eval.metrics else None
+        return promotion_plan(self.promote, demo_gold=demo_gold, first=first)
 
     def trains_reward_model(self) -> bool:
         """Whether the reward stage runs: PPO always reads this run's reward model; the GRPO family only when a

@@ -172,12 +172,7 @@ class RewardSource(Section):
     @model_validator(mode="after")
     def _one_kind(self) -> RewardSource:
         where = f"reward '{self.name}'"
-        for field, kinds in KIND_FIELDS.items():  # set to other than its default (a dumped config has them all)
-            if self.kind not in kinds and getattr(self, field) != type(self).model_fields[field].get_default(
-                call_default_factory=True
-            ):
-                takes = " or ".join(k or "null (in-process)" for k in kinds)
-                raise ValueError(f"{where} sets {field}, which only kind {takes} takes")
+        check_kind_fields(self, where)
         if self.kind is None:
             if (self.model is None) == (self.function is None):
                 raise ValueError(f"{where} must set exactly one of model or function")
@@ -198,8 +193,19 @@ class RewardSource(Section):
         return self.kind == "reward_model" and self.url is None
 
 
-def check_remote(source: RewardSource, where: str) -> None:
-    """A served source's own fields: what its kind needs, and its failure policy's score."""
+def check_kind_fields(source: RewardSource, where: str) -> None:
+    """No field set that only another kind takes (set: other than its default; a dumped config has them all)."""
+    for field, kinds in KIND_FIELDS.items():
+        if source.kind not in kinds and getattr(source, field) != type(source).model_fields[field].get_default(
+            call_default_factory=True
+        ):
+            takes = " or ".join(k or "null (in-process)" for k in kinds)
+            raise ValueError(f"{where} sets {field}, which only kind {takes} takes")
+
+
+def check_remote(source: RewardSource, where: str, shows: tuple[str, ...] = ("completion",)) -> None:
+    """A served source's own fields: what its kind needs (a judge's template shows the `shows` fields), and its
+    failure policy's score."""
     if source.kind == "reward_model":
         if (source.url is None) == (source.model is None):
             raise ValueError(f"{where} (kind reward_model) must set exactly one of url or model")
@@ -214,7 +220,8 @@ def check_remote(source: RewardSource, where: str) -> None:
             raise ValueError(f"{where} (kind judge) must set exactly one of score_range or labels")
         if source.score_range is not None and not source.score_range[0] < source.score_range[1]:
             raise ValueError(f"{where}: score_range must be [low, high] with low < high")
-        if "completion" not in template_fields(source.template):
-            raise ValueError(f"{where}: the template must show the {{completion}} it judges")
+        missing = [f"{{{name}}}" for name in shows if name not in template_fields(source.template)]
+        if missing:
+            raise ValueError(f"{where}: the template must show {' and '.join(missing)}, what it judges")
     if (source.on_failure == "score") != (source.failure_score is not None):
         raise ValueError(f"{where}: failure_score is set exactly when on_failure is score")

@@ -145,7 +145,7 @@ class RemoteScorer:
         """`widths`: the rollout's prompt and completion widths, with token ids (a reward model lays its batch out
         in them, as the trainer holds it)."""
         rows = [{k: v[i] for k, v in columns.items()} for i in range(len(completions))]
-        texts = [_text(p) for p in prompts], [_text(c) for c in completions]
+        texts = [plain_text(p) for p in prompts], [plain_text(c) for c in completions]
         if self.source.kind == "reward_model":
             values = self._model(*texts, rows, widths)
         elif self.source.kind == "judge":
@@ -209,7 +209,7 @@ def missing_template_columns(source: RewardSource, columns: set[str]) -> list[st
     return [name for name in template_fields(source.template) if name not in TEMPLATE_FIELDS and name not in columns]
 
 
-def _text(value) -> str:
+def plain_text(value) -> str:
     """A prompt or completion as text: a message list (conversational rows) as its messages' contents."""
     if isinstance(value, str):
         return value

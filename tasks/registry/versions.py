@@ -120,6 +120,24 @@ def _delete_logged_model(client: MlflowClient, model_name: str, version) -> None
         )
 
 
+def resolve_version(uri: str):
+    """The model version a models:/<name>/<version> or models:/<name>@<alias> URI points at now; MissingVersion
+    when the registry has none."""
+    ref = uri.removeprefix("models:/")
+    client = MlflowClient()
+    try:
+        if "@" in ref:
+            name, alias = ref.split("@", 1)
+            return client.get_model_version_by_alias(name, alias)
+        name, number = ref.rsplit("/", 1)
+        return client.get_model_version(name, number)
+    except (mlflow.exceptions.MlflowException, ValueError) as err:
+        reason = getattr(err, "error_code", None) or "not models:/<name>/<version> or models:/<name>@<alias>"
+        raise MissingVersion(
+            f"the registry at {redact(mlflow.get_tracking_uri())} has no model version {uri} ({reason})"
+        ) from None
+
+
 def version_cache_key(uri: str) -> str:
     """A directory name unique to the model version a models:/ URI points at now.
 
@@ -127,21 +145,9 @@ def version_cache_key(uri: str) -> str:
     resolved version and a hash of where its artifacts live, never the URI as written.
     Raises MissingVersion when the registry has no such version.
     """
-    ref = uri.removeprefix("models:/")
-    client = MlflowClient()
-    try:
-        if "@" in ref:
-            name, alias = ref.split("@", 1)
-            version = client.get_model_version_by_alias(name, alias)
-        else:
-            name, number = ref.rsplit("/", 1)
-            version = client.get_model_version(name, number)
-    except mlflow.exceptions.MlflowException as err:
-        raise MissingVersion(
-            f"the registry at {redact(mlflow.get_tracking_uri())} has no model version {uri} ({err.error_code})"
-        ) from None
+    version = resolve_version(uri)
     digest = hashlib.sha256(f"{version.source}|{version.run_id}|{version.creation_timestamp}".encode()).hexdigest()[:10]
-    return re.sub(r"[^A-Za-z0-9._-]+", "_", f"{name}-v{version.version}-{digest}")
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", f"{version.name}-v{version.version}-{digest}")
 
 
 def materialize_version(uri: str, cache_root: str | Path) -> Path:

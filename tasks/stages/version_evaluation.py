@@ -2,8 +2,8 @@
 
 `evaluate_version` evaluates as the RL stage does (`rlhf_core.evaluation.policy.evaluate_policy`: sampled as
 in training or greedy, the prompts' dataset columns for the metric functions, the verifier's pass@k and maj@n),
-seeded as the RL stage's step-0 evaluation, so the candidate and the champion are scored on the same draws:
-with the candidate's reward model and reference, and `eval.metrics`. With rollout.vllm.evaluate the samples come
+seeded as the RL stage's step-0 evaluation, so the candidate and the champion are scored on the same draws,
+with what `VersionScoring` names (the evaluator's reward model or metric functions, the reference). With rollout.vllm.evaluate the samples come
 from a vLLM server holding the version (`version_engine`), seeded as every evaluation of the RL stage: the
 stage's numbers for that checkpoint again.
 """
@@ -13,6 +13,7 @@ from __future__ import annotations
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 from prefect import task
@@ -52,9 +53,25 @@ def version_engine(cfg: PipelineConfig, policy, policy_dir: str) -> Iterator[Rol
         yield engine
 
 
+@dataclass(frozen=True)
+class VersionScoring:
+    """What a version's completions are scored with: the KL to `reference`, `reward_model`'s score (None: no
+    score column) and the `metrics` functions ('module:function'), on `prompt_rows` (the held-out rows)."""
+
+    reference: str | None
+    reward_model: str | None
+    metrics: tuple[str, ...]
+    prompt_rows: list[dict]
+
+
+def held_out_rows(cfg: PipelineConfig, data: PreparedData) -> list[dict]:
+    """The held-out prompt rows promotion compares on: the first promote.num_prompts (else eval.num_prompts)."""
+    return read_rows(data.tables["eval_prompts"])[: cfg.promote.num_prompts or cfg.eval.num_prompts]
+
+
 @task(name="evaluate-version", cache_policy=NO_CACHE, **IO_RETRIES)
 def evaluate_version(
-    cfg: PipelineConfig, data: PreparedData, model_uri: str, reference: str | None, reward_model: str | None
+    cfg: PipelineConfig, data: PreparedData, model_uri: str, scoring: VersionScoring
 ) -> tuple[dict[str, float], list[dict]]:
     """Completions sampled as in training of the held-out prompts by `model_uri`, scored; (summary, rows)."""
     from transformers import AutoModelForSequenceClassification
@@ -64,15 +81,13 @@ def evaluate_version(
     policy_dir = _model_dir(model_uri, cfg, data, "registry")
     tokenizer = load_tokenizer(policy_dir)
     policy = load_causal_lm(policy_dir).eval()
+    reference, reward_model = scoring.reference, scoring.reward_model
     ref = load_causal_lm(_model_dir(reference, cfg, data, "base_model tag")).eval() if reference else None
     reward = (
-        load_pretrained(
-            AutoModelForSequenceClassification, _model_dir(reward_model, cfg, data, "reward_model_version tag")
-        ).eval()
+        load_pretrained(AutoModelForSequenceClassification, _model_dir(reward_model, cfg, data, "reward model")).eval()
         if reward_model
         else None
     )
-    rows = read_rows(data.tables["eval_prompts"])[: cfg.promote.num_prompts or cfg.eval.num_prompts]
     models = LoadedModels(
         tokenizer=tokenizer,
         policy=policy,
@@ -89,8 +104,8 @@ def evaluate_version(
             0,
             cfg=cfg,
             models=models,
-            prompt_rows=rows,
-            metrics=metric_functions(cfg.eval.metrics),
+            prompt_rows=scoring.prompt_rows,
+            metrics=metric_functions(list(scoring.metrics)),
             engine=engine,
         )
     return summarize_rows(rows), rows

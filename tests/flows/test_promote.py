@@ -1,5 +1,7 @@
 """flows/promote.py: first promotion, a better candidate promoted, a worse one refused, idempotence."""
 
+import csv
+import io
 import json
 from pathlib import Path
 
@@ -10,15 +12,18 @@ from mlflow.tracking import MlflowClient
 
 from flows.promote import rlhf_promote
 from rlhf_core.config import ConfigError
+from rlhf_core.config.errors import UserError
 from rlhf_core.data.chat import prompt_columns
 from rlhf_core.demo.world import world_rows
 from rlhf_core.evaluation.generations import EvalModels, EvalPrompts, EvalSampling, evaluate_generations
 from rlhf_core.models.loading import generation_config_of, load_causal_lm, load_tokenizer, stop_token_ids
 from rlhf_core.rollout.sampling import SamplingSettings
 from tasks import registry, tracking
+from tasks.promotion.record import TABLE
 
 SMOKE = str(Path(__file__).resolve().parents[2] / "configs" / "smoke.yaml")
 NAME = "smoke-policy"
+AGREEMENT = "tests.flows.promote_metric:agreement"
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore")]
 
 
@@ -33,16 +38,65 @@ def perturbed(base: Path, out: Path, seed: int) -> Path:
     return out
 
 
-def register_candidate(model_dir: Path, reference: Path, uri: str) -> str:
+def settings(tmp_path: Path, mlflow_uri: str) -> list[str]:
+    return [
+        f"run.output_dir={tmp_path / 'out'}",
+        f"tracking.uri={mlflow_uri}",
+        "eval.greedy=true",
+        "promote.max_kl=1000",
+    ]
+
+
+def register_candidate(model_dir: Path, reference: Path, uri: str, reward_model: str | None = None) -> str:
     tracking.store.configure(uri)
     experiment = tracking.store.ensure_experiment("promote-test", uri)
     with mlflow.start_run(experiment_id=experiment) as run:
-        tags = {"stage": "export", "step": "2", "base_model": str(reference), "reward_model_version": "none"}
+        tags = {"stage": "export", "step": "2", "base_model": str(reference)}
+        if reward_model:
+            tags["reward_model_version"] = reward_model
         version = registry.register_checkpoint(
             model_dir, NAME, task="text-generation", tags=tags, run_id=run.info.run_id
         )["version"]
     registry.set_alias(NAME, "candidate", version)
     return version
+
+
+def register_reward_model(model_dir: Path, uri: str) -> str:
+    tracking.store.configure(uri)
+    experiment = tracking.store.ensure_experiment("promote-test", uri)
+    with mlflow.start_run(experiment_id=experiment) as run:
+        version = registry.register_checkpoint(
+            model_dir, "smoke-rm", task="text-classification", tags={"stage": "reward"}, run_id=run.info.run_id
+        )["version"]
+    return f"models:/smoke-rm/{version}"
+
+
+def repeats_token_zero(base: Path, out: Path) -> Path:
+    """The base policy with its output layer zeroed: every logit is 0, so greedy decoding repeats token 0."""
+    model, tok = load_causal_lm(str(base)), load_tokenizer(str(base))
+    with torch.no_grad():
+        model.get_output_embeddings().weight.zero_()
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def token_lover(base: Path, out: Path, token: int) -> Path:
+    """A reward model that scores a sequence by how close its last token's embedding is to `token`'s: its layers
+    add nothing (attention and MLP outputs zeroed, so the residual carries the embedding) and its score head is
+    that token's embedding, so a completion ending on `token` scores highest."""
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(str(base), num_labels=1)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.score.weight.copy_(model.model.embed_tokens.weight[token].unsqueeze(0))
+    model.config.pad_token_id = load_tokenizer(str(base)).pad_token_id
+    model.save_pretrained(out)
+    load_tokenizer(str(base)).save_pretrained(out)
+    return out
 
 
 def write_targets(model_dir: Path, world, path: Path) -> None:
@@ -64,60 +118,103 @@ def write_targets(model_dir: Path, world, path: Path) -> None:
 def test_promotion_first_better_worse_and_idempotent(prefect_harness, tmp_path, mlflow_uri, smoke_world, monkeypatch):
     targets = tmp_path / "targets.json"
     monkeypatch.setenv("RLHF_TEST_TARGETS", str(targets))
-    overrides = [
-        f"run.output_dir={tmp_path / 'out'}",
-        f"tracking.uri={mlflow_uri}",
-        "eval.greedy=true",
-        "eval.metrics=['tests.flows.promote_metric:agreement']",
-        "promote.max_kl=1000",
-        "promote.min_improvement=0.5",
-    ]
+    overrides = [*settings(tmp_path, mlflow_uri), f"promote.evaluator.metrics=['{AGREEMENT}']"]
     client = MlflowClient(mlflow_uri, registry_uri=mlflow_uri)  # not the registry an earlier test configured
     base = Path(smoke_world.base_model)
     a = perturbed(base, tmp_path / "a", seed=1)
     b = perturbed(base, tmp_path / "b", seed=2)
     write_targets(a, smoke_world, targets)  # the metric prefers A's completions
 
-    # no champion yet: A passes the absolute gates and becomes champion
+    # no champion yet: A is compared with its start, passes the gates and becomes champion
     v1 = register_candidate(a, base, mlflow_uri)
     first = rlhf_promote(config_path=SMOKE, overrides=overrides)
     assert first["decision"] == "promoted" and first["changed"]
-    assert first["candidate_summary"]["eval/agreement_mean"] == 1.0
+    assert first["candidate_summary"]["eval/agreement_mean"] == 1.0 and first["n"] == 8
     assert str(client.get_model_version_by_alias(NAME, "champion").version) == v1
-    tags = client.get_model_version(NAME, v1).tags
+    version = client.get_model_version(NAME, v1)
+    tags = version.tags
     assert tags["promotion.decision"] == "promoted" and tags["promotion.evaluated_against"] == "none"
-    assert float(tags["promotion.candidate_value"]) == 1.0 and "promotion.kl" in tags
+    assert tags["promotion.evaluator"] == f"metric {AGREEMENT}" and tags["promotion.n"] == "8"
+    assert float(tags["promotion.ci_low"]) <= float(tags["promotion.win_rate"]) <= float(tags["promotion.ci_high"])
+    assert "promotion.kl" in tags and "Promotion: promoted; win rate" in version.description
+
+    # the run holds the table prompt by prompt, as CSV (MLflow's UI shows it as a table)
+    run = client.get_run(tags["promotion.mlflow_run_id"])
+    table = list(csv.DictReader(io.StringIO(Path(run.info.artifact_uri.removeprefix("file://"), TABLE).read_text())))
+    assert len(table) == 8 and {"prompt", "opponent", "candidate", "verdict"} <= set(table[0])
+    assert run.data.tags["mlflow.note.content"].startswith(f"# Promotion of {NAME} version {v1}")
 
     # running it again changes nothing
     again = rlhf_promote(config_path=SMOKE, overrides=overrides)
     assert again["decision"] == "unchanged" and not again["changed"]
     assert client.get_model_version(NAME, v1).tags == tags
 
-    # B disagrees with the targets: refused, A stays champion
+    # B disagrees with the targets: it loses prompt by prompt, refused, A stays champion
     v2 = register_candidate(b, base, mlflow_uri)
     worse = rlhf_promote(config_path=SMOKE, overrides=overrides)
-    assert worse["decision"] == "refused" and "min_improvement" in worse["reason"]
+    assert worse["decision"] == "refused" and "not better with 95% confidence" in worse["reason"]
+    assert worse["win_rate"] < 0.5
     assert str(client.get_model_version_by_alias(NAME, "champion").version) == v1
     refused_tags = client.get_model_version(NAME, v2).tags
     assert refused_tags["promotion.decision"] == "refused" and refused_tags["promotion.evaluated_against"] == v1
-    assert float(refused_tags["promotion.champion_value"]) == 1.0
     runs_before = len(client.search_runs([client.get_experiment_by_name("rlhf-smoke").experiment_id]))
     repeat = rlhf_promote(config_path=SMOKE, overrides=overrides)
     assert repeat["decision"] == "refused" and not repeat["changed"]
     assert client.get_model_version(NAME, v2).tags == refused_tags
     assert len(client.search_runs([client.get_experiment_by_name("rlhf-smoke").experiment_id])) == runs_before
 
-    # the metric now prefers B's completions: a new candidate like B wins and replaces A
+    # the metric now prefers B's completions: a new candidate like B wins on enough prompts and replaces A
     write_targets(b, smoke_world, targets)
     v3 = register_candidate(b, base, mlflow_uri)
     better = rlhf_promote(config_path=SMOKE, overrides=overrides)
-    assert better["decision"] == "promoted"
+    assert better["decision"] == "promoted" and better["ci"][0] > 0.5
     assert (
         better["candidate_summary"]["eval/agreement_mean"] == 1.0
-        and better["champion_summary"]["eval/agreement_mean"] < 0.5
+        and better["opponent_summary"]["eval/agreement_mean"] < 0.5
     )
     assert str(client.get_model_version_by_alias(NAME, "champion").version) == v3
     assert client.get_model_version(NAME, v1).tags["promotion.replaced_by"] == v3
+
+
+def test_a_candidate_that_games_its_own_reward_model_is_not_promoted(
+    prefect_harness, tmp_path, mlflow_uri, smoke_world, monkeypatch
+):
+    """H repeats one token, which the reward model it was trained against scores highest: judged by that reward
+    model (allowed explicitly) H wins every prompt; judged by an evaluator apart it loses, and stays a candidate."""
+    targets = tmp_path / "targets.json"
+    monkeypatch.setenv("RLHF_TEST_TARGETS", str(targets))
+    client = MlflowClient(mlflow_uri, registry_uri=mlflow_uri)
+    base = Path(smoke_world.base_model)
+    champion = perturbed(base, tmp_path / "a", seed=1)
+    write_targets(champion, smoke_world, targets)  # the evaluator apart: agreement with the champion's answers
+    metric = [*settings(tmp_path, mlflow_uri), f"promote.evaluator.metrics=['{AGREEMENT}']"]
+    register_candidate(champion, base, mlflow_uri)
+    assert rlhf_promote(config_path=SMOKE, overrides=metric)["decision"] == "promoted"
+
+    own = register_reward_model(token_lover(base, tmp_path / "rm", token=0), mlflow_uri)
+    hacker = repeats_token_zero(base, tmp_path / "h")
+    v2 = register_candidate(hacker, base, mlflow_uri, reward_model=own)
+    refused = rlhf_promote(config_path=SMOKE, overrides=metric)
+    assert refused["decision"] == "refused" and refused["win_rate"] == 0.0
+    assert str(client.get_model_version_by_alias(NAME, "champion").version) != v2
+
+    # its own reward model as the evaluator is refused before any generation
+    runs = len(client.search_runs([client.get_experiment_by_name("rlhf-smoke").experiment_id]))
+    v3 = register_candidate(hacker, base, mlflow_uri, reward_model=own)
+    as_evaluator = [*settings(tmp_path, mlflow_uri), f"promote.evaluator.reward_model={own}"]
+    state = rlhf_promote(config_path=SMOKE, overrides=as_evaluator, return_state=True)
+    with pytest.raises(UserError, match=f"is {own}, the reward model candidate version {v3} was trained against"):
+        state.result()
+    assert len(client.search_runs([client.get_experiment_by_name("rlhf-smoke").experiment_id])) == runs
+    assert "promotion.decision" not in client.get_model_version(NAME, v3).tags
+
+    # allowed, its own reward model prefers it on every prompt: the gate it could game, and the report says so
+    allowed = rlhf_promote(
+        config_path=SMOKE, overrides=[*settings(tmp_path, mlflow_uri), "promote.allow_training_reward=true"]
+    )
+    assert allowed["decision"] == "promoted" and allowed["win_rate"] == 1.0
+    run = client.get_run(client.get_model_version(NAME, v3).tags["promotion.mlflow_run_id"])
+    assert run.data.tags["mlflow.note.content"].startswith("**Judged by the candidate's own reward model**")
 
 
 def test_promote_without_a_candidate_says_what_to_do(prefect_harness, tmp_path, mlflow_uri):
@@ -128,13 +225,11 @@ def test_promote_without_a_candidate_says_what_to_do(prefect_harness, tmp_path, 
         state.result()
 
 
-def test_outside_the_demo_promotion_without_a_gate_stops_before_any_work(prefect_harness, tmp_path, mlflow_uri):
+def test_outside_the_demo_promotion_without_an_evaluator_stops_before_any_work(prefect_harness, tmp_path, mlflow_uri):
     overrides = [f"run.output_dir={tmp_path / 'out'}", f"tracking.uri={mlflow_uri}", f"model.base={tmp_path}"]
     state = rlhf_promote(config_path=SMOKE, overrides=overrides, return_state=True)
     assert state.is_failed()
-    with pytest.raises(
-        ConfigError, match="promote.min_value or promote.min_improvement must be set to promote on 'score'"
-    ):
+    with pytest.raises(ConfigError, match="promote.evaluator must name what judges promotion outside the demo"):
         state.result()
     assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "out").exists()
 
@@ -144,9 +239,10 @@ def test_a_retrain_that_cannot_promote_fails_before_training(prefect_harness, tm
 
     overrides = [f"run.output_dir={tmp_path / 'out'}", f"tracking.uri={mlflow_uri}", f"model.base={tmp_path}"]
     state = rlhf_retrain(config_path=SMOKE, overrides=overrides, return_state=True)
-    with pytest.raises(ConfigError, match="promote.min_value or promote.min_improvement must be set"):
+    with pytest.raises(ConfigError, match="promote.evaluator must name what judges promotion"):
         state.result()
-    first = rlhf_retrain(config_path=SMOKE, overrides=[*overrides, "promote.min_improvement=0.1"], return_state=True)
+    rm = [*overrides, "promote.evaluator.reward_model=models:/judge-rm@gold"]
+    first = rlhf_retrain(config_path=SMOKE, overrides=rm, return_state=True)
     with pytest.raises(ConfigError, match="promote.min_value must be set to promote a first champion"):
         first.result()  # no champion in the registry yet
     assert not (tmp_path / "out").exists()

@@ -29,7 +29,7 @@ def select_step(cfg: PipelineConfig, ledger: GuardLedger, out_dir: Path, stage: 
     last = max(steps)
     if cfg.export.select == "last" or not launcher.is_main():  # the others' ledgers hold no evaluations
         return last
-    metric_key = f"eval/{cfg.promotion_metric()}_mean"
+    metric_key = f"eval/{cfg.selection_metric()}_mean"
     chosen = ledger.best(steps, metric_key) or ledger.last_passed(steps)
     if not any(s in ledger.evals for s in steps):
         logger.warning("no %s checkpoint step had an evaluation: exporting the last one (step %d)", stage, last)

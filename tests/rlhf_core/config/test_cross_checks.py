@@ -138,19 +138,17 @@ def test_sync_ref_model_needs_a_whole_reference_copy():
         check_sync_ref_model(sync, False, zero3, "zero3")
 
 
-def test_guard_verifier_and_promotion_name_eval_columns():
+def test_guard_and_verifier_name_eval_columns():
     evaluation, guard = EvalConfig(), GuardConfig()
-    check_eval_columns(["vader_compound"], "vader_compound", evaluation, guard, "score")
-    with pytest.raises(ValueError, match=r"^promote.metric 'nope' is not an eval column; allowed: 'score', 'gold'$"):
-        check_eval_columns(["gold"], "gold", evaluation, guard, "nope")
+    check_eval_columns(["vader_compound"], "vader_compound", evaluation, guard)
     gold = GuardConfig(divergence={"gold": "nope"})
     with pytest.raises(ValueError, match=r"allowed: none \(eval.metrics is empty\)$"):
-        check_eval_columns([], None, evaluation, gold, None)
+        check_eval_columns([], None, evaluation, gold)
     sampled = EvalConfig(samples_per_prompt=4, pass_at_k=[1])
     with pytest.raises(
         ValueError, match="^eval.samples_per_prompt 4 counts correct completions with eval.verifier None"
     ):
-        check_eval_columns(["pass_at_1", "maj_at_4"], None, sampled, guard, None)
+        check_eval_columns(["pass_at_1", "maj_at_4"], None, sampled, guard)
 
 
 def test_the_checks_fire_in_order():

@@ -74,29 +74,6 @@ def test_deepspeed_needs_zero_nonfinite_steps_in_a_row(monkeypatch, section):
     )
 
 
-def test_the_demo_promotes_on_its_gold_metric_with_an_implicit_gate():
-    cfg = load_config(REPO / "configs" / "demo.yaml")
-    assert cfg.is_demo() and cfg.promote.min_improvement is None
-    gates = cfg.promotion_gates(first=True)
-    assert (gates.metric, gates.min_improvement, gates.min_value) == ("vader_compound", 0.01, None)
-    assert cfg.promotion_gates() == gates
-
-
-def test_outside_the_demo_promotion_is_on_score_and_needs_an_explicit_gate(tmp_path):
-    cfg = load_config(REPO / "configs" / "demo.yaml", [f"model.base={tmp_path}"])
-    assert not cfg.is_demo() and cfg.promotion_metric() == "score"
-    with pytest.raises(ConfigError) as err:
-        cfg.promotion_gates()
-    message = str(err.value)
-    assert message.startswith("promote.min_value or promote.min_improvement must be set to promote on 'score'")
-    assert message.count(". ") == 0 and "\n" not in message  # one sentence
-    vader = "eval.metrics=[rlhf_core.rewards.functions:vader_compound]"  # outside the demo only when named
-    explicit = load_config(
-        REPO / "configs" / "demo.yaml", [f"model.base={tmp_path}", vader, "promote.metric=vader_compound"]
-    )
-    assert explicit.promotion_metric() == "vader_compound"
-
-
 def test_outside_the_demo_no_gold_metric_and_no_sft_on_the_demo_corpus_unless_named(tmp_path):
     demo = load_config(REPO / "configs" / "demo.yaml")
     assert (
@@ -104,7 +81,7 @@ def test_outside_the_demo_no_gold_metric_and_no_sft_on_the_demo_corpus_unless_na
     )
     assert demo.sft.enabled and demo.init.policy == "sft"
     own = PipelineConfig(model={"base": str(tmp_path)})
-    assert own.eval.metrics == [] and own.gold_metric() is None and own.promotion_metric() == "score"
+    assert own.eval.metrics == [] and own.gold_metric() is None and own.selection_metric() == "score"
     assert own.sft.enabled is False and own.init.policy == "base"  # not fine-tuned on the demo's reviews
     corpus = PipelineConfig(model={"base": str(tmp_path)}, sft={"dataset": {"path": "corpus.jsonl"}})
     assert corpus.sft.enabled and corpus.init.policy == "sft"
@@ -119,23 +96,6 @@ def test_defaults_are_sized_for_real_models():
     assert (cfg.data.max_prompt_length, cfg.rl.response_length, cfg.data.max_length) == (512, 256, 1024)
     assert cfg.data.max_prompt_length + cfg.rl.response_length <= cfg.data.max_length
     assert (cfg.sft.learning_rate, cfg.reward.learning_rate) == (2e-5, 1e-5)
-
-
-def test_outside_the_demo_the_first_champion_needs_min_value(tmp_path):
-    only_gain = load_config(REPO / "configs" / "demo.yaml", [f"model.base={tmp_path}", "promote.min_improvement=0.1"])
-    gates = only_gain.promotion_gates()  # with a champion: beat it by 0.1
-    assert (gates.metric, gates.min_improvement, gates.min_value) == ("score", 0.1, None)
-    with pytest.raises(ConfigError, match="promote.min_value must be set to promote a first champion on 'score'"):
-        only_gain.promotion_gates(first=True)
-    floor = load_config(REPO / "configs" / "demo.yaml", [f"model.base={tmp_path}", "promote.min_value=0.5"])
-    gates = floor.promotion_gates(first=True)
-    assert (gates.min_improvement, gates.min_value) == (None, 0.5)  # with a champion: strictly better
-
-
-def test_the_example_configs_promote_explicitly():
-    for name in ("one-gpu", "multi-gpu"):
-        cfg = load_config(REPO / "configs" / "examples" / f"{name}.yaml")
-        assert not cfg.is_demo() and cfg.promotion_gates(first=True).metric == "score"
 
 
 def test_guard_section_defaults_and_checks():
@@ -162,17 +122,6 @@ def test_the_ray_launcher_takes_no_accelerate_launch_file():
     ):
         load_config(example, ["run.launcher=ray"])
     assert load_config(example, ["run.launcher=ray", "run.accelerate_config=null"]).run.launcher == "ray"
-
-
-def test_the_promote_section_makes_the_gates_a_pipeline_config_promotes_on():
-    from rlhf_core.config import PromoteConfig
-
-    demo = PromoteConfig().gates("vader_compound", model_base="demo", first=True)
-    assert (demo.metric, demo.min_improvement, demo.max_kl, demo.min_value) == ("vader_compound", 0.01, 20.0, None)
-    with pytest.raises(ConfigError, match=r"outside the demo \(model.base is 'org/model'\)"):
-        PromoteConfig().gates("score", model_base="org/model", first=False)
-    floor = PromoteConfig(min_value=0.5, max_kl=None).gates("score", model_base="org/model", first=True)
-    assert (floor.min_improvement, floor.max_kl, floor.min_value) == (None, None, 0.5)
 
 
 def test_prompts_per_step_names_the_field_that_sets_the_generation_batch():
