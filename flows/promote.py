@@ -102,6 +102,28 @@ def _candidate(name: str):
     return candidate
 
 
+def _judge(cfg: PipelineConfig, run_id: str, versions: tuple, judging, plan) -> tuple:
+    """The contest, the gates, the approval when required, then the record; (contest, the tags written)."""
+    candidate, champion = versions
+    name = cfg.registry.policy_model_name
+    who, label = contestants(name, candidate, champion), judging.evaluator.label()
+    contest = run_contest(cfg, data_stage(cfg, run_id), judging, who)
+    print_rows(contest.rows[:5], f"Candidate v{candidate.version} against {who.label} (first 5 prompts)")
+    broken = candidate.tags.get("guard.broken", "").split(",")  # the rules its checkpoint broke in training
+    outcome = Outcome(decide(contest.comparison, plan.gates, broken=broken))
+    training_reward = plan.evaluator.kind == "training_reward"
+    if outcome.decision.promote and cfg.promote.approval == "required":
+        draft = report(name, candidate, contest, outcome, label, training_reward)
+        link = publish(run_id, name, contest, draft)
+        approval = ask_approval(f"{draft}\n\nPrompt by prompt: {link}", cfg.promote.approval_timeout_h)
+        outcome = Outcome(outcome.decision, approval, cfg.promote.approval_timeout_h)
+    link = publish(run_id, name, contest, report(name, candidate, contest, outcome, label, training_reward))
+    against = str(champion.version) if champion is not None else "none"
+    tags = record(run_id, name, versions, outcome, {"evaluated_against": against, **comparison_tags(contest, label)})
+    link_from_description(name, candidate, outcome, contest.comparison.result.summary(), link)
+    return contest, tags
+
+
 @flow(name="rlhf-promote", log_prints=True)
 def rlhf_promote(config_path: str | None = "configs/demo.yaml", overrides: list[str] | None = None) -> dict:
     """Promote `models:/<policy>@candidate` to `@champion` when it beats the champion by promote.* (and, with
@@ -121,30 +143,8 @@ def rlhf_promote(config_path: str | None = "configs/demo.yaml", overrides: list[
     if judged is not None:
         return judged
     judging = evaluators.resolve(plan.evaluator, candidate)  # a bad evaluator: one sentence, before generation
-    who = contestants(name, candidate, champion)
-    label = judging.evaluator.label()
     with tracking.runs.pipeline_run(cfg, tags=PROMOTION_TAGS, run_name=promotion_run_name(name, candidate)) as run_id:
-        data = data_stage(cfg, run_id)
-        contest = run_contest(cfg, data, judging, who)
-        print_rows(contest.rows[:5], f"Candidate v{candidate.version} against {who.label} (first 5 prompts)")
-        broken = candidate.tags.get("guard.broken", "").split(",")  # the rules its checkpoint broke in training
-        outcome = Outcome(decide(contest.comparison, plan.gates, broken=broken))
-        training_reward = plan.evaluator.kind == "training_reward"
-        if outcome.decision.promote and cfg.promote.approval == "required":
-            draft = report(name, candidate, contest, outcome, label, training_reward)
-            link = publish(run_id, name, contest, draft)
-            approval = ask_approval(f"{draft}\n\nPrompt by prompt: {link}", cfg.promote.approval_timeout_h)
-            outcome = Outcome(outcome.decision, approval, cfg.promote.approval_timeout_h)
-        markdown = report(name, candidate, contest, outcome, label, training_reward)
-        link = publish(run_id, name, contest, markdown)
-        tags = record(
-            run_id,
-            name,
-            (candidate, champion),
-            outcome,
-            {"evaluated_against": against, **comparison_tags(contest, label)},
-        )
-        link_from_description(name, candidate, outcome, contest.comparison.result.summary(), link)
+        contest, tags = _judge(cfg, run_id, (candidate, champion), judging, plan)
     logger.info("version %s %s: %s", candidate.version, tags["decision"], tags["reason"])
     return {
         "model": name,

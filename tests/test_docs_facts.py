@@ -36,6 +36,8 @@ NOT_CONFIG = {
     "model.generate": "transformers' method, the rollout's speed anchor",
     "model.safetensors": "a checkpoint's weights file",
     "registry.example.com": "a container registry's host name in an example (docs/image.md)",
+    "promote.metric": "a retired field, named by the error that says what replaced it (docs/troubleshooting.md)",
+    "promote.min_improvement": "a retired field, named by the error that says what replaced it",
 }
 SECTIONS = "|".join(sorted(PipelineConfig.model_fields, key=len, reverse=True))
 # a section name, not inside a longer dotted or path-like word, then .field, [] or [i] parts

@@ -24,8 +24,7 @@ from rlhf_core.config.cross_checks import (
     check_rollout_engine,
     group_batch_field,
 )
-from rlhf_core.config.evaluation import EvalConfig, GuardConfig
-from rlhf_core.config.promotion import PromoteConfig, PromotionPlan, promotion_plan
+from rlhf_core.config.evaluation import EvalConfig, GuardConfig, PromoteConfig, PromotionPlan, promotion_plan
 from rlhf_core.config.rollout import RolloutConfig
 from rlhf_core.config.run_model_data import DataConfig, DatasetSpec, ModelConfig, RunConfig
 from rlhf_core.config.training import (

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from rlhf_core.config.promotion import PairwiseJudge
+from rlhf_core.config.evaluation import PairwiseJudge
 from rlhf_core.rewards.remote import Unscored
 from rlhf_core.rewards.remote_scorers import RemoteScorer, apply_failure_policy, judge_answer, judge_body, parse_judge
 

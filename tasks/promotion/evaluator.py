@@ -11,7 +11,7 @@ from prefect.settings import PREFECT_API_URL
 
 from rlhf_core.config import PipelineConfig
 from rlhf_core.config.errors import UserError
-from rlhf_core.config.promotion import PAIRWISE_FIELDS, Evaluator
+from rlhf_core.config.evaluation import PAIRWISE_FIELDS, Evaluator
 from rlhf_core.config.rewards import template_fields
 from rlhf_core.rewards.functions import load_function
 from rlhf_core.rewards.pairwise_judge import PairwiseJudgeCaller
@@ -75,6 +75,6 @@ def check_judge_columns(judging: Judging, columns: set[str]) -> None:
     missing = [name for name in template_fields(judging.evaluator.judge.template) if name not in known]
     if missing:
         raise UserError(
-            f"promote.evaluator.judge.template names {', '.join(missing)}, which the held-out prompt rows do not "
+            f"promote.evaluator.judge's template names {', '.join(missing)}, which the held-out prompt rows do not "
             f"have (they have {', '.join(sorted(columns)) or 'no other column'})"
         )

@@ -246,3 +246,27 @@ def test_a_retrain_that_cannot_promote_fails_before_training(prefect_harness, tm
     with pytest.raises(ConfigError, match="promote.min_value must be set to promote a first champion"):
         first.result()  # no champion in the registry yet
     assert not (tmp_path / "out").exists()
+
+
+def test_a_judge_that_is_down_ends_promotion_in_one_sentence_with_nothing_decided(
+    prefect_harness, tmp_path, mlflow_uri, smoke_world
+):
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    client = MlflowClient(mlflow_uri, registry_uri=mlflow_uri)
+    base = Path(smoke_world.base_model)
+    v1 = register_candidate(perturbed(base, tmp_path / "a", seed=1), base, mlflow_uri)
+    judge = (
+        f"promote.evaluator.judge={{url: 'http://127.0.0.1:{port}/v1', judge_model: j, max_retries: 0, "
+        "template: '{prompt} A: {completion_a} B: {completion_b}', labels: {A: 1.0, B: 0.0}}"
+    )
+    state = rlhf_promote(config_path=SMOKE, overrides=[*settings(tmp_path, mlflow_uri), judge], return_state=True)
+    with pytest.raises(UserError, match=r"^reward judge could not score completion 0 of 8 .*connection failed") as err:
+        state.result()
+    assert "\n" not in str(err.value)
+    with pytest.raises(Exception, match="champion"):
+        client.get_model_version_by_alias(NAME, "champion")
+    assert not any(k.startswith("promotion.") for k in client.get_model_version(NAME, v1).tags)

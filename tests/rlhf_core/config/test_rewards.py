@@ -52,7 +52,7 @@ def test_the_documented_shape_of_a_served_reward_model():
                 "template": "{prompt}",
                 "labels": {"y": 1.0},
             },
-            "must show the {completion}",
+            "must show {completion}, what it judges",
         ),
         (
             {"name": "r", "kind": "judge", "url": "http://x", "judge_model": "j", "template": "{completion}"},

@@ -2,7 +2,7 @@
 
 import pytest
 
-from rlhf_core.config.promotion import PairwiseJudge
+from rlhf_core.config.evaluation import PairwiseJudge
 from rlhf_core.evaluation.pairwise import LOSS, TIE, WIN, judged_outcome
 from rlhf_core.rewards.pairwise_judge import PairwiseJudgeCaller
 from rlhf_core.rewards.remote import RemoteRewardError, Unscored
