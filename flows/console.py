@@ -38,6 +38,8 @@ def print_summary(summary: dict) -> None:
     table.add_row("Exported policy", summary["export_dir"])
     if summary.get("candidate_uri"):
         table.add_row("Exported model version", f"{summary['candidate_uri']} = {summary['candidate_alias']}")
+        if summary.get("candidate_blocked"):
+            table.add_row("Its promotion", summary["candidate_blocked"])
     if summary.get("reward_model_path"):
         table.add_row("Reward model (HF format)", summary["reward_model_path"])
     if summary.get("reward_model_uri"):
@@ -88,6 +90,7 @@ def print_alignment(console, summary: dict) -> None:
     from rich.table import Table
 
     from rlhf_core.data.chat import shown_prompt
+    from rlhf_core.data.tool_calls import TRANSCRIPT_LEGEND, holds_transcripts
     from rlhf_core.evaluation.promotion import alignment_rows
 
     gold, history = summary.get("gold_metric"), {int(k): v for k, v in (summary.get("eval_history") or {}).items()}
@@ -110,7 +113,8 @@ def print_alignment(console, summary: dict) -> None:
         console.print(summary["guard_off"])
     pairs = list(zip(summary.get("initial_eval_rows") or [], summary.get("final_eval_rows") or []))[:SAMPLE_PROMPTS]
     if pairs:
-        samples = Table(title=SAMPLES_TITLE)
+        legend = TRANSCRIPT_LEGEND if holds_transcripts([row for pair in pairs for row in pair]) else None
+        samples = Table(title=SAMPLES_TITLE, caption=legend)
         for column in ("prompt", "before", "after"):
             samples.add_column(column, overflow="fold")
         for first, last in pairs:

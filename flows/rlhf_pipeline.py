@@ -26,6 +26,8 @@ from flows.stage_notes import data_note, describe_stages, stage_notes
 from rlhf_core.config import load_config
 from rlhf_core.config.redaction import redact, refuse_secret_overrides
 from rlhf_core.data.chat import shown_prompt
+from rlhf_core.data.markdown import markdown_table
+from rlhf_core.data.tool_calls import TRANSCRIPT_LEGEND, holds_transcripts
 from rlhf_core.evaluation.guard import divergence_off
 from rlhf_core.evaluation.promotion import alignment_markdown, eval_kl
 from rlhf_core.storage.ownership import check_pipeline_outputs
@@ -36,7 +38,7 @@ from tasks.reporting.progress import publish_markdown
 from tasks.runtime.run_lock import run_lock, terminate_on_sigterm
 from tasks.stage_io import Checkpoint
 from tasks.stages.data import PreparedData, data_stage
-from tasks.stages.export import CANDIDATE, export_stage
+from tasks.stages.export import CANDIDATE, export_stage, promotion_blocked
 from tasks.stages.initialization import init_stage
 from tasks.stages.reward_model import reward_stage
 from tasks.stages.rl.eval_rows import load_eval_history
@@ -139,10 +141,10 @@ def record_summary(
     exported: Checkpoint,
 ) -> None:
     """The summary metrics (at the RL stage's final step) and the held-out samples before and after
-    (`final_samples.json`, an MLflow table) on the pipeline's run; the summary (`summary_markdown`) as the
+    (`final_samples.csv`, a table MLflow's UI shows) on the pipeline's run; the summary (`summary_markdown`) as the
     flow's artifact and the MLflow run's description; each stage run's description (flows/stage_notes.py)."""
     tracking.logs.log_metrics(run_id, summary_metrics(cfg, reward, trained), trained.step)
-    tracking.logs.log_table(run_id, _final_samples(cfg, trained), "final_samples.json")
+    tracking.logs.log_table(run_id, _final_samples(cfg, trained), "final_samples.csv")
     text = summary_markdown(cfg, run_id, trained, exported)
     publish_markdown(SUMMARY_ARTIFACT, text, "What this run produced")
     tracking.logs.describe_run(run_id, text)
@@ -153,15 +155,18 @@ SUMMARY_ARTIFACT = "rlhf-summary"
 
 
 def summary_markdown(cfg, run_id: str, trained: Checkpoint, exported: Checkpoint) -> str:
-    """The flow run's summary artifact: where the MLflow run and the candidate are, the before/after table
-    and the guard's verdict, and SAMPLE_PROMPTS held-out prompts before and after (as the console shows them)."""
+    """The flow run's summary artifact: where the MLflow run and the candidate are (and that it cannot be promoted,
+    when it broke a guard rule), the before/after table and the guard's verdict, and SAMPLE_PROMPTS held-out prompts
+    before and after (as the console shows them; a legend under them for tool episodes' transcripts)."""
     history = {int(k): v for k, v in trained.extra.get("eval_history", {}).items()}
     candidate = tracking.logs.version_link(exported.model_uri) if exported.model_uri else "not registered"
+    blocked = promotion_blocked(trained) if exported.model_uri else None
     lines = [
         f"# {cfg.rl.algorithm.upper()} run `{cfg.run.name}`, seed {cfg.run.seed}",
         "",
         f"- MLflow: {tracking.logs.run_link(run_id)}",
         f"- candidate: {candidate} (alias `candidate`), exported to `{exported.path}`",
+        *([f"- {blocked}"] if blocked else []),
         f"- exported step {trained.step} of {cfg.rl.total_steps}",
         "",
         alignment_markdown(history, trained.step, cfg.gold_metric(), trained.extra.get("guard_triggers", [])),
@@ -173,8 +178,10 @@ def summary_markdown(cfg, run_id: str, trained: Checkpoint, exported: Checkpoint
         lines += ["", off[0].upper() + off[1:] + "."]
     pairs = list(zip(trained.extra.get("initial_rows", []), trained.extra.get("final_rows", [])))[:SAMPLE_PROMPTS]
     if pairs:
-        lines += ["", f"{SAMPLES_TITLE}:", "", "| prompt | before | after |", "|---|---|---|"]
-        lines += [f"| {shown_prompt(a['prompt'])} | {a['completion']} | {b['completion']} |" for a, b in pairs]
+        rows = [(shown_prompt(a["prompt"]), a["completion"], b["completion"]) for a, b in pairs]
+        lines += ["", f"{SAMPLES_TITLE}:", "", *markdown_table(("prompt", "before", "after"), rows)]
+        if holds_transcripts([row for pair in pairs for row in pair]):
+            lines += ["", TRANSCRIPT_LEGEND]
     return "\n".join(lines)
 
 
@@ -201,6 +208,7 @@ def _summary(
         "export_dir": exported.path,
         "candidate_uri": exported.model_uri,
         "candidate_alias": f"models:/{cfg.registry.policy_model_name}@candidate" if exported.model_uri else None,
+        "candidate_blocked": promotion_blocked(trained) if exported.model_uri else None,
         "gold_metric": trained.extra.get("gold"),
         "guard_off": divergence_off(cfg.guard, cfg.gold_metric()),
         "eval_history": trained.extra.get("eval_history", {}),

@@ -8,10 +8,12 @@ stage run of its name under the pipeline's run (a stage reused whole has no run 
 from __future__ import annotations
 
 from rlhf_core.config import PipelineConfig
+from rlhf_core.data.tool_calls import TRANSCRIPT_LEGEND
 from rlhf_core.evaluation.promotion import eval_kl
 from tasks import tracking
 from tasks.stage_io import Checkpoint
 from tasks.stages.data import PreparedData
+from tasks.stages.export import promotion_blocked, trained_tools
 
 
 def data_note(cfg: PipelineConfig, data: PreparedData) -> str:
@@ -56,7 +58,7 @@ def _change(name: str, key: str, before: dict, after: dict) -> str | None:
 
 def rl_note(cfg: PipelineConfig, policy: Checkpoint | None, reward: Checkpoint | None, trained: Checkpoint) -> str:
     """The RL stage: where it started, the held-out gold metric, proxy score and KL from step 0 to the step
-    export.select picked, and the guard's triggers and rollbacks."""
+    export.select picked, the guard's triggers and rollbacks, and with tools the legend of its tables' transcripts."""
     history = {int(k): v for k, v in trained.extra.get("eval_history", {}).items()}
     before, after = history.get(0, {}), history.get(trained.step, trained.metrics)
     gold = cfg.gold_metric()
@@ -76,11 +78,13 @@ def rl_note(cfg: PipelineConfig, policy: Checkpoint | None, reward: Checkpoint |
         text += f" Held-out evaluation, step 0 -> step {trained.step}: {', '.join(shown)}."
     triggers, rollbacks = len(trained.extra.get("guard_triggers", [])), trained.extra.get("rollbacks", 0)
     selected = trained.extra.get("selected", cfg.export.select)
-    return f"{text} Guard: {triggers} trigger(s), {rollbacks} rollback(s); export.select `{selected}` picked step {trained.step}."
+    text += f" Guard: {triggers} trigger(s), {rollbacks} rollback(s); export.select `{selected}` picked step {trained.step}."
+    return f"{text} {TRANSCRIPT_LEGEND}" if trained_tools(cfg) else text  # what its eval tables' transcripts say
 
 
 def export_note(cfg: PipelineConfig, trained: Checkpoint, exported: Checkpoint) -> str:
-    """The export: which step went where, its version and alias, the guard's verdict on it."""
+    """The export: which step went where, its version and alias, the guard's verdict on it (and that the candidate
+    cannot be promoted when it broke a rule)."""
     where = (
         f"registered it as `{exported.model_uri}` (alias `candidate`)"
         if exported.model_uri
@@ -88,9 +92,10 @@ def export_note(cfg: PipelineConfig, trained: Checkpoint, exported: Checkpoint) 
     )
     broken = trained.extra.get("guard_broken", [])
     verdict = f"broke {', '.join(broken)}" if broken else "passed"
+    blocked = promotion_blocked(trained) if exported.model_uri else None
     return (
         f"Exported step {exported.step} of the {cfg.rl.algorithm.upper()} policy to `{exported.path}` and {where}. "
-        f"Guard: {verdict}."
+        f"Guard: {verdict}.{f' {blocked}' if blocked else ''}"
     )
 
 

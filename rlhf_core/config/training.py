@@ -292,7 +292,9 @@ class GRPOConfig(Section):
         description="Reward sources and weights: a reward model or function in the stage's process, or a scorer served elsewhere (kind; docs/served-rewards.md).",
     )
     log_completions_steps: int = Field(
-        10, ge=1, description="Write a Parquet of completions and rewards every this many steps."
+        10,
+        ge=1,
+        description="Log a table of completions and rewards every this many steps (CSV in MLflow, Parquet in the stage directory).",
     )
     tools: list[str] = Field(
         default_factory=list,

@@ -175,17 +175,42 @@ def parse_turn(tokenizer, ids: Sequence[int], prefix: Sequence[int] | None = Non
     return {"role": "assistant", "content": HERMES_CALL.sub("", text).strip(), "tool_calls": calls}
 
 
-def transcript_text(transcript: list[dict]) -> str:
-    """An episode as a reader wants it, one line per event: what the model said, each call it made
+def transcript_events(transcript: list[dict]) -> list[str]:
+    """An episode as a reader follows it, one entry per event: what the model said, each call it made
     (`-> name {"arg": value}`), each tool's answer (`<- name: answer`)."""
-    lines = []
+    events = []
     for message in transcript:
         if message.get("role") == "tool":
-            lines.append(f"<- {message.get('name', 'tool')}: {message.get('content', '')}")
+            events.append(f"<- {message.get('name', 'tool')}: {message.get('content', '')}")
             continue
         if str(message.get("content") or "").strip():
-            lines.append(str(message["content"]).strip())
+            events.append(str(message["content"]).strip())
         for call in message.get("tool_calls") or []:
             function = call.get("function", call)
-            lines.append(f"-> {function.get('name')} {json.dumps(function.get('arguments', {}), sort_keys=True)}")
-    return "\n".join(lines)
+            events.append(f"-> {function.get('name')} {json.dumps(function.get('arguments', {}), sort_keys=True)}")
+    return events
+
+
+def transcript_text(transcript: list[dict]) -> str:
+    """An episode as text, one line per event (`transcript_events`): what a judge or a served scorer reads."""
+    return "\n".join(transcript_events(transcript))
+
+
+# between the events of a transcript on one line: a table shows a cell's first line only (MLflow's logged tables
+# give each row one line's height), and the first line of an episode is its call
+EVENT_SEPARATOR = " ⏎ "
+# said wherever transcripts are shown (the pipeline's summary, the console, the stage run's description)
+TRANSCRIPT_LEGEND = (
+    "Tool episodes: -> is a call the model made (the tool and its arguments), <- the tool's answer, "
+    "⏎ the next event; the last part is the model's final answer."
+)
+
+
+def transcript_line(transcript: list[dict]) -> str:
+    """An episode on one line, its events (`transcript_events`) between EVENT_SEPARATOR: what a table cell shows."""
+    return EVENT_SEPARATOR.join(transcript_events(transcript))
+
+
+def holds_transcripts(rows: Sequence[dict]) -> bool:
+    """Whether evaluation rows are tool episodes' (their `tool_calls` column): a table of them needs the legend."""
+    return any("tool_calls" in row for row in rows)

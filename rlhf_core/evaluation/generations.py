@@ -109,8 +109,8 @@ def evaluate_generations(
     Metric functions receive the prompts' columns as keywords, and `completion_ids` when they take it. `engine`
     samples (our decode loop when None); `seed`: the base seed of an engine's requests (the batch's offset added).
     With sampling.tool_use, each prompt is a tool episode (`rollout/episodes.py`); its row's completion is the
-    transcript as text, metric functions receive the transcript's messages, and the KL reads the model's tokens
-    only."""
+    transcript on one line (`transcript_line`: a table shows a cell's first line only), metric functions receive
+    the transcript's messages, and the KL reads the model's tokens only."""
     policy, tokenizer, settings = models.policy, models.tokenizer, sampling.settings
     kl_temperature = 1.0 if settings.greedy else settings.temperature
     was_training = policy.training
@@ -156,7 +156,7 @@ def _scored_rows(rollout, chunk, batch: slice, scoring: tuple) -> list[dict]:
     if record is None:
         completions = scored = decode_responses(tokenizer, rollout.responses, rollout.resp_mask)
     else:
-        completions, scored = record.texts(), record.transcripts
+        completions, scored = record.lines(), record.transcripts
     extra = _metric_values(
         metrics, chunk, scored, prompt_messages, columns, batch, rollout.responses, rollout.resp_mask
     )

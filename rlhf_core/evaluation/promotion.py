@@ -1,8 +1,8 @@
 """The promotion decision: does the candidate policy replace the champion? Pure, so it is tested by value.
 
-Inputs are eval summaries (`eval/<column>_mean`, as `evaluation.summarize_rows` makes them) of the
-candidate and, when there is one, the champion, measured on the same held-out prompts with the same
-reward model, metric functions and reference.
+Its input is a `Comparison`: the candidate against an opponent (the champion, or with none yet the policy the
+candidate started from) on the same held-out prompts, prompt by prompt (`rlhf_core.evaluation.pairwise`), with the
+candidate's KL to its reference and, for a pointwise evaluator, both means.
 """
 
 from __future__ import annotations
@@ -11,17 +11,33 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from rlhf_core.config.base import ConfigError
 from rlhf_core.config.evaluation import Gates
+from rlhf_core.evaluation.pairwise import PairwiseResult
 
 
 @dataclass(frozen=True)
 class Decision:
     promote: bool
     reason: str
-    candidate_value: float
-    champion_value: float | None
-    candidate_kl: float | None
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """The candidate against `opponent` (a label: 'champion v3', 'its start ...'); `champion`: the opponent is the
+    champion. `column` and the means: a pointwise evaluator's (None for a pairwise judge)."""
+
+    opponent: str
+    champion: bool
+    result: PairwiseResult
+    kl: float | None
+    column: str | None = None
+    candidate_mean: float | None = None
+    opponent_mean: float | None = None
+
+    @property
+    def by_win_rate(self) -> bool:
+        """Whether the win rate gates: against a champion always; with none, for a judge (which has no mean)."""
+        return self.champion or self.column is None
 
 
 # the eval columns of the KL to the reference (rlhf_core/evaluation/generations.py), the one to trust first: exact, else
@@ -34,61 +50,38 @@ def eval_kl(summary: dict[str, float]) -> float | None:
     return next((summary[k] for c in EVAL_KL_COLUMNS if summary.get(k := f"eval/{c}_mean") is not None), None)
 
 
-def _mean(summary: dict[str, float], column: str) -> float | None:
-    return summary.get(f"eval/{column}_mean")
-
-
-def decide(
-    candidate: dict[str, float], champion: dict[str, float] | None, gates: Gates, broken: Sequence[str] = ()
-) -> Decision:
+def decide(comparison: Comparison, gates: Gates, broken: Sequence[str] = ()) -> Decision:
     """Promote when the candidate broke no guard rule during training (`broken`: the rules its checkpoint's
-    evaluation broke), its KL to the reference (`eval_kl`: exact when measured, else k3, else k1)
-    stays at or under max_kl, its metric reaches min_value (when set) and, with a champion, beats the
-    champion's by at least min_improvement (when set) or is strictly higher (when min_improvement is None)."""
-    value = _mean(candidate, gates.metric)
-    if value is None:
-        raise ConfigError(
-            f"promote.metric {gates.metric!r}: the evaluation has no column {gates.metric!r} "
-            f"(it has {', '.join(sorted(candidate)) or 'nothing'})"
-        )
-    kl = eval_kl(candidate)
-    champion_value = _mean(champion, gates.metric) if champion is not None else None
-
-    def verdict(promote: bool, reason: str) -> Decision:
-        return Decision(promote, reason, value, champion_value, kl)
-
+    evaluation broke), its KL to the reference stays at or under max_kl, a pointwise evaluator's mean reaches
+    min_value (when set) and, against a champion (or, with none, for a judge against its start), the lower bound
+    of its win rate's 95% interval is above min_win_rate: better than the opponent with 95% confidence."""
     rules = [rule for rule in broken if rule]
     if rules:
-        return verdict(
+        return Decision(
             False,
             f"the candidate broke guard rule{'s' if len(rules) > 1 else ''} {', '.join(rules)} at its evaluation "
             "during training (its version's guard.broken tag); export a checkpoint that passed, or loosen guard.*",
         )
+    kl = comparison.kl
     if gates.max_kl is not None and kl is not None and kl > gates.max_kl:
-        return verdict(False, f"KL to the reference {kl:.3f} exceeds promote.max_kl {gates.max_kl}")
-    if not math.isfinite(value):
-        return verdict(False, f"{gates.metric} is {value} (not finite)")
-    if gates.min_value is not None and value < gates.min_value:
-        where = "no champion yet" if champion is None else "an absolute floor"
-        return verdict(False, f"{gates.metric} {value:.4f} is below promote.min_value {gates.min_value} ({where})")
-    if champion is None:
-        return verdict(True, f"no champion yet; {gates.metric} {value:.4f} passes the absolute gates")
-    if champion_value is None:
-        raise ConfigError(f"the champion's evaluation has no column {gates.metric!r}")
-    gain = value - champion_value
-    if gates.min_improvement is None and not gain > 0:
-        return verdict(
-            False,
-            f"{gates.metric} {value:.4f} vs champion {champion_value:.4f}: gain {gain:+.4f} is not above 0 "
-            "(promote.min_improvement is null)",
-        )
-    if gates.min_improvement is not None and gain < gates.min_improvement:
-        return verdict(
-            False,
-            f"{gates.metric} {value:.4f} vs champion {champion_value:.4f}: gain {gain:+.4f} is below "
-            f"promote.min_improvement {gates.min_improvement}",
-        )
-    return verdict(True, f"{gates.metric} {value:.4f} vs champion {champion_value:.4f}: gain {gain:+.4f}")
+        return Decision(False, f"KL to the reference {kl:.3f} exceeds promote.max_kl {gates.max_kl}")
+    mean = comparison.candidate_mean
+    if comparison.column is not None:
+        if mean is None or not math.isfinite(mean):
+            return Decision(False, f"the candidate's mean {comparison.column} is {mean} (not finite)")
+        if gates.min_value is not None and mean < gates.min_value:
+            return Decision(False, f"mean {comparison.column} {mean:.4f} is below promote.min_value {gates.min_value}")
+    result = comparison.result
+    against = f"against {comparison.opponent}: {result.summary()}"
+    if not comparison.by_win_rate:
+        return Decision(True, f"no champion yet; mean {comparison.column} {mean:.4f} passes the gates ({against})")
+    if result.ci_low > gates.min_win_rate:
+        return Decision(True, f"{against}; its lower bound is above promote.min_win_rate {gates.min_win_rate}")
+    return Decision(
+        False,
+        f"{against}; its lower bound {result.ci_low:.3f} is not above promote.min_win_rate {gates.min_win_rate}, "
+        "so it is not better with 95% confidence",
+    )
 
 
 # the before/after table of a run: (label, summary column, format); "{gold}" is the gold metric's name
@@ -124,12 +117,13 @@ def alignment_markdown(
 ) -> str:
     """The before (step 0) / after (`step`) table and the guard's verdict as Markdown: what a model version's
     description and the flow's summary artifact say. Empty when the history has no step 0 or no `step`."""
+    from rlhf_core.data.markdown import markdown_table
+
     if 0 not in history or step not in history:
         return ""
+    header = ("", "before (step 0)", f"after (step {step})", "after / before")
     lines = [
-        f"| | before (step 0) | after (step {step}) | after / before |",
-        "|---|---|---|---|",
-        *(f"| {' | '.join(row)} |" for row in alignment_rows(history[0], history[step], gold)),
+        *markdown_table(header, alignment_rows(history[0], history[step], gold)),
         "",
         f"Guard: {len(guard_triggers)} trigger(s)" + "".join(f"\n- {t}" for t in guard_triggers[:10]),
     ]

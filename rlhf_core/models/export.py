@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rlhf_core.data.markdown import markdown_table
 from rlhf_core.models.card import write_model_card
 from rlhf_core.models.loading import load_pretrained
 from rlhf_core.storage.saving import atomic_dir
@@ -127,7 +128,8 @@ def _adapter_load(where: str, directory: str, base: str | None, relative: bool) 
 def _card_body(
     info: ExportInfo, *, lora: bool, merged: bool, name: str, adapter_base: tuple[str | None, bool] = (None, False)
 ) -> str:
-    metrics = "\n".join(f"| {k} | {v:.4f} |" for k, v in info.eval_metrics.items()) or "| (none) | |"
+    scores = [(k, f"{v:.4f}") for k, v in info.eval_metrics.items()] or [("(none)", "")]
+    metrics = "\n".join(markdown_table(("metric", "value"), scores))
     params = "\n".join(f"- `{k}`: {v}" for k, v in info.hyperparameters.items())
     if lora and not merged:
         load = "This directory holds a LoRA adapter. " + _adapter_load("this directory", name, *adapter_base)
@@ -169,8 +171,6 @@ run's stop tokens; the sampling settings used during RL are not in it.
 
 {tools}## Final evaluation (held-out prompts, near-greedy generation)
 
-| metric | value |
-|---|---|
 {metrics}
 
 ## Training settings

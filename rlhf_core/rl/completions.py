@@ -22,9 +22,12 @@ def completions_due(step: int, every: int, total_steps: int) -> bool:
 def completions_table(
     step: int, batch: RolloutBatch, estimate: Estimate, source_names: Sequence[str]
 ) -> list[dict[str, object]]:
-    """One row per completion of this process: step, prompt, completion, advantage, reward and each source's
-    score (None where NaN: the source abstained, or no source scored the completion)."""
+    """One row per completion of this process: step, prompt, completion (a tool episode's transcript on one line,
+    `EpisodeRecord.lines`), advantage, reward and each source's score (None where NaN: the source abstained, or no
+    source scored the completion)."""
     advantages = estimate.advantages
+    episodes = batch.rollout.episodes
+    completions = episodes.lines() if episodes is not None else batch.completions
     if advantages.dim() == 2:  # one per token (REINFORCE++): the mean over each completion's tokens
         advantages = masked_mean(advantages, batch.rollout.model_mask(), dim=1)
     return [
@@ -37,7 +40,7 @@ def completions_table(
             **{name: float_or_none(v) for name, v in zip(source_names, batch.scores[i])},
         }
         for i, (row, completion, advantage, reward) in enumerate(
-            zip(batch.rows, batch.completions, advantages.tolist(), estimate.stats["my_rewards"])
+            zip(batch.rows, completions, advantages.tolist(), estimate.stats["my_rewards"])
         )
     ]
 

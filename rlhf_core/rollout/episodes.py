@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from rlhf_core.data.chat import encode, render_prompt
-from rlhf_core.data.tool_calls import parse_turn, tool_suffix_ids, transcript_text
+from rlhf_core.data.tool_calls import parse_turn, tool_suffix_ids, transcript_line, transcript_text
 from rlhf_core.rl_math import INVALID_LOGPROB, response_mask
 from rlhf_core.rollout.engines import RolloutEngine
 from rlhf_core.rollout.generation import left_pad
@@ -55,6 +55,10 @@ class EpisodeRecord:
     def texts(self) -> list[str]:
         """Each transcript as lines a reader follows (`transcript_text`)."""
         return [transcript_text(t) for t in self.transcripts]
+
+    def lines(self) -> list[str]:
+        """Each transcript on one line (`transcript_line`), as tables show it."""
+        return [transcript_line(t) for t in self.transcripts]
 
     @property
     def environments(self) -> list:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from rlhf_core.config import PipelineConfig
 from rlhf_core.config.errors import UserError
 from rlhf_core.data.chat import extra_columns
+from rlhf_core.data.tool_calls import holds_transcripts
 from rlhf_core.evaluation.pairwise import VERDICTS, compare, judged_outcome, pointwise_outcome
 from rlhf_core.evaluation.promotion import Comparison, eval_kl
 from rlhf_core.rewards.remote import Unscored
@@ -36,6 +37,7 @@ class Contest:
     comparison: Comparison
     rows: list[dict]  # per prompt: prompt, both completions, their values or the judge's answers, the verdict
     summaries: dict[str, dict[str, float]]  # 'candidate' and 'opponent' -> eval summary
+    transcripts: bool = False  # the completions are tool episodes (their table needs the legend)
 
 
 def run_contest(cfg: PipelineConfig, data: PreparedData, judging: Judging, who: Contestants) -> Contest:
@@ -66,7 +68,8 @@ def run_contest(cfg: PipelineConfig, data: PreparedData, judging: Judging, who: 
         column=evaluator.column,
         **means,
     )
-    return Contest(comparison, rows, {"candidate": candidate_summary, "opponent": opponent_summary})
+    summaries = {"candidate": candidate_summary, "opponent": opponent_summary}
+    return Contest(comparison, rows, summaries, transcripts=holds_transcripts(candidate))
 
 
 def _shown(row: dict) -> tuple[str, str]:

@@ -8,6 +8,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from rlhf_core.data.markdown import markdown_table
+from rlhf_core.data.tool_calls import TRANSCRIPT_LEGEND
 from rlhf_core.evaluation.promotion import Decision
 from tasks import registry, tracking
 from tasks.promotion.approval import Approval
@@ -75,19 +77,27 @@ def report(name: str, candidate, contest: Contest, outcome: Outcome, evaluator: 
         f"Judged by {evaluator}, against {comparison.opponent}, on the same held-out prompts sampled with the "
         "same seeds.",
         "",
-        "| wins | ties | losses | n | win rate (ties count half) | 95% interval (bootstrap) |",
-        "|---|---|---|---|---|---|",
-        f"| {result.wins} | {result.ties} | {result.losses} | {result.n} | {result.win_rate:.3f} | "
-        f"[{result.ci_low:.3f}, {result.ci_high:.3f}] |",
+        *markdown_table(
+            ("wins", "ties", "losses", "n", "win rate (ties count half)", "95% interval (bootstrap)"),
+            [
+                (
+                    result.wins,
+                    result.ties,
+                    result.losses,
+                    result.n,
+                    f"{result.win_rate:.3f}",
+                    f"[{result.ci_low:.3f}, {result.ci_high:.3f}]",
+                ),
+            ],
+        ),
     ]
-    columns = sorted(set(contest.summaries["candidate"]) & set(contest.summaries["opponent"]))
+    mine, theirs = contest.summaries["candidate"], contest.summaries["opponent"]
+    columns = sorted(set(mine) & set(theirs))
     if columns:
-        lines += ["", "| eval mean | candidate | opponent |", "|---|---|---|"]
-        lines += [
-            f"| {c.removeprefix('eval/')} | {contest.summaries['candidate'][c]:.4f} | "
-            f"{contest.summaries['opponent'][c]:.4f} |"
-            for c in columns
-        ]
+        rows = [(c.removeprefix("eval/"), f"{mine[c]:.4f}", f"{theirs[c]:.4f}") for c in columns]
+        lines += ["", *markdown_table(("eval mean", "candidate", "opponent"), rows)]
+    if contest.transcripts:
+        lines += ["", TRANSCRIPT_LEGEND]
     return "\n".join(lines)
 
 

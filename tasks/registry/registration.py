@@ -4,9 +4,10 @@ tags. `register_once` holds a file lock (`tracking.store.store_lock`), so concur
 checkpoint twice.
 
 A version's tags are what a person filters versions on and what the pipeline reads back (`version_tags`): its
-stage, step, run label, algorithm and lineage, its evaluation's gold metric and exact KL, the guard's verdict.
-What is read rather than filtered on (`DESCRIBED`: the config hash, the code version, the training KL estimate,
-the proxy score) is the version's description instead, and an empty value is no tag at all."""
+stage, step, run label, stage key and data fingerprint, lineage, its evaluation's gold metric, the guard's verdict.
+MLflow's list of versions shows every tag of a version, one a line, so what is read rather than filtered on
+(`DESCRIBED`: the algorithm, the exact and the training KL, the proxy score, the config hash, the code version) is
+the version's description instead, and an empty value is no tag at all."""
 
 from __future__ import annotations
 
@@ -38,7 +39,9 @@ def lineage_tags(*, stage: str, step: int, config_hash: str, data_fingerprint: s
 
 # recorded for every checkpoint, read on its page, rarely filtered on: the version's description, not its tags
 DESCRIBED = {
+    "algorithm": "algorithm",
     "eval_score_mean": "held-out reward-model score (the proxy)",
+    "eval_kl_exact_mean": "held-out KL to the initial policy (exact, nats per completion)",
     "kl": "training KL estimate at this step (k1, sampled, nats)",
     "config_hash": "config hash",
     "code_version": "code version",
@@ -51,9 +54,10 @@ def version_tags(tags: dict[str, str]) -> dict[str, str]:
 
 
 def checkpoint_description(tags: dict[str, str]) -> str:
-    """A version's description (Markdown) from what `lineage_tags` records: what it is, then `DESCRIBED`."""
-    run = f" of run `{tags['run_label']}`" if tags.get("run_label") else ""
-    head = f"`{tags.get('stage', 'model')}` checkpoint at step {tags.get('step', '?')}{run}."
+    """A version's description (Markdown) from what `lineage_tags` records: what it is, in plain text (MLflow's
+    list of versions shows the first line raw), then `DESCRIBED`."""
+    run = f" of run {tags['run_label']}" if tags.get("run_label") else ""
+    head = f"{tags.get('stage', 'model')} checkpoint at step {tags.get('step', '?')}{run}."
     details = [f"- {label}: `{tags[key]}`" for key, label in DESCRIBED.items() if tags.get(key, "") != ""]
     return "\n\n".join([head, "\n".join(details)]) if details else head
 

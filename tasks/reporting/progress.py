@@ -12,6 +12,8 @@ from prefect.artifacts import (
 )
 from prefect.context import get_run_context
 
+from rlhf_core.data.tool_calls import TRANSCRIPT_LEGEND, holds_transcripts
+
 
 def artifact_key(name: str) -> str:
     """A Prefect artifact key from a stage or metric name: lowercase letters, digits and dashes only
@@ -47,9 +49,11 @@ class StageProgress:
 
 
 def publish_table(key: str, rows: list[dict], description: str) -> None:
-    """A Prefect table artifact, when running under Prefect."""
+    """A Prefect table artifact, when running under Prefect; its description ends with the legend of tool
+    episodes' transcripts when the rows are theirs."""
     if _in_prefect_run():
-        create_table_artifact(key=artifact_key(key), table=rows, description=description)
+        legend = f" {TRANSCRIPT_LEGEND}" if holds_transcripts(rows) else ""
+        create_table_artifact(key=artifact_key(key), table=rows, description=description + legend)
 
 
 def publish_markdown(key: str, markdown: str, description: str) -> None:
@@ -58,13 +62,14 @@ def publish_markdown(key: str, markdown: str, description: str) -> None:
 
 
 def print_rows(rows: list[dict], title: str) -> None:
-    """Rows as a table on the console (long text folded, numbers to 3 decimals)."""
+    """Rows as a table on the console (long text folded, numbers to 3 decimals), with the legend of tool episodes'
+    transcripts under it when the rows are theirs."""
     from rich.console import Console
     from rich.table import Table
 
     if not rows:
         return
-    table = Table(title=title, show_lines=False)
+    table = Table(title=title, show_lines=False, caption=TRANSCRIPT_LEGEND if holds_transcripts(rows) else None)
     for key in rows[0]:
         table.add_column(key, overflow="fold", max_width=48 if key in ("prompt", "completion") else None)
     for row in rows:

@@ -43,8 +43,8 @@ def model_description(cfg, model: RegisteredModel) -> str:
         )
     return (
         f"The policies of the RLHF pipeline's runs named {runs}. Every checkpoint is a version: the SFT warm "
-        "start (`stage=sft`), each RL checkpoint (`stage=ppo`, `grpo`, ..., with its held-out gold metric, exact "
-        "KL and the guard's verdict `guard.passed`) and the exported policy (`stage=export`)."
+        "start (`stage=sft`), each RL checkpoint (`stage=ppo`, `grpo`, ..., with its held-out gold metric and the "
+        "guard's verdict `guard.passed`) and the exported policy (`stage=export`)."
         f"{common}\n\nThe alias `candidate` points at the latest export; `champion` at the candidate promotion "
         f'last accepted (`rlhf promote`). Load one with `mlflow.transformers.load_model("models:/{model.name}'
         '@candidate")`.'
@@ -82,8 +82,9 @@ class Registrar:
             self.jobs.submit(registry.warm_up, "the registry's warm-up")
 
     def eval_tags(self, step: int) -> dict[str, str]:
-        """The numbers of `step`'s held-out evaluation a person filters versions on (gold, proxy score, exact
-        eval KL) as version tags `eval_<name>`; the whole evaluation is the logged model's metrics."""
+        """The numbers of `step`'s held-out evaluation a version records as `eval_<name>`: the gold metric (a tag to
+        filter on), the proxy score and the exact eval KL (its description, registry.DESCRIBED); the whole
+        evaluation is the logged model's metrics."""
         metrics = self.writer.step_metrics.get(step, {})
         keys = (f"eval/{self.identity.cfg.gold_metric()}_mean", "eval/score_mean", "eval/kl_exact_mean")
         return {k.replace("/", "_"): f"{metrics[k]:.4f}" for k in keys if k in metrics}

@@ -132,50 +132,72 @@ def guard_tags(trained: Checkpoint) -> dict[str, str]:
     return {"guard.passed": str(not broken).lower(), **({"guard.broken": ",".join(broken)} if broken else {})}
 
 
-def version_description(cfg: PipelineConfig, trained: Checkpoint) -> str:
-    """The candidate version's description: what was trained and which checkpoint export.select picked, the
-    before/after table and the guard's verdict, the config hash and code version."""
+def promotion_blocked(trained: Checkpoint) -> str | None:
+    """One plain sentence when the exported checkpoint broke a guard rule: promotion refuses such a candidate (it
+    reads the version's guard.broken tag), so whatever shows the alias says so. None when it passed."""
+    broken = trained.extra.get("guard_broken", [])
+    if not broken:
+        return None
+    rules = f"rule{'s' if len(broken) > 1 else ''} {', '.join(broken)}"
+    return (
+        f"Cannot be promoted: this checkpoint broke the guard {rules} at its evaluation during training "
+        "(tag guard.broken), and promotion refuses a candidate that broke any."
+    )
+
+
+def version_description(cfg: PipelineConfig, plan: InitPlan, trained: Checkpoint) -> str:
+    """The candidate version's description, its first line plain text (the version list shows it raw): that it
+    cannot be promoted when it broke a guard rule (`promotion_blocked`); what was trained and which checkpoint
+    export.select picked; the before/after table and the guard's verdict; its algorithm, source checkpoint and reward
+    model, the config hash and code version."""
     history = {int(k): v for k, v in trained.extra.get("eval_history", {}).items()}
     table = alignment_markdown(history, trained.step, cfg.gold_metric(), trained.extra.get("guard_triggers", []))
+    rollbacks = trained.extra.get("rollbacks", 0)
     head = (
-        f"{cfg.rl.algorithm.upper()} policy of run `{cfg.run_label()}`, exported at step {trained.step} "
-        f"(export.select `{trained.extra.get('selected', 'last')}`), "
-        f"{trained.extra.get('rollbacks', 0)} guard rollback(s)."
+        f"{cfg.rl.algorithm.upper()} policy of run {cfg.run_label()}, exported at step {trained.step} "
+        f"(export.select {trained.extra.get('selected', 'last')}), {rollbacks} guard rollback(s)."
     )
-    made = f"Config hash `{cfg.config_hash()}`, code version `{tracking.runs.code_version()}`."
-    return "\n\n".join(part for part in (head, table, made) if part)
+    reward = plan.lineage.get("reward_model_version")
+    details = [  # the table holds the evaluation (the exact KL among it); these its tags leave out
+        f"- algorithm: `{cfg.rl.algorithm}`",
+        f"- source checkpoint: `{trained.model_uri or trained.path}`",
+        f"- reward model: `{reward}`" if reward else "- reward model: none",
+        f"- config hash: `{cfg.config_hash()}`",
+        f"- code version: `{tracking.runs.code_version()}`",
+    ]
+    parts = (promotion_blocked(trained), head, table, "\n".join(details))
+    return "\n\n".join(part for part in parts if part)
 
 
-def publish_candidate(reporter: StageReporter, out: Path, uri: str) -> None:
-    """Point `candidate` at the exported version and say where it is."""
+def publish_candidate(reporter: StageReporter, out: Path, uri: str, blocked: str | None) -> None:
+    """Point `candidate` at the exported version and say where it is, and that it cannot be promoted when the
+    guard says so (`promotion_blocked`)."""
     reporter.alias(CANDIDATE, uri)
     reporter.logger.info("%s is %s, alias %s", out, uri, CANDIDATE)
+    if blocked:
+        reporter.logger.warning("%s: %s", uri, blocked)
     name = reporter.cfg.registry.policy_model_name
-    publish_markdown(
-        "policy-export",
-        f"# Exported policy\n\n- directory: `{out.resolve()}`\n"
-        f"- model version: `{uri}` (alias `{CANDIDATE}`: `models:/{name}@{CANDIDATE}`)\n"
-        f'- load: `AutoModelForCausalLM.from_pretrained("{out.resolve()}")`\n',
-        "The exported final policy",
-    )
+    lines = [
+        "# Exported policy",
+        "",
+        *([blocked, ""] if blocked else []),
+        f"- directory: `{out.resolve()}`",
+        f"- model version: `{uri}` (alias `{CANDIDATE}`: `models:/{name}@{CANDIDATE}`)",
+        f'- load: `AutoModelForCausalLM.from_pretrained("{out.resolve()}")`',
+    ]
+    publish_markdown("policy-export", "\n".join(lines) + "\n", "The exported final policy")
 
 
 @task(name="export", cache_policy=NO_CACHE, **IO_RETRIES)
 def export_stage(
     cfg: PipelineConfig, data: PreparedData, plan: InitPlan, trained: Checkpoint, parent_run_id: str
 ) -> Checkpoint:
-    """Write <export dir> from the RL checkpoint export.select picked, register it as a version (tagged with
-    the guard's verdict), point `candidate` at it."""
+    """Write <export dir> from the RL checkpoint export.select picked, register it as a version (tagged with its
+    lineage and the guard's verdict; `version_description` says the rest), point `candidate` at it."""
     with tracking.runs.stage_run(parent_run_id, "export", tracking.runs.stage_params(cfg, "export")) as run_id:
-        lineage = {
-            "algorithm": cfg.rl.algorithm,
-            "reward_model_version": plan.reward_identity,
-            "base_model": plan.policy_identity,
-            "source_checkpoint": trained.model_uri or trained.path,
-        }
         with StageReporter(
             StageIdentity(cfg, "export", run_id, trained.key, data.fingerprint),
-            model=RegisteredModel(cfg.registry.policy_model_name, lineage=lineage),
+            model=RegisteredModel(cfg.registry.policy_model_name, lineage=plan.lineage),
         ) as reporter:
             out = write_export(cfg, data, plan, trained)
             reporter.artifact(out / "README.md", "model_card")
@@ -188,9 +210,9 @@ def export_stage(
             reporter.log(final, trained.step)  # the export run's metrics, which its logged model then carries
             uri = reporter.register(full, trained.step, **guard_tags(trained))
             if uri is not None:
-                registry.describe_version(uri, version_description(cfg, trained))
+                registry.describe_version(uri, version_description(cfg, plan, trained))
                 tracking.logs.link_model(parent_run_id, uri, trained.step)
-                publish_candidate(reporter, out, uri)
+                publish_candidate(reporter, out, uri, promotion_blocked(trained))
         return Checkpoint(
             path=str(out.resolve()),
             model_uri=uri,

@@ -33,8 +33,18 @@ class InitPlan:
     policy_identity: str
     value_path: str | None  # PPO only
     reward_path: str | None  # this run's reward model, when it trained one
-    reward_identity: str
+    reward_identity: str  # NO_REWARD_MODEL without one (part of the RL stage's key, so it stays a string)
     reference: str  # "copy", "adapter_disabled" or "none" (GRPO with beta 0)
+
+    @property
+    def lineage(self) -> dict[str, str]:
+        """An RL policy's version tags about where it came from: `base_model` (the policy RL started from, and the
+        reference promotion measures the KL to) and, only when a reward model scored it, `reward_model_version`."""
+        reward = {"reward_model_version": self.reward_identity} if self.reward_identity != NO_REWARD_MODEL else {}
+        return {"base_model": self.policy_identity, **reward}
+
+
+NO_REWARD_MODEL = "none"
 
 
 def _tokenizer_mismatch(a, b) -> str | None:
@@ -125,7 +135,7 @@ def init_stage(cfg: PipelineConfig, data: PreparedData, sft: Checkpoint | None, 
         policy_identity=policy_identity,
         value_path=value_path,
         reward_path=reward.path if reward is not None else None,
-        reward_identity=(reward.model_uri or f"reward:{reward.key}") if reward is not None else "none",
+        reward_identity=(reward.model_uri or f"reward:{reward.key}") if reward is not None else NO_REWARD_MODEL,
         reference=_reference(cfg),
     )
     logger.info("policy from %s, value from %s, reference: %s", policy_identity, value_path, plan.reference)

@@ -3,6 +3,7 @@
 - `store`: where tracking and the registry point, credentials into MLflow's environment, the SQLite store
   and its cached template, locks, experiments, which process writes;
 - `runs`: the pipeline's run, a nested run per stage, ending runs their process left RUNNING;
+- `params`: which config fields a run logs as its params (those it reads);
 - `logs`: what a run receives (metrics and tables rounded for reading, figures, artifacts, dataset inputs,
   tags, its description, links).
 
@@ -10,6 +11,6 @@ Callers write `from tasks import tracking` and `tracking.store.configure(...)`, 
 `tracking.logs.log_metrics(...)`.
 """
 
-from tasks.tracking import logs, runs, store
+from tasks.tracking import logs, params, runs, store
 
-__all__ = ["logs", "runs", "store"]
+__all__ = ["logs", "params", "runs", "store"]

@@ -5,10 +5,14 @@ than rank 0 (`tasks.tracking.store.writes`).
 Numbers are rounded where they are logged, for the person who reads them: a metric to `METRIC_DIGITS`
 significant digits (MLflow's charts and tables otherwise show a float32 mean as 0.10000000149011612), a table's
 floats to `TABLE_DIGITS`. The full values stay in the stage's own files (its evaluation Parquet files,
-metrics.json)."""
+metrics.json). A table is a CSV artifact: MLflow's UI shows a .csv file as a table, a .json or .parquet one not at
+all."""
 
 from __future__ import annotations
 
+import csv
+import io
+import json
 import math
 import numbers
 import time
@@ -64,14 +68,39 @@ def _shown(value):
     return value
 
 
+def table_csv(rows: list[dict]) -> str:
+    """Rows as CSV text (RFC 4180): a header of every key in the order first seen, a cell holding a comma, a quote
+    or a line break quoted (a completion's newlines survive), a float to TABLE_DIGITS significant digits, a list
+    or dict as JSON, None empty."""
+    columns = list(dict.fromkeys(key for row in rows for key in row))
+    out = io.StringIO()
+    writer = csv.writer(out)  # QUOTE_MINIMAL with \r\n rows: a cell with \r or \n is quoted
+    writer.writerow(columns)
+    for row in rows:
+        writer.writerow([_cell(row.get(key)) for key in columns])
+    return out.getvalue()
+
+
+def _cell(value):
+    if getattr(value, "ndim", 0) > 0:  # a NumPy array (a list column read back from Parquet)
+        value = value.tolist()
+    if isinstance(value, (list, tuple, dict)):
+        return json.dumps(value, default=str)
+    return _shown(value)
+
+
 def log_table(run_id: str, rows: list[dict], artifact_file: str) -> None:
-    """Log rows as an MLflow table artifact (a new file per call; nothing is overwritten), floats to TABLE_DIGITS
-    significant digits."""
-    if not writes():
+    """Log rows as a table artifact of the run (a new file per call; nothing is overwritten), floats to
+    TABLE_DIGITS significant digits: a `.csv` artifact_file as CSV (`table_csv`), which MLflow's UI shows as a
+    table; any other name in MLflow's own table format (`MlflowClient.log_table`: JSON, which its UI does not
+    preview)."""
+    if not writes() or not rows:
         return
-    if rows:
-        columns = {key: [_shown(row.get(key)) for row in rows] for key in rows[0]}
-        MlflowClient().log_table(run_id, data=columns, artifact_file=artifact_file)
+    if artifact_file.endswith(".csv"):
+        MlflowClient().log_text(run_id, table_csv(rows), artifact_file)
+        return
+    columns = {key: [_shown(row.get(key)) for row in rows] for key in rows[0]}
+    MlflowClient().log_table(run_id, data=columns, artifact_file=artifact_file)
 
 
 def _dataset_source(source: str, split: str | None, revision: str | None):

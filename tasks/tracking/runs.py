@@ -1,9 +1,9 @@
 """MLflow runs: the pipeline's run, a nested run per stage, and the ending of runs their process left RUNNING.
 
-A pipeline run is one MLflow run with the flattened config as params; each stage is a nested run
-under it, so every stage has its own step axis. An RL stage that the guard rolls back trains again in a
-run nested in its stage run, one per attempt (`attempt_run`): no series of a run ever goes back to an
-earlier step. Whatever raises inside a run ends it FAILED, or
+A pipeline run is one MLflow run with the config fields it reads as params (tasks/tracking/params.py); each
+stage is a nested run under it, so every stage has its own step axis. An RL stage that the guard rolls back
+trains again in a run nested in its stage run, one per attempt (`attempt_run`): no series of a run ever goes
+back to an earlier step. Whatever raises inside a run ends it FAILED, or
 KILLED when it is an interruption (Ctrl-C, SIGTERM), never RUNNING; a run left RUNNING by a process
 killed outright is marked KILLED by the next start on the same run directory, and a stage run left
 RUNNING by a killed worker by its stage's launcher.
@@ -27,9 +27,10 @@ from mlflow.entities import Param, RunStatus
 from mlflow.tracking import MlflowClient
 
 from rlhf_core.config import PipelineConfig
-from rlhf_core.config.redaction import flatten_config, redact
+from rlhf_core.config.redaction import redact
 from rlhf_core.storage.ownership import pid_alive
 from tasks.tracking.logs import DESCRIPTION
+from tasks.tracking.params import run_params
 from tasks.tracking.store import configure, ensure_experiment, writes
 
 RUN_KIND = "rlhf.run_kind"  # pipeline, stage, attempt (an RL stage's attempt after a guard rollback) or promotion
@@ -179,7 +180,7 @@ def pipeline_run_name(cfg: PipelineConfig) -> str:
 
 @contextmanager
 def pipeline_run(cfg: PipelineConfig, tags: dict[str, str] | None = None, run_name: str | None = None) -> Iterator[str]:
-    """Start the pipeline's MLflow run (config as params), yield its id, end it FINISHED, FAILED or KILLED.
+    """Start the pipeline's MLflow run (the config fields it reads as params: `run_params`), yield its id, end it FINISHED, FAILED or KILLED.
 
     KILLED: interrupted (Ctrl-C, SIGTERM). The run is tagged with its run directory, host and pid, the
     Prefect flow run (`prefect_tags`) and `rlhf.run_kind=pipeline` (`tags` may override it), and RUNNING
@@ -204,7 +205,7 @@ def pipeline_run(cfg: PipelineConfig, tags: dict[str, str] | None = None, run_na
     run = mlflow.start_run(experiment_id=experiment_id, run_name=run_name or pipeline_run_name(cfg), tags=run_tags)
     run_id = run.info.run_id
     try:
-        _log_params(run_id, flatten_config(cfg))
+        _log_params(run_id, run_params(cfg))
         yield run_id
     except BaseException as err:
         mlflow.end_run(_end_status(err))
@@ -253,12 +254,12 @@ STAGE_SECTIONS = {  # the config sections whose fields a stage run logs as its p
 
 
 def stage_params(cfg: PipelineConfig, stage: str) -> dict[str, str]:
-    """The stage's config sections, flattened as the pipeline run's params are (secrets left out): an RL
-    stage logs rl, its algorithm's section, rollout (its engine), init, guard and eval, so that two PPO runs
-    compare on them."""
+    """The stage's config sections of the pipeline run's params (`run_params`: the fields the run reads, secrets
+    left out): an RL stage logs rl, its algorithm's section, rollout (its engine), init, guard and eval, so that
+    two PPO runs compare on them."""
     algorithm = "ppo" if stage == "ppo" else "grpo"
     sections = STAGE_SECTIONS.get(stage, ("rl", algorithm, "rollout", "init", "guard", "eval"))
-    return {k: v for k, v in flatten_config(cfg).items() if k.split(".", 1)[0] in sections}
+    return {k: v for k, v in run_params(cfg).items() if k.split(".", 1)[0] in sections}
 
 
 @contextmanager

@@ -46,17 +46,16 @@ def test_bad_config_exits_2_with_one_sentence_before_any_work(capsys, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_promote_outside_the_demo_without_a_gate_exits_2_with_one_sentence(capsys, tmp_path, monkeypatch):
+def test_promote_outside_the_demo_without_an_evaluator_exits_2_with_one_sentence(capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # the default tracking URI would be ./mlflow.db: nothing may create it
     (tmp_path / "base").mkdir()
     config = tmp_path / "real.yaml"
     config.write_text(yaml.safe_dump({"model": {"base": str(tmp_path / "base")}, "run": {"output_dir": "out"}}))
     assert main(["promote", "--config", str(config)]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == (
-        "error: promote.min_value or promote.min_improvement must be set to promote on 'score' outside the demo "
-        f"(model.base is '{tmp_path / 'base'}'), so that no value becomes champion by default"
-    )
+    assert err.startswith("error: promote.evaluator must name what judges promotion outside the demo: ")
+    assert err.endswith("promote.allow_training_reward: true judges by the candidate's own reward model instead")
+    assert "\n" not in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["base", "real.yaml"]
 
 

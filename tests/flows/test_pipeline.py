@@ -13,6 +13,7 @@ from mlflow.tracking import MlflowClient
 from flows.rlhf_pipeline import rlhf_pipeline
 from rlhf_core.data.rows import DataValidationError
 from rlhf_core.models.card import read_front_matter
+from tasks.stages.rl.evaluation_report import kl_guide
 from tests.flows.test_secrets import prefect_records
 
 REPO = Path(__file__).resolve().parents[2]
@@ -77,7 +78,7 @@ def test_pipeline_runs_registers_and_reuses_finished_stages(prefect_harness, tmp
     ]
     sft_version, ppo_version = policy_versions[0], policy_versions[2]
     assert sft_version.tags["data_fingerprint"] == summary["data_fingerprint"]
-    assert ppo_version.tags["algorithm"] == "ppo"
+    assert "algorithm" not in ppo_version.tags and "- algorithm: `ppo`" in ppo_version.description  # the stage says it
     assert ppo_version.tags["reward_model_version"] == "models:/smoke-reward-model/2"
     assert ppo_version.tags["base_model"] == "models:/smoke-policy/1"
     assert ppo_version.tags["run_label"] == "smoke-ppo-seed7"
@@ -85,9 +86,10 @@ def test_pipeline_runs_registers_and_reuses_finished_stages(prefect_harness, tmp
     kl = re.search(r"training KL estimate at this step \(k1, sampled, nats\): `([-\d.]+)`", ppo_version.description)
     assert "kl" not in ppo_version.tags and float(kl[1]) == pytest.approx(summary["metrics"]["objective/kl"], abs=1e-3)
     for version in policy_versions + reward_versions:  # a few tags a person filters on, none empty
-        assert len(version.tags) <= 13 and "" not in version.tags.values(), version.tags
-        assert (
-            f"`{version.tags['stage']}` checkpoint at step" in version.description or version.tags["stage"] == "export"
+        assert len(version.tags) <= 10 and "" not in version.tags.values(), version.tags
+        assert (  # the first line plain text: MLflow's list of versions shows it raw
+            version.description.startswith(f"{version.tags['stage']} checkpoint at step")
+            or version.tags["stage"] == "export"
         )
     policy_model = client.get_registered_model("smoke-policy").description
     assert policy_model.startswith("The policies of the RLHF pipeline's runs named `smoke-<algorithm>-seed<seed>`")
@@ -98,15 +100,12 @@ def test_pipeline_runs_registers_and_reuses_finished_stages(prefect_harness, tmp
     assert [m.step for m in client.get_metric_history(ppo_run, "objective/scores")] == [1, 2]
     assert [m.step for m in client.get_metric_history(ppo_run, "eval/vader_compound_mean")] == [0, 1, 2]
     artifacts = [a.path for a in client.list_artifacts(ppo_run, "eval")]
-    # one MLflow table and one Parquet file per evaluation, each with its step: nothing overwritten
-    assert [a for a in artifacts if a.endswith(".json")] == [f"eval/completions_step_00000{i}.json" for i in range(3)]
-    assert [a for a in artifacts if a.endswith(".parquet")] == [f"eval/eval_step_00000{i}.parquet" for i in range(3)]
-    assert "eval/eval_curves.png" in artifacts
+    # one table per evaluation, each with its step, nothing overwritten: CSV, which MLflow's UI shows
+    tables = [f"eval/completions_step_00000{i}.csv" for i in range(3)]
+    assert sorted(artifacts) == sorted([*tables, "eval/eval_curves.png"])
     for step in (1, 2):
-        local = client.download_artifacts(
-            ppo_run, f"eval/completions_step_00000{step}.json", str(tmp_path / f"t{step}")
-        )
-        table = pd.read_json(local, orient="split")
+        local = client.download_artifacts(ppo_run, tables[step], str(tmp_path / f"t{step}"))
+        table = pd.read_csv(local)
         assert set(table["step"]) == {step} and len(table) == 8
         assert {"prompt", "completion", "score", "vader_compound", "kl", "length"} <= set(table.columns)
         # the user's text where a person reads it; the templated prompt the policy saw beside it
@@ -133,9 +132,10 @@ def test_pipeline_runs_registers_and_reuses_finished_stages(prefect_harness, tmp
     model_id = candidate.source.removeprefix("models:/")
     assert "eval/vader_compound_mean" in {m.key for m in client.get_logged_model(model_id).metrics}
     assert "| before (step 0) | after (step 2) |" in candidate.description and "Guard: " in candidate.description
-    assert f"Config hash `{client.get_run(summary['mlflow_run_id']).data.tags['rlhf.config_hash']}`" in (
+    assert f"- config hash: `{client.get_run(summary['mlflow_run_id']).data.tags['rlhf.config_hash']}`" in (
         candidate.description
     )
+    assert candidate.description.startswith("PPO policy of run smoke-ppo-seed7, exported at step 2")
     assert "eval_length_mean" not in candidate.tags and "eval_vader_compound_mean" in candidate.tags
     parent = client.get_run(summary["mlflow_run_id"])
     assert parent.data.tags["rlhf.candidate"] == "models:/smoke-policy/4"
@@ -149,6 +149,7 @@ def test_pipeline_runs_registers_and_reuses_finished_stages(prefect_harness, tmp
     }
     assert notes["data"].startswith("Prepared 5 tables") and notes["sft"].startswith("Fine-tuned `demo`")
     assert "held-out accuracy" in notes["reward"] and "Held-out evaluation, step 0 -> step 2: " in notes["ppo"]
+    assert kl_guide("ppo") in notes["ppo"]  # which of its four KL metrics to read
     assert (
         notes["export"].startswith("Exported step 2 of the PPO policy to ")
         and "`models:/smoke-policy/4`" in notes["export"]
@@ -159,7 +160,7 @@ def test_pipeline_runs_registers_and_reuses_finished_stages(prefect_harness, tmp
     assert "file://" not in records
     assert '"key":"rlhf-summary"' in records and "| before (step 0) | after (step 2) |" in records
     assert f'"name":"{parent.info.run_name}"' in records  # the flow run's name is the MLflow run's: one per run
-    assert candidate.tags["source_checkpoint"] == "models:/smoke-policy/3"
+    assert "- source checkpoint: `models:/smoke-policy/3`" in candidate.description
     card = read_front_matter(out / "export" / "README.md")  # the root base, not the SFT version URI
     assert card["base_model"] == "demo" and card["base_model_relation"] == "finetune" and card["datasets"] == ["demo"]
     assert "models:/smoke-policy/3" in (out / "export" / "README.md").read_text()  # the lineage is in the body

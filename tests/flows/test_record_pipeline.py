@@ -95,9 +95,9 @@ def test_the_pipeline_run_carries_summary_metrics_and_the_final_samples(record):
         assert [m.step for m in client.get_metric_history(parent.info.run_id, "summary/gold")] == [2]
 
         local = client.download_artifacts(
-            parent.info.run_id, "final_samples.json", str(record.root / parent.info.run_id)
+            parent.info.run_id, "final_samples.csv", str(record.root / parent.info.run_id)
         )
-        table = pd.read_json(local, orient="split")
+        table = pd.read_csv(local)
         # every held-out prompt, its completion by the initial policy beside the exported checkpoint's
         assert len(table) == 8 and set(table["step_before"]) == {0} and set(table["step_after"]) == {2}
         sides = {f"{c}_{side}" for c in ("completion", "score", "vader_compound") for side in ("before", "after")}

@@ -128,6 +128,28 @@ def test_the_summary_shows_as_many_prompts_before_and_after_as_the_console(cfg, 
     assert len(shown) == 4 and "| prompt 2 | before 2 | after 2 |" in text and "prompt 3 |" not in text
 
 
+def test_the_summary_keeps_each_sample_on_its_table_line_says_what_the_arrows_mean_and_what_promotion_will_do(
+    cfg, monkeypatch
+):
+    monkeypatch.setattr(tracking.logs, "run_link", lambda run_id: f"run `{run_id}`")
+    monkeypatch.setattr(tracking.logs, "version_link", lambda uri: f"`{uri}`")
+    trained = trained_run(cfg)
+    episode = {"tool_calls": 1, "completion": "-> multiply {} ⏎ <- multiply: 6 ⏎ 6"}
+    trained.extra["initial_rows"] = [{**row("2*3=", "6\n| `x`", 0.0), "tool_calls": 0}]
+    trained.extra["final_rows"] = [{**row("2*3=", "", 1.0), **episode}]
+    trained.extra["guard_broken"] = ["max_length_change"]
+    exported = Checkpoint(path="out/export", model_uri="models:/demo-policy/7", step=40, metrics={})
+
+    lines = summary_markdown(cfg, "r1", trained, exported).splitlines()
+
+    assert "| 2\\*3= | 6<br>\\| \\`x\\` | -> multiply {} ⏎ <- multiply: 6 ⏎ 6 |" in lines
+    assert lines[-1].startswith("Tool episodes: -> is a call the model made")
+    assert any(
+        line.startswith("- Cannot be promoted: this checkpoint broke the guard rule max_length_change")
+        for line in lines
+    )
+
+
 def test_each_stage_run_says_what_the_stage_did_with_its_numbers(cfg):
     data = PreparedData(
         tables={},

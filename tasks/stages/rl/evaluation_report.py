@@ -1,6 +1,7 @@
 """The RL stage's evaluations in one report: reward, gold metric and KL against step as a PNG in the stage's MLflow
-run (each attempt the guard rolled back a dashed line of its own, from where it branched off), and a Prefect
-markdown artifact that tabulates the numbers of the branch the stage ended on and names the step exported."""
+run (each attempt the guard rolled back a dashed line of its own, from where it branched off), a Prefect
+markdown artifact that tabulates the numbers of the branch the stage ended on and names the step exported, and in
+the stage run's description which of its KL metrics to read (`kl_guide`: MLflow has no metric descriptions)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from collections.abc import Sequence
 
 from rlhf_core.evaluation.generations import summarize_rows
 from rlhf_core.evaluation.guard import Rollback
+from rlhf_core.rl.step import training_metric_names
 from tasks import tracking
 from tasks.reporting.plots import Line, close, lines_figure
 from tasks.reporting.progress import publish_markdown
@@ -23,7 +25,8 @@ def report_evaluations(
 ) -> None:
     """The reward, gold metric and KL of every evaluation against step: a PNG in MLflow (each attempt the guard
     rolled back a dashed line of its own), linked from a Prefect markdown artifact `<algorithm>-evaluation` that
-    tabulates the numbers of the branch the stage ended on and names the step exported ((step, export.select))."""
+    tabulates the numbers of the branch the stage ended on and names the step exported ((step, export.select));
+    which KL to read (`kl_guide`) in the description of the stage run `run_id`."""
     if not evals:
         return
     summaries = {step: summarize_rows(rows) for step, rows in sorted(evals.items())}
@@ -34,6 +37,8 @@ def report_evaluations(
     fig = lines_figure(eval_panels(summaries, present, gold, discarded), f"{algorithm.upper()}: held-out evaluation")
     tracking.logs.log_figure(run_id, fig, artifact)
     close(fig)
+    if "kl_exact" in present:
+        tracking.logs.describe_run(run_id, kl_guide(algorithm), keep=True)
     lines = [
         f"# {algorithm.upper()} evaluation on held-out prompts",
         "",
@@ -50,6 +55,16 @@ def report_evaluations(
     lines += ["", *exported_lines(summaries, gold, exported)]
     title = f"{algorithm.upper()} held-out evaluation" + (f" (exported step {chosen})" if chosen is not None else "")
     publish_markdown(f"{algorithm}-evaluation", "\n".join(lines), title)
+
+
+def kl_guide(algorithm: str) -> str:
+    """Which of the RL stage run's KL metrics to read, a sentence each (rlhf_core/evaluation/generations.py)."""
+    training = f"`{training_metric_names(algorithm).kl}`" + ("" if algorithm == "ppo" else " (where logged)")
+    return (
+        "**Which KL to read**: `eval/kl_exact_mean`, the exact KL to the initial policy on the held-out prompts (nats "
+        "per completion), which the guard and promotion read. `eval/kl_mean` (k1) and `eval/kl_k3_mean` (k3) are "
+        f"sampling estimates of it, kept as diagnostics. {training} is the training batch's sampling estimate."
+    )
 
 
 def eval_panels(

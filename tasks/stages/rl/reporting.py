@@ -1,10 +1,10 @@
 """The RL stage's reporting, which reports and decides nothing: its `PolicyReporter` (the loop's callbacks, and
 what the guard tells it).
 
-Each held-out evaluation is a metric set, an MLflow table, a Parquet file (tasks/stages/rl/eval_rows.py), with the
-guard's verdict on it; each checkpoint is registered with its KL and that verdict as tags; at the end the
-evaluations are plotted and tabulated (tasks/stages/rl/evaluation_report.py), and `finish` hands on the checkpoint
-that `export.select` picks (tasks/stages/rl/checkpoint_selection.py).
+Each held-out evaluation is a metric set, a CSV table in MLflow, a Parquet file beside the run
+(tasks/stages/rl/eval_rows.py), with the guard's verdict on it; each checkpoint is registered with its KL and that
+verdict as tags; at the end the evaluations are plotted and tabulated (tasks/stages/rl/evaluation_report.py), and
+`finish` hands on the checkpoint that `export.select` picks (tasks/stages/rl/checkpoint_selection.py).
 
 A guard rollback starts a new training attempt, shown as one: its metrics, evaluations and checkpoints go to an
 MLflow run of its own nested in the stage run (`ppo-attempt-2`, tasks/tracking/runs.py `attempt_run`), its
@@ -56,11 +56,7 @@ class PolicyReporter(StageReporter):
     ):
         algorithm = cfg.rl.algorithm
         self.names = training_metric_names(algorithm)
-        lineage = {
-            "algorithm": algorithm,
-            "reward_model_version": plan.reward_identity,
-            "base_model": plan.policy_identity,
-        }
+        lineage = {"algorithm": algorithm, **plan.lineage}
         super().__init__(
             StageIdentity(cfg, algorithm, run_id, key, data.fingerprint),
             model=RegisteredModel(cfg.registry.policy_model_name, lineage=lineage),
@@ -115,14 +111,14 @@ class PolicyReporter(StageReporter):
         return tags
 
     def on_eval(self, rows: list[dict], step: int, verdict: Verdict) -> None:
-        """One evaluation and the guard's verdict on it: metrics, an MLflow table, a Parquet file, a Prefect table,
-        the console, and each broken rule (`report_triggers`)."""
+        """One evaluation and the guard's verdict on it: metrics, a CSV table in MLflow, a Parquet file beside the
+        run, a Prefect table, the console, and each broken rule (`report_triggers`)."""
         summary = self.ledger.evals[step]  # with the ratios to the initial policy
         tracking.logs.log_metrics(self.run_id, summary, step)
-        # one MLflow table and one Parquet file per evaluation step: nothing is overwritten
+        # one table per evaluation step, nothing overwritten: CSV, which MLflow's UI shows
         readable = readable_rows(rows, step)
-        tracking.logs.log_table(self.run_id, readable, f"eval/completions_step_{step:06d}.json")
-        self.artifact(save_eval_rows(self.out_dir, rows, step), "eval")
+        tracking.logs.log_table(self.run_id, readable, f"eval/completions_step_{step:06d}.csv")
+        save_eval_rows(self.out_dir, rows, step)
         self.record(summary, step)
         shown = [{k: v for k, v in r.items() if k != "rendered_prompt"} for r in readable[:20]]
         what = f" (attempt {self.ledger.attempt})" if self.ledger.attempt > 1 else ""
@@ -166,13 +162,13 @@ class PolicyReporter(StageReporter):
         self.attempts.begin(rollback, self.writer.start_over(rollback.to_step), self.switch_run)
 
     def on_completions(self, rows: list[dict], step: int) -> None:
-        """GRPO's sampled completions of one step as <out_dir>/completions/completions_step_NNNNNN.parquet."""
+        """GRPO's sampled completions of one step: completions/completions_step_NNNNNN.csv in MLflow, .parquet here."""
         import pandas as pd
 
         path = self.out_dir / "completions" / f"completions_step_{step:06d}.parquet"
         path.parent.mkdir(parents=True, exist_ok=True)
         pd.DataFrame(rows).to_parquet(path)
-        self.artifact(path, "completions")
+        tracking.logs.log_table(self.run_id, rows, f"completions/completions_step_{step:06d}.csv")
 
     def finish(self, result: LoopResult | None) -> Checkpoint:
         """The progress completed, curves and the evaluation report published; the stage's Checkpoint: the

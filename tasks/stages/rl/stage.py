@@ -19,7 +19,7 @@ from typing import Any
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from rlhf_core.config import PipelineConfig
+from rlhf_core.config import PipelineConfig, RewardSource
 from rlhf_core.config.training import keyed_sections
 from rlhf_core.data.tables import read_rows
 from rlhf_core.evaluation.policy import LoadedModels, evaluate_policy, metric_functions
@@ -51,15 +51,24 @@ from tasks.stages.rl.reporting import PolicyReporter
 
 def eval_functions(cfg: PipelineConfig) -> dict:
     """What evaluation scores besides the reward model: eval.metrics, and GRPO's reward functions (the proxy
-    reward's other parts) as columns `reward_<name>`."""
+    reward's other parts) as columns `reward_<name>`, each function once (`scored_as_metric`)."""
     functions = metric_functions(cfg.eval.metrics)
     if cfg.rl.algorithm != "ppo":  # the GRPO family reads grpo.rewards
         for i, source in enumerate(cfg.grpo.rewards):
-            if source.function is not None:
+            if source.function is not None and not scored_as_metric(cfg, source):
                 functions[f"reward_{source.name}"] = load_reward_function(
                     source.function, source.arguments, field=f"grpo.rewards[{i}]"
                 )
     return functions | remote_rewards.eval_scorers(cfg)
+
+
+def scored_as_metric(cfg: PipelineConfig, source: RewardSource) -> bool:
+    """Whether the grpo.rewards function `source` is an eval.metrics entry too (the same function, no arguments
+    bound): its column `reward_<name>` would repeat the metric's value for value, so evaluation keeps the
+    metric's column, which the guard's gold metric and promotion read (unless guard.divergence names the
+    `reward_<name>` column)."""
+    read = {cfg.guard.divergence.proxy, cfg.guard.divergence.gold}
+    return source.function in (cfg.eval.metrics or []) and not source.arguments and f"reward_{source.name}" not in read
 
 
 def reward_sources(cfg: PipelineConfig, plan: InitPlan, stage_reward_model) -> list:

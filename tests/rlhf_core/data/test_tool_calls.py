@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
-from rlhf_core.data.tool_calls import parse_turn, tool_suffix_ids, tool_template_problem, transcript_text
+from rlhf_core.data.tool_calls import (
+    TRANSCRIPT_LEGEND,
+    holds_transcripts,
+    parse_turn,
+    tool_suffix_ids,
+    tool_template_problem,
+    transcript_line,
+    transcript_text,
+)
 from rlhf_core.demo.calculator import build_calculator_tokenizer
 
 CALL = '<tool_call>{"name": "multiply", "arguments": {"a": 456, "b": 789}}</tool_call>'
@@ -66,3 +74,11 @@ def test_transcript_text_reads_like_the_episode():
         {"role": "assistant", "content": "2"},
     ]
     assert transcript_text(transcript) == '-> f {"a": 1}\n<- f: 2\n2'
+    # a table shows a cell's first line only: there the whole episode is one line, its events apart
+    assert transcript_line(transcript) == '-> f {"a": 1} ⏎ <- f: 2 ⏎ 2'
+    assert "->" in TRANSCRIPT_LEGEND and "<-" in TRANSCRIPT_LEGEND and "\n" not in TRANSCRIPT_LEGEND
+
+
+def test_rows_of_tool_episodes_are_told_by_their_tool_calls_column():
+    assert holds_transcripts([{"completion": "2"}, {"completion": "-> f {}", "tool_calls": 1}])
+    assert not holds_transcripts([{"completion": "-> not a call"}]) and not holds_transcripts([])

@@ -1,6 +1,4 @@
-import pytest
-
-from rlhf_core.config.promotion import Gates
+from rlhf_core.config.evaluation import Gates
 from rlhf_core.evaluation.pairwise import LOSS, TIE, WIN, compare
 from rlhf_core.evaluation.promotion import Comparison, decide, eval_kl
 

@@ -8,6 +8,7 @@ import torch
 from rlhf_core.rl.advantages.estimators import Estimate
 from rlhf_core.rl.completions import completions_due, completions_table, float_or_none
 from rlhf_core.rollout.collect import Rollout, RolloutBatch
+from rlhf_core.rollout.episodes import EpisodeRecord
 
 NAN = float("nan")
 
@@ -62,3 +63,18 @@ def test_due_every_log_completions_steps_and_at_the_last_step():
 def test_float_or_none():
     assert float_or_none(torch.tensor(0.5)) == 0.5 and float_or_none(torch.tensor(NAN)) is None
     assert math.isinf(float_or_none(torch.tensor(float("inf"))))
+
+
+def test_a_tool_episode_is_one_line_in_the_table():
+    b = batch(torch.ones(1, 2, dtype=torch.long), torch.tensor([[1.0]]))
+    call = {"type": "function", "function": {"name": "f", "arguments": {"a": 1}}}
+    transcript = [
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "name": "f", "content": "2"},
+    ]
+    b.rollout.episodes = EpisodeRecord(
+        [[*transcript, {"role": "assistant", "content": "2"}]], [1], [0], [2], [False], []
+    )
+    estimate = Estimate(torch.tensor([0.5]), stats={"my_rewards": torch.tensor([1.0])})
+    [row] = completions_table(1, b, estimate, ["r"])
+    assert row["completion"] == '-> f {"a": 1} ⏎ <- f: 2 ⏎ 2'  # MLflow's table shows a cell's first line only

@@ -57,6 +57,9 @@ def test_an_episode_is_call_answer_reply_with_the_answer_masked():
     assert played.record.transcripts[0][1] == {"role": "tool", "name": "multiply", "content": "20000"}
     assert played.record.transcripts[1] == [{"role": "assistant", "content": "123"}]
     assert (played.record.calls, played.record.turns, played.record.failures) == ([1, 0], [2, 1], [0, 0])
+    # a scorer reads the episode a line per event; a table shows it on one line
+    assert played.record.texts()[0] == '-> multiply {"a": 100, "b": 200}\n<- multiply: 20000\n20000'
+    assert played.record.lines() == ['-> multiply {"a": 100, "b": 200} ⏎ <- multiply: 20000 ⏎ 20000', "123"]
     assert played.has_stop.tolist() == [True, True]
     # the first turn is one request for both rows; the second only the calling row's, at a seed of its own
     assert [(rows, repeats) for rows, _, repeats, _ in engine.calls] == [(2, 1), (1, 1)]

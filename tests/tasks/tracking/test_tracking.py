@@ -1,3 +1,4 @@
+import csv
 import json
 from pathlib import Path
 
@@ -34,6 +35,25 @@ def test_numbers_are_rounded_where_they_are_logged_for_a_person_to_read(cfg, tmp
     assert client.get_run(run_id).data.metrics == {"kl": 0.123457, "tokens": 1234567.0}
     table = json.loads(Path(client.download_artifacts(run_id, "t.json", str(tmp_path))).read_text())
     assert table["data"] == [["p", 0.3, 12, True]]
+
+
+def test_a_csv_table_is_one_artifact_whose_cells_keep_their_line_breaks_commas_and_quotes(cfg, tmp_path):
+    # MLflow's UI shows a .csv artifact as a table (a .json or .parquet one it does not preview)
+    text = 'He said "fine",\nthen left.\r\nThe end'
+    rows = [
+        {"prompt": text, "score": 0.30000001192092896, "calls": ["add", "mul"], "gold": None},
+        {"prompt": "p", "score": 1.0, "calls": [], "gold": 2, "late": True},
+    ]
+    with tracking.runs.pipeline_run(cfg) as run_id:
+        tracking.logs.log_table(run_id, rows, "eval/t.csv")
+    client = MlflowClient()
+    assert [a.path for a in client.list_artifacts(run_id, "eval")] == ["eval/t.csv"]
+    local = Path(client.download_artifacts(run_id, "eval/t.csv", str(tmp_path)))
+    with local.open(newline="", encoding="utf-8") as f:
+        read = list(csv.DictReader(f))
+    assert list(read[0]) == ["prompt", "score", "calls", "gold", "late"]
+    assert read[0] == {"prompt": text, "score": "0.3", "calls": '["add", "mul"]', "gold": "", "late": ""}
+    assert read[1] == {"prompt": "p", "score": "1.0", "calls": "[]", "gold": "2", "late": "True"}
 
 
 def test_each_stage_run_can_be_found_and_described(cfg):
@@ -102,7 +122,7 @@ def test_register_checkpoint_creates_a_tagged_described_version_that_loads(cfg, 
     version = MlflowClient().get_model_version("unit-policy", "1")
     # what a person filters on is a tag; the config hash and code version are read on the version's page
     assert version.tags == {"stage": "sft", "step": "8", "data_fingerprint": "abc123", "run_label": "unit-ppo-seed42"}
-    assert version.description.startswith("`sft` checkpoint at step 8 of run `unit-ppo-seed42`.")
+    assert version.description.startswith("sft checkpoint at step 8 of run unit-ppo-seed42.")
     assert f"- config hash: `{cfg.config_hash()}`" in version.description
     assert "- code version: `0.1.0" in version.description
     assert version.run_id == run_id

@@ -1,4 +1,4 @@
-"""GRPO inside the pipeline: callable rewards skip the reward stage; versions, Parquet completions, resume."""
+"""GRPO inside the pipeline: callable rewards skip the reward stage; versions, completions tables, resume."""
 
 from contextlib import chdir
 from pathlib import Path
@@ -35,17 +35,22 @@ def test_grpo_with_only_callable_rewards_runs_without_a_reward_model(prefect_har
         ("grpo", "2"),
         ("export", "2"),
     ]
-    assert versions[2].tags["algorithm"] == "grpo" and versions[2].tags["reward_model_version"] == "none"
-    assert versions[3].tags["algorithm"] == "grpo" and summary["candidate_uri"] == "models:/smoke-policy/4"
+    assert "algorithm" not in versions[2].tags and "- algorithm: `grpo`" in versions[2].description
+    # no reward model: no reward_model_version tag, and the description says none
+    assert "reward_model_version" not in versions[3].tags and "- reward model: none" in versions[3].description
+    assert (
+        versions[3].description.startswith("GRPO policy of run ")
+        and summary["candidate_uri"] == "models:/smoke-policy/4"
+    )
     assert summary["reward_model_uri"] is None and summary["algorithm"] == "grpo"
 
     parent = client.get_run(summary["mlflow_run_id"])
     [grpo_run] = client.search_runs([parent.info.experiment_id], "attributes.run_name = 'grpo'")
     assert [m.step for m in client.get_metric_history(grpo_run.info.run_id, "rewards/vader/mean")] == [1, 2]
-    parquet = [a.path for a in client.list_artifacts(grpo_run.info.run_id, "completions")]
-    assert parquet == ["completions/completions_step_000001.parquet", "completions/completions_step_000002.parquet"]
-    local = client.download_artifacts(grpo_run.info.run_id, parquet[0], str(tmp_path))
-    frame = pd.read_parquet(local)
+    tables = [a.path for a in client.list_artifacts(grpo_run.info.run_id, "completions")]
+    assert tables == ["completions/completions_step_000001.csv", "completions/completions_step_000002.csv"]
+    local = client.download_artifacts(grpo_run.info.run_id, tables[0], str(tmp_path))
+    frame = pd.read_csv(local)
     assert list(frame.columns) == ["step", "prompt", "completion", "advantage", "reward", "vader"] and len(frame) == 8
 
 

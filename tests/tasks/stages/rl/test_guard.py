@@ -115,7 +115,7 @@ def test_rollback_restores_the_last_passed_checkpoint_and_trains_on(prefect_harn
     assert versions[("3", "2")].run_id == versions[("4", "2")].run_id == attempt.info.run_id
     exported = client.get_model_version_by_alias("smoke-policy", "candidate")
     selected = versions[(str(summary["selected_step"]), "2" if summary["selected_step"] > 2 else "1")]
-    assert exported.tags["source_checkpoint"] == f"models:/smoke-policy/{selected.version}"
+    assert f"- source checkpoint: `models:/smoke-policy/{selected.version}`" in exported.description
 
     # Prefect: one artifact per key, the second attempt's keys carry it, the guard's says what it did, and the
     # evaluation report names the step exported

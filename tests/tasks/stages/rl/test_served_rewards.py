@@ -98,8 +98,8 @@ def test_a_judge_on_an_openai_compatible_server_scores_a_grpo_run(prefect_harnes
     assert all(r["headers"]["Authorization"] == f"Bearer {TOKEN}" for r in behaviour.seen)
     # the evaluation table carries the judge's score of each held-out completion
     evals = [a.path for a in client.list_artifacts(run.info.run_id, "eval")]
-    table = client.download_artifacts(run.info.run_id, next(p for p in evals if p.endswith(".parquet")), str(tmp_path))
-    frame = pd.read_parquet(table)
+    table = client.download_artifacts(run.info.run_id, next(p for p in evals if p.endswith(".csv")), str(tmp_path))
+    frame = pd.read_csv(table)
     assert "reward_judge" in frame.columns and frame["reward_judge"].between(0, 10).all()
     # the token: in the requests only
     needle = TOKEN.encode()

@@ -29,7 +29,7 @@ CALCULATOR = [
     f"grpo.rewards=[{{name: exact_match, function: '{EXACT}'}}]",
     "grpo.log_completions_steps=1",
     f"eval.metrics=['{EXACT}']",
-    "promote.metric=exact_match",
+    f"promote.evaluator.metrics=['{EXACT}']",
 ]
 TOOL_METRICS = ("call_frequency", "failure_frequency", "failures", "turns", "hit_max_calls", "token_share")
 
