@@ -32,7 +32,8 @@ from tasks.promotion.record import (
     Outcome,
     comparison_tags,
     link_from_description,
-    publish,
+    publish_comparison,
+    publish_report,
     record,
     report,
 )
@@ -83,11 +84,8 @@ def _already_judged(name: str, candidate, champion, against: str, logger) -> dic
             against,
             candidate.tags.get(TAG + "decision"),
         )
-        return {
-            **base,
-            "decision": candidate.tags.get(TAG + "decision", "unchanged"),
-            "reason": candidate.tags.get(TAG + "reason", ""),
-        }
+        decision = candidate.tags.get(TAG + "decision", "unchanged")
+        return {**base, "decision": decision, "reason": f"already judged against {against}: {decision}"}
     return None
 
 
@@ -112,15 +110,20 @@ def _judge(cfg: PipelineConfig, run_id: str, versions: tuple, judging, plan) -> 
     broken = candidate.tags.get("guard.broken", "").split(",")  # the rules its checkpoint broke in training
     outcome = Outcome(decide(contest.comparison, plan.gates, broken=broken))
     training_reward = plan.evaluator.kind == "training_reward"
+    link = publish_comparison(run_id, name, contest)
     if outcome.decision.promote and cfg.promote.approval == "required":
-        draft = report(name, candidate, contest, outcome, label, training_reward)
-        link = publish(run_id, name, contest, draft)
-        approval = ask_approval(f"{draft}\n\nPrompt by prompt: {link}", cfg.promote.approval_timeout_h)
+        waiting = Outcome(outcome.decision, pending=True)
+        draft = publish_report(run_id, name, report(name, candidate, contest, waiting, label, training_reward), link)
+        print(
+            f"Waiting up to {cfg.promote.approval_timeout_h:g} h for a person: open this flow run in Prefect's UI "
+            "and press Resume to approve or reject (promote.approval: required)"
+        )
+        approval = ask_approval(draft, cfg.promote.approval_timeout_h)
         outcome = Outcome(outcome.decision, approval, cfg.promote.approval_timeout_h)
-    link = publish(run_id, name, contest, report(name, candidate, contest, outcome, label, training_reward))
+    publish_report(run_id, name, report(name, candidate, contest, outcome, label, training_reward), link)
     against = str(champion.version) if champion is not None else "none"
     tags = record(run_id, name, versions, outcome, {"evaluated_against": against, **comparison_tags(contest, label)})
-    link_from_description(name, candidate, outcome, contest.comparison.result.summary(), link)
+    link_from_description(name, candidate, contest, outcome, (tracking.logs.run_link(run_id), link))
     return contest, tags
 
 

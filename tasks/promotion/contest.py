@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from rlhf_core.config import PipelineConfig
 from rlhf_core.config.errors import UserError
-from rlhf_core.data.chat import extra_columns
+from rlhf_core.data.chat import extra_columns, prompt_columns
 from rlhf_core.data.tool_calls import holds_transcripts
 from rlhf_core.evaluation.pairwise import VERDICTS, compare, judged_outcome, pointwise_outcome
 from rlhf_core.evaluation.promotion import Comparison, eval_kl
@@ -49,11 +49,12 @@ def run_contest(cfg: PipelineConfig, data: PreparedData, judging: Judging, who: 
     scoring = VersionScoring(who.reference, judging.reward_model, metrics, prompt_rows)
     candidate_summary, candidate = evaluate_version(cfg, data, who.candidate, scoring)
     opponent_summary, opponent = evaluate_version(cfg, data, who.opponent, scoring)
+    prompts = shown_prompts(prompt_rows)
     if evaluator.column is None:
-        rows, outcomes = _judged(judging, prompt_rows, candidate, opponent)
+        rows, outcomes = _judged(judging, prompts, prompt_rows, (candidate, opponent))
         means = {}
     else:
-        rows, outcomes = _pointwise(evaluator.column, candidate, opponent)
+        rows, outcomes = _pointwise(evaluator.column, prompts, candidate, opponent)
         means = {
             "candidate_mean": candidate_summary.get(f"eval/{evaluator.column}_mean"),
             "opponent_mean": opponent_summary.get(f"eval/{evaluator.column}_mean"),
@@ -72,22 +73,26 @@ def run_contest(cfg: PipelineConfig, data: PreparedData, judging: Judging, who: 
     return Contest(comparison, rows, summaries, transcripts=holds_transcripts(candidate))
 
 
-def _shown(row: dict) -> tuple[str, str]:
-    return plain_text(row.get("prompt_messages") or row["prompt"]), plain_text(row["completion"])
+def shown_prompts(prompt_rows: list[dict]) -> list[str]:
+    """Each held-out prompt as a person (and a judge) reads it: a conversation's messages, not the chat template's
+    rendering of them."""
+    prompts, messages = prompt_columns(prompt_rows)
+    return [plain_text(m) for m in messages] if messages is not None else prompts
 
 
-def _pointwise(column: str, candidate: list[dict], opponent: list[dict]) -> tuple[list[dict], list[float]]:
+def _pointwise(
+    column: str, prompts: list[str], candidate: list[dict], opponent: list[dict]
+) -> tuple[list[dict], list[float]]:
     rows, outcomes = [], []
-    for mine, theirs in zip(candidate, opponent):
+    for prompt, mine, theirs in zip(prompts, candidate, opponent):
         if mine.get(column) is None or theirs.get(column) is None:
             raise UserError(f"promote.evaluator: the evaluation has no {column!r} for prompt {len(rows)}")
         outcome = pointwise_outcome(float(mine[column]), float(theirs[column]))
-        prompt, completion = _shown(mine)
         rows.append(
             {
                 "prompt": prompt,
-                "opponent": _shown(theirs)[1],
-                "candidate": completion,
+                "opponent": plain_text(theirs["completion"]),
+                "candidate": plain_text(mine["completion"]),
                 f"opponent {column}": float(theirs[column]),
                 f"candidate {column}": float(mine[column]),
                 "verdict": VERDICTS[outcome],
@@ -97,13 +102,10 @@ def _pointwise(column: str, candidate: list[dict], opponent: list[dict]) -> tupl
     return rows, outcomes
 
 
-def _judged(
-    judging: Judging, prompt_rows: list[dict], candidate: list[dict], opponent: list[dict]
-) -> tuple[list[dict], list[float]]:
+def _judged(judging: Judging, prompts: list[str], prompt_rows: list[dict], both: tuple) -> tuple[list[dict], list]:
     """Each pair asked twice (the candidate's completion as completion_a, then the opponent's); a prompt the judge
     could not answer in either order (on_failure drop_group) is left out, and says so in its row."""
-    prompts = [_shown(row)[0] for row in candidate]
-    mine, theirs = [_shown(row)[1] for row in candidate], [_shown(row)[1] for row in opponent]
+    mine, theirs = ([plain_text(row["completion"]) for row in rows] for rows in both)
     columns = extra_columns(prompt_rows)
     extra = [{k: v[i] for k, v in columns.items()} for i in range(len(prompts))]
     first = judging.judge.prefer(prompts, mine, theirs, extra)

@@ -61,6 +61,14 @@ def register_candidate(model_dir: Path, reference: Path, uri: str, reward_model:
     return version
 
 
+def promotion_run(client: MlflowClient, version: str):
+    """The newest promotion run of `version` (named promote-<model>-v<version>)."""
+    experiment = client.get_experiment_by_name("rlhf-smoke").experiment_id
+    return client.search_runs(
+        [experiment], f"tags.mlflow.runName = 'promote-{NAME}-v{version}'", order_by=["attributes.start_time DESC"]
+    )[0]
+
+
 def register_reward_model(model_dir: Path, uri: str) -> str:
     tracking.store.configure(uri)
     experiment = tracking.store.ensure_experiment("promote-test", uri)
@@ -136,10 +144,15 @@ def test_promotion_first_better_worse_and_idempotent(prefect_harness, tmp_path, 
     assert tags["promotion.decision"] == "promoted" and tags["promotion.evaluated_against"] == "none"
     assert tags["promotion.evaluator"] == f"metric {AGREEMENT}" and tags["promotion.n"] == "8"
     assert float(tags["promotion.ci_low"]) <= float(tags["promotion.win_rate"]) <= float(tags["promotion.ci_high"])
-    assert "promotion.kl" in tags and "Promotion: promoted; win rate" in version.description
+    assert "promotion.reason" not in tags and "promotion.kl" not in tags  # in the description and the run: short rows
+    assert f"Promotion against its start ({base}): promoted: no champion yet; mean agreement 1.0000" in (
+        version.description
+    )
 
     # the run holds the table prompt by prompt, as CSV (MLflow's UI shows it as a table)
-    run = client.get_run(tags["promotion.mlflow_run_id"])
+    run = promotion_run(client, v1)
+    assert run.data.metrics["promotion/n"] == 8 and run.data.metrics["candidate/agreement_mean"] == 1.0
+    assert run.data.tags["promotion.reason"].startswith("no champion yet")
     table = list(csv.DictReader(io.StringIO(Path(run.info.artifact_uri.removeprefix("file://"), TABLE).read_text())))
     assert len(table) == 8 and {"prompt", "opponent", "candidate", "verdict"} <= set(table[0])
     assert run.data.tags["mlflow.note.content"].startswith(f"# Promotion of {NAME} version {v1}")
@@ -213,7 +226,7 @@ def test_a_candidate_that_games_its_own_reward_model_is_not_promoted(
         config_path=SMOKE, overrides=[*settings(tmp_path, mlflow_uri), "promote.allow_training_reward=true"]
     )
     assert allowed["decision"] == "promoted" and allowed["win_rate"] == 1.0
-    run = client.get_run(client.get_model_version(NAME, v3).tags["promotion.mlflow_run_id"])
+    run = promotion_run(client, v3)
     assert run.data.tags["mlflow.note.content"].startswith("**Judged by the candidate's own reward model**")
 
 

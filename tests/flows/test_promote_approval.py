@@ -77,7 +77,7 @@ def test_approve_moves_the_alias_reject_and_timeout_do_not(
     v1 = register_candidate(a, base, mlflow_uri)
     thread, out = promote_in_background(overrides)
     run, description = paused_run()
-    assert f"# Promotion of {NAME} version {v1}" in description and "win rate" in description
+    assert f"# Promotion of {NAME} version {v1}" in description and "**Awaiting approval**: " in description
     assert str(client.get_model_version_by_alias(NAME, "candidate").version) == v1
     with pytest.raises(Exception, match="alias champion not found|RESOURCE_DOES_NOT_EXIST"):
         client.get_model_version_by_alias(NAME, "champion")  # nothing moved while it waits
@@ -103,7 +103,7 @@ def test_approve_moves_the_alias_reject_and_timeout_do_not(
     tags = client.get_model_version(NAME, v2).tags
     assert str(client.get_model_version_by_alias(NAME, "champion").version) == v1
     assert (tags["promotion.decision"], tags["promotion.rejected_by"]) == ("rejected", "bo")
-    assert "approval: rejected by bo: wait for the safety review" in tags["promotion.reason"]
+    assert "approval: rejected by bo: wait for the safety review" in client.get_model_version(NAME, v2).description
 
     # no answer within approval_timeout_h: A stays champion, and the tags say the form timed out
     v3 = register_candidate(b, base, mlflow_uri)
@@ -113,4 +113,5 @@ def test_approve_moves_the_alias_reject_and_timeout_do_not(
     tags = client.get_model_version(NAME, v3).tags
     assert str(client.get_model_version_by_alias(NAME, "champion").version) == v1
     assert (tags["promotion.decision"], tags["promotion.approval"]) == ("timed_out", "timed_out")
-    assert "no one answered the approval form within promote.approval_timeout_h 0.001 h" in tags["promotion.reason"]
+    described = client.get_model_version(NAME, v3).description
+    assert "no one answered the approval form within promote.approval_timeout_h 0.001 h" in described
