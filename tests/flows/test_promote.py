@@ -283,3 +283,32 @@ def test_a_judge_that_is_down_ends_promotion_in_one_sentence_with_nothing_decide
     with pytest.raises(Exception, match="champion"):
         client.get_model_version_by_alias(NAME, "champion")
     assert not any(k.startswith("promotion.") for k in client.get_model_version(NAME, v1).tags)
+
+
+def test_a_pairwise_judge_agrees_with_its_metric_and_a_position_bias_is_only_ties(
+    prefect_harness, tmp_path, smoke_world
+):
+    """A served judge that names the more positive completion (VADER) asked in both orders decides every prompt as
+    the VADER metric does prompt by prompt; one that always names the first shown makes every prompt a tie."""
+    from tests.fixtures.scorers import Behaviour, scorer_in_thread
+
+    base = Path(smoke_world.base_model)
+    model = perturbed(base, tmp_path / "a", seed=1)
+    template = "{prompt} A: {completion_a} B: {completion_b}"
+
+    def promote(store: str, evaluator: str) -> dict:
+        uri = f"sqlite:///{tmp_path / store}.db"
+        register_candidate(model, base, uri)
+        overrides = [*settings(tmp_path / store, uri), evaluator]
+        return rlhf_promote(config_path=SMOKE, overrides=overrides)
+
+    with scorer_in_thread(Behaviour(mode="pairwise")) as (url, behaviour):
+        judge = f"promote.evaluator.judge={{url: '{url}/v1', judge_model: j, template: '{template}', labels: {{A: 1.0, B: 0.0, tie: 0.5}}}}"
+        judged = promote("judged", judge)
+        behaviour.mode = "first"
+        biased = promote("biased", judge)
+    metric = promote("metric", "promote.evaluator.metrics=['rlhf_core.rewards.functions:vader_compound']")
+    assert judged["n"] == metric["n"] == 8 and judged["win_rate"] == metric["win_rate"]
+    assert len(behaviour.seen) == 2 * 8 * 2  # two promotions, each prompt asked in both orders
+    assert biased["win_rate"] == 0.5 and biased["ci"] == [0.5, 0.5] and biased["decision"] == "refused"
+    assert "not better with 95% confidence" in biased["reason"]

@@ -30,6 +30,9 @@ REPO = Path(__file__).resolve().parents[2]
 VENV = Path(sys.executable).parent.parent
 START_S = 150  # both servers answering and the run's MLflow run RUNNING, on 2 busy cores
 STOP_S = 45  # make's exit after the signal: the run stopped (it ends its MLflow runs), then both servers
+# between repeated signals: all of them within the cleanup, which took 1.5 s once here (0.5 s apart, the fourth
+# signal found make gone)
+SIGNAL_GAP_S = 0.1
 
 
 def make_ui(tmp_path: Path, mlflow_port: int, prefect_port: int) -> subprocess.Popen:
@@ -167,7 +170,7 @@ def test_make_ui_stops_both_servers_and_the_run(tmp_path, case):
         for signum in signals:
             assert make.poll() is None  # each arrives while `rlhf ui` stops the run and the servers
             os.killpg(make.pid, signum)
-            time.sleep(0.5)
+            time.sleep(SIGNAL_GAP_S)
         try:
             code = make.wait(timeout=STOP_S)
         except subprocess.TimeoutExpired:
