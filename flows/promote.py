@@ -100,11 +100,10 @@ def _candidate(name: str):
     return candidate
 
 
-def _judge(cfg: PipelineConfig, run_id: str, versions: tuple, judging, plan) -> tuple:
+def _judge(cfg: PipelineConfig, run_id: str, versions: tuple, who: Contestants, judging, plan) -> tuple:
     """The contest, the gates, the approval when required, then the record; (contest, the tags written)."""
     candidate, champion = versions
-    name = cfg.registry.policy_model_name
-    who, label = contestants(name, candidate, champion), judging.evaluator.label()
+    name, label = cfg.registry.policy_model_name, judging.evaluator.label()
     contest = run_contest(cfg, data_stage(cfg, run_id), judging, who)
     print_rows(contest.rows[:5], f"Candidate v{candidate.version} against {who.label} (first 5 prompts)")
     broken = candidate.tags.get("guard.broken", "").split(",")  # the rules its checkpoint broke in training
@@ -146,8 +145,9 @@ def rlhf_promote(config_path: str | None = "configs/demo.yaml", overrides: list[
     if judged is not None:
         return judged
     judging = evaluators.resolve(plan.evaluator, candidate)  # a bad evaluator: one sentence, before generation
+    who = contestants(name, candidate, champion)
     with tracking.runs.pipeline_run(cfg, tags=PROMOTION_TAGS, run_name=promotion_run_name(name, candidate)) as run_id:
-        contest, tags = _judge(cfg, run_id, (candidate, champion), judging, plan)
+        contest, tags = _judge(cfg, run_id, (candidate, champion), who, judging, plan)
     logger.info("version %s %s: %s", candidate.version, tags["decision"], tags["reason"])
     return {
         "model": name,
