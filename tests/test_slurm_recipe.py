@@ -128,11 +128,20 @@ def stop_problems(log: list[str], tmp: Path) -> list[str]:
         problems.append("Ray stopped before the flow ended")
     for pid_file in tmp.glob("ray-*.pid"):
         try:
-            os.kill(int(pid_file.read_text()), signal.SIGKILL)
+            os.kill(written_pid(pid_file), signal.SIGKILL)
         except ProcessLookupError:
             continue
         problems.append(f"a `ray start` was still running ({pid_file.name})")
     return problems
+
+
+def written_pid(pid_file: Path, timeout_s: float = 5.0) -> int:
+    """The pid the stand-in `ray start` wrote: `echo $$ >file` empties the file before it writes, so a `ray start`
+    caught in between has an empty file for a moment (seen once in CI: int('') failed)."""
+    deadline = time.monotonic() + timeout_s
+    while not (text := pid_file.read_text().strip()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return int(text)
 
 
 def start_problems(log: list[str]) -> list[str]:
