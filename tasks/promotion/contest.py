@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from rlhf_core.config import PipelineConfig
 from rlhf_core.config.errors import UserError
-from rlhf_core.data.chat import extra_columns, prompt_columns
+from rlhf_core.data.chat import extra_columns, prompt_columns, shown_prompt
 from rlhf_core.data.tool_calls import holds_transcripts
 from rlhf_core.evaluation.pairwise import VERDICTS, compare, judged_outcome, pointwise_outcome
 from rlhf_core.evaluation.promotion import Comparison, eval_kl
@@ -75,9 +75,9 @@ def run_contest(cfg: PipelineConfig, data: PreparedData, judging: Judging, who: 
 
 def shown_prompts(prompt_rows: list[dict]) -> list[str]:
     """Each held-out prompt as a person (and a judge) reads it: a conversation's messages, not the chat template's
-    rendering of them."""
+    rendering of them; a templated prompt without its messages as `shown_prompt` strips it (plain text passes)."""
     prompts, messages = prompt_columns(prompt_rows)
-    return [plain_text(m) for m in messages] if messages is not None else prompts
+    return [plain_text(m) for m in messages] if messages is not None else [shown_prompt(p) for p in prompts]
 
 
 def _pointwise(

@@ -1,5 +1,7 @@
 """The contest's prompt-by-prompt rows: a pairwise judge asked in both orders, prompts shown as their messages."""
 
+import pytest
+
 from rlhf_core.config.evaluation import Evaluator, PairwiseJudge
 from rlhf_core.evaluation.pairwise import LOSS, TIE, WIN
 from rlhf_core.rewards.pairwise_judge import PairwiseJudgeCaller
@@ -51,3 +53,19 @@ def test_pointwise_rows_and_prompts_shown_as_their_messages():
             "verdict": "tie",
         }
     ]
+
+
+@pytest.mark.parametrize("name", ["qwen2.5", "qwen2.5-instruct", "llama-3-instruct", "gpt2"])
+def test_prompts_read_as_their_text_under_each_real_family_template(name, tmp_path):
+    """Rendered by a real family's chat template (ChatML, Llama 3's headers; base models without one), a prompt
+    row shows the user's words: from its messages, or its turns' text stripped of the template when it has none."""
+    from rlhf_core.data.chat import PROMPT_MESSAGES, has_chat_template, render_prompt
+    from rlhf_core.models.loading import load_tokenizer
+    from tests.fixtures.real_shapes import build_family
+
+    tokenizer = load_tokenizer(str(build_family(name, tmp_path)))
+    messages = [{"role": "user", "content": "the soup was"}]
+    rendered = render_prompt(tokenizer, messages) if has_chat_template(tokenizer) else "the soup was"
+    assert shown_prompts([{"prompt": rendered, PROMPT_MESSAGES: messages}]) == ["the soup was"]
+    (stripped,) = shown_prompts([{"prompt": rendered}])  # its turns' text: Qwen's default system turn too
+    assert stripped.endswith("the soup was") and "<|" not in stripped and "user" not in stripped.split()
