@@ -40,11 +40,13 @@ for n in $STUB_NODES; do STUB_NODE=$n "$@"; done
 """,
     "scontrol": 'printf "%s\\n" $STUB_NODES\n',
     "hostname": '[[ $1 == -I ]] && echo "${STUB_IPS[$STUB_NODE]} fd00::1" || echo "$STUB_NODE"\n',
+    # `ray start` takes SIGTERM from its first line: a job that fails at once (a node never joins, timeout 0) may
+    # end the step between the log line and a later trap, and bash's default would end it without a word (CI, once)
     "ray": r"""
+[[ $1 == start ]] && trap 'echo "ray@$STUB_NODE ended" >>"$STUB_LOG"; exit 0' TERM
 echo "ray@${STUB_NODE:-batch} $* (auth $RAY_AUTH_MODE ${RAY_AUTH_TOKEN:+token})" >>"$STUB_LOG"
 case $1 in
   start) exec </dev/null >/dev/null 2>&1; echo $$ >"$STUB_DIR/ray-$STUB_NODE.pid"
-    trap 'echo "ray@$STUB_NODE ended" >>"$STUB_LOG"; exit 0' TERM
     while :; do sleep 0.1; done ;;
   stop) [[ -f $STUB_DIR/ray-$STUB_NODE.pid ]] && kill "$(<"$STUB_DIR/ray-$STUB_NODE.pid")" 2>/dev/null; exit 0 ;;
   health-check) exit "${STUB_HEAD_UP:-0}" ;;
