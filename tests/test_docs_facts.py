@@ -43,7 +43,14 @@ SECTIONS = "|".join(sorted(PipelineConfig.model_fields, key=len, reverse=True))
 # a section name, not inside a longer dotted or path-like word, then .field, [] or [i] parts
 CONFIG_NAME = re.compile(rf"(?<![\w./:@<>-])(?:{SECTIONS})(?:\.\w+|\[\]|\[\d+\])+")
 # how README.md's `rlhf deploy` row names each deployment of deployments/prefect.yaml
-README_DEPLOYMENT_WORDS = {"default": "the pipeline", "ray": "Ray cluster", "nightly": "nightly", "manual": "promotion"}
+README_DEPLOYMENT_WORDS = {
+    "default": "the pipeline",
+    "ray": "Ray cluster",
+    "nightly": "nightly",
+    "every-5-minutes": "feedback watch",
+    "on-feedback": "retraining on feedback",
+    "manual": "promotion",
+}
 NUMBER_WORDS = {w: n for n, w in enumerate("zero one two three four five six seven eight nine ten".split())}
 
 
@@ -134,6 +141,7 @@ def test_docs_deployments_lists_every_deployment():
         "flows/rlhf_pipeline.py": "rlhf-pipeline",
         "flows/retrain.py": "rlhf-retrain",
         "flows/promote.py": "rlhf-promote",
+        "flows/feedback_watch.py": "rlhf-feedback-watch",
     }
     text = (REPO / "docs" / "deployments.md").read_text()
     named = [f"{flows[d['entrypoint'].split(':')[0]]}/{d['name']}" for d in DEPLOYMENTS["deployments"]]

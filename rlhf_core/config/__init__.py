@@ -35,6 +35,7 @@ from rlhf_core.config.pipeline import (
     PipelineConfig,
     PromoteConfig,
     RegistryConfig,
+    RetrainConfig,
     TrackingConfig,
 )
 from rlhf_core.config.rewards import RewardSource
@@ -85,6 +86,7 @@ __all__ = [
     "PipelineConfig",
     "PromoteConfig",
     "RegistryConfig",
+    "RetrainConfig",
     "TrackingConfig",
     "accelerate_strategy",
     "UserError",

@@ -84,6 +84,14 @@ class RegistryConfig(Section):
     )
 
 
+class RetrainConfig(Section):
+    min_new_pairs: int = Field(
+        64,
+        ge=1,
+        description="Feedback pairs (a `traces:` data.preference source) that must arrive after the last training before `rlhf-feedback-watch` emits the event that starts a retraining (docs/feedback.md).",
+    )
+
+
 class PipelineConfig(Section):
     run: RunConfig = Field(default_factory=RunConfig, description="Run name, output directory, seed and device.")
     model: ModelConfig = Field(default_factory=ModelConfig, description="The base policy and its loading options.")
@@ -106,6 +114,7 @@ class PipelineConfig(Section):
     promote: PromoteConfig = Field(default_factory=PromoteConfig, description="Promotion of the candidate to champion.")
     tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="MLflow tracking.")
     registry: RegistryConfig = Field(default_factory=RegistryConfig, description="Registered model names.")
+    retrain: RetrainConfig = Field(default_factory=RetrainConfig, description="When new feedback starts a retraining.")
 
     @model_validator(mode="after")
     def _cross_checks(self) -> PipelineConfig:

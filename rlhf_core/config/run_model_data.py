@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from rlhf_core.config.base import DEMO, ExpandedPath, PathText, Section
 
@@ -139,11 +139,19 @@ class ColumnMap(Section):
     )
 
 
+FEEDBACK_SOURCE = "traces:"  # data.<table>.path: traces:<experiment>, the users' feedback in that MLflow experiment
+SINCE_CHOICES = ("all", "last_training")
+
+
 class DatasetSpec(Section):
     path: PathText = Field(
         DEMO,
         min_length=1,
-        description="'demo', a local json/jsonl/parquet/csv file, directory or glob (data/prefs/*.jsonl), a save_to_disk directory, or a hub dataset name.",
+        description="'demo', a local json/jsonl/parquet/csv file, directory or glob (data/prefs/*.jsonl), a save_to_disk directory, a hub dataset name, or `traces:<experiment>`: the feedback on a served policy's answers traced in that MLflow experiment (docs/feedback.md; data.preference and data.prompts).",
+    )
+    since: str = Field(
+        "all",
+        description="A `traces:` source's window: 'all' feedback, 'last_training' (what arrived after the cut-off of the newest policy version trained on this source, kept in its `feedback_until` tag), or an ISO 8601 time such as 2026-11-28T00:00:00Z.",
     )
     split: str = Field("train", min_length=1, description="Split to read (local files are one 'train' split).")
     revision: str | None = Field(None, description="Hub revision (branch, tag or commit) of a hub dataset.")
@@ -155,6 +163,42 @@ class DatasetSpec(Section):
         default_factory=ColumnMap, description="Mapping from the pipeline's column names to the source's."
     )
     limit: int | None = Field(None, ge=1, description="Read at most this many rows, in file order.")
+
+    @field_validator("since", mode="before")
+    @classmethod
+    def _since_text(cls, value: Any) -> Any:
+        """A time YAML read as a datetime (2026-11-28T00:00:00Z unquoted), as its ISO text."""
+        return value.isoformat() if hasattr(value, "isoformat") else value
+
+    @property
+    def feedback_experiment(self) -> str | None:
+        """The MLflow experiment of a `traces:` source, else None."""
+        return self.path[len(FEEDBACK_SOURCE) :] if self.path.startswith(FEEDBACK_SOURCE) else None
+
+    def since_ms(self) -> int | None:
+        """`since` as epoch milliseconds when it is a time; None for 'all' and 'last_training'."""
+        if self.since in SINCE_CHOICES:
+            return None
+        from datetime import UTC, datetime
+
+        moment = datetime.fromisoformat(self.since.replace("Z", "+00:00"))
+        return int((moment if moment.tzinfo else moment.replace(tzinfo=UTC)).timestamp() * 1000)
+
+    @model_validator(mode="after")
+    def _feedback_source(self) -> DatasetSpec:
+        if self.path.startswith(FEEDBACK_SOURCE) and not self.feedback_experiment.strip():
+            raise ValueError(f"path '{self.path}' names no experiment: write traces:<MLflow experiment name>")
+        if self.since != "all" and self.feedback_experiment is None:
+            raise ValueError(f"since applies to a traces:<experiment> source, not to '{self.path}'")
+        if self.since not in SINCE_CHOICES:
+            try:
+                self.since_ms()
+            except ValueError:
+                raise ValueError(
+                    f"since '{self.since}' is neither 'all', 'last_training' nor an ISO 8601 time such as "
+                    "2026-11-28T00:00:00Z"
+                ) from None
+        return self
 
     @model_validator(mode="after")
     def _demo_splits(self) -> DatasetSpec:

@@ -68,6 +68,8 @@ def _not_here(spec: DatasetSpec) -> str | None:
     """Why `check_tables` does not read a table here, or None when it does."""
     if spec.path == DEMO:
         return "the demo world is built by the data stage"
+    if spec.feedback_experiment is not None:
+        return "users' feedback in MLflow: the data stage reads it"
     if not looks_local(spec.path):
         return "a hub data set: the data stage downloads and measures it"
     return None

@@ -170,6 +170,8 @@ def _check_table(field: str, spec: DatasetSpec, kind: Kind) -> tuple[str | None,
     path, conversational = spec.path, spec.format == "conversational"
     if path == DEMO:
         return None, False  # the demo world's tokenizer has its chat template
+    if spec.feedback_experiment is not None:
+        return None, False  # the served policy's rendered prompts: the data stage reads the tracking server
     if not looks_local(path):
         if not HUB_NAME.fullmatch(path) or ".." in path or "--" in path:
             return (

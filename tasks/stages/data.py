@@ -27,6 +27,7 @@ from tasks.reporting.identity import StageIdentity
 from tasks.reporting.progress import publish_table
 from tasks.reporting.reporter import StageReporter
 from tasks.runtime.retry import IO_RETRIES
+from tasks.stages.feedback import feedback_source
 
 
 @dataclass(frozen=True)
@@ -39,10 +40,17 @@ class PreparedData:
     tokenizer: str
     demo_world: str | None = None
     reports: list[dict] = field(default_factory=list)
+    feedback_until: dict[str, int] = field(default_factory=dict)  # traces: experiment -> its window's end (ms)
+    inputs: dict[str, dict] = field(default_factory=dict)  # table -> its MLflow dataset input (`dataset_inputs`)
 
     def source(self, table: str) -> str:
         """Where a table came from (a file, a hub name), for model cards."""
         return next((r["source"] for r in self.reports if r["table"] == table), table)
+
+    def inputs_for(self, *tables: str) -> list[dict]:
+        """The dataset-input entries of `tables` (names as in `tables`), for `tracking.logs.log_datasets` on the
+        run of a stage that reads them; a table not prepared is left out."""
+        return [self.inputs[name] for name in tables if name in self.inputs]
 
     @property
     def fingerprint(self) -> str:
@@ -97,8 +105,13 @@ def prepare_table(
 ) -> tuple[dict, TableLengths]:
     """Load, validate and length-check one table and save it under <output_dir>/data; its report row and lengths."""
     resolved = demo_path(world, kind, spec) if spec.path == DEMO else None
+    feedback = feedback_source(cfg, name, field_name, spec, kind) if spec.feedback_experiment else None
+    if feedback is not None:
+        resolved = feedback.path
+        for note in feedback.notes:
+            get_run_logger().warning("%s: %s", field_name, note)
     ds, lengths = measure_table(cfg, tokenizer, name, field_name, spec, kind, resolved)
-    source = resolved or spec.path
+    source = spec.path if feedback is not None else resolved or spec.path
     if lengths.over:
         get_run_logger().warning(lengths.sentence(source))
     if lengths.kept == 0:
@@ -118,31 +131,43 @@ def prepare_table(
         "fingerprint": fingerprint_rows(ds),
         "path": str(path),
     }
+    if feedback is not None:
+        report.update(feedback_until=feedback.until_ms, notes=" ".join(f"{n}." for n in feedback.notes))
     return report, lengths
+
+
+def feedback_cutoffs(cfg: PipelineConfig, reports: list[dict]) -> dict[str, int]:
+    """Each traces: experiment's window end, from the training tables read from it (kept in the registry once the
+    candidate is registered, for the next `since: last_training`)."""
+    specs = {name: spec for name, _, spec, _ in tables_to_prepare(cfg)}
+    return {
+        specs[r["table"]].feedback_experiment: r["feedback_until"]
+        for r in reports
+        if "feedback_until" in r and r["table"] not in EVALUATION_TABLES
+    }
 
 
 EVALUATION_TABLES = ("preference_eval", "eval_prompts")
 
 
-def dataset_inputs(cfg: PipelineConfig, reports: list[dict]) -> list[dict]:
-    """The prepared tables as MLflow dataset inputs: name (the config field), source (the configured path,
-    hub name or 'demo'), digest (the table's fingerprint), context (training or evaluation), split, rows."""
+def dataset_inputs(cfg: PipelineConfig, reports: list[dict]) -> dict[str, dict]:
+    """The prepared tables as MLflow dataset inputs, by table name: name (the config field), source (the
+    configured path, hub name or 'demo'), digest (the table's fingerprint), context (training or evaluation),
+    split, rows. Computed once here; the data stage's run and each stage that reads a table log these entries."""
     by_table = {r["table"]: r for r in reports}
-    inputs = []
+    inputs = {}
     for name, field_name, spec, _ in tables_to_prepare(cfg):
         if name not in by_table:
             continue
-        inputs.append(
-            {
-                "name": field_name,
-                "source": spec.path,
-                "digest": by_table[name]["fingerprint"],
-                "context": "evaluation" if name in EVALUATION_TABLES else "training",
-                "split": spec.split,
-                "revision": spec.revision,
-                "rows": by_table[name]["kept"],
-            }
-        )
+        inputs[name] = {
+            "name": field_name,
+            "source": spec.path,
+            "digest": by_table[name]["fingerprint"],
+            "context": "evaluation" if name in EVALUATION_TABLES else "training",
+            "split": spec.split,
+            "revision": spec.revision,
+            "rows": by_table[name]["kept"],
+        }
     return inputs
 
 
@@ -189,7 +214,9 @@ def data_stage(cfg: PipelineConfig, parent_run_id: str) -> PreparedData:
             tokenizer=tokenizer_source,
             demo_world=str(world.root.resolve()) if world else None,
             reports=reports,
+            inputs=dataset_inputs(cfg, reports),
+            feedback_until=feedback_cutoffs(cfg, reports),
         )
         reporter.tag({"data_fingerprint": prepared.fingerprint})
-        tracking.logs.log_datasets(run_id, dataset_inputs(cfg, reports))
+        tracking.logs.log_datasets(run_id, prepared.inputs_for(*prepared.tables))
         return prepared

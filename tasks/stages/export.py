@@ -213,6 +213,8 @@ def export_stage(
                 registry.describe_version(uri, version_description(cfg, plan, trained))
                 tracking.logs.link_model(parent_run_id, uri, trained.step)
                 publish_candidate(reporter, out, uri, promotion_blocked(trained))
+                # the feedback windows it trained on end here: the next `since: last_training` starts after them
+                tracking.feedback.record_cutoffs(cfg.registry.policy_model_name, data.feedback_until)
         return Checkpoint(
             path=str(out.resolve()),
             model_uri=uri,

@@ -205,6 +205,7 @@ def reward_stage(cfg: PipelineConfig, data: PreparedData, policy: Checkpoint | N
     ):
         if (reused := reuse_and_say(cfg, key, out_dir, reporter)) is not None:
             return reused
+        tracking.logs.log_datasets(run_id, data.inputs_for("preference", "preference_eval"))
         tokenizer = model_tokenizer(cfg.model, base)
         model = load_reward_model(
             base,

@@ -51,7 +51,9 @@ def _read_stage_file(path: Path) -> dict:
 
 def _train(cfg: PipelineConfig, data: PreparedData, reporter: StageReporter, out_dir: Path, key: str) -> dict:
     """Train the warm start into out_dir; its metrics. The stage file is written last: a crash before it means
-    the next run trains again."""
+    the next run trains again. The stage run lists the SFT table as its dataset input (a warm start reused
+    whole logs nothing: its run, left empty, is dropped)."""
+    tracking.logs.log_datasets(reporter.run_id, data.inputs_for("sft"))
     tokenizer = model_tokenizer(cfg.model, data.tokenizer)
     model = load_causal_lm(
         data.base_model,

@@ -175,3 +175,49 @@ def test_pipeline_and_promotion_run_as_deployments_on_team_servers(team):
     champion = client.get_model_version_by_alias("smoke-policy", "champion")
     assert str(champion.version) == str(candidate.version)
     assert client.get_model_version("smoke-policy", champion.version).tags["promotion.decision"] == "promoted"
+
+
+def flow_runs_of(team, deployment: str) -> list[dict]:
+    """The flow runs of `deployment` (flow/name) on the team's Prefect server."""
+    api = team["env"]["PREFECT_API_URL"]
+    flow_name, name = deployment.split("/")
+    with urllib.request.urlopen(f"{api}/deployments/name/{flow_name}/{name}", timeout=10) as response:
+        deployment_id = json.loads(response.read())["id"]
+    body = json.dumps({"deployments": {"id": {"any_": [deployment_id]}}}).encode()
+    request = urllib.request.Request(
+        f"{api}/flow_runs/filter", data=body, headers={"Content-Type": "application/json"}, method="POST"
+    )
+    with urllib.request.urlopen(request, timeout=10) as response:
+        return json.loads(response.read())
+
+
+def test_new_feedback_emits_the_event_whose_trigger_starts_a_retraining(team, monkeypatch):
+    import mlflow
+
+    from tests.fixtures.traffic import choose, traced_answer
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", team["mlflow"])
+    mlflow.set_tracking_uri(team["mlflow"])
+    mlflow.set_experiment("traffic-e2e")
+    try:
+        for i in range(3):  # three people each chose one of two answers: three new pairs
+            choose(traced_answer(f"the food was {i}", ["bland .", "great ."]), 1, user=f"user-{i}")
+    finally:
+        mlflow.set_tracking_uri(None)
+    assert flow_runs_of(team, "rlhf-retrain/on-feedback") == []
+    overrides = [f"run.output_dir={team['root'] / 'loop'}", "data.preference.path=traces:traffic-e2e"]
+    watch = {"config_path": "configs/smoke.yaml", "overrides": [*overrides, "retrain.min_new_pairs=3"]}
+    _, state = run_deployment(team, "rlhf-feedback-watch/every-5-minutes", watch)
+    assert state == "Completed"
+    # the trigger answers the event with a retraining flow run on the watch's config, which the worker starts
+    deadline, started = time.monotonic() + 90, None
+    while started is None and time.monotonic() < deadline:
+        runs = flow_runs_of(team, "rlhf-retrain/on-feedback")
+        started = next((r for r in runs if r["state"]["type"] in ("RUNNING", "COMPLETED", "FAILED")), None)
+        time.sleep(1)
+    assert started is not None, team["services"].logs()
+    assert started["parameters"]["config_path"] == "configs/smoke.yaml"
+    assert started["parameters"]["overrides"] == watch["overrides"]
+    subprocess.run(  # the retraining itself is the flywheel's to show (make flywheel); stop it here
+        [str(BIN / "prefect"), "flow-run", "cancel", started["id"]], env=team["env"], capture_output=True, timeout=60
+    )

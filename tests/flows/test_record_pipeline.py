@@ -1,6 +1,7 @@
 """The MLflow record of a pipeline run, as a reviewer reads it: summary metrics and final samples on the
 pipeline's run, each checkpoint version with its own step's evaluation, no empty nested runs on a re-run,
-links back to the Prefect flow run, the data sets as dataset inputs, a named promotion run."""
+links back to the Prefect flow run, the data sets as dataset inputs (of the data stage, and of each stage that
+trains on them), a named promotion run."""
 
 import hashlib
 import json
@@ -192,3 +193,32 @@ def test_the_data_stage_logs_every_prepared_table_as_a_dataset_input(record):
         assert int(tags["rlhf.rows"]) > 0
         assert dataset_input.dataset.source_type == "code"
         assert json.loads(dataset_input.dataset.source)["tags"] == {"rlhf.source": "demo"}
+
+
+STAGE_INPUTS = {  # what each training stage's run lists as its dataset inputs, with their contexts
+    "sft": {"sft.dataset": "training"},
+    "reward": {"data.preference": "training", "data.preference_eval": "evaluation"},
+    "ppo": {"data.prompts": "training", "data.eval_prompts": "evaluation"},
+}
+
+
+def input_entries(run) -> dict[str, tuple[str, dict[str, str]]]:
+    """A run's dataset inputs: name -> (digest, tags); each name once."""
+    found = [(i.dataset.name, (i.dataset.digest, {t.key: t.value for t in i.tags})) for i in run.inputs.dataset_inputs]
+    assert len(found) == len(dict(found)), found
+    return dict(found)
+
+
+def test_each_training_stage_run_lists_the_tables_it_read_as_dataset_inputs(record):
+    for summary in (record.first, record.second):
+        stages = children(record, summary["mlflow_run_id"])
+        data = input_entries(stages["data"])
+        for stage, expected in STAGE_INPUTS.items():
+            if stage not in stages:  # the second run reused the SFT warm start whole: no run of its own
+                assert summary is record.second and stage == "sft"
+                continue
+            entries = input_entries(stages[stage])
+            assert {name: tags["mlflow.data.context"] for name, (_, tags) in entries.items()} == expected, stage
+            for name, (digest, tags) in entries.items():
+                assert digest == data[name][0], (stage, name)  # the data stage's fingerprint of the same table
+                assert tags["rlhf.rows"] == data[name][1]["rlhf.rows"], (stage, name)

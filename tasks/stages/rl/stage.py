@@ -255,6 +255,8 @@ def _stage(cfg: PipelineConfig, data: PreparedData, plan: InitPlan, parent_run_i
         PolicyReporter(cfg, run_id, data, plan, key, guard := Guard(cfg, out_dir), gold=cfg.gold_metric()) as reporter,
     ):
         guard.listener = reporter.listener()
+        # the tables it reads, on the stage run (an attempt's run after a rollback is nested in it)
+        tracking.logs.log_datasets(run_id, data.inputs_for("prompts", "eval_prompts"))
         reporter.register_saved(out_dir, "policy")
         reporter.start(cfg.rl.total_steps, f"{cfg.rl.algorithm.upper()}: {cfg.rl.total_steps} steps")
         functions = eval_functions(cfg)
