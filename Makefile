@@ -118,6 +118,12 @@ bench: venv
 demo-seeds: venv
 	$(OFFLINE) $(BIN)/python -m bench.studies.demo_seeds
 
+# the closed loop, three turns on the demo world (docs/feedback.md): an MLflow server, a Prefect server and a worker,
+# the served champion, simulated users' feedback, the event that starts each retraining, promotion; one line per
+# turn; everything it starts is stopped at the end, on Ctrl-C and on SIGTERM. FLYWHEEL_SEED=n for another seed
+flywheel: venv
+	$(OFFLINE) $(BIN)/python -m bench.studies.flywheel
+
 # configs/rlvr.yaml on 3 seeds beside its continued-SFT control (docs/rlvr.md): bench/results/rlvr.md
 rlvr: venv
 	$(OFFLINE) $(BIN)/python -m bench.studies.rlvr

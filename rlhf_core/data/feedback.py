@@ -65,6 +65,13 @@ class AnsweredPrompt:
     model: str  # "<name>/<version>", or "" when the trace does not say
     time_ms: int
     assessments: tuple[Assessment, ...] = ()
+    stopped: tuple[bool, ...] = ()  # per completion: a stop token ended it (finish_reason "stop")
+
+    def text(self, index: int, stop_text: str) -> str:
+        """Completion `index` as the model wrote it: the served text, then `stop_text` when a stop token ended it
+        (the server leaves the token out; the reward model reads sequences that end on it, as in RL)."""
+        ends = index < len(self.stopped) and self.stopped[index]
+        return self.completions[index] + (stop_text if ends else "")
 
 
 @dataclass(frozen=True)
@@ -84,6 +91,7 @@ class FeedbackTable:
 
     pairs: list[dict] = field(default_factory=list)
     superseded: int = 0
+    stop_text: str = ""
     skipped: Counter = field(default_factory=Counter)
 
     def sentences(self) -> list[str]:
@@ -129,12 +137,12 @@ def _rating(assessment: Assessment) -> float | None:
     return float(value)
 
 
-def _pair(chosen: tuple[AnsweredPrompt, int], rejected: tuple[AnsweredPrompt, int], by: list[Assessment], name: str):
+def _pair(chosen, rejected, by: list[Assessment], name: str, stop_text: str) -> dict:
     (a, i), (b, j) = chosen, rejected
     return {
         "prompt": a.prompt,
-        "chosen": a.completions[i],
-        "rejected": b.completions[j],
+        "chosen": a.text(i, stop_text),
+        "rejected": b.text(j, stop_text),
         "feedback": name,
         "trace_ids": sorted({a.trace_id, b.trace_id}),
         "models": sorted({m for m in (a.model, b.model) if m}),
@@ -153,9 +161,10 @@ def _latest(judged: dict, key, item, assessment: Assessment, table: FeedbackTabl
     judged[key] = (*item, assessment)
 
 
-def feedback_table(answers: list[AnsweredPrompt], window: Window) -> FeedbackTable:
-    """The preference pairs the valid feedback inside `window` makes, by the module's rules."""
-    table = FeedbackTable()
+def feedback_table(answers: list[AnsweredPrompt], window: Window, stop_text: str = "") -> FeedbackTable:
+    """The preference pairs the valid feedback inside `window` makes, by the module's rules; a completion a stop
+    token ended gets `stop_text` (the tokenizer's eos token) back at its end."""
+    table = FeedbackTable(stop_text=stop_text)
     choices: dict = {}  # (trace, {i, j}) -> (answer, chosen, rejected, assessment)
     ratings: dict = {}  # (trace, index, name) -> (answer, index, rating, assessment)
     for answer in sorted(answers, key=lambda a: (a.time_ms, a.trace_id)):
@@ -192,7 +201,7 @@ def _add(table: FeedbackTable, chosen, rejected, by: list[Assessment], name: str
     if chosen[0].completions[chosen[1]] == rejected[0].completions[rejected[1]]:
         table.skipped["identical"] += len(by)
         return
-    table.pairs.append(_pair(chosen, rejected, by, name))
+    table.pairs.append(_pair(chosen, rejected, by, name, table.stop_text))
 
 
 def _pair_ratings(table: FeedbackTable, judged: list[_Judged]) -> None:

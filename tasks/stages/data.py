@@ -105,7 +105,7 @@ def prepare_table(
 ) -> tuple[dict, TableLengths]:
     """Load, validate and length-check one table and save it under <output_dir>/data; its report row and lengths."""
     resolved = demo_path(world, kind, spec) if spec.path == DEMO else None
-    feedback = feedback_source(cfg, name, field_name, spec, kind) if spec.feedback_experiment else None
+    feedback = feedback_source(cfg, name, field_name, spec, kind, tokenizer) if spec.feedback_experiment else None
     if feedback is not None:
         resolved = feedback.path
         for note in feedback.notes:

@@ -50,15 +50,16 @@ def _write(rows: list[dict], path: Path) -> None:
 
 
 def feedback_rows(
-    cfg: PipelineConfig, spec: DatasetSpec, kind: Kind, field_name: str
+    cfg: PipelineConfig, spec: DatasetSpec, kind: Kind, field_name: str, stop_text: str = ""
 ) -> tuple[list[dict], FeedbackRead]:
-    """The rows a traces: source gives now (pairs for preference tables, prompts for prompt tables)."""
+    """The rows a traces: source gives now (pairs for preference tables, prompts for prompt tables); `stop_text`
+    ends each completion a stop token ended."""
     experiment = spec.feedback_experiment
     until_ms = int(time.time() * 1000)
     window = window_of(cfg, spec, until_ms, field_name)
     answers = tracking.feedback.answered_prompts(experiment, field_name)
     if kind == "preference":
-        table = feedback_table(answers, window)
+        table = feedback_table(answers, window, stop_text)
         rows, notes = table.pairs, table.sentences()
     elif kind == "prompt":
         rows, notes = feedback_prompts(answers, window), []
@@ -69,10 +70,13 @@ def feedback_rows(
     return rows, FeedbackRead("", experiment, until_ms, len(rows), notes)
 
 
-def feedback_source(cfg: PipelineConfig, name: str, field_name: str, spec: DatasetSpec, kind: Kind) -> FeedbackRead:
-    """Read a traces: source and write its rows as <output_dir>/data/feedback/<name>.jsonl; no rows in the window
-    is a one-sentence DataValidationError."""
-    rows, read = feedback_rows(cfg, spec, kind, field_name)
+def feedback_source(
+    cfg: PipelineConfig, name: str, field_name: str, spec: DatasetSpec, kind: Kind, tokenizer
+) -> FeedbackRead:
+    """Read a traces: source and write its rows as <output_dir>/data/feedback/<name>.jsonl, each completion that
+    stopped ending on the tokenizer's eos token as the policy wrote it (the reward model reads sequences that end on
+    it, as in RL); no rows in the window is a one-sentence DataValidationError."""
+    rows, read = feedback_rows(cfg, spec, kind, field_name, getattr(tokenizer, "eos_token", None) or "")
     if not rows:
         since = "" if spec.since == "all" else f" since {spec.since}"
         said = f" ({'; '.join(read.notes)})" if read.notes else ""
@@ -87,7 +91,8 @@ def feedback_source(cfg: PipelineConfig, name: str, field_name: str, spec: Datas
 
 def new_pairs(cfg: PipelineConfig) -> tuple[int, str]:
     """(the feedback pairs data.preference's traces: source holds after the last training's cut-off, its
-    experiment), read from the config's tracking store: what `rlhf-feedback-watch` counts. A source of another kind is a one-sentence UserError."""
+    experiment), read from the config's tracking store: what `rlhf-feedback-watch` counts. A source of another
+    kind is a one-sentence UserError."""
     spec = cfg.data.preference
     if spec.feedback_experiment is None:
         raise DataValidationError(

@@ -41,10 +41,12 @@ def _answer(trace) -> AnsweredPrompt:
     outputs = root.outputs if root is not None and isinstance(root.outputs, dict) else {}
     listed = outputs.get("completions")
     completions: tuple[str, ...] = ()
+    stopped: tuple[bool, ...] = ()
     if isinstance(listed, list) and all(isinstance(c, dict) and isinstance(c.get("completion"), str) for c in listed):
         ordered = sorted(listed, key=lambda c: c.get("index", 0))
         if [c.get("index", i) for i, c in enumerate(ordered)] == list(range(len(ordered))):
             completions = tuple(c["completion"] for c in ordered)
+            stopped = tuple(c.get("finish_reason") == "stop" for c in ordered)
     tags = trace.info.tags
     name, version = tags.get("rlhf.model_name"), tags.get("rlhf.model_version")
     return AnsweredPrompt(
@@ -54,6 +56,7 @@ def _answer(trace) -> AnsweredPrompt:
         model=f"{name}/{version}" if name and version else "",
         time_ms=int(trace.info.request_time),
         assessments=tuple(_assessment(a) for a in trace.info.assessments if type(a).__name__ == "Feedback"),
+        stopped=stopped,
     )
 
 

@@ -173,3 +173,10 @@ def test_prompts_from_traffic_are_each_taken_once_in_the_window():
     assert feedback_prompts(answers, Window(since_ms=None, until_ms=10)) == [
         {"prompt": "p", "trace_ids": ["tr-1", "tr-2"], "time_ms": 5}
     ]
+
+
+def test_a_completion_a_stop_token_ended_gets_the_end_token_back_and_one_cut_by_length_does_not():
+    stopped = AnsweredPrompt("tr", "p", ("fine .", "ok but the"), "", 1, (said(PREFERENCE, 0, 2),), (True, False))
+    (row,) = feedback_table([stopped], ALL, "<|im_end|>").pairs
+    assert (row["chosen"], row["rejected"]) == ("fine .<|im_end|>", "ok but the")
+    assert feedback_table([stopped], ALL).pairs[0]["chosen"] == "fine ."  # no stop text: the served text

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import time
+from types import SimpleNamespace
 
 import mlflow
 import pytest
@@ -20,6 +21,7 @@ from tests.fixtures.servers import free_port
 from tests.fixtures.traffic import choose, traced_answer
 
 SMOKE = "configs/smoke.yaml"
+EOS = SimpleNamespace(eos_token="<|im_end|>")  # the tokenizer's end token, which a stopped completion ends on
 
 
 @pytest.fixture
@@ -43,16 +45,16 @@ def test_feedback_becomes_the_preference_file_with_provenance(traffic):
     second = traced_answer("the staff were", ["kind .", "rude ."])
     choose(second, 0)
     traced_answer("no one answered this", ["a", "b"])  # no feedback: no pair
-    read = feedback_source(traffic, "preference", "data.preference", traffic.data.preference, "preference")
+    read = feedback_source(traffic, "preference", "data.preference", traffic.data.preference, "preference", EOS)
     rows = [json.loads(line) for line in open(read.path)]
     assert [(r["prompt"], r["chosen"], r["rejected"]) for r in rows] == [
-        ("the soup was", "cold .", "lovely ."),
-        ("the staff were", "kind .", "rude ."),
+        ("the soup was", "cold .<|im_end|>", "lovely .<|im_end|>"),  # they stopped: the end token, as RL scores them
+        ("the staff were", "kind .<|im_end|>", "rude .<|im_end|>"),
     ]
     assert rows[0]["trace_ids"] == [first] and rows[0]["models"] == ["smoke-policy/3"]
     assert read.notes == ["1 assessments were superseded by a later one of the same pair or completion"]
     # read again: the same rows, so the same data fingerprint (a retraining with nothing new trains nothing)
-    again = feedback_source(traffic, "preference", "data.preference", traffic.data.preference, "preference")
+    again = feedback_source(traffic, "preference", "data.preference", traffic.data.preference, "preference", EOS)
     assert open(again.path).read() == open(read.path).read()
 
 
@@ -68,7 +70,7 @@ def test_the_window_since_the_last_training_counts_only_what_came_after_its_cut_
     assert new_pairs(traffic) == (1, "traffic")
     since = traffic.model_copy(deep=True)
     since.data.preference.since = "last_training"
-    read = feedback_source(since, "preference", "data.preference", since.data.preference, "preference")
+    read = feedback_source(since, "preference", "data.preference", since.data.preference, "preference", EOS)
     assert [json.loads(line)["prompt"] for line in open(read.path)] == ["new prompt"]
 
 
@@ -77,7 +79,7 @@ def test_no_feedback_in_the_window_and_a_missing_experiment_are_one_sentence(tra
     with pytest.raises(
         DataValidationError, match="^data.preference.path: the experiment 'traffic' holds no feedback pairs"
     ):
-        feedback_source(traffic, "preference", "data.preference", traffic.data.preference, "preference")
+        feedback_source(traffic, "preference", "data.preference", traffic.data.preference, "preference", EOS)
     other = load_config(SMOKE, [f"tracking.uri={mlflow_uri}", "data.preference.path=traces:nowhere"])
     with pytest.raises(UserError, match="^data.preference.path: there is no MLflow experiment 'nowhere'") as err:
         new_pairs(other)
