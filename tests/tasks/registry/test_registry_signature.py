@@ -40,6 +40,7 @@ def test_a_policy_version_has_the_generation_params_and_an_input_example(cfg, sm
         "temperature": ("double", 1.0),
         "top_p": ("double", 1.0),
         "do_sample": ("boolean", False),
+        "n": ("long", 1),
     }
     # prompts in (checked by the served policy itself), a completion and its counts out
     assert info.signature.inputs is None
