@@ -65,13 +65,16 @@ class AnsweredPrompt:
     model: str  # "<name>/<version>", or "" when the trace does not say
     time_ms: int
     assessments: tuple[Assessment, ...] = ()
-    stopped: tuple[bool, ...] = ()  # per completion: a stop token ended it (finish_reason "stop")
+    # per completion: the stop token that ended it, "" when the length limit did, None when it stopped on a token
+    # the trace does not name
+    ends: tuple[str | None, ...] = ()
 
     def text(self, index: int, stop_text: str) -> str:
-        """Completion `index` as the model wrote it: the served text, then `stop_text` when a stop token ended it
-        (the server leaves the token out; the reward model reads sequences that end on it, as in RL)."""
-        ends = index < len(self.stopped) and self.stopped[index]
-        return self.completions[index] + (stop_text if ends else "")
+        """Completion `index` as the model wrote it: the served text, then the stop token that ended it (`stop_text`
+        when the trace does not name it): the server leaves it out, and the reward model reads sequences that end
+        on it, as in RL."""
+        end = self.ends[index] if index < len(self.ends) else ""
+        return self.completions[index] + (stop_text if end is None else end)
 
 
 @dataclass(frozen=True)
@@ -163,7 +166,7 @@ def _latest(judged: dict, key, item, assessment: Assessment, table: FeedbackTabl
 
 def feedback_table(answers: list[AnsweredPrompt], window: Window, stop_text: str = "") -> FeedbackTable:
     """The preference pairs the valid feedback inside `window` makes, by the module's rules; a completion a stop
-    token ended gets `stop_text` (the tokenizer's eos token) back at its end."""
+    token ended gets it back at its end (`stop_text` when its trace does not say which: `AnsweredPrompt.text`)."""
     table = FeedbackTable(stop_text=stop_text)
     choices: dict = {}  # (trace, {i, j}) -> (answer, chosen, rejected, assessment)
     ratings: dict = {}  # (trace, index, name) -> (answer, index, rating, assessment)

@@ -1,15 +1,13 @@
 """A registered policy as `mlflow models serve` and `mlflow.pyfunc.load_model` run it.
 
-A policy version is saved with MLflow's transformers flavor, so `mlflow.transformers.load_model` still
-gives its model and tokenizer back, and with this file as its python_function loader: registration
-(tasks/registry/logged_model.py `LoaderFlavor`) copies the file into the version (its `code/` folder) under
-`MODULE_IN_VERSION` and names it there. It imports nothing of this repository,
-so a version serves wherever its requirements are installed (keep it that way: a test loads it alone).
+A policy version is saved with MLflow's transformers flavor (`mlflow.transformers.load_model` gives its model and
+tokenizer back) and with this file as its python_function loader, which registration (tasks/registry/logged_model.py
+`LoaderFlavor`) copies into the version's `code/` folder as `MODULE_IN_VERSION`. It imports nothing of this
+repository, so a version serves wherever its requirements are installed (keep it so: a test loads it alone).
 
 A request is `{"inputs": [prompt, ...], "params": {...}}`, each prompt a string as the client renders it
-(a chat model's template applied), params the signature's (`generation_signature`), n among them: 1 to 16
-completions per prompt, each generated on its own (greedy ones are n copies of one text). The answer is one
-record per completion, prompt by prompt, then by index:
+(a chat template applied), params the signature's (`generation_signature`), n among them: 1 to 16 completions
+per prompt, each generated alone (greedy: n copies). The answer is one record per completion, by prompt, then index:
 
 - completion: the new text only, "" when the model stopped at once (never the prompt echoed back);
 - finish_reason: "stop" (a stop token ended it) or "length" (max_new_tokens did);
@@ -24,12 +22,13 @@ MlflowException(INVALID_PARAMETER_VALUE): the scoring server answers 400 with on
 Tracing, opt-in: with MLFLOW_TRACKING_URI and MLFLOW_EXPERIMENT_NAME (made when missing) or MLFLOW_EXPERIMENT_ID
 set, each prompt of a request answered is one trace there (a failed request: none): a root span "generate" (LLM)
 timed by the generation, inputs {"prompt", "params" (n included)}, outputs {"completions": [{"index",
-"completion", "finish_reason", "completion_tokens"}, ...], "prompt_tokens", "truncated_prompt_tokens"}, tags
-rlhf.kind "policy", rlhf.model_name and rlhf.model_version (asked of the registry at load; left out, in one
-warning, when not found), and nothing else of the request or the environment. The experiment is found at load,
-so a request asks nothing of MLflow: the trace id is made here and MLflow sends the trace from its queue. A
-trace it could not store is counted and said in one line (`TraceLosses`); the answer goes out regardless. The
-load sets `TRACE_ENV_DEFAULTS` (short HTTP retries) where the environment sets none. No experiment: no tracing.
+"completion", "finish_reason", "completion_tokens", "stop_token" (its text, "" at the length limit)}, ...],
+"prompt_tokens", "truncated_prompt_tokens"}, tags rlhf.kind "policy", rlhf.model_name and rlhf.model_version
+(asked of the registry at load; left out, in one warning, when not found), and nothing else of the request or the
+environment. The experiment is found at load, so a request asks nothing of MLflow: the trace id is made here and
+MLflow sends the trace from its queue. A trace it could not store is counted and said in one line (`TraceLosses`);
+the answer goes out regardless. The load sets `TRACE_ENV_DEFAULTS` (short HTTP retries) where the environment sets
+none. No experiment: no tracing.
 """
 
 from __future__ import annotations
@@ -247,7 +246,7 @@ class ServedPolicy:
         return answer, (start, time.time_ns())
 
     def _generate(self, ids: list[int], settings: dict) -> dict:
-        """One completion of `ids`: its text, finish_reason and completion_tokens."""
+        """One completion of `ids`: its text, finish_reason, completion_tokens and the stop token that ended it."""
         import torch
 
         sampling = {"temperature": settings["temperature"], "top_p": settings["top_p"]} if settings["do_sample"] else {}
@@ -269,6 +268,7 @@ class ServedPolicy:
             "completion": self.tokenizer.decode(text_ids, skip_special_tokens=True),
             "finish_reason": "length" if stopped is None else "stop",
             "completion_tokens": len(text_ids),
+            "stop_token": "" if stopped is None else self.tokenizer.decode([new[stopped]]),  # the trace's alone
         }
 
 

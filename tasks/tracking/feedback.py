@@ -41,12 +41,12 @@ def _answer(trace) -> AnsweredPrompt:
     outputs = root.outputs if root is not None and isinstance(root.outputs, dict) else {}
     listed = outputs.get("completions")
     completions: tuple[str, ...] = ()
-    stopped: tuple[bool, ...] = ()
+    ends: tuple[str | None, ...] = ()
     if isinstance(listed, list) and all(isinstance(c, dict) and isinstance(c.get("completion"), str) for c in listed):
         ordered = sorted(listed, key=lambda c: c.get("index", 0))
         if [c.get("index", i) for i, c in enumerate(ordered)] == list(range(len(ordered))):
             completions = tuple(c["completion"] for c in ordered)
-            stopped = tuple(c.get("finish_reason") == "stop" for c in ordered)
+            ends = tuple(_end(c) for c in ordered)
     tags = trace.info.tags
     name, version = tags.get("rlhf.model_name"), tags.get("rlhf.model_version")
     return AnsweredPrompt(
@@ -56,8 +56,17 @@ def _answer(trace) -> AnsweredPrompt:
         model=f"{name}/{version}" if name and version else "",
         time_ms=int(trace.info.request_time),
         assessments=tuple(_assessment(a) for a in trace.info.assessments if type(a).__name__ == "Feedback"),
-        stopped=stopped,
+        ends=ends,
     )
+
+
+def _end(completion: dict) -> str | None:
+    """The stop token that ended a traced completion; "" at the length limit; None when it stopped on a token the
+    trace does not name."""
+    if completion.get("finish_reason") != "stop":
+        return ""
+    token = completion.get("stop_token")
+    return token if isinstance(token, str) and token else None
 
 
 def _assessment(feedback) -> Assessment:

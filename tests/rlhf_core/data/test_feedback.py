@@ -176,7 +176,9 @@ def test_prompts_from_traffic_are_each_taken_once_in_the_window():
 
 
 def test_a_completion_a_stop_token_ended_gets_the_end_token_back_and_one_cut_by_length_does_not():
-    stopped = AnsweredPrompt("tr", "p", ("fine .", "ok but the"), "", 1, (said(PREFERENCE, 0, 2),), (True, False))
-    (row,) = feedback_table([stopped], ALL, "<|im_end|>").pairs
-    assert (row["chosen"], row["rejected"]) == ("fine .<|im_end|>", "ok but the")
-    assert feedback_table([stopped], ALL).pairs[0]["chosen"] == "fine ."  # no stop text: the served text
+    stopped = AnsweredPrompt("tr", "p", ("fine .", "ok but the"), "", 1, (said(PREFERENCE, 0, 2),), ("<|im_end|>", ""))
+    (row,) = feedback_table([stopped], ALL, "<|endoftext|>").pairs
+    assert (row["chosen"], row["rejected"]) == ("fine .<|im_end|>", "ok but the")  # the token the trace names
+    unnamed = AnsweredPrompt("tr", "p", ("fine .", "bad ."), "", 1, (said(PREFERENCE, 0, 2),), (None, None))
+    (row,) = feedback_table([unnamed], ALL, "<|endoftext|>").pairs
+    assert (row["chosen"], row["rejected"]) == ("fine .<|endoftext|>", "bad .<|endoftext|>")  # the eos, unnamed

@@ -343,8 +343,12 @@ def test_a_traced_prompt_is_one_trace_of_the_contract(gpt2_version, sqlite_store
         settings = policy_loader.generation_settings(params, policy.defaults, policy.context)
         assert span.inputs == {"prompt": prompt, "params": settings} and settings["n"] == 2
         assert span.outputs == {
-            "completions": [
-                {k: r[k] for k in ("index", "completion", "finish_reason", "completion_tokens")} for r in records
+            "completions": [  # the stop token's text too (GPT-2's eos), which the answer leaves out
+                {
+                    **{k: r[k] for k in ("index", "completion", "finish_reason", "completion_tokens")},
+                    "stop_token": "<|endoftext|>" if r["finish_reason"] == "stop" else "",
+                }
+                for r in records
             ],
             "prompt_tokens": records[0]["prompt_tokens"],
             "truncated_prompt_tokens": 0,

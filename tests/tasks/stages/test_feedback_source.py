@@ -103,3 +103,14 @@ def test_a_tracking_server_that_does_not_answer_is_one_sentence_raised_from_the_
     assert message.startswith("data.preference.path: the MLflow tracking server at http://") and "\n" not in message
     assert "hunter2" not in message
     assert is_transient(err.value)  # so the data stage's transient-I/O retries take it before it is said
+
+
+def test_feedback_on_the_answers_of_a_retired_version_still_counts_and_names_it(traffic, tmp_path):
+    client = MlflowClient()
+    client.create_registered_model("old-policy")
+    version = client.create_model_version("old-policy", source=str(tmp_path)).version
+    choose(traced_answer("the view was", ["grey .", "stunning ."], model=("old-policy", version)), 1)
+    client.delete_model_version("old-policy", version)  # retired after its users answered
+    read = feedback_source(traffic, "preference", "data.preference", traffic.data.preference, "preference", EOS)
+    (row,) = [json.loads(line) for line in open(read.path)]
+    assert row["chosen"] == "stunning .<|im_end|>" and row["models"] == [f"old-policy/{version}"]
