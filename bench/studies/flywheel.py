@@ -15,7 +15,8 @@ against its start), then turns the loop three times:
    the users' taste is drawn from and which the reward model learns only through their noisy choices;
 4. the next turn serves whatever the gate left as champion.
 
-One line per turn: the pairs so far, the reward model's accuracy on the demo's held-out gold pairs, the served
+One line per turn: the pairs so far, the reward model's accuracy on held-out feedback (the users' choices on a fixed
+fifth of the prompts, which it does not train on: `split: test` of the traces: source), the served
 champion's gold score on the users' prompts, and the promotion's decision with its interval. Everything stops at
 the end, on Ctrl-C and on SIGTERM (flows/ui.py's Stopper).
 """
@@ -126,7 +127,8 @@ class Loop:
 
     def first_champion(self) -> None:
         """The demo's pipeline, short, on its own preference pairs; promoted against its start."""
-        sets = [arg for o in [*self.overrides(), "data.preference.path=demo"] for arg in ("--set", o)]
+        first = [*self.overrides(), "data.preference.path=demo", "data.preference_eval.path=demo"]
+        sets = [arg for o in first for arg in ("--set", o)]
         self.run([str(BIN / "rlhf"), "run", "--config", CONFIG, *sets], "first champion")
         self.run([str(BIN / "rlhf"), "promote", "--config", CONFIG, *sets], "first promotion")
 
@@ -241,7 +243,7 @@ def prompts_of(root: Path, count: int, rng: random.Random) -> list[str]:
 def turn_line(turn: int, pairs: int, measured: dict, promoted: dict) -> str:
     accuracy = promoted["reward_accuracy"]
     return (
-        f"turn {turn}: {pairs} feedback pairs so far | reward model accuracy "
+        f"turn {turn}: {pairs} feedback pairs so far | reward model's accuracy on held-out feedback "
         f"{'-' if accuracy is None else f'{accuracy:.3f}'} | served champion's gold {measured['gold']:+.3f} | "
         f"candidate v{promoted['version']}: {promoted['decision']} (win rate {promoted['win_rate'] or '-'} "
         f"{promoted['interval']}) | champion v{promoted['champion']}"

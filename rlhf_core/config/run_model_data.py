@@ -147,7 +147,7 @@ class DatasetSpec(Section):
     path: PathText = Field(
         DEMO,
         min_length=1,
-        description="'demo', a local json/jsonl/parquet/csv file, directory or glob (data/prefs/*.jsonl), a save_to_disk directory, a hub dataset name, or `traces:<experiment>`: the feedback on a served policy's answers traced in that MLflow experiment (docs/feedback.md; data.preference and data.prompts).",
+        description="'demo', a local json/jsonl/parquet/csv file, directory or glob (data/prefs/*.jsonl), a save_to_disk directory, a hub dataset name, or `traces:<experiment>`: the feedback on a served policy's answers traced in that MLflow experiment (docs/feedback.md; preference and prompt tables; its split 'test' is a fixed fifth of the prompts, 'train' the rest).",
     )
     since: str = Field(
         "all",
@@ -188,6 +188,10 @@ class DatasetSpec(Section):
     def _feedback_source(self) -> DatasetSpec:
         if self.path.startswith(FEEDBACK_SOURCE) and not self.feedback_experiment.strip():
             raise ValueError(f"path '{self.path}' names no experiment: write traces:<MLflow experiment name>")
+        if self.feedback_experiment is not None and self.split not in ("train", "test"):
+            raise ValueError(
+                f"split '{self.split}': a traces: source's splits are 'train' and 'test' (a fixed fifth of the prompts)"
+            )
         if self.since != "all" and self.feedback_experiment is None:
             raise ValueError(f"since applies to a traces:<experiment> source, not to '{self.path}'")
         if self.since not in SINCE_CHOICES:

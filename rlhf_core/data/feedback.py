@@ -21,12 +21,14 @@ these rules:
 - a value that is not of its name's form, an index no completion has, or a trace without completions is
   skipped and counted, and the count is said in a sentence of the data report.
 
-Every pair keeps its provenance: the trace ids, the model versions that wrote its completions and the
+A source's `split` holds out a fixed fifth of the prompt texts ('test', the rest 'train': `split_of`), so a
+reward model is evaluated on feedback to prompts it never trained on. Every pair keeps its provenance: the trace ids, the model versions that wrote its completions and the
 assessment ids. Reading the same feedback again gives the same rows in the same order.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections import Counter
 from dataclasses import dataclass, field
@@ -164,9 +166,24 @@ def _latest(judged: dict, key, item, assessment: Assessment, table: FeedbackTabl
     judged[key] = (*item, assessment)
 
 
-def feedback_table(answers: list[AnsweredPrompt], window: Window, stop_text: str = "") -> FeedbackTable:
+TEST_SHARE = 0.2  # of the prompt texts: the held-out split of a traces: source
+
+
+def split_of(prompt: str) -> str:
+    """'test' for a fixed TEST_SHARE of prompt texts (by their sha256), else 'train': a prompt's feedback is held
+    out whole, whenever and however often it is read."""
+    bucket = int.from_bytes(hashlib.sha256(prompt.encode("utf-8")).digest()[:8], "big") / 2**64
+    return "test" if bucket < TEST_SHARE else "train"
+
+
+def feedback_table(
+    answers: list[AnsweredPrompt], window: Window, stop_text: str = "", split: str | None = None
+) -> FeedbackTable:
     """The preference pairs the valid feedback inside `window` makes, by the module's rules; a completion a stop
-    token ended gets it back at its end (`stop_text` when its trace does not say which: `AnsweredPrompt.text`)."""
+    token ended gets it back at its end (`stop_text` when its trace does not say which: `AnsweredPrompt.text`).
+    `split` ('train' or 'test') keeps the pairs of that split's prompts (`split_of`); None keeps all."""
+    if split is not None:
+        answers = [a for a in answers if split_of(a.prompt) == split]
     table = FeedbackTable(stop_text=stop_text)
     choices: dict = {}  # (trace, {i, j}) -> (answer, chosen, rejected, assessment)
     ratings: dict = {}  # (trace, index, name) -> (answer, index, rating, assessment)
@@ -225,9 +242,11 @@ def _pair_ratings(table: FeedbackTable, judged: list[_Judged]) -> None:
             table.skipped["unpaired"] += high - low + 1
 
 
-def feedback_prompts(answers: list[AnsweredPrompt], window: Window) -> list[dict]:
+def feedback_prompts(answers: list[AnsweredPrompt], window: Window, split: str | None = None) -> list[dict]:
     """The prompts the served policy was asked inside `window` (by the trace's time), each once (its first
-    trace), in time order: RL prompts from the traffic."""
+    trace), in time order: RL prompts from the traffic; `split` as in `feedback_table`."""
+    if split is not None:
+        answers = [a for a in answers if split_of(a.prompt) == split]
     seen: dict[str, dict] = {}
     for answer in sorted(answers, key=lambda a: (a.time_ms, a.trace_id)):
         if window.holds(answer.time_ms) and answer.prompt and answer.prompt not in seen:

@@ -59,10 +59,10 @@ def feedback_rows(
     window = window_of(cfg, spec, until_ms, field_name)
     answers = tracking.feedback.answered_prompts(experiment, field_name)
     if kind == "preference":
-        table = feedback_table(answers, window, stop_text)
+        table = feedback_table(answers, window, stop_text, spec.split)
         rows, notes = table.pairs, table.sentences()
     elif kind == "prompt":
-        rows, notes = feedback_prompts(answers, window), []
+        rows, notes = feedback_prompts(answers, window, spec.split), []
     else:
         raise DataValidationError(
             f"{field_name}.path: a traces: source gives preference pairs or prompts, not SFT text"

@@ -89,3 +89,18 @@ def test_the_demo_worlds_prompt_count_is_bounded_by_its_config_and_the_limit():
     assert demo.prompt_rows(DatasetSpec(split="test")) == (8, "data.demo.num_eval_prompts")
     assert demo.prompt_rows(DatasetSpec(limit=10)) == (10, "data.demo.num_train_prompts and its limit")
     assert demo.prompt_rows(DatasetSpec(limit=100)) == (32, "data.demo.num_train_prompts")
+
+
+def test_a_traces_source_names_its_experiment_its_window_and_a_train_or_test_split():
+    spec = DatasetSpec(path="traces:traffic", since="2026-11-28T00:00:00Z", split="test")
+    assert spec.feedback_experiment == "traffic" and spec.since_ms() == 1_795_824_000_000
+    assert DatasetSpec(path="data/prefs.jsonl").feedback_experiment is None
+    assert DatasetSpec(path="traces:traffic", since="last_training").since_ms() is None
+    for fields, said in [
+        ({"path": "traces: "}, "names no experiment"),
+        ({"path": "traces:t", "since": "yesterday"}, "neither 'all', 'last_training' nor an ISO 8601 time"),
+        ({"path": "prefs.jsonl", "since": "last_training"}, "since applies to a traces:<experiment> source"),
+        ({"path": "traces:t", "split": "validation"}, "a traces: source's splits are 'train' and 'test'"),
+    ]:
+        with pytest.raises(ValidationError, match=said):
+            DatasetSpec(**fields)

@@ -15,6 +15,7 @@ from rlhf_core.data.feedback import (
     Window,
     feedback_prompts,
     feedback_table,
+    split_of,
 )
 
 ALL = Window(since_ms=None, until_ms=10_000)
@@ -182,3 +183,15 @@ def test_a_completion_a_stop_token_ended_gets_the_end_token_back_and_one_cut_by_
     unnamed = AnsweredPrompt("tr", "p", ("fine .", "bad ."), "", 1, (said(PREFERENCE, 0, 2),), (None, None))
     (row,) = feedback_table([unnamed], ALL, "<|endoftext|>").pairs
     assert (row["chosen"], row["rejected"]) == ("fine .<|endoftext|>", "bad .<|endoftext|>")  # the eos, unnamed
+
+
+def test_a_fixed_fifth_of_the_prompts_is_held_out_whole_for_evaluation():
+    answers = [
+        answer(f"tr-{i}", ("a", "b"), f"prompt {i}", i, "", said(PREFERENCE, 1, 100 + i, f"a-{i}")) for i in range(300)
+    ]
+    train, test = (feedback_table(answers, ALL, split=split).pairs for split in ("train", "test"))
+    assert len(train) + len(test) == 300 and 40 <= len(test) <= 80  # about a fifth
+    assert not {r["prompt"] for r in train} & {r["prompt"] for r in test}
+    assert {r["prompt"] for r in test} == {a.prompt for a in answers if split_of(a.prompt) == "test"}
+    held = [p["prompt"] for p in feedback_prompts(answers, ALL, split="test")]
+    assert held == sorted({r["prompt"] for r in test}, key=lambda p: int(p.split()[1]))
