@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -168,12 +169,17 @@ def fingerprint_rows(ds) -> str:
 
 
 def save_table(ds, path: str | Path) -> Path:
-    """Write a validated table as JSONL (written to a temporary name first, then renamed)."""
+    """Write a validated table as JSONL (`save_rows`)."""
+    return save_rows(iter_rows(ds), path)
+
+
+def save_rows(rows: Iterable[dict[str, Any]], path: str | Path) -> Path:
+    """Write rows as JSONL, keys sorted (written to a temporary name first, then renamed: never half a file)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
     with tmp.open("w", encoding="utf-8") as fh:
-        for row in iter_rows(ds):
+        for row in rows:
             fh.write(json.dumps(row, ensure_ascii=False, sort_keys=True) + "\n")
     tmp.replace(path)
     return path

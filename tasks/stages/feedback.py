@@ -9,14 +9,13 @@ registered) and starts at `since`: all feedback, the last training's cut-off, or
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from rlhf_core.config import DatasetSpec, PipelineConfig
 from rlhf_core.data.feedback import Window, feedback_prompts, feedback_table
 from rlhf_core.data.rows import DataValidationError, Kind
+from rlhf_core.data.tables import save_rows
 from tasks import tracking
 
 
@@ -38,15 +37,6 @@ def window_of(cfg: PipelineConfig, spec: DatasetSpec, until_ms: int, field_name:
     else:
         since = spec.since_ms()
     return Window(since_ms=since, until_ms=until_ms)
-
-
-def _write(rows: list[dict], path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(
-        "".join(json.dumps(row, ensure_ascii=False, sort_keys=True) + "\n" for row in rows), encoding="utf-8"
-    )
-    tmp.replace(path)
 
 
 def feedback_rows(
@@ -85,7 +75,7 @@ def feedback_source(
             f"{'feedback pairs' if kind == 'preference' else 'traced prompts'}{since} to train on{said}"
         )
     path = cfg.run.output_dir / "data" / "feedback" / f"{name}.jsonl"
-    _write(rows, path)
+    save_rows(rows, path)
     return FeedbackRead(str(path), read.experiment, read.until_ms, read.rows, read.notes)
 
 
