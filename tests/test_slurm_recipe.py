@@ -52,7 +52,15 @@ case $1 in
   health-check) exit "${STUB_HEAD_UP:-0}" ;;
 esac
 """,
-    "python": 'cat >/dev/null; echo "python $*" >>"$STUB_LOG"; exit "${STUB_JOINED:-0}"\n',
+    # the readiness check: joined (STUB_JOINED 0) once every node's `ray start` is up (its pid file written), as
+    # Ray's own check waits for the nodes; on a loaded machine the job could otherwise end before a node started
+    "python": r"""
+cat >/dev/null; echo "python $*" >>"$STUB_LOG"
+if [[ ${STUB_JOINED:-0} == 0 ]]; then
+  for n in $STUB_NODES; do for _ in {1..200}; do [[ -s $STUB_DIR/ray-$n.pid ]] && break; sleep 0.05; done; done
+fi
+exit "${STUB_JOINED:-0}"
+""",
     "rlhf": r"""
 echo "rlhf $* (auth $RAY_AUTH_MODE ${RAY_AUTH_TOKEN:+token}, mlflow ${MLFLOW_TRACKING_PASSWORD:+password})" >>"$STUB_LOG"
 trap 'echo "rlhf terminated" >>"$STUB_LOG"; exit 143' TERM

@@ -5,7 +5,7 @@ left out, credentials in URIs hidden). The pipeline's run logs them all (`run_pa
 Left out: the section of the algorithm not run (a PPO run logs no grpo.*, a GRPO-family run no ppo.*, nor the grpo.*
 fields only other group algorithms read: `GROUP_FIELDS_FOR`); the tables
 the pipeline does not read (`PipelineConfig.data_tables`), and in those it reads the column mappings of other kinds
-of table (a prompt table maps only `prompt`); data.demo.* and model.demo.* when nothing comes from the demo world; sft.* but
+of table (a prompt table maps only `prompt`) and `since` but in a traces: source; data.demo.* and model.demo.* when nothing comes from the demo world; sft.* but
 sft.enabled when SFT is off; reward.* when the reward stage does not run.
 """
 
@@ -35,6 +35,7 @@ def run_params(cfg: PipelineConfig) -> dict[str, str]:
         for column in type(spec.columns).model_fields
         if column not in KIND_COLUMNS[kind]
     ]
+    unread += [f"{field}.since" for field, (spec, _) in tables.items() if spec.feedback_experiment is None]
     if not cfg.uses_demo_world():
         unread += ["data.demo", "model.demo"]
     if not cfg.sft.enabled:

@@ -197,6 +197,7 @@ def test_new_feedback_emits_the_event_whose_trigger_starts_a_retraining(team, mo
     from tests.fixtures.traffic import choose, traced_answer
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", team["mlflow"])
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_ID", "")  # set_experiment writes it; monkeypatch takes it out after
     mlflow.set_tracking_uri(team["mlflow"])
     mlflow.set_experiment("traffic-e2e")
     try:
@@ -209,12 +210,13 @@ def test_new_feedback_emits_the_event_whose_trigger_starts_a_retraining(team, mo
     watch = {"config_path": "configs/smoke.yaml", "overrides": [*overrides, "retrain.min_new_pairs=3"]}
     _, state = run_deployment(team, "rlhf-feedback-watch/every-5-minutes", watch)
     assert state == "Completed"
-    # the trigger answers the event with a retraining flow run on the watch's config, which the worker starts
-    deadline, started = time.monotonic() + 90, None
+    # the trigger answers the event with a retraining flow run on the watch's config, which the worker takes up
+    # (PENDING: it is starting the run's process; waiting for RUNNING would cost that process's imports too)
+    deadline, started, taken = time.monotonic() + 90, None, ("PENDING", "RUNNING", "COMPLETED", "FAILED", "CRASHED")
     while started is None and time.monotonic() < deadline:
         runs = flow_runs_of(team, "rlhf-retrain/on-feedback")
-        started = next((r for r in runs if r["state"]["type"] in ("RUNNING", "COMPLETED", "FAILED")), None)
-        time.sleep(1)
+        started = next((r for r in runs if r["state"]["type"] in taken), None)
+        time.sleep(0.5)
     assert started is not None, team["services"].logs()
     assert started["parameters"]["config_path"] == "configs/smoke.yaml"
     assert started["parameters"]["overrides"] == watch["overrides"]

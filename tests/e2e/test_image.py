@@ -319,7 +319,7 @@ def documented_container_deployment() -> str:
 def test_prefect_yaml_names_the_image_and_keeps_its_deployments(tmp_path):
     text = (REPO / "deployments" / "prefect.yaml").read_text()
     configs = prefect_deployments(text, tmp_path)
-    assert [c["name"] for c in configs] == ["default", "ray", "nightly", "manual"]
+    assert [c["name"] for c in configs] == ["default", "ray", "nightly", "every-5-minutes", "on-feedback", "manual"]
     assert {c["work_pool"]["name"] for c in configs} == {"rlhf-process"}  # what `rlhf deploy` creates
     container = yaml.safe_load(text)["definitions"]["container"]
     assert container["work_pool"]["job_variables"]["image"] == f"rlhf-pipeline:{VERSION}"

@@ -106,6 +106,7 @@ def test_the_candidate_is_served_and_obeys_generation_params(prefect_harness, tm
         "MLFLOW_REGISTRY_URI": mlflow_uri,
     }
     env.update({"MLFLOW_EXPERIMENT_NAME": "traffic", "MLFLOW_TRACKING_USERNAME": "someone"})
+    env.pop("MLFLOW_EXPERIMENT_ID", None)  # the experiment by name alone, whatever this process was pointed at
     env["MLFLOW_TRACKING_PASSWORD"] = SECRETS[1]
     # the server starts `uvicorn` from PATH: this environment's, also when the venv is not activated
     env.update({"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PATH": f"{BIN}{os.pathsep}{env.get('PATH', '')}"})

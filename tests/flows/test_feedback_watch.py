@@ -15,6 +15,7 @@ from tests.fixtures.traffic import choose, traced_answer
 
 def test_the_event_goes_out_once_enough_new_pairs_arrived(prefect_harness, tmp_path, mlflow_uri, monkeypatch):
     monkeypatch.setenv("MLFLOW_ENABLE_ASYNC_TRACE_LOGGING", "false")
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_ID", "")  # set_experiment writes it; monkeypatch takes it out after
     emitted = []
     monkeypatch.setattr(feedback_watch, "emit_event", lambda **event: emitted.append(event))
     tracking.store.configure(mlflow_uri)

@@ -258,6 +258,14 @@ def gpt2_version(tmp_path_factory) -> Path:
     return save(build_family("gpt2", root / "sources"), root / "version")
 
 
+@pytest.fixture(autouse=True)
+def untraced_environment(monkeypatch):
+    """Every test starts without an experiment in the environment (`mlflow.set_experiment` elsewhere in the
+    process writes MLFLOW_EXPERIMENT_ID there), so a test that does not ask for tracing gets none."""
+    for name in ("MLFLOW_EXPERIMENT_NAME", "MLFLOW_EXPERIMENT_ID"):
+        monkeypatch.delenv(name, raising=False)
+
+
 @pytest.fixture
 def tracking(monkeypatch):
     """`use(tracking_uri, registry_uri)`: MLflow pointed there as a serving process's environment points it;

@@ -28,6 +28,7 @@ EOS = SimpleNamespace(eos_token="<|im_end|>")  # the tokenizer's end token, whic
 def traffic(tmp_path, mlflow_uri, monkeypatch):
     """An MLflow store with the experiment `traffic`, tracing synchronously; the smoke config reading it."""
     monkeypatch.setenv("MLFLOW_ENABLE_ASYNC_TRACE_LOGGING", "false")
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_ID", "")  # set_experiment writes it; monkeypatch takes it out after
     tracking.store.configure(mlflow_uri)
     mlflow.set_experiment("traffic")
     cfg = load_config(
