@@ -115,3 +115,22 @@ def test_feedback_on_the_answers_of_a_retired_version_still_counts_and_names_it(
     read = feedback_source(traffic, "preference", "data.preference", traffic.data.preference, "preference", EOS)
     (row,) = [json.loads(line) for line in open(read.path)]
     assert row["chosen"] == "stunning .<|im_end|>" and row["models"] == [f"old-policy/{version}"]
+
+
+def test_thumbs_and_scores_logged_through_mlflow_become_pairs_on_the_same_prompt(traffic):
+    from mlflow.entities import AssessmentSource
+
+    person = AssessmentSource(source_type="HUMAN", source_id="ann")
+    up, down = traced_answer("the hotel was", ["lovely ."]), traced_answer("the hotel was", ["filthy ."])
+    mlflow.log_feedback(trace_id=up, name="thumbs", value=True, source=person, metadata={"completion": "0"})
+    mlflow.log_feedback(trace_id=down, name="thumbs", value=False, source=person)
+    high, low = traced_answer("the bus was", ["on time ."]), traced_answer("the bus was", ["late ."])
+    mlflow.log_feedback(trace_id=high, name="score", value=0.9, source=person)
+    mlflow.log_feedback(trace_id=low, name="score", value=0.2, source=person)
+    read = feedback_source(traffic, "preference", "data.preference", traffic.data.preference, "preference", EOS)
+    rows = [json.loads(line) for line in open(read.path)]
+    assert sorted((r["feedback"], r["chosen"], r["rejected"]) for r in rows) == [
+        ("score", "on time .<|im_end|>", "late .<|im_end|>"),
+        ("thumbs", "lovely .<|im_end|>", "filthy .<|im_end|>"),
+    ]
+    assert all(len(r["trace_ids"]) == 2 and len(r["assessment_ids"]) == 2 for r in rows)
