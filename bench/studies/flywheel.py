@@ -166,7 +166,6 @@ class Loop:
         golds = vader_compound(completions=[r["completion"] for r in records])
         gold_of = {id(r): g for r, g in zip(records, golds)}
         mlflow.set_tracking_uri(self.mlflow)
-        mlflow.flush_trace_async_logging()
         logged = 0
         for user, (trace_id, (a, b)) in enumerate(sorted(by_trace.items())):
             if a["completion"] == b["completion"]:
