@@ -433,3 +433,27 @@ def registered_nowhere(version: Path, tmp_path: Path) -> Path:
     meta.update(run_id="0" * 32, model_id="m-" + "0" * 32)
     (copy / "MLmodel").write_text(yaml.safe_dump(meta))
     return copy
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_the_stop_token_a_trace_names_is_the_text_that_encodes_back_to_that_stop_id(tmp_path, name):
+    """Qwen2.5 base (pad == eos), Qwen2.5 and Llama 3 instruct (two stop ids) and GPT-2 (no pad): a completion that
+    stopped names its stop token, and the feedback pair built from it (rlhf_core/data/feedback.py) ends on text the
+    tokenizer reads back as that very id, as RL's sequences end."""
+    import torch
+
+    from rlhf_core.data.feedback import PREFERENCE, AnsweredPrompt, Assessment, Window, feedback_table
+
+    policy = policy_loader._load_pyfunc(str(save(build_family(name, tmp_path / "sources"), tmp_path / "v")))
+    ids, _ = policy._fit(0, "the cat saw", {**policy.defaults, "n": 1})
+    word = policy.tokenizer("a", add_special_tokens=False)["input_ids"]
+    for stop_id in sorted(policy.stop_ids):
+        written = torch.tensor([ids + word + [stop_id]])
+        policy.model.generate = lambda written=written, **_: written
+        done = policy._generate(ids, {**policy.defaults, "max_new_tokens": 4})
+        assert done["finish_reason"] == "stop" and done["stop_token"] == policy.tokenizer.decode([stop_id])
+        chose = (Assessment("a", PREFERENCE, 0, 2),)
+        answer = AnsweredPrompt("tr", "the cat saw", (done["completion"], "b"), "", 1, chose, (done["stop_token"], ""))
+        (pair,) = feedback_table([answer], Window(None, 10)).pairs
+        encoded = policy.tokenizer(pair["chosen"], add_special_tokens=False)["input_ids"]
+        assert encoded[-1] == stop_id, (name, pair["chosen"])
