@@ -24,11 +24,10 @@ set, each prompt of a request answered is one trace there (a failed request: non
 timed by the generation, inputs {"prompt", "params" (n included)}, outputs {"completions": [{"index",
 "completion", "finish_reason", "completion_tokens", "stop_token" (its text, "" at the length limit)}, ...],
 "prompt_tokens", "truncated_prompt_tokens"}, tags rlhf.kind "policy", rlhf.model_name and rlhf.model_version
-(asked of the registry at load; left out, in one warning, when not found), and nothing else of the request or the
-environment. The experiment is found at load, so a request asks nothing of MLflow: the trace id is made here and
-MLflow sends the trace from its queue. A trace it could not store is counted and said in one line (`TraceLosses`);
-the answer goes out regardless. The load sets `TRACE_ENV_DEFAULTS` (short HTTP retries) where the environment sets
-none. No experiment: no tracing.
+(asked of the registry at load; left out, in one warning, when not found), nothing else of the request or the
+environment. The experiment is found at load: the trace id is made here, MLflow sends the trace from its queue. A
+trace it could not store is counted and said in one line (`TraceLosses`); the answer goes out regardless. The load
+sets `TRACE_ENV_DEFAULTS` (short HTTP retries) where the environment sets none. No experiment: no tracing.
 """
 
 from __future__ import annotations
@@ -152,10 +151,8 @@ def prompts_of(data) -> list[str]:
         values = data.iloc[:, 0].tolist()
     elif isinstance(data, (pd.Series, np.ndarray)):
         values = list(np.asarray(data).reshape(-1))
-    elif isinstance(data, str):
-        values = [data]
-    elif isinstance(data, (list, tuple)):
-        values = list(data)
+    elif isinstance(data, (str, list, tuple)):
+        values = [data] if isinstance(data, str) else list(data)
     else:
         raise bad_request(f"inputs must be a prompt string or a list of them, got {type(data).__name__}")
     for index, value in enumerate(values):
@@ -302,20 +299,23 @@ def traces_from_environment(path) -> Traces | None:
 
 def version_tags(path) -> dict[str, str]:
     """rlhf.model_name and rlhf.model_version of the version in `path`, found in the registry by its MLmodel's
-    run_id and model_id; {} (and one warning) when not found."""
+    run_id and model_id; {} (and one warning saying why) when not found."""
     from mlflow.models import Model
     from mlflow.tracking import MlflowClient
 
     found, reason = [], "its MLmodel names no run_id and model_id"
-    try:
-        meta = Model.load(str(path))
-        if meta.run_id and meta.model_id:
-            versions = MlflowClient().search_model_versions(f"run_id = '{meta.run_id}'")
-            # a SQL store's search gives a version's model_id as None, and its source as models:/<model_id>
-            found = [v for v in versions if meta.model_id in (v.model_id, v.source.removeprefix("models:/"))]
-            reason = f"{len(found)} registered versions are its logged model {meta.model_id}"
-    except Exception as err:  # noqa: BLE001 (the registry down, a refusal: traces without the version)
-        reason = f"the registry could not be read ({why(err, 'registry')})"
+    for wait in (1, 2, 0):  # a busy registry (SQLite locked) asked again, 1 s and 3 s later
+        try:
+            meta = Model.load(str(path))
+            if meta.run_id and meta.model_id:
+                versions = MlflowClient().search_model_versions(f"run_id = '{meta.run_id}'")
+                # a SQL store's search gives a version's model_id as None, and its source as models:/<model_id>
+                found = [v for v in versions if meta.model_id in (v.model_id, v.source.removeprefix("models:/"))]
+                reason = f"{len(found)} registered versions are its logged model {meta.model_id}"
+            break
+        except Exception as err:  # noqa: BLE001 (the registry down, a refusal: traces without the version)
+            reason = f"the registry could not be read ({why(err, 'registry')})"
+            time.sleep(wait)
     if len(found) == 1:
         return {"rlhf.model_name": found[0].name, "rlhf.model_version": str(found[0].version)}
     _log.warning("served policy: traces name no model version: %s", reason)
