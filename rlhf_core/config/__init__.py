@@ -38,7 +38,7 @@ from rlhf_core.config.pipeline import (
     RetrainConfig,
     TrackingConfig,
 )
-from rlhf_core.config.rewards import RewardSource
+from rlhf_core.config.rewards import DynamicSampling, GRPOConfig, RewardSource
 from rlhf_core.config.rollout import CorrectionConfig, RolloutConfig, VllmSettings
 from rlhf_core.config.run_model_data import (
     ColumnMap,
@@ -52,15 +52,18 @@ from rlhf_core.config.run_model_data import (
     accelerate_strategy,
 )
 from rlhf_core.config.training import (
+    DPO_LOSS_TYPES,
     GROUP_ALGORITHMS,
-    DynamicSampling,
-    GRPOConfig,
+    PREFERENCE_ALGORITHMS,
+    DPOConfig,
     InitConfig,
     OptimSettings,
     PPOConfig,
     RewardConfig,
     RLConfig,
     SFTConfig,
+    reads_grpo_rewards,
+    section_of,
 )
 
 __all__ = [
@@ -104,6 +107,11 @@ __all__ = [
     "RolloutConfig",
     "VllmSettings",
     "GROUP_ALGORITHMS",
+    "PREFERENCE_ALGORITHMS",
+    "DPO_LOSS_TYPES",
+    "DPOConfig",
+    "reads_grpo_rewards",
+    "section_of",
     "DynamicSampling",
     "GRPOConfig",
     "InitConfig",

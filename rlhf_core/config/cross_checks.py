@@ -8,12 +8,13 @@ model validator, where pydantic turns that into the ConfigError a user sees.
 from __future__ import annotations
 
 from rlhf_core.config.evaluation import EvalConfig, GuardConfig
+from rlhf_core.config.rewards import GROUP_FIELDS_FOR, GRPOConfig
 from rlhf_core.config.rollout import RolloutConfig
 from rlhf_core.config.run_model_data import RunConfig, accelerate_strategy
 from rlhf_core.config.training import (
     GROUP_ALGORITHMS,
-    GROUP_FIELDS_FOR,
-    GRPOConfig,
+    PREFERENCE_ALGORITHMS,
+    DPOConfig,
     InitConfig,
     PPOConfig,
     RewardConfig,
@@ -112,6 +113,21 @@ def group_batch_field(grpo: GRPOConfig) -> str:
     return "rl.batch_size" if grpo.generation_batch_size is None else "grpo.generation_batch_size"
 
 
+def prompts_per_step(rl: RLConfig, grpo: GRPOConfig, run: RunConfig) -> tuple[int, str]:
+    """(prompts one RL step takes over all processes, the fields that say so): for PPO rl.batch_size, for the
+    group algorithms the generation batch over grpo.num_generations, for online DPO rl.batch_size / 2 (two
+    completions each), for offline DPO the pairs of rl.batch_size."""
+    per_process, fields = rl.batch_size, "rl.batch_size"
+    if rl.algorithm == "online_dpo":
+        per_process, fields = rl.batch_size // 2, "rl.batch_size / 2"
+    elif rl.algorithm in GROUP_ALGORITHMS:
+        per_process = grpo.generation_batch(rl.batch_size) // grpo.num_generations
+        fields = f"{group_batch_field(grpo)} / grpo.num_generations"
+    if run.num_processes > 1:
+        fields += " x run.num_processes"
+    return per_process * run.num_processes, fields
+
+
 def check_group_family(
     rl: RLConfig, grpo: GRPOConfig, lora_enabled: bool, run: RunConfig, strategy: str | None
 ) -> None:
@@ -181,6 +197,36 @@ def check_group_rewards(rl: RLConfig, grpo: GRPOConfig) -> None:
         raise ValueError(
             f"grpo.delta applies to the clipped losses (grpo, bnpo, dr_grpo, dapo), not loss_type '{grpo.loss_type}'"
         )
+
+
+def check_preference_family(rl: RLConfig, dpo: DPOConfig, lora_enabled: bool, strategy: str | None) -> None:
+    """dpo.* only for DPO and online DPO; their batches in whole micro-batches (of whole pairs, online); TR-DPO's
+    reference sync on a whole reference copy."""
+    if rl.algorithm not in PREFERENCE_ALGORITHMS:
+        default = DPOConfig()
+        changed = [name for name in DPOConfig.model_fields if getattr(dpo, name) != getattr(default, name)]
+        if changed:
+            raise ValueError(
+                f"dpo.{changed[0]} applies to rl.algorithm dpo and online_dpo, not {rl.algorithm!r}; remove it"
+            )
+        return
+    if rl.batch_size % rl.gradient_accumulation_steps:
+        raise ValueError(
+            f"rl.batch_size {rl.batch_size} must be a multiple of rl.gradient_accumulation_steps "
+            f"{rl.gradient_accumulation_steps}, the micro-batches a {rl.algorithm} step is split into"
+        )
+    if rl.algorithm == "online_dpo" and (rl.batch_size // rl.gradient_accumulation_steps) % 2:
+        raise ValueError(
+            f"rl.batch_size {rl.batch_size} / rl.gradient_accumulation_steps {rl.gradient_accumulation_steps} must "
+            "be even: online_dpo samples two completions per prompt and trains on each pair in one micro-batch"
+        )
+    if dpo.sync_ref_model and lora_enabled:
+        raise ValueError(
+            "dpo.sync_ref_model needs a reference copy to mix into, but with model.lora.enabled the reference is "
+            "the policy with its adapters disabled"
+        )
+    if dpo.sync_ref_model and strategy in SHARDED:
+        raise ValueError("dpo.sync_ref_model mixes whole weights, which the accelerate config shards; use ddp.yaml")
 
 
 def check_sync_ref_model(grpo: GRPOConfig, lora_enabled: bool, run: RunConfig, strategy: str | None) -> None:

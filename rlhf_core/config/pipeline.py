@@ -21,19 +21,22 @@ from rlhf_core.config.cross_checks import (
     check_nonfinite_skipping,
     check_ppo_accumulation,
     check_ppo_mini_batches,
+    check_preference_family,
     check_rollout_engine,
-    group_batch_field,
+    prompts_per_step,
 )
 from rlhf_core.config.evaluation import EvalConfig, GuardConfig, PromoteConfig, PromotionPlan, promotion_plan
+from rlhf_core.config.rewards import GRPOConfig
 from rlhf_core.config.rollout import RolloutConfig
 from rlhf_core.config.run_model_data import DataConfig, DatasetSpec, ModelConfig, RunConfig
 from rlhf_core.config.training import (
-    GRPOConfig,
+    DPOConfig,
     InitConfig,
     PPOConfig,
     RewardConfig,
     RLConfig,
     SFTConfig,
+    reads_grpo_rewards,
 )
 
 DEMO_GOLD_METRIC = "rlhf_core.rewards.functions:vader_compound"  # the demo's eval.metrics when it is null
@@ -102,6 +105,7 @@ class PipelineConfig(Section):
     rl: RLConfig = Field(default_factory=RLConfig, description="The RL stage shared by PPO and GRPO.")
     ppo: PPOConfig = Field(default_factory=PPOConfig, description="PPO hyper-parameters.")
     grpo: GRPOConfig = Field(default_factory=GRPOConfig, description="GRPO hyper-parameters.")
+    dpo: DPOConfig = Field(default_factory=DPOConfig, description="DPO and online DPO hyper-parameters.")
     rollout: RolloutConfig = Field(
         default_factory=RolloutConfig, description="The engine that samples the RL stage's rollouts."
     )
@@ -126,6 +130,7 @@ class PipelineConfig(Section):
         check_ppo_accumulation(rl, self.ppo)
         strategy = check_launcher(self.run, lora or self.reward.lora)
         check_group_family(rl, self.grpo, lora, self.run, strategy)
+        check_preference_family(rl, self.dpo, lora, strategy)
         check_nonfinite_skipping(self.run, strategy, rl, self.reward)
         check_rollout_engine(rl, self.grpo, self.rollout, self.run)
         check_init_policy(self.init, self.sft)
@@ -180,38 +185,33 @@ class PipelineConfig(Section):
         return promotion_plan(self.promote, demo_gold=demo_gold, first=first)
 
     def trains_reward_model(self) -> bool:
-        """Whether the reward stage runs: PPO always reads this run's reward model; the GRPO family only when a
-        grpo.rewards entry names 'reward_stage' (with only reward functions, e.g. RLVR, it is skipped)."""
-        return self.rl.algorithm == "ppo" or any(r.model == "reward_stage" for r in self.grpo.rewards)
+        """Whether the reward stage runs: PPO always reads this run's reward model; the GRPO family and online DPO
+        only when a grpo.rewards entry names 'reward_stage' (with only reward functions, e.g. RLVR, it is skipped);
+        offline DPO never."""
+        if not reads_grpo_rewards(self.rl.algorithm):
+            return self.rl.algorithm == "ppo"
+        return any(r.model == "reward_stage" for r in self.grpo.rewards)
 
     def data_tables(self) -> list[tuple[str, str, DatasetSpec, str]]:
-        """(name, config field, spec, kind) of every table the pipeline reads: preferences only when the reward
-        stage runs, the prompts, and the SFT corpus when SFT runs."""
+        """(name, config field, spec, kind) of every table the pipeline reads: preferences when the reward stage
+        or offline DPO reads them, the prompts (not for offline DPO, which trains on the pairs), the held-out
+        prompts, and the SFT corpus when SFT runs."""
         tables = []
-        if self.trains_reward_model():
+        if self.trains_reward_model() or self.rl.algorithm == "dpo":
             tables += [
                 ("preference", "data.preference", self.data.preference, "preference"),
                 ("preference_eval", "data.preference_eval", self.data.preference_eval, "preference"),
             ]
-        tables += [
-            ("prompts", "data.prompts", self.data.prompts, "prompt"),
-            ("eval_prompts", "data.eval_prompts", self.data.eval_prompts, "prompt"),
-        ]
+        if self.rl.algorithm != "dpo":
+            tables.append(("prompts", "data.prompts", self.data.prompts, "prompt"))
+        tables.append(("eval_prompts", "data.eval_prompts", self.data.eval_prompts, "prompt"))
         if self.sft.enabled:
             tables.append(("sft", "sft.dataset", self.sft.dataset, "text"))
         return tables
 
     def prompts_per_step(self) -> tuple[int, str]:
-        """(prompts one RL step takes over all processes, the fields that say so), for PPO rl.batch_size, for the
-        group algorithms the generation batch over grpo.num_generations."""
-        per_process = self.rl.batch_size
-        fields = "rl.batch_size"
-        if self.rl.algorithm != "ppo":
-            per_process = self.grpo.generation_batch(self.rl.batch_size) // self.grpo.num_generations
-            fields = f"{group_batch_field(self.grpo)} / grpo.num_generations"
-        if self.run.num_processes > 1:
-            fields += " x run.num_processes"
-        return per_process * self.run.num_processes, fields
+        """(prompts one RL step takes over all processes, the fields that say so): `prompts_per_step`."""
+        return prompts_per_step(self.rl, self.grpo, self.run)
 
     def uses_demo_world(self) -> bool:
         sources = [

@@ -1,7 +1,8 @@
-"""The GRPO family's reward sources (grpo.rewards entries): a reward model or a Python function in the stage's
-process, or a scorer served elsewhere and reached over HTTP (`kind`: reward_model, judge or http), with the
-request settings every remote kind shares (timeout, retries, concurrency, failure policy, credentials from the
-environment) and each kind's own beside them."""
+"""The GRPO family's section (`GRPOConfig`, grpo.*, which online DPO reads for its rewards too) and its reward
+sources (grpo.rewards entries): a reward model or a Python function in the stage's process, or a scorer served
+elsewhere and reached over HTTP (`kind`: reward_model, judge or http), with the request settings every remote kind
+shares (timeout, retries, concurrency, failure policy, credentials from the environment) and each kind's own beside
+them."""
 
 from __future__ import annotations
 
@@ -225,3 +226,175 @@ def check_remote(source: RewardSource, where: str, shows: tuple[str, ...] = ("co
             raise ValueError(f"{where}: the template must show {' and '.join(missing)}, what it judges")
     if (source.on_failure == "score") != (source.failure_score is not None):
         raise ValueError(f"{where}: failure_score is set exactly when on_failure is score")
+
+
+class DynamicSampling(Section):
+    enabled: bool = Field(
+        False,
+        description="Drop the groups whose reward has zero spread (they teach nothing) and sample more prompts until the generation batch is full (DAPO's dynamic sampling; the GRPO family: refused for ppo).",
+    )
+    max_rounds: int = Field(
+        3,
+        ge=1,
+        description="Most extra generation rounds per step; a batch still short after them is filled with zero-spread groups (which carry no advantage) and the step goes on.",
+    )
+
+
+def _default_grpo_rewards() -> list[RewardSource]:
+    return [RewardSource(name="reward_model", model="reward_stage")]
+
+
+class GRPOConfig(Section):
+    """The group algorithms' section (rl.algorithm grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline)."""
+
+    num_generations: int = Field(8, ge=2, description="Completions sampled per prompt (the group).")
+    generation_batch_size: int | None = Field(
+        None,
+        ge=2,
+        description="Completions generated per RL step by the group algorithms, num_generations per prompt (TRL's name, per process here); null: rl.batch_size. Lets one config give PPO and GRPO each their own batch.",
+    )
+    epsilon: float = Field(0.2, gt=0.0, description="Lower clip of the importance ratio.")
+    epsilon_high: float | None = Field(
+        None,
+        gt=0.0,
+        description="Upper clip of the ratio; null uses epsilon. With loss_type cispo: the cap of the ratio (TRL recommends 5.0).",
+    )
+    delta: float | None = Field(
+        None,
+        gt=1.0,
+        description="Two-sided clipping (INTELLECT-2): cap the unclipped ratio at delta; null is off. Should exceed 1 + epsilon_high.",
+    )
+    beta: float = Field(
+        0.0,
+        ge=0.0,
+        description="KL coefficient to the reference; 0 loads no reference (TRL's GRPO default). grpo adds beta x k3 KL to the loss; rloo and reinforce_plus_plus* subtract beta x KL (kl_estimator) from the reward.",
+    )
+    kl_estimator: Literal["k1", "k3"] = Field(
+        "k1",
+        description="KL estimator of the penalty rloo and reinforce_plus_plus* put into the reward: k1 (log ratio; TRL's RLOO and verl's default) or k3 (never negative). grpo's loss term is always k3.",
+    )
+    normalize_advantages: bool = Field(
+        False, description="rloo: normalize the advantages over the whole generation batch (TRL's RLOO option)."
+    )
+    reward_clip_range: list[float] | None = Field(
+        None,
+        min_length=2,
+        max_length=2,
+        description="rloo: clip each completion's summed reward into [low, high] before the KL penalty.",
+    )
+    gamma: float = Field(
+        1.0, ge=0.0, le=1.0, description="reinforce_plus_plus: discount of the return over response tokens (verl's)."
+    )
+    use_bias_correction_kl: bool = Field(
+        True, description="Multiply the k3 KL term by the importance ratio (TRL 1.16's default)."
+    )
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"] = Field(
+        "dapo",
+        description="Loss: grpo, bnpo, dr_grpo, dapo (TRL's default), cispo (clipped-IS-weight policy gradient) or sapo (soft gate).",
+    )
+    importance_sampling_level: Literal["token", "sequence"] = Field(
+        "token", description="Importance ratio per token, or one per sequence from the mean log ratio (GSPO)."
+    )
+    sapo_temperature_pos: float = Field(
+        1.0, gt=0.0, description="SAPO's gate temperature for tokens with positive advantage."
+    )
+    sapo_temperature_neg: float = Field(
+        1.05, gt=0.0, description="SAPO's gate temperature for tokens with non-positive advantage."
+    )
+    scale_rewards: Literal["group", "batch", "none"] = Field(
+        "group", description="Divide advantages by the group's, the batch's or no std."
+    )
+    multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = Field(
+        "sum_then_normalize",
+        description="Weighted sum of rewards then group-normalize, or normalize each reward per group, sum, then batch-normalize.",
+    )
+    top_entropy_quantile: float = Field(
+        1.0,
+        gt=0.0,
+        le=1.0,
+        description="Train only on the tokens whose entropy is in this top fraction of the batch's; 1.0 trains on all.",
+    )
+    num_iterations: int = Field(
+        1, ge=1, description="Updates per generation batch, reusing stored old log-probabilities."
+    )
+    steps_per_generation: int | None = Field(
+        None,
+        ge=1,
+        description="Micro-batches the generation batch (grpo.generation_batch_size or rl.batch_size completions) is split into (TRL's name); a multiple of rl.gradient_accumulation_steps; null: rl.gradient_accumulation_steps, i.e. one optimizer step per generation batch.",
+    )
+    mask_truncated_completions: bool = Field(
+        False, description="Leave completions without a stop token out of the loss."
+    )
+    sync_ref_model: bool = Field(
+        False, description="Mix the policy into the reference every ref_model_sync_steps optimizer steps (TR-DPO)."
+    )
+    ref_model_mixup_alpha: float = Field(
+        0.6, ge=0.0, le=1.0, description="ref = alpha * policy + (1 - alpha) * ref at each sync."
+    )
+    ref_model_sync_steps: int = Field(512, ge=1, description="Optimizer steps between reference syncs.")
+    dynamic_sampling: DynamicSampling = Field(
+        default_factory=DynamicSampling, description="DAPO's dynamic sampling (any group algorithm)."
+    )
+    rewards: list[RewardSource] = Field(
+        default_factory=_default_grpo_rewards,
+        min_length=1,
+        description="Reward sources and weights: a reward model or function in the stage's process, or a scorer served elsewhere (kind; docs/served-rewards.md).",
+    )
+    log_completions_steps: int = Field(
+        10,
+        ge=1,
+        description="Log a table of completions and rewards every this many steps (CSV in MLflow, Parquet in the stage directory).",
+    )
+    tools: list[str] = Field(
+        default_factory=list,
+        description="Tools the policy may call in its rollouts, each 'package.module:function' (sync or async; TRL's tools=): its name, type hints and Google-style docstring are the schema the chat template shows. A tool that raises, runs past grpo.tool_timeout_s or does not exist answers with its error text; the episode goes on (docs/tools.md).",
+    )
+    environment: str | dict[str, str] | None = Field(
+        None,
+        description="An environment class 'package.module:Class', one instance per episode (TRL's environment_factory=): reset(**row) may return text appended to the prompt's last user message, its public methods are tools, and get_reward(), when it has one, is a reward source of weight 1. Or a mapping name -> class, the prompt rows' `environment` column choosing one per row.",
+    )
+    max_tool_calls: int | None = Field(
+        None,
+        ge=0,
+        description="Rounds of tool calls per episode at most (TRL's max_tool_calling_iterations): a turn's calls run together, then the model speaks again; null: until rl.response_length, which counts the tool answers' tokens too, runs out.",
+    )
+    tool_timeout_s: float = Field(
+        10.0,
+        gt=0.0,
+        description="Seconds one tool call may take; past them the model gets a timeout error as the answer.",
+    )
+
+    @field_validator("tools")
+    @classmethod
+    def _import_paths(cls, tools: list[str]) -> list[str]:
+        for spec in tools:
+            if ":" not in spec:
+                raise ValueError(f"tool '{spec}' must be written 'package.module:function'")
+        return tools
+
+    @property
+    def uses_tools(self) -> bool:
+        """Episodes of several turns: tools or an environment are configured."""
+        return bool(self.tools) or self.environment is not None
+
+    def generation_batch(self, rl_batch_size: int) -> int:
+        """Completions per RL step: generation_batch_size, or rl.batch_size where it is null."""
+        return self.generation_batch_size or rl_batch_size
+
+
+# grpo-section fields that only some group algorithms read; setting one for another algorithm is an error
+GROUP_FIELDS_FOR = {
+    "loss_type": ("grpo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"),
+    "importance_sampling_level": ("grpo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"),
+    "delta": ("grpo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"),
+    "sapo_temperature_pos": ("grpo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"),
+    "sapo_temperature_neg": ("grpo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"),
+    "top_entropy_quantile": ("grpo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"),
+    "use_bias_correction_kl": ("grpo",),
+    "scale_rewards": ("grpo",),
+    "multi_objective_aggregation": ("grpo",),
+    "kl_estimator": ("rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"),
+    "normalize_advantages": ("rloo",),
+    "reward_clip_range": ("rloo",),
+    "gamma": ("reinforce_plus_plus",),
+}

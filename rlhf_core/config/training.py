@@ -1,13 +1,15 @@
-"""The training stages' sections: the optimizer settings they share, SFT, reward, initialization, RL, PPO, GRPO."""
+"""The training stages' sections: the optimizer settings they share, SFT, reward, initialization, RL, PPO, DPO (the
+GRPO family's section is rlhf_core/config/rewards.py, beside the rewards it reads)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, model_validator
 
 from rlhf_core.config.base import PathText, Section
-from rlhf_core.config.rewards import RewardSource
+from rlhf_core.config.rewards import GRPOConfig
 from rlhf_core.config.run_model_data import DatasetSpec
 
 
@@ -85,31 +87,26 @@ class InitConfig(Section):
     )
 
 
-GROUP_ALGORITHMS = (
-    "grpo",
-    "rloo",
-    "reinforce_plus_plus",
-    "reinforce_plus_plus_baseline",
-)  # no value model; grpo: section
-Algorithm = Literal["ppo", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"]
+GROUP_ALGORITHMS = ("grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")  # no value model; grpo:
+PREFERENCE_ALGORITHMS = ("dpo", "online_dpo")  # a DPO loss on pairs, no value model, no advantages; dpo: section
+Algorithm = Literal["ppo", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "dpo", "online_dpo"]
 
 
-class DynamicSampling(Section):
-    enabled: bool = Field(
-        False,
-        description="Drop the groups whose reward has zero spread (they teach nothing) and sample more prompts until the generation batch is full (DAPO's dynamic sampling; the GRPO family: refused for ppo).",
-    )
-    max_rounds: int = Field(
-        3,
-        ge=1,
-        description="Most extra generation rounds per step; a batch still short after them is filled with zero-spread groups (which carry no advantage) and the step goes on.",
-    )
+def section_of(algorithm: str) -> str:
+    """The config section rl.algorithm `algorithm` reads: ppo, grpo (the GRPO family) or dpo (DPO, online DPO)."""
+    return "ppo" if algorithm == "ppo" else "dpo" if algorithm in PREFERENCE_ALGORITHMS else "grpo"
+
+
+def reads_grpo_rewards(algorithm: str) -> bool:
+    """Whether rl.algorithm `algorithm` scores its samples with grpo.rewards: the GRPO family, and online DPO,
+    which ranks its two completions per prompt by them."""
+    return algorithm in GROUP_ALGORITHMS or algorithm == "online_dpo"
 
 
 class RLConfig(OptimSettings):
     algorithm: Algorithm = Field(
         "ppo",
-        description="RL algorithm of the policy stage: ppo (value model, GAE), or a group algorithm without one: grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline (the grpo section configures all four; docs/algorithms.md).",
+        description="RL algorithm of the policy stage: ppo (value model, GAE); a group algorithm without one: grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline (the grpo section configures all four); or preference optimization without a reward model: dpo (offline, on data.preference) and online_dpo (two samples per prompt ranked by grpo.rewards), which the dpo section configures (docs/algorithms.md).",
     )
     total_steps: int = Field(100, ge=1, description="RL steps: one rollout (PPO) or generation (GRPO) batch each.")
     batch_size: int = Field(
@@ -191,169 +188,90 @@ class PPOConfig(Section):
     whiten_advantages: bool = Field(True, description="Whiten advantages before the policy loss.")
 
 
-def _default_grpo_rewards() -> list[RewardSource]:
-    return [RewardSource(name="reward_model", model="reward_stage")]
+DPO_LOSS_TYPES = (  # TRL 1.16 DPOTrainer's, in its order (rlhf_core/rl/dpo_losses.py)
+    "sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard",
+    "aot", "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm",
+)  # fmt: skip
 
 
-class GRPOConfig(Section):
-    """The group algorithms' section (rl.algorithm grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline)."""
+def dpo_loss_problem(
+    loss_types: Sequence[str], loss_weights: Sequence[float] | None, beta: float, label_smoothing: float
+) -> str | None:
+    """What makes these DPO loss settings untrainable, in one sentence naming the field; None when nothing does
+    (the dpo section's check and `rlhf_core.rl.dpo_losses.check_spec`'s)."""
+    known = ", ".join(DPO_LOSS_TYPES)
+    if not loss_types:
+        return f"dpo.loss_type must name at least one loss type of {known}."
+    unknown = [t for t in loss_types if t not in DPO_LOSS_TYPES]
+    if unknown:
+        return f"dpo.loss_type {', '.join(map(repr, unknown))} is unknown; TRL 1.16's are {known}."
+    if loss_weights is not None and len(loss_weights) != len(loss_types):
+        return f"dpo.loss_weights needs one weight per loss type ({', '.join(loss_types)}), got {len(loss_weights)}."
+    if beta <= 0:
+        return f"dpo.beta must be above 0, got {beta}."
+    if "exo_pair" in loss_types and label_smoothing <= 0:
+        return "dpo.label_smoothing must be above 0 for exo_pair; the EXO paper recommends 1e-3."
+    if "robust" in loss_types and not 0 <= label_smoothing < 0.5:
+        return f"dpo.label_smoothing must lie in [0, 0.5) for robust, got {label_smoothing}."
+    return None
 
-    num_generations: int = Field(8, ge=2, description="Completions sampled per prompt (the group).")
-    generation_batch_size: int | None = Field(
-        None,
-        ge=2,
-        description="Completions generated per RL step by the group algorithms, num_generations per prompt (TRL's name, per process here); null: rl.batch_size. Lets one config give PPO and GRPO each their own batch.",
+
+class DPOConfig(Section):
+    """DPO and online DPO (rl.algorithm dpo, online_dpo): TRL 1.16 DPOTrainer's names and defaults."""
+
+    loss_type: list[str] = Field(
+        default_factory=lambda: ["sigmoid"],
+        min_length=1,
+        description="DPO losses, summed with loss_weights (TRL's list): sigmoid, hinge, ipo, exo_pair, nca_pair, robust, bco_pair, sppo_hard, aot, aot_unpaired, apo_zero, apo_down, discopop, sft, sigmoid_norm (docs/algorithms.md).",
     )
-    epsilon: float = Field(0.2, gt=0.0, description="Lower clip of the importance ratio.")
-    epsilon_high: float | None = Field(
-        None,
-        gt=0.0,
-        description="Upper clip of the ratio; null uses epsilon. With loss_type cispo: the cap of the ratio (TRL recommends 5.0).",
-    )
-    delta: float | None = Field(
-        None,
-        gt=1.0,
-        description="Two-sided clipping (INTELLECT-2): cap the unclipped ratio at delta; null is off. Should exceed 1 + epsilon_high.",
+    loss_weights: list[float] | None = Field(
+        None, description="One weight per loss_type entry; null: 1.0 each (TRL's loss_weights)."
     )
     beta: float = Field(
+        0.1,
+        gt=0.0,
+        description="Temperature of the implicit reward beta x log(pi / pi_ref): higher stays closer to the reference (TRL's default); IPO's tau.",
+    )
+    label_smoothing: float = Field(
         0.0,
         ge=0.0,
-        description="KL coefficient to the reference; 0 loads no reference (TRL's GRPO default). grpo adds beta x k3 KL to the loss; rloo and reinforce_plus_plus* subtract beta x KL (kl_estimator) from the reward.",
+        lt=1.0,
+        description="The share of pairs assumed flipped (robust: in [0, 0.5); exo_pair needs it above 0, 1e-3 in the EXO paper; aot).",
     )
-    kl_estimator: Literal["k1", "k3"] = Field(
-        "k1",
-        description="KL estimator of the penalty rloo and reinforce_plus_plus* put into the reward: k1 (log ratio; TRL's RLOO and verl's default) or k3 (never negative). grpo's loss term is always k3.",
+    discopop_tau: float = Field(0.05, gt=0.0, description="DiscoPOP's temperature (loss_type discopop).")
+    reference_free: bool = Field(
+        False,
+        description="Train against a uniform reference (its log-probs taken as 0; older TRL's reference_free, which TRL 1.16 dropped); no reference model is loaded for the loss.",
     )
-    normalize_advantages: bool = Field(
-        False, description="rloo: normalize the advantages over the whole generation batch (TRL's RLOO option)."
-    )
-    reward_clip_range: list[float] | None = Field(
-        None,
-        min_length=2,
-        max_length=2,
-        description="rloo: clip each completion's summed reward into [low, high] before the KL penalty.",
-    )
-    gamma: float = Field(
-        1.0, ge=0.0, le=1.0, description="reinforce_plus_plus: discount of the return over response tokens (verl's)."
-    )
-    use_bias_correction_kl: bool = Field(
-        True, description="Multiply the k3 KL term by the importance ratio (TRL 1.16's default)."
-    )
-    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"] = Field(
-        "dapo",
-        description="Loss: grpo, bnpo, dr_grpo, dapo (TRL's default), cispo (clipped-IS-weight policy gradient) or sapo (soft gate).",
-    )
-    importance_sampling_level: Literal["token", "sequence"] = Field(
-        "token", description="Importance ratio per token, or one per sequence from the mean log ratio (GSPO)."
-    )
-    sapo_temperature_pos: float = Field(
-        1.0, gt=0.0, description="SAPO's gate temperature for tokens with positive advantage."
-    )
-    sapo_temperature_neg: float = Field(
-        1.05, gt=0.0, description="SAPO's gate temperature for tokens with non-positive advantage."
-    )
-    scale_rewards: Literal["group", "batch", "none"] = Field(
-        "group", description="Divide advantages by the group's, the batch's or no std."
-    )
-    multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = Field(
-        "sum_then_normalize",
-        description="Weighted sum of rewards then group-normalize, or normalize each reward per group, sum, then batch-normalize.",
-    )
-    top_entropy_quantile: float = Field(
-        1.0,
-        gt=0.0,
-        le=1.0,
-        description="Train only on the tokens whose entropy is in this top fraction of the batch's; 1.0 trains on all.",
-    )
-    num_iterations: int = Field(
-        1, ge=1, description="Updates per generation batch, reusing stored old log-probabilities."
-    )
-    steps_per_generation: int | None = Field(
-        None,
-        ge=1,
-        description="Micro-batches the generation batch (grpo.generation_batch_size or rl.batch_size completions) is split into (TRL's name); a multiple of rl.gradient_accumulation_steps; null: rl.gradient_accumulation_steps, i.e. one optimizer step per generation batch.",
-    )
-    mask_truncated_completions: bool = Field(
-        False, description="Leave completions without a stop token out of the loss."
+    precompute_ref_log_probs: bool = Field(
+        False,
+        description="Compute the reference's log-probs of every pair once before training (saved with the stage) and free the reference from the training steps (TRL's precompute_ref_log_probs; not with sync_ref_model).",
     )
     sync_ref_model: bool = Field(
-        False, description="Mix the policy into the reference every ref_model_sync_steps optimizer steps (TR-DPO)."
+        False,
+        description="TR-DPO: every ref_model_sync_steps steps, ref = alpha x policy + (1 - alpha) x ref (TRL's sync_ref_model; needs a reference copy: not with LoRA's disabled adapters).",
     )
-    ref_model_mixup_alpha: float = Field(
-        0.6, ge=0.0, le=1.0, description="ref = alpha * policy + (1 - alpha) * ref at each sync."
-    )
-    ref_model_sync_steps: int = Field(512, ge=1, description="Optimizer steps between reference syncs.")
-    dynamic_sampling: DynamicSampling = Field(
-        default_factory=DynamicSampling, description="DAPO's dynamic sampling (any group algorithm)."
-    )
-    rewards: list[RewardSource] = Field(
-        default_factory=_default_grpo_rewards,
-        min_length=1,
-        description="Reward sources and weights: a reward model or function in the stage's process, or a scorer served elsewhere (kind; docs/served-rewards.md).",
-    )
-    log_completions_steps: int = Field(
-        10,
-        ge=1,
-        description="Log a table of completions and rewards every this many steps (CSV in MLflow, Parquet in the stage directory).",
-    )
-    tools: list[str] = Field(
-        default_factory=list,
-        description="Tools the policy may call in its rollouts, each 'package.module:function' (sync or async; TRL's tools=): its name, type hints and Google-style docstring are the schema the chat template shows. A tool that raises, runs past grpo.tool_timeout_s or does not exist answers with its error text; the episode goes on (docs/tools.md).",
-    )
-    environment: str | dict[str, str] | None = Field(
-        None,
-        description="An environment class 'package.module:Class', one instance per episode (TRL's environment_factory=): reset(**row) may return text appended to the prompt's last user message, its public methods are tools, and get_reward(), when it has one, is a reward source of weight 1. Or a mapping name -> class, the prompt rows' `environment` column choosing one per row.",
-    )
-    max_tool_calls: int | None = Field(
-        None,
-        ge=0,
-        description="Rounds of tool calls per episode at most (TRL's max_tool_calling_iterations): a turn's calls run together, then the model speaks again; null: until rl.response_length, which counts the tool answers' tokens too, runs out.",
-    )
-    tool_timeout_s: float = Field(
-        10.0,
-        gt=0.0,
-        description="Seconds one tool call may take; past them the model gets a timeout error as the answer.",
+    ref_model_mixup_alpha: float = Field(0.6, ge=0.0, le=1.0, description="TR-DPO's alpha (TRL's default).")
+    ref_model_sync_steps: int = Field(
+        512, ge=1, description="Steps between TR-DPO's reference updates (TRL's default)."
     )
 
-    @field_validator("tools")
-    @classmethod
-    def _import_paths(cls, tools: list[str]) -> list[str]:
-        for spec in tools:
-            if ":" not in spec:
-                raise ValueError(f"tool '{spec}' must be written 'package.module:function'")
-        return tools
-
-    @property
-    def uses_tools(self) -> bool:
-        """Episodes of several turns: tools or an environment are configured."""
-        return bool(self.tools) or self.environment is not None
-
-    def generation_batch(self, rl_batch_size: int) -> int:
-        """Completions per RL step: generation_batch_size, or rl.batch_size where it is null."""
-        return self.generation_batch_size or rl_batch_size
+    @model_validator(mode="after")
+    def _losses_known(self) -> DPOConfig:
+        problem = dpo_loss_problem(self.loss_type, self.loss_weights, self.beta, self.label_smoothing)
+        if problem:
+            raise ValueError(problem)
+        if self.sync_ref_model and (self.precompute_ref_log_probs or self.reference_free):
+            raise ValueError(
+                "dpo.sync_ref_model updates a reference model; turn precompute_ref_log_probs and reference_free off"
+            )
+        return self
 
 
-# grpo-section fields that only some group algorithms read; setting one for another algorithm is an error
-GROUP_FIELDS_FOR = {
-    "loss_type": ("grpo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"),
-    "importance_sampling_level": ("grpo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"),
-    "delta": ("grpo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"),
-    "sapo_temperature_pos": ("grpo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"),
-    "sapo_temperature_neg": ("grpo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"),
-    "top_entropy_quantile": ("grpo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"),
-    "use_bias_correction_kl": ("grpo",),
-    "scale_rewards": ("grpo",),
-    "multi_objective_aggregation": ("grpo",),
-    "kl_estimator": ("rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"),
-    "normalize_advantages": ("rloo",),
-    "reward_clip_range": ("rloo",),
-    "gamma": ("reinforce_plus_plus",),
-}
-
-
-def keyed_sections(rl: RLConfig, ppo: PPOConfig, grpo: GRPOConfig) -> tuple[dict, dict]:
-    """(rl, the algorithm's section) as the RL stage's key dumps them: laid out as before dynamic_sampling moved from
-    rl to grpo (rl's dump with it, grpo's without), so that the runs before the move keep their keys and resume."""
-    section = ppo if rl.algorithm == "ppo" else grpo
+def keyed_sections(rl: RLConfig, ppo: PPOConfig, grpo: GRPOConfig, dpo: DPOConfig | None = None) -> tuple[dict, dict]:
+    """(rl, the algorithm's section: `section_of`) as the RL stage's key dumps them: laid out as before
+    dynamic_sampling moved from rl to grpo (rl's dump with it, grpo's without), so that the runs before the move
+    keep their keys and resume."""
+    section = {"ppo": ppo, "grpo": grpo, "dpo": dpo or DPOConfig()}[section_of(rl.algorithm)]
     moved = {"dynamic_sampling": grpo.dynamic_sampling.model_dump(mode="json")}
     return rl.model_dump(mode="json") | moved, section.model_dump(mode="json", exclude=set(moved))

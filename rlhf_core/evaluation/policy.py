@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
-from rlhf_core.config import PipelineConfig
+from rlhf_core.config import GROUP_ALGORITHMS, PipelineConfig
 from rlhf_core.data.chat import extra_columns, prompt_columns
 from rlhf_core.evaluation.generations import EvalModels, EvalPrompts, EvalSampling, evaluate_generations
 from rlhf_core.evaluation.verifiable import sampled_columns
@@ -70,7 +70,7 @@ def evaluate_policy(
         max_prompt_length=cfg.data.max_prompt_length,
         batch_size=cfg.eval.batch_size,
         stop_token_ids=models.stop_ids,
-        tool_use=load_tool_use(cfg.grpo) if cfg.rl.algorithm != "ppo" else None,
+        tool_use=load_tool_use(cfg.grpo) if cfg.rl.algorithm in GROUP_ALGORITHMS else None,
         template_kwargs=cfg.data.chat_template_kwargs,
     )
     generate = partial(evaluate_generations, device=next(model.parameters()).device, engine=engine)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 
-from rlhf_core.config import PipelineConfig
+from rlhf_core.config import PipelineConfig, reads_grpo_rewards
 from rlhf_core.config.rewards import TEMPLATE_FIELDS, RewardSource, template_fields
 from rlhf_core.rewards.remote import (
     RemoteCaller,
@@ -188,9 +188,9 @@ class RemoteScorer:
 
 
 def remote_entries(cfg: PipelineConfig) -> list[tuple[int, RewardSource]]:
-    """The GRPO family's sources served elsewhere with their index in grpo.rewards (PPO reads its reward model
-    in-process)."""
-    if cfg.rl.algorithm == "ppo":
+    """The sources served elsewhere of the GRPO family and online DPO with their index in grpo.rewards (PPO reads
+    its reward model in-process, offline DPO none)."""
+    if not reads_grpo_rewards(cfg.rl.algorithm):
         return []
     return [(i, r) for i, r in enumerate(cfg.grpo.rewards) if r.remote]
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rlhf_core.config import GRPOConfig, PPOConfig, RLConfig, RolloutConfig, RunConfig
+from rlhf_core.config import DPOConfig, GRPOConfig, PPOConfig, RLConfig, RolloutConfig, RunConfig
 from rlhf_core.rewards.sources import RewardSourceFn
 from rlhf_core.training.loop import Hooks
 
@@ -31,15 +31,17 @@ class RLModels:
 @dataclass(frozen=True)
 class PromptSet:
     """The prompts an RL stage samples from: rows with a `prompt` (the columns beside it go to reward functions
-    and tool episodes), tokenized up to `max_prompt_length` tokens."""
+    and tool episodes), tokenized up to `max_prompt_length` tokens. For offline DPO the rows are preference pairs
+    (prompt, chosen, rejected), each at most `max_length` tokens (None: max_prompt_length + rl.response_length)."""
 
     rows: list[dict]
     max_prompt_length: int
+    max_length: int | None = None
 
 
 @dataclass(frozen=True)
 class RLSettings:
-    """The config sections a trainer reads (ppo for PPO, grpo for the GRPO family) and what the run decided about
+    """The config sections a trainer reads (ppo for PPO, grpo for the GRPO family, dpo for DPO) and what the run decided about
     them: `kl_scale` multiplies the KL coefficient (ppo.kl_coef, the saved one on resume; or grpo.beta) after the
     guard's rollbacks; `stop_token_ids` when the caller computed them (else the policy's own, `run_stop_ids`);
     `template_kwargs` renders tool episodes' chat templates (data.chat_template_kwargs)."""
@@ -48,6 +50,7 @@ class RLSettings:
     run: RunConfig
     ppo: PPOConfig = field(default_factory=PPOConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    dpo: DPOConfig = field(default_factory=DPOConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     kl_scale: float = 1.0
     stop_token_ids: tuple[int, ...] | None = None
@@ -83,7 +86,7 @@ class RLInputs:
 
 
 MODEL_FIELDS = ("reference", "value", "reward_model", "rewards")
-SETTING_FIELDS = ("ppo", "grpo", "rollout", "kl_scale", "stop_token_ids", "template_kwargs")
+SETTING_FIELDS = ("ppo", "grpo", "dpo", "rollout", "kl_scale", "stop_token_ids", "template_kwargs")
 
 
 def rl_inputs(
@@ -98,7 +101,7 @@ def rl_inputs(
     **named,
 ) -> RLInputs:
     """`RLInputs` from keywords, for a script or a test: `prompts` as texts or rows; `named` holds the models beside
-    the policy (reference, value, reward_model, rewards), the other settings (ppo, grpo, rollout, kl_scale,
+    the policy (reference, value, reward_model, rewards), the other settings (ppo, grpo, dpo, rollout, kl_scale,
     stop_token_ids, template_kwargs; None keeps the default) and the hooks (`RLHooks`' fields)."""
     models = RLModels(policy, tokenizer, **{k: named.pop(k) for k in MODEL_FIELDS if k in named})
     settings = {k: v for k in SETTING_FIELDS if (v := named.pop(k, None)) is not None}

@@ -59,10 +59,14 @@ class TrainingMetricNames:
     """What an algorithm calls its step's training score and KL (checkpoint choice, curves, progress bar)."""
 
     score: str
-    kl: str
+    kl: str | None  # None: the algorithm logs none in training (offline DPO)
 
 
-METRIC_NAMES = {"ppo": TrainingMetricNames("objective/scores", "objective/kl")}
+METRIC_NAMES = {
+    "ppo": TrainingMetricNames("objective/scores", "objective/kl"),
+    # DPO trains on pairs it did not sample: no KL of its own samples to log, the evaluations measure it
+    "dpo": TrainingMetricNames("rewards/margins", None),
+}
 GROUP_METRIC_NAMES = TrainingMetricNames("reward", "kl")  # the GRPO family, TRL's names
 
 
@@ -137,7 +141,7 @@ def rl_loop_settings(rl: RLConfig, run: RunConfig, sizes: BatchSizes, *, eval_ev
         disable_dropout=rl.disable_dropout,
         cadence=Cadence(log_every=rl.log_steps, eval_every=eval_every, save_every=rl.save_steps),
         loop_metrics=LoopMetrics(timing=True),
-        shown=(names.score, names.kl),
+        shown=(names.score, names.kl) if names.kl else (names.score, "rewards/accuracies"),
         keep_last=run.keep_last_checkpoints,
         best_metric=(names.score,),  # the newest N checkpoints and the best by the step's training score
         registered="policy",

@@ -21,7 +21,7 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
-from rlhf_core.config import DEMO, DatasetSpec, PipelineConfig
+from rlhf_core.config import DEMO, GROUP_ALGORITHMS, DatasetSpec, PipelineConfig, reads_grpo_rewards
 from rlhf_core.config.errors import UserError
 from rlhf_core.config.redaction import redact
 from rlhf_core.data.rows import DataValidationError, Kind, check_first_rows, is_conversational_table
@@ -111,7 +111,7 @@ def _signature_problem(fn: Callable, *, needs_kwargs: bool) -> str | None:
 
 def _check_functions(cfg: PipelineConfig) -> list[str]:
     specs: list[tuple[str, str, bool]] = []
-    if cfg.rl.algorithm != "ppo":  # the GRPO family reads grpo.rewards
+    if reads_grpo_rewards(cfg.rl.algorithm):  # the GRPO family and online DPO read grpo.rewards
         specs += [
             (f"grpo.rewards[{i}].function", r.function, True) for i, r in enumerate(cfg.grpo.rewards) if r.function
         ]
@@ -133,7 +133,7 @@ def _check_functions(cfg: PipelineConfig) -> list[str]:
 def _check_tools(cfg: PipelineConfig) -> list[str]:
     """grpo.tools and grpo.environment import (their chat template is checked where the data stage loads the
     tokenizer, before any training)."""
-    if cfg.rl.algorithm == "ppo" or not cfg.grpo.uses_tools:
+    if cfg.rl.algorithm not in GROUP_ALGORITHMS or not cfg.grpo.uses_tools:
         return []
     try:
         load_tool_use(cfg.grpo)
@@ -258,7 +258,7 @@ def _check_models(cfg: PipelineConfig) -> list[str]:
         sources.append(("model.tokenizer", cfg.model.tokenizer))
     if cfg.reward.base != "policy":
         sources.append(("reward.base", cfg.reward.base))
-    if cfg.rl.algorithm != "ppo":  # the GRPO family reads grpo.rewards
+    if reads_grpo_rewards(cfg.rl.algorithm):  # the GRPO family and online DPO read grpo.rewards
         sources += [
             (f"grpo.rewards[{i}].model", r.model)
             for i, r in enumerate(cfg.grpo.rewards)

@@ -14,7 +14,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.logging import get_run_logger
 
-from rlhf_core.config import DEMO, DatasetSpec, PipelineConfig
+from rlhf_core.config import DEMO, GROUP_ALGORITHMS, DatasetSpec, PipelineConfig
 from rlhf_core.data.lengths import TableLengths, length_table
 from rlhf_core.data.rows import DataValidationError, Kind
 from rlhf_core.data.tables import fingerprint_rows, save_table
@@ -95,7 +95,9 @@ def check_policy_sources(cfg: PipelineConfig, world: DemoWorld | None) -> tuple[
     # the stop tokens against the base model's tokenizer now, before SFT or reward training
     generation_config = generation_config_of(base_model, trust_remote_code=cfg.model.trust_remote_code)
     run_stop_ids(tokenizer, generation_config, cfg.rl)
-    if cfg.rl.algorithm != "ppo" and cfg.grpo.uses_tools:  # a template that cannot carry tool turns, before SFT
+    if (
+        cfg.rl.algorithm in GROUP_ALGORITHMS and cfg.grpo.uses_tools
+    ):  # a template that cannot carry tool turns, before SFT
         require_tool_template(tokenizer, cfg.data.chat_template_kwargs)
     return base_model, tokenizer_source, tokenizer
 

@@ -8,8 +8,8 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from rlhf_core.config import PipelineConfig
-from rlhf_core.config.training import GROUP_FIELDS_FOR
+from rlhf_core.config import GROUP_ALGORITHMS, PipelineConfig, section_of
+from rlhf_core.config.rewards import GROUP_FIELDS_FOR
 from rlhf_core.evaluation.promotion import alignment_markdown
 from rlhf_core.models.card import card_field, card_license, source_name
 from rlhf_core.models.export import ExportInfo, export_policy, generation_settings
@@ -28,7 +28,8 @@ CANDIDATE = "candidate"
 
 def export_info(cfg: PipelineConfig, data: PreparedData, plan: InitPlan, trained: Checkpoint) -> ExportInfo:
     algorithm = cfg.rl.algorithm
-    section, settings = ("ppo", cfg.ppo) if algorithm == "ppo" else ("grpo", cfg.grpo)
+    section = section_of(algorithm)
+    settings = {"ppo": cfg.ppo, "grpo": cfg.grpo, "dpo": cfg.dpo}[section]
     skipped = {k for k, algorithms in GROUP_FIELDS_FOR.items() if algorithm not in algorithms}
     hyper = {
         f"rl.{k}": getattr(cfg.rl, k)
@@ -38,13 +39,13 @@ def export_info(cfg: PipelineConfig, data: PreparedData, plan: InitPlan, trained
         {
             f"{section}.{k}": v
             for k, v in settings.model_dump(mode="json").items()
-            if not isinstance(v, (list, dict)) and (section == "ppo" or k not in skipped)
+            if not isinstance(v, (list, dict)) and (section != "grpo" or k not in skipped)
         }
     )
     if cfg.model.lora.enabled:
         hyper.update({"lora.r": cfg.model.lora.r, "lora.alpha": cfg.model.lora.alpha})
     specs = {"preference": cfg.data.preference, "prompts": cfg.data.prompts}
-    tables = ("preference", "prompts") if plan.reward_path else ("prompts",)
+    tables = ("preference",) if algorithm == "dpo" else ("preference", "prompts") if plan.reward_path else ("prompts",)
     return ExportInfo(
         algorithm=algorithm,
         steps=trained.step,
@@ -63,8 +64,8 @@ def export_info(cfg: PipelineConfig, data: PreparedData, plan: InitPlan, trained
 
 
 def trained_tools(cfg: PipelineConfig) -> list[str]:
-    """The import paths of the tools and environments the policy's rollouts called (none for PPO)."""
-    if cfg.rl.algorithm == "ppo":
+    """The import paths of the tools and environments the policy's rollouts called (the GRPO family's alone)."""
+    if cfg.rl.algorithm not in GROUP_ALGORITHMS:
         return []
     environment = cfg.grpo.environment
     environments = list(environment.values()) if isinstance(environment, dict) else [environment] if environment else []

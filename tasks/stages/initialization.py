@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from rlhf_core.config import ConfigError, PipelineConfig
+from rlhf_core.config import GROUP_ALGORITHMS, PREFERENCE_ALGORITHMS, ConfigError, PipelineConfig, reads_grpo_rewards
 from rlhf_core.data.rows import DataValidationError
 from rlhf_core.data.tables import read_column
 from rlhf_core.models.loading import ModelSourceError, generation_config_of, load_tokenizer, run_stop_ids
@@ -74,7 +74,9 @@ def _policy_source(cfg: PipelineConfig, data: PreparedData, sft: Checkpoint | No
 
 
 def _reference(cfg: PipelineConfig) -> str:
-    if cfg.rl.algorithm != "ppo" and cfg.grpo.beta == 0:
+    if cfg.rl.algorithm in GROUP_ALGORITHMS and cfg.grpo.beta == 0:
+        return "none"
+    if cfg.rl.algorithm in PREFERENCE_ALGORITHMS and cfg.dpo.reference_free:
         return "none"
     if cfg.init.reference == "auto":
         return "adapter_disabled" if cfg.model.lora.enabled else "copy"
@@ -86,11 +88,12 @@ def _check_sources(cfg: PipelineConfig, data: PreparedData, policy_path: str, re
     stop tokens the policy's tokenizer lacks, and prompt plus response beyond the policy's context."""
     from transformers import AutoConfig
 
-    if not read_column(data.tables["prompts"], "prompt"):
-        raise DataValidationError(f"data.prompts: the prompt set {data.source('prompts')} is empty")
+    trained_on, field = ("preference", "data.preference") if cfg.rl.algorithm == "dpo" else ("prompts", "data.prompts")
+    if not read_column(data.tables[trained_on], "prompt"):
+        raise DataValidationError(f"{field}: the table {data.source(trained_on)} is empty")
     policy_tok = load_tokenizer(policy_path, revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code)
     reward_dirs = [reward.path] if reward is not None else []
-    if cfg.rl.algorithm != "ppo":
+    if reads_grpo_rewards(cfg.rl.algorithm):
         reward_dirs += [
             resolve_model_source(r.model, field=f"grpo.rewards[{i}].model", cfg=cfg, world=None)
             for i, r in enumerate(cfg.grpo.rewards)

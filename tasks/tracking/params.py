@@ -11,9 +11,9 @@ sft.enabled when SFT is off; reward.* when the reward stage does not run.
 
 from __future__ import annotations
 
-from rlhf_core.config import PipelineConfig
+from rlhf_core.config import GRPOConfig, PipelineConfig, reads_grpo_rewards, section_of
 from rlhf_core.config.redaction import flatten_config
-from rlhf_core.config.training import GROUP_FIELDS_FOR
+from rlhf_core.config.rewards import GROUP_FIELDS_FOR
 
 TABLES = ("data.preference", "data.preference_eval", "data.prompts", "data.eval_prompts", "sft.dataset")
 KIND_COLUMNS = {  # the column mappings a kind of table reads (rlhf_core/data/rows.py `layout`)
@@ -27,8 +27,13 @@ def run_params(cfg: PipelineConfig) -> dict[str, str]:
     """Dotted key -> value of every config field the run reads (the module docstring says what is left out)."""
     tables = {field: (spec, kind) for _, field, spec, kind in cfg.data_tables()}
     algorithm = cfg.rl.algorithm
-    unread = ["grpo" if algorithm == "ppo" else "ppo", *(t for t in TABLES if t not in tables)]
-    unread += [f"grpo.{name}" for name, readers in GROUP_FIELDS_FOR.items() if algorithm not in readers]
+    read = section_of(algorithm)
+    unread = [s for s in ("ppo", "grpo", "dpo") if s != read and not (s == "grpo" and reads_grpo_rewards(algorithm))]
+    unread += [t for t in TABLES if t not in tables]
+    if read == "grpo":
+        unread += [f"grpo.{name}" for name, readers in GROUP_FIELDS_FOR.items() if algorithm not in readers]
+    elif reads_grpo_rewards(algorithm):  # online DPO: grpo.rewards alone
+        unread += [f"grpo.{name}" for name in GRPOConfig.model_fields if name != "rewards"]
     unread += [
         f"{field}.columns.{column}"
         for field, (spec, kind) in tables.items()

@@ -21,13 +21,15 @@ from datetime import datetime
 from functools import lru_cache
 from importlib import metadata
 from pathlib import Path
+from typing import get_args
 
 import mlflow
 from mlflow.entities import Param, RunStatus
 from mlflow.tracking import MlflowClient
 
-from rlhf_core.config import PipelineConfig
+from rlhf_core.config import PipelineConfig, section_of
 from rlhf_core.config.redaction import redact
+from rlhf_core.config.training import Algorithm
 from rlhf_core.storage.ownership import pid_alive
 from tasks.tracking.logs import DESCRIPTION
 from tasks.tracking.params import run_params
@@ -257,8 +259,8 @@ def stage_params(cfg: PipelineConfig, stage: str) -> dict[str, str]:
     """The stage's config sections of the pipeline run's params (`run_params`: the fields the run reads, secrets
     left out): an RL stage logs rl, its algorithm's section, rollout (its engine), init, guard and eval, so that
     two PPO runs compare on them."""
-    algorithm = "ppo" if stage == "ppo" else "grpo"
-    sections = STAGE_SECTIONS.get(stage, ("rl", algorithm, "rollout", "init", "guard", "eval"))
+    section = section_of(stage) if stage in get_args(Algorithm) else "grpo"
+    sections = STAGE_SECTIONS.get(stage, ("rl", section, "rollout", "init", "guard", "eval"))
     return {k: v for k, v in run_params(cfg).items() if k.split(".", 1)[0] in sections}
 
 

@@ -36,12 +36,12 @@ def test_validate_prints_the_resolved_config(capsys):
 
 
 def test_bad_config_exits_2_with_one_sentence_before_any_work(capsys, tmp_path):
-    code = main(["run", "--config", SMOKE, "--set", "rl.algorithm=dpo", "--set", f"run.output_dir={tmp_path / 'out'}"])
+    code = main(["run", "--config", SMOKE, "--set", "rl.algorithm=kto", "--set", f"run.output_dir={tmp_path / 'out'}"])
     err = capsys.readouterr().err.strip()
     assert code == 2
     assert (
         err
-        == "error: config field `rl.algorithm` got 'dpo': allowed values are 'ppo', 'grpo', 'rloo', 'reinforce_plus_plus' or 'reinforce_plus_plus_baseline'"
+        == "error: config field `rl.algorithm` got 'kto': allowed values are 'ppo', 'grpo', 'rloo', 'reinforce_plus_plus', 'reinforce_plus_plus_baseline', 'dpo' or 'online_dpo'"
     )
     assert not (tmp_path / "out").exists()
 

@@ -59,11 +59,17 @@ def report_evaluations(
 
 def kl_guide(algorithm: str) -> str:
     """Which of the RL stage run's KL metrics to read, a sentence each (rlhf_core/evaluation/generations.py)."""
-    training = f"`{training_metric_names(algorithm).kl}`" + ("" if algorithm == "ppo" else " (where logged)")
+    name = training_metric_names(algorithm).kl
+    training = f"`{name}`" + ("" if algorithm == "ppo" else " (where logged)")
+    said = (
+        f" {training} is the training batch's sampling estimate."
+        if name
+        else " Training logs no KL: it samples nothing."
+    )
     return (
         "**Which KL to read**: `eval/kl_exact_mean`, the exact KL to the initial policy on the held-out prompts (nats "
         "per completion), which the guard and promotion read. `eval/kl_mean` (k1) and `eval/kl_k3_mean` (k3) are "
-        f"sampling estimates of it, kept as diagnostics. {training} is the training batch's sampling estimate."
+        f"sampling estimates of it, kept as diagnostics.{said}"
     )
 
 

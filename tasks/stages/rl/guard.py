@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from rlhf_core.config import PipelineConfig
+from rlhf_core.config import PREFERENCE_ALGORITHMS, PipelineConfig
 from rlhf_core.evaluation.generations import summarize_rows
 from rlhf_core.evaluation.guard import GuardBreach, GuardLedger, GuardStop, Rollback, Verdict, set_aside
 from rlhf_core.training.determinism import seed_everything
@@ -167,7 +167,7 @@ def rollback_sentence(cfg: PipelineConfig, rollback: Rollback, set_aside_dir: Pa
 
 
 def kl_coefficient(cfg: PipelineConfig, rollback: Rollback) -> str:
-    """The KL coefficient after `rollback` (ppo.kl_coef, or grpo.beta), and what guard.kl_coef_factor did to it."""
+    """The KL coefficient after `rollback` (ppo.kl_coef, grpo.beta or dpo.beta), and what guard.kl_coef_factor did to it."""
     scale, factor = rollback.kl_scale, f"guard.kl_coef_factor {cfg.guard.kl_coef_factor:g} per rollback"
     if cfg.rl.algorithm == "ppo":
         if cfg.ppo.adaptive_kl and rollback.to_step > 0:
@@ -176,6 +176,10 @@ def kl_coefficient(cfg: PipelineConfig, rollback: Rollback) -> str:
                 f"scale ({factor})"
             )
         return f"ppo.kl_coef is now {cfg.ppo.kl_coef * scale:g} ({cfg.ppo.kl_coef:g} x {scale:g}, {factor})"
+    if cfg.rl.algorithm in PREFERENCE_ALGORITHMS:  # DPO's beta weighs the pull back to the reference
+        if cfg.dpo.reference_free:
+            return "dpo.reference_free is on, so no reference pulls back and guard.kl_coef_factor changes nothing"
+        return f"dpo.beta is now {cfg.dpo.beta * scale:g} ({cfg.dpo.beta:g} x {scale:g}, {factor})"
     if cfg.grpo.beta == 0:
         return "grpo.beta is 0, so guard.kl_coef_factor changes nothing"
     return f"grpo.beta is now {cfg.grpo.beta * scale:g} ({cfg.grpo.beta:g} x {scale:g}, {factor})"

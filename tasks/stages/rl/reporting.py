@@ -62,7 +62,7 @@ class PolicyReporter(StageReporter):
             model=RegisteredModel(cfg.registry.policy_model_name, lineage=lineage),
             curves={
                 self.names.score: (self.names.score,),
-                "kl": (self.names.kl,),
+                "kl": (self.names.kl,) if self.names.kl else (),
                 "eval/gold": (f"eval/{gold}_mean",) if gold else (),
             },
         )

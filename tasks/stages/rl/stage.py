@@ -1,4 +1,4 @@
-"""The RL stage (PPO or GRPO) as a Prefect task, from the `InitPlan` of tasks/stages/initialization.py.
+"""The RL stage (PPO, the GRPO family or DPO) as a Prefect task, from the `InitPlan` of tasks/stages/initialization.py.
 
 `rl_stage` loads the policy, its reference and the reward sources into one `RLInputs` per attempt, trains with
 resume under the guard (tasks/stages/rl/guard.py: each evaluation judged; stop, or roll back to the last checkpoint
@@ -20,7 +20,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from rlhf_core.config import PipelineConfig, RewardSource
-from rlhf_core.config.training import keyed_sections
+from rlhf_core.config.training import keyed_sections, reads_grpo_rewards
 from rlhf_core.data.tables import read_rows
 from rlhf_core.evaluation.policy import LoadedModels, evaluate_policy, metric_functions
 from rlhf_core.models.loading import (
@@ -34,6 +34,7 @@ from rlhf_core.models.loading import (
 )
 from rlhf_core.rewards.functions import load_reward_function
 from rlhf_core.rewards.reward_model import load_reward_model
+from rlhf_core.rl.dpo import train_dpo
 from rlhf_core.rl.grpo import train_grpo
 from rlhf_core.rl.inputs import PromptSet, RLHooks, RLInputs, RLModels, RLSettings
 from rlhf_core.rl.ppo import train_ppo
@@ -53,7 +54,7 @@ def eval_functions(cfg: PipelineConfig) -> dict:
     """What evaluation scores besides the reward model: eval.metrics, and GRPO's reward functions (the proxy
     reward's other parts) as columns `reward_<name>`, each function once (`scored_as_metric`)."""
     functions = metric_functions(cfg.eval.metrics)
-    if cfg.rl.algorithm != "ppo":  # the GRPO family reads grpo.rewards
+    if reads_grpo_rewards(cfg.rl.algorithm):  # the GRPO family and online DPO read grpo.rewards
         for i, source in enumerate(cfg.grpo.rewards):
             if source.function is not None and not scored_as_metric(cfg, source):
                 functions[f"reward_{source.name}"] = load_reward_function(
@@ -103,19 +104,20 @@ def reward_sources(cfg: PipelineConfig, plan: InitPlan, stage_reward_model) -> l
 
 
 def rl_key(cfg: PipelineConfig, data: PreparedData, plan: InitPlan) -> str:
-    rl, section = keyed_sections(cfg.rl, cfg.ppo, cfg.grpo)  # laid out as before settings moved: keys unchanged
+    rl, section = keyed_sections(cfg.rl, cfg.ppo, cfg.grpo, cfg.dpo)  # laid out as before settings moved: keys kept
+    trained_on = "preference" if cfg.rl.algorithm == "dpo" else "prompts"  # offline DPO: the pairs
     return stage_key(
         {
             "rl": rl,
             cfg.rl.algorithm: section
-            | ({"rewards": remote_rewards.keyed_rewards(cfg)} if cfg.rl.algorithm != "ppo" else {}),
+            | ({"rewards": remote_rewards.keyed_rewards(cfg)} if reads_grpo_rewards(cfg.rl.algorithm) else {}),
             "init": cfg.init.model_dump(),
             "lora": cfg.model.lora.model_dump(),
             # identities, never paths: a run directory that is moved keeps its keys (the value model's
             # source is init.value_from over these two)
             "policy": plan.policy_identity,
             "reward": plan.reward_identity,
-            "prompts": data.fingerprints["prompts"],
+            trained_on: data.fingerprints[trained_on],
             "seed": cfg.run.seed,
             "max_prompt_length": cfg.data.max_prompt_length,
             **({"rollout": engine} if (engine := cfg.rollout.result_fields()) else {}),
@@ -169,7 +171,7 @@ def stage_hooks(cfg: PipelineConfig, reporter: PolicyReporter, guard: Guard) -> 
         on_checkpoint=reporter.on_checkpoint,
         on_eval=guard.evaluated,
         eval_every=cfg.eval.every_steps,
-        on_completions=reporter.on_completions if cfg.rl.algorithm != "ppo" else None,
+        on_completions=reporter.on_completions if reads_grpo_rewards(cfg.rl.algorithm) else None,
     )
 
 
@@ -183,17 +185,17 @@ def trainer_inputs(
     evaluate: Callable,
     kl_scale: float,
 ) -> RLInputs:
-    """One attempt's input to PPO or GRPO: the loaded models (PPO's value model loaded here, the GRPO family's
-    reward sources), the prompts, the config's sections with the guard's `kl_scale`, the stage's `hooks` with the
-    attempt's `evaluate(model, step)`."""
-    prompt_rows = read_rows(data.tables["prompts"])
+    """One attempt's input to its trainer: the loaded models (PPO's value model loaded here, the GRPO family's and
+    online DPO's reward sources), the prompts (offline DPO: the preference pairs), the config's sections with the
+    guard's `kl_scale`, the stage's `hooks` with the attempt's `evaluate(model, step)`."""
+    prompt_rows = read_rows(data.tables["preference" if cfg.rl.algorithm == "dpo" else "prompts"])
     trained = RLModels(models.policy, models.tokenizer, reference=models.ref_model)
     if cfg.rl.algorithm == "ppo":
         value = load_reward_model(
             plan.value_path, models.tokenizer, seed=cfg.run.seed, torch_dtype=cfg.model.torch_dtype
         )
         trained = replace(trained, value=value, reward_model=models.reward_model)
-    else:
+    elif reads_grpo_rewards(cfg.rl.algorithm):  # offline DPO: the pairs alone, no reward source
         remote_rewards.check_template_columns(cfg, set(prompt_rows[0]))  # before the first step
         trained = replace(trained, rewards=reward_sources(cfg, plan, models.reward_model))
     settings = RLSettings(
@@ -201,12 +203,13 @@ def trainer_inputs(
         cfg.run,
         ppo=cfg.ppo,
         grpo=cfg.grpo,
+        dpo=cfg.dpo,
         rollout=cfg.rollout,
         kl_scale=kl_scale,
         stop_token_ids=tuple(models.stop_ids),  # the ones evaluation stops on
         template_kwargs=cfg.data.chat_template_kwargs,
     )
-    prompts = PromptSet(prompt_rows, cfg.data.max_prompt_length)
+    prompts = PromptSet(prompt_rows, cfg.data.max_prompt_length, cfg.data.max_length)
     return RLInputs(trained, prompts, settings, out_dir, replace(hooks, evaluate=evaluate))
 
 
@@ -227,6 +230,9 @@ def rollout_server(cfg: PipelineConfig, plan: InitPlan, out_dir: Path) -> Iterat
             return
         vllm = cfg.rollout.vllm.model_copy(update={"url": url})
         yield cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"vllm": vllm})})
+
+
+TRAINERS = {"ppo": train_ppo, "dpo": train_dpo}  # the rest: the GRPO family
 
 
 @task(name="rl", cache_policy=NO_CACHE, **IO_RETRIES)
@@ -263,7 +269,7 @@ def _stage(cfg: PipelineConfig, data: PreparedData, plan: InitPlan, parent_run_i
         eval_rows = read_rows(data.tables["eval_prompts"])[: cfg.eval.num_prompts]
         load = partial(fresh_models, cfg, plan, functions, eval_rows)
         inputs_for = partial(trainer_inputs, cfg, data, plan, out_dir, stage_hooks(cfg, reporter, guard))
-        trainer = train_ppo if cfg.rl.algorithm == "ppo" else train_grpo
+        trainer = TRAINERS.get(cfg.rl.algorithm, train_grpo)
         return reporter.finish(guarded_training(guard, load, inputs_for, trainer))
 
 

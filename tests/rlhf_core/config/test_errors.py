@@ -35,8 +35,8 @@ def error_of(*overrides: str) -> str:
         ),
         (["nonsense.x=1"], "unknown config field `nonsense`"),
         (
-            ["rl.algorithm=dpo"],
-            "`rl.algorithm` got 'dpo': allowed values are 'ppo', 'grpo', 'rloo', 'reinforce_plus_plus' or 'reinforce_plus_plus_baseline'",
+            ["rl.algorithm=kto"],
+            "`rl.algorithm` got 'kto': allowed values are 'ppo', 'grpo', 'rloo', 'reinforce_plus_plus', 'reinforce_plus_plus_baseline', 'dpo' or 'online_dpo'",
         ),
         (["grpo.loss_type=sum"], "allowed values are 'grpo', 'bnpo', 'dr_grpo', 'dapo', 'cispo' or 'sapo'"),
         (["grpo.importance_sampling_level=seq"], "allowed values are 'token' or 'sequence'"),
@@ -91,6 +91,16 @@ def error_of(*overrides: str) -> str:
             "grpo.generation_batch_size 12 must be a multiple of grpo.num_generations 8",
         ),
         (["ppo.cliprange=-1"], "`ppo.cliprange` got -1: Input should be greater than 0"),
+        (
+            ["rl.algorithm=dpo", "dpo.loss_type=[sigmoid, kto]"],
+            "dpo.loss_type 'kto' is unknown; TRL 1.16's are sigmoid",
+        ),
+        (["rl.algorithm=dpo", "dpo.loss_type=[exo_pair]"], "dpo.label_smoothing must be above 0 for exo_pair"),
+        (["dpo.beta=0.5"], "dpo.beta applies to rl.algorithm dpo and online_dpo, not 'ppo'; remove it"),
+        (
+            ["rl.algorithm=dpo", "rl.batch_size=10", "rl.gradient_accumulation_steps=4"],
+            "rl.batch_size 10 must be a multiple of rl.gradient_accumulation_steps 4",
+        ),
         (["run.seed=abc"], "`run.seed` must be an integer, but got 'abc' (a string)"),
         (
             ["rl.algorithm=grpo", "grpo.num_generations=8", "grpo.generation_batch_size=null", "rl.batch_size=12"],

@@ -26,7 +26,7 @@ def test_a_ppo_run_logs_no_grpo_field_and_of_each_table_the_columns_its_kind_rea
     assert under(params, "grpo") == set() and "ppo.kl_coef" in params and "reward.max_steps" in params
     # every other section whole: its values as the flattened config has them
     flat = flatten_config(cfg)
-    assert {k.split(".")[0] for k in flat} - {k.split(".")[0] for k in params} == {"grpo"}
+    assert {k.split(".")[0] for k in flat} - {k.split(".")[0] for k in params} == {"grpo", "dpo"}
     assert all(flat[k] == v for k, v in params.items())
     tables = {k for k in params if k.startswith(("data.preference", "data.prompts", "data.eval_prompts"))}
     assert tables == (
@@ -52,6 +52,16 @@ def test_a_grpo_run_logs_no_ppo_field_nor_one_only_another_group_algorithm_reads
     assert not {"grpo.reward_clip_range", "grpo.normalize_advantages", "grpo.gamma", "grpo.kl_estimator"} & set(params)
     rloo = run_params(load_config(None, ["rl.algorithm=rloo"]))
     assert {"grpo.reward_clip_range", "grpo.kl_estimator"} <= set(rloo) and "grpo.scale_rewards" not in rloo
+
+
+def test_a_dpo_run_logs_its_section_and_the_pairs_and_no_ppo_grpo_or_prompt_field():
+    params = run_params(load_config(DEMO, ["rl.algorithm=dpo"]))
+    assert params["dpo.beta"] == "0.1" and params["dpo.loss_type"] == '["sigmoid"]'
+    assert under(params, "ppo") == set() and under(params, "grpo") == set() and under(params, "reward") == set()
+    assert "data.preference.path" in params and "data.eval_prompts.path" in params
+    assert not any(k.startswith("data.prompts") for k in params)  # offline DPO trains on the pairs alone
+    online = run_params(load_config(DEMO, ["rl.algorithm=online_dpo"]))
+    assert "grpo.rewards" in online and "grpo.num_generations" not in online and "dpo.beta" in online
 
 
 def test_a_run_logs_nothing_of_a_stage_or_table_it_skips():
