@@ -220,6 +220,11 @@ def check_preference_family(rl: RLConfig, dpo: DPOConfig, lora_enabled: bool, st
             f"rl.batch_size {rl.batch_size} / rl.gradient_accumulation_steps {rl.gradient_accumulation_steps} must "
             "be even: online_dpo samples two completions per prompt and trains on each pair in one micro-batch"
         )
+    if rl.algorithm == "online_dpo" and dpo.precompute_ref_log_probs:
+        raise ValueError(
+            "dpo.precompute_ref_log_probs needs the pairs before training, but online_dpo samples new ones every "
+            "step; turn it off"
+        )
     if dpo.sync_ref_model and lora_enabled:
         raise ValueError(
             "dpo.sync_ref_model needs a reference copy to mix into, but with model.lora.enabled the reference is "

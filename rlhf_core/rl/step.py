@@ -66,6 +66,7 @@ METRIC_NAMES = {
     "ppo": TrainingMetricNames("objective/scores", "objective/kl"),
     # DPO trains on pairs it did not sample: no KL of its own samples to log, the evaluations measure it
     "dpo": TrainingMetricNames("rewards/margins", None),
+    "online_dpo": TrainingMetricNames("objective/scores", "objective/kl"),  # TRL's online trainer's
 }
 GROUP_METRIC_NAMES = TrainingMetricNames("reward", "kl")  # the GRPO family, TRL's names
 

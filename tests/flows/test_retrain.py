@@ -66,3 +66,22 @@ def test_retrain_notices_new_files_starts_from_the_champion_and_retries_io(
     assert {v.tags["stage"] for v in new} == {"ppo", "export"}
     assert all(v.tags["base_model"] == f"models:/smoke-policy/{champion.version}" for v in new)
     assert third["promotion"]["changed"] and third["promotion"]["champion"] == str(champion.version)
+
+
+def test_retraining_with_dpo_trains_no_reward_model_registers_each_checkpoint_and_is_promoted(
+    prefect_harness, tmp_path, mlflow_uri, smoke_world
+):
+    drops = tmp_path / "drops"
+    drops.mkdir()
+    write_jsonl(drops / "2026-11-01.jsonl", read_rows(smoke_world.preferences("train"))[:32])
+    overrides = [f"run.output_dir={tmp_path / 'out'}", f"tracking.uri={mlflow_uri}", "rl.algorithm=dpo"]
+    result = rlhf_retrain(config_path=SMOKE, overrides=overrides, preference_path=f"{drops}/*.jsonl")
+    assert result["pipeline"]["algorithm"] == "dpo" and result["promotion"]["decision"] == "promoted"
+    client = MlflowClient(mlflow_uri, registry_uri=mlflow_uri)
+    assert client.search_model_versions("name = 'smoke-reward-model'") == []  # DPO trains none
+    versions = client.search_model_versions("name = 'smoke-policy'")
+    dpo = sorted(int(v.tags["step"]) for v in versions if v.tags["stage"] == "dpo")
+    assert dpo == [1, 2]  # every checkpoint a version (rl.save_steps 1)
+    champion = client.get_model_version_by_alias("smoke-policy", "champion")
+    assert champion.tags["stage"] == "export" and "reward_model_version" not in champion.tags
+    assert champion.tags["data_fingerprint"] == result["pipeline"]["data_fingerprint"]

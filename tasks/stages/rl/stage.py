@@ -19,7 +19,7 @@ from typing import Any
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from rlhf_core.config import PipelineConfig, RewardSource
+from rlhf_core.config import GROUP_ALGORITHMS, PipelineConfig, RewardSource
 from rlhf_core.config.training import keyed_sections, reads_grpo_rewards
 from rlhf_core.data.tables import read_rows
 from rlhf_core.evaluation.policy import LoadedModels, evaluate_policy, metric_functions
@@ -37,6 +37,7 @@ from rlhf_core.rewards.reward_model import load_reward_model
 from rlhf_core.rl.dpo import train_dpo
 from rlhf_core.rl.grpo import train_grpo
 from rlhf_core.rl.inputs import PromptSet, RLHooks, RLInputs, RLModels, RLSettings
+from rlhf_core.rl.online_dpo import train_online_dpo
 from rlhf_core.rl.ppo import train_ppo
 from rlhf_core.rollout.engines import vllm_server
 from tasks import tracking
@@ -171,7 +172,7 @@ def stage_hooks(cfg: PipelineConfig, reporter: PolicyReporter, guard: Guard) -> 
         on_checkpoint=reporter.on_checkpoint,
         on_eval=guard.evaluated,
         eval_every=cfg.eval.every_steps,
-        on_completions=reporter.on_completions if reads_grpo_rewards(cfg.rl.algorithm) else None,
+        on_completions=reporter.on_completions if cfg.rl.algorithm in GROUP_ALGORITHMS else None,
     )
 
 
@@ -232,7 +233,7 @@ def rollout_server(cfg: PipelineConfig, plan: InitPlan, out_dir: Path) -> Iterat
         yield cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"vllm": vllm})})
 
 
-TRAINERS = {"ppo": train_ppo, "dpo": train_dpo}  # the rest: the GRPO family
+TRAINERS = {"ppo": train_ppo, "dpo": train_dpo, "online_dpo": train_online_dpo}  # the rest: the GRPO family
 
 
 @task(name="rl", cache_policy=NO_CACHE, **IO_RETRIES)

@@ -115,10 +115,10 @@ def test_the_reference_free_precomputed_and_adapter_disabled_forms(smoke_world):
     assert not torch.allclose(sequence_logps(batch.logps(lora), batch.resp_mask)[0], on_the_fly[0])
 
 
-RL = dict(learning_rate=3e-3, save_steps=2, log_steps=1)
+RL = dict(learning_rate=3e-3, log_steps=1)
 
 
-def run(world, out, steps=6, on_log=None, **dpo):
+def run(world, out, steps=6, on_log=None, save_steps=2, **dpo):
     tok = load_tokenizer(str(world.tokenizer))
     policy = load_causal_lm(str(world.base_model))
     dpo = DPOConfig(**dpo)
@@ -137,7 +137,14 @@ def run(world, out, steps=6, on_log=None, **dpo):
             world_rows(world, "preference")[:16],
             out,
             reference=reference,
-            rl=RLConfig(algorithm="dpo", total_steps=steps, batch_size=8, gradient_accumulation_steps=2, **RL),
+            rl=RLConfig(
+                algorithm="dpo",
+                total_steps=steps,
+                batch_size=8,
+                gradient_accumulation_steps=2,
+                **RL,
+                save_steps=save_steps,
+            ),
             dpo=dpo,
             run=RunConfig(device="cpu", seed=3),
             max_prompt_length=24,
@@ -149,7 +156,7 @@ def run(world, out, steps=6, on_log=None, **dpo):
 
 
 def test_a_short_run_separates_the_pairs_and_logs_trl_names(tmp_path, smoke_world):
-    _, _, result, logs = run(smoke_world, tmp_path / "d", steps=8)
+    _, _, result, logs = run(smoke_world, tmp_path / "d", steps=8, save_steps=8)
     first, last = logs[0][1], logs[-1][1]
     names = {"loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins"}
     assert names | {"logps/chosen", "logps/rejected"} <= set(last)
@@ -159,22 +166,21 @@ def test_a_short_run_separates_the_pairs_and_logs_trl_names(tmp_path, smoke_worl
     assert result.step == 8 and result.checkpoint.name == "checkpoint-8"
 
 
-@pytest.mark.parametrize("dpo", [{}, {"sync_ref_model": True, "ref_model_sync_steps": 2, "ref_model_mixup_alpha": 0.5}])
-def test_a_crash_and_rerun_ends_on_the_same_weights(tmp_path, smoke_world, dpo):
-    straight, straight_ref, _, _ = run(smoke_world, tmp_path / "a", **dpo)
+def test_a_crash_and_rerun_ends_on_the_same_weights_of_the_policy_and_the_synced_reference(tmp_path, smoke_world):
+    tr_dpo = {"sync_ref_model": True, "ref_model_sync_steps": 1, "ref_model_mixup_alpha": 0.5}
+    straight, straight_ref, _, _ = run(smoke_world, tmp_path / "a", steps=4, **tr_dpo)
 
     def crash(metrics, step):
         if step == 3:
             raise RuntimeError("injected crash")
 
     with pytest.raises(RuntimeError, match="injected crash"):
-        run(smoke_world, tmp_path / "b", on_log=crash, **dpo)
-    resumed, resumed_ref, result, _ = run(smoke_world, tmp_path / "b", **dpo)
+        run(smoke_world, tmp_path / "b", steps=4, on_log=crash, **tr_dpo)
+    resumed, resumed_ref, result, _ = run(smoke_world, tmp_path / "b", steps=4, **tr_dpo)
     assert result.resumed_from == 2
-    pairs = [(straight, resumed)] + ([(straight_ref, resumed_ref)] if dpo else [])
-    for a_model, b_model in pairs:
+    for a_model, b_model in ((straight, resumed), (straight_ref, resumed_ref)):
         for (name, a), (_, b) in zip(a_model.named_parameters(), b_model.named_parameters()):
             torch.testing.assert_close(a, b, rtol=0, atol=0, msg=f"{name} differs after the rerun")
-    if dpo:  # TR-DPO moved the reference toward the policy, and the checkpoint kept it
-        base = load_causal_lm(str(smoke_world.base_model))
-        assert not torch.equal(next(straight_ref.parameters()), next(base.parameters()))
+    # TR-DPO moved the reference toward the policy every step, and the checkpoint kept it
+    base = load_causal_lm(str(smoke_world.base_model))
+    assert not torch.equal(next(straight_ref.parameters()), next(base.parameters()))
