@@ -20,6 +20,7 @@ PACKAGES = ("torch", "transformers", "accelerate", "prefect", "mlflow")
 BENCHMARKS = {
     "async": "async_vs_sync",
     "demo": "demo_gold_gain",
+    "dpo": "dpo_vs_trl",
     "engines": "hf_engine_vs_vllm",
     "generate": "generate_vs_transformers",
     "grpo": "grpo_vs_trl",

@@ -27,7 +27,7 @@ from rlhf_core.models.loading import load_causal_lm, load_tokenizer
 from rlhf_core.training.loop import Hooks
 
 # the longest demo pair is 25 tokens (prompt 16): MAX_LEN truncates nothing on either side
-STEPS, BATCH, MAX_LEN, MAX_PROMPT, LR, BETA, SEED = 100, 32, 48, 32, 1e-4, 0.1, 42
+STEPS, BATCH, MAX_LEN, MAX_PROMPT, LR, BETA, SEED = 100, 32, 48, 32, 5e-4, 0.1, 42
 TRL_VERSION = "1.16.0"
 LOGGED = ("loss", "rewards/accuracies", "rewards/margins")
 

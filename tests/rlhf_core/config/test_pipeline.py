@@ -132,3 +132,23 @@ def test_prompts_per_step_names_the_field_that_sets_the_generation_batch():
     )
     sized = load_config(REPO / "configs" / "demo.yaml", ["rl.algorithm=grpo", "grpo.generation_batch_size=64"])
     assert sized.prompts_per_step()[1] == "grpo.generation_batch_size / grpo.num_generations"
+    online = load_config(REPO / "configs" / "demo.yaml", ["rl.algorithm=online_dpo", "rl.batch_size=16"])
+    assert online.prompts_per_step() == (8, "rl.batch_size / 2")  # two completions per prompt
+
+
+def test_dpo_reads_the_pairs_and_no_reward_stage_online_dpo_its_rewards():
+    dpo = load_config(REPO / "configs" / "dpo.yaml")
+    tables = [name for name, *_ in dpo.data_tables()]
+    assert tables == ["preference", "preference_eval", "eval_prompts", "sft"] and not dpo.trains_reward_model()
+    online = load_config(REPO / "configs" / "demo.yaml", ["rl.algorithm=online_dpo"])
+    assert online.trains_reward_model()  # grpo.rewards' default is the reward stage's model
+    assert [name for name, *_ in online.data_tables()][:3] == ["preference", "preference_eval", "prompts"]
+    with pytest.raises(ConfigError, match="dpo.precompute_ref_log_probs needs the pairs before training"):
+        load_config(REPO / "configs" / "demo.yaml", ["rl.algorithm=online_dpo", "dpo.precompute_ref_log_probs=true"])
+    with pytest.raises(ConfigError, match="online_dpo samples two completions per prompt"):
+        load_config(
+            REPO / "configs" / "demo.yaml",
+            ["rl.algorithm=online_dpo", "rl.batch_size=6", "rl.gradient_accumulation_steps=2"],
+        )
+    with pytest.raises(ConfigError, match="dpo.sync_ref_model needs a reference copy"):
+        load_config(REPO / "configs" / "dpo.yaml", ["dpo.sync_ref_model=true", "model.lora.enabled=true"])
