@@ -281,6 +281,9 @@ def main(world_root: str, out: str, ppo_batch: int, grpo_batch: int) -> None:
     run_grpo(world_root, out, grpo_batch, f"rank{rank}")
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
+        # gloo's threads stopped before the interpreter exits: left to exit, a loaded machine saw rank 1 abort
+        # ("terminate called without an active exception") after the work was done
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ def test_a_crash_in_ppo_resumes_from_the_last_checkpoint_without_duplicate_versi
     prefect_harness, tmp_path, mlflow_uri, monkeypatch
 ):
     overrides = [f"run.output_dir={tmp_path / 'out'}", f"tracking.uri={mlflow_uri}", "rl.total_steps=3"]
-    real = tasks.stages.rl.stage.train_ppo
+    real = tasks.stages.rl.stage.TRAINERS["ppo"]
 
     def crashing(inputs):
         def log(metrics, step):
@@ -35,12 +35,12 @@ def test_a_crash_in_ppo_resumes_from_the_last_checkpoint_without_duplicate_versi
 
         return real(dataclasses.replace(inputs, hooks=dataclasses.replace(inputs.hooks, on_log=log)))
 
-    monkeypatch.setattr(tasks.stages.rl.stage, "train_ppo", crashing)
+    monkeypatch.setitem(tasks.stages.rl.stage.TRAINERS, "ppo", crashing)
     assert rlhf_pipeline(config_path=SMOKE, overrides=overrides, return_state=True).is_failed()
     client = MlflowClient(mlflow_uri, registry_uri=mlflow_uri)
     assert [s for _, _, s in ppo_versions(client)] == ["1"]
 
-    monkeypatch.setattr(tasks.stages.rl.stage, "train_ppo", real)
+    monkeypatch.setitem(tasks.stages.rl.stage.TRAINERS, "ppo", real)
     summary = rlhf_pipeline(config_path=SMOKE, overrides=overrides)
     assert [s for _, _, s in ppo_versions(client)] == ["1", "2", "3"]
     runs = client.search_runs(
