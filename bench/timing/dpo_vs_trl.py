@@ -8,6 +8,8 @@ side saves one checkpoint with its optimizer state at the end. TRL runs on the C
 Each run in its own process (so the peak RSS reported beside the time is that side's own); order TRL, ours, ours,
 TRL, TRL, ours; best of three. Both sides are timed from the same rows of pairs to the saved checkpoint:
 tokenization included (TRL's happens when the DPOTrainer is made, ours inside train_dpo), as the reward row.
+Both tokenize a pair alike (the completion from where prompt and prompt+completion diverge, eos appended), except
+that TRL's tokenizer call adds a bos before the template's own: its prompts are one token longer.
 
 The sanity columns: each side's last logged train loss and rewards/accuracies (TRL logs the mean over its logging
 window, all STEPS steps; ours the last step's), and both trained policies scored by the same code on the held-out
@@ -34,7 +36,7 @@ LOGGED = ("loss", "rewards/accuracies", "rewards/margins")
 
 def run_ours(sft_dir: Path, rows: list[dict], out: Path) -> tuple[float, object, dict]:
     from rlhf_core.rl.dpo import train_dpo
-    from rlhf_core.rl.inputs import PromptSet, rl_inputs
+    from rlhf_core.rl.inputs import rl_inputs
 
     tok = load_tokenizer(str(sft_dir))
     policy, ref = load_causal_lm(str(sft_dir)), load_causal_lm(str(sft_dir))
@@ -54,10 +56,10 @@ def run_ours(sft_dir: Path, rows: list[dict], out: Path) -> tuple[float, object,
         dpo=DPOConfig(beta=BETA),
         run=RunConfig(device="cpu", seed=SEED),
         max_prompt_length=MAX_PROMPT,
+        max_length=MAX_LEN,  # TRL's max_length
         on_log=lambda metrics, step: logged.update(metrics),
         show_progress=False,
     )
-    inputs.prompts = PromptSet(rows, MAX_PROMPT, MAX_LEN)  # rl_inputs takes no max_length: TRL's max_length
     result = train_dpo(inputs)
     seconds = time.perf_counter() - start
     assert result.checkpoint is not None and result.step == STEPS, result
