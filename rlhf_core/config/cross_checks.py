@@ -199,9 +199,11 @@ def check_group_rewards(rl: RLConfig, grpo: GRPOConfig) -> None:
         )
 
 
-def check_preference_family(rl: RLConfig, dpo: DPOConfig, lora_enabled: bool, strategy: str | None) -> None:
+def check_preference_family(
+    rl: RLConfig, dpo: DPOConfig, lora_enabled: bool, strategy: str | None, rollout: RolloutConfig
+) -> None:
     """dpo.* only for DPO and online DPO; their batches in whole micro-batches (of whole pairs, online); TR-DPO's
-    reference sync on a whole reference copy."""
+    reference sync on a whole reference copy; no rollout engine for offline DPO, which samples nothing."""
     if rl.algorithm not in PREFERENCE_ALGORITHMS:
         default = DPOConfig()
         changed = [name for name in DPOConfig.model_fields if getattr(dpo, name) != getattr(default, name)]
@@ -210,6 +212,11 @@ def check_preference_family(rl: RLConfig, dpo: DPOConfig, lora_enabled: bool, st
                 f"dpo.{changed[0]} applies to rl.algorithm dpo and online_dpo, not {rl.algorithm!r}; remove it"
             )
         return
+    if rl.algorithm == "dpo" and rollout.engine != "hf":
+        raise ValueError(
+            f"rollout.engine {rollout.engine!r} samples rollouts, and offline dpo trains on data.preference's pairs "
+            "without sampling; use rollout.engine hf (or rl.algorithm online_dpo)"
+        )
     if rl.batch_size % rl.gradient_accumulation_steps:
         raise ValueError(
             f"rl.batch_size {rl.batch_size} must be a multiple of rl.gradient_accumulation_steps "

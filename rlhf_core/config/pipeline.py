@@ -130,7 +130,7 @@ class PipelineConfig(Section):
         check_ppo_accumulation(rl, self.ppo)
         strategy = check_launcher(self.run, lora or self.reward.lora)
         check_group_family(rl, self.grpo, lora, self.run, strategy)
-        check_preference_family(rl, self.dpo, lora, strategy)
+        check_preference_family(rl, self.dpo, lora, strategy, self.rollout)
         check_nonfinite_skipping(self.run, strategy, rl, self.reward)
         check_rollout_engine(rl, self.grpo, self.rollout, self.run)
         check_init_policy(self.init, self.sft)

@@ -150,5 +150,7 @@ def test_dpo_reads_the_pairs_and_no_reward_stage_online_dpo_its_rewards():
             REPO / "configs" / "demo.yaml",
             ["rl.algorithm=online_dpo", "rl.batch_size=6", "rl.gradient_accumulation_steps=2"],
         )
+    with pytest.raises(ConfigError, match="offline dpo trains on data.preference's pairs without sampling"):
+        load_config(REPO / "configs" / "dpo.yaml", ["rollout.engine=vllm"])
     with pytest.raises(ConfigError, match="dpo.sync_ref_model needs a reference copy"):
         load_config(REPO / "configs" / "dpo.yaml", ["dpo.sync_ref_model=true", "model.lora.enabled=true"])
