@@ -22,7 +22,14 @@ from rlhf_core.rl.dpo_losses import dpo_loss
 from rlhf_core.rl.grpo import GroupScorer, grpo_batch_sizes, mix_into_reference
 from rlhf_core.rl.inputs import RLInputs
 from rlhf_core.rl.samplers import StepSampler, sampler_for
-from rlhf_core.rl.step import PromptBatch, PromptBatches, loop_callbacks, rl_loop_settings, sampling_spec
+from rlhf_core.rl.step import (
+    PromptBatch,
+    PromptBatches,
+    eval_engine_of,
+    loop_callbacks,
+    rl_loop_settings,
+    sampling_spec,
+)
 from rlhf_core.rollout.collect import Passes, RolloutBatch
 from rlhf_core.rollout.engines import make_engine
 from rlhf_core.training.loop import LoopResult, TrainingLoop
@@ -86,8 +93,11 @@ class OnlineDPOStep:
                 logp = pair_batch.logps(loop.trainable)
                 out = dpo_loss(logp, pair_batch.resp_mask, ref_chosen, ref_rejected, self.spec)
                 loop.backward(out.loss / self.micro_batches)
-            kl = (out.metrics["rewards/chosen"] + out.metrics["rewards/rejected"]) / (2 * self.spec.beta)
-            stats.append({"loss": out.loss.detach(), **out.metrics, "objective/kl": kl})
+            stats.append({"loss": out.loss.detach(), **out.metrics})
+            if not self.spec.reference_free:  # the mean summed log-ratio to the reference, over both rows
+                stats[-1]["objective/kl"] = (out.metrics["rewards/chosen"] + out.metrics["rewards/rejected"]) / (
+                    2 * self.spec.beta
+                )
         return stats
 
 
@@ -118,5 +128,5 @@ def train_online_dpo(inputs: RLInputs) -> LoopResult:
     step_sampler = StepSampler(loop, engine, spec, rows, loop.unwrapped, scorer.timer)
     sampler, loop_batches = sampler_for(rollout, step_sampler, batches)
     step = OnlineDPOStep(loop, sampler, scorer, Reference(dpo, reference_model, loop.unwrapped()), inputs, dpo)
-    callbacks = loop_callbacks(hooks, loop, policy, None)
+    callbacks = loop_callbacks(hooks, loop, policy, eval_engine_of(engine, rollout))
     return loop.run(step, loop_batches, callbacks, show_progress=hooks.show_progress)
