@@ -98,18 +98,18 @@ def rl_inputs(
     rl: RLConfig,
     run: RunConfig,
     max_prompt_length: int,
-    max_length: int | None = None,
     **named,
 ) -> RLInputs:
-    """`RLInputs` from keywords, for a script or a test: `prompts` as texts or rows (offline DPO: pairs, each at most
-    `max_length` tokens); `named` holds the models beside the policy (reference, value, reward_model, rewards), the
-    other settings (ppo, grpo, dpo, rollout, kl_scale, stop_token_ids, template_kwargs; None keeps the default) and
-    the hooks (`RLHooks`' fields)."""
+    """`RLInputs` from keywords, for a script or a test: `prompts` as texts or rows; `named` holds the models beside
+    the policy (reference, value, reward_model, rewards), the other settings (ppo, grpo, dpo, rollout, kl_scale,
+    stop_token_ids, template_kwargs; None keeps the default), `max_length` (offline DPO's pairs: `PromptSet`) and the
+    hooks (`RLHooks`' fields)."""
     models = RLModels(policy, tokenizer, **{k: named.pop(k) for k in MODEL_FIELDS if k in named})
     settings = {k: v for k in SETTING_FIELDS if (v := named.pop(k, None)) is not None}
     if "stop_token_ids" in settings:
         settings["stop_token_ids"] = tuple(settings["stop_token_ids"])
     rows = [p if isinstance(p, dict) else {"prompt": p} for p in prompts]
+    max_length = named.pop("max_length", None)
     return RLInputs(
         models,
         PromptSet(rows, max_prompt_length, max_length),
