@@ -23,10 +23,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from bench.helpers.anchors import interleaved, side_process_main
+from bench.timing.reward_model_vs_trl import prepare  # the same world and SFT start as the reward row
 from rlhf_core.config import DPOConfig, RLConfig, RunConfig
 from rlhf_core.demo.world import DemoWorld, world_rows
 from rlhf_core.models.loading import load_causal_lm, load_tokenizer
-from rlhf_core.training.loop import Hooks
 
 # the longest demo pair is 25 tokens (prompt 16): MAX_LEN truncates nothing on either side
 STEPS, BATCH, MAX_LEN, MAX_PROMPT, LR, BETA, SEED = 100, 32, 48, 32, 5e-4, 0.1, 42
@@ -138,26 +138,6 @@ def heldout(policy, sft_dir: Path, rows: list[dict]) -> dict:
             for k, v in {"loss": out.loss, **out.metrics}.items():
                 totals[k] = totals.get(k, 0.0) + float(v) * len(chunk)
     return {k: totals[k] / len(items) for k in ("loss", "rewards/accuracies", "rewards/margins")}
-
-
-def prepare(root: Path) -> None:
-    """The world and the SFT model every side starts from (the reward row's)."""
-    from rlhf_core.config import DemoModelConfig, DemoWorldConfig, SFTConfig
-    from rlhf_core.demo.world import build_demo_world
-    from rlhf_core.training.sft import train_sft
-
-    world = build_demo_world(root / "world", SEED, DemoWorldConfig(), DemoModelConfig())
-    model, tok = load_causal_lm(str(world.base_model)), load_tokenizer(str(world.tokenizer))
-    train_sft(
-        model,
-        tok,
-        [r["text"] for r in world_rows(world, "text")],
-        SFTConfig(max_steps=300, learning_rate=3e-3),
-        RunConfig(device="cpu", seed=SEED),
-        max_length=MAX_LEN,
-        output_dir=root / "sft",
-        hooks=Hooks(show_progress=False),
-    )
 
 
 def _side(run) -> Callable[[Path], dict]:

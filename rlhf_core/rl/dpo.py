@@ -145,27 +145,65 @@ class Reference:
         self.precomputed, self.model = (torch.cat(chosen), torch.cat(rejected)), None
 
 
-class DPOStep:
-    """The loop's step: the DPO loss of each micro-batch of pairs, backward, one optimizer step, TR-DPO's sync;
-    returns the means of the loss and TRL's metrics over the micro-batches."""
+class PairUpdate:
+    """What offline and online DPO share in a step: the DPO loss of each micro-batch of pairs and its backward
+    (`micro_batch`), then the optimizer step, TR-DPO's reference sync every dpo.ref_model_sync_steps steps and the
+    micro-batches' mean statistics (`finish`)."""
 
-    def __init__(self, loop: TrainingLoop, items: list[dict], reference: Reference, dpo: DPOConfig, pad_id: int):
-        self.loop, self.items, self.reference, self.dpo, self.pad_id = loop, items, reference, dpo, pad_id
-        self.spec = loss_spec(dpo)
+    def __init__(self, loop: TrainingLoop, reference: Reference, dpo: DPOConfig):
+        self.loop, self.reference, self.dpo, self.spec = loop, reference, dpo, loss_spec(dpo)
 
-    def __call__(self, micro_batches: list[list[int]]) -> dict[str, torch.Tensor]:
-        loop, stats = self.loop, []
-        for indices in micro_batches:
-            batch = PairBatch.of([self.items[i] for i in indices], self.pad_id, loop.device)
-            ref_chosen, ref_rejected = self.reference.of(batch, indices)
-            with loop.micro_batch():
-                out = dpo_loss(batch.logps(loop.trainable), batch.resp_mask, ref_chosen, ref_rejected, self.spec)
-                loop.backward(out.loss / len(micro_batches))
-            stats.append({"loss": out.loss.detach(), **out.metrics})
+    def micro_batch(self, batch: PairBatch, indices: list[int], count: int) -> dict[str, torch.Tensor]:
+        """The loss of `batch` (pairs `indices`, one of `count` micro-batches), backward; its statistics."""
+        ref_chosen, ref_rejected = self.reference.of(batch, indices)
+        with self.loop.micro_batch():
+            out = dpo_loss(batch.logps(self.loop.trainable), batch.resp_mask, ref_chosen, ref_rejected, self.spec)
+            self.loop.backward(out.loss / count)
+        return {"loss": out.loss.detach(), **out.metrics}
+
+    def finish(self, stats: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        loop = self.loop
         loop.optimizer_step()
         if self.dpo.sync_ref_model and (loop.step + 1) % self.dpo.ref_model_sync_steps == 0:
             mix_into_reference(self.reference.model, loop.unwrapped(), self.dpo.ref_model_mixup_alpha)
         return {k: torch.stack([s[k] for s in stats]).float().mean() for k in stats[0]}
+
+
+def scaled_dpo(settings) -> DPOConfig:
+    """The dpo section with beta times the guard's kl_scale (its rollbacks)."""
+    return settings.dpo.model_copy(update={"beta": settings.dpo.beta * settings.kl_scale})
+
+
+def saved_models(policy, reference, dpo: DPOConfig) -> dict:
+    """What a checkpoint holds: the policy, and the reference copy when TR-DPO changes it during training."""
+    return {"policy": policy, **({"ref": reference} if dpo.sync_ref_model and reference is not None else {})}
+
+
+def frozen_reference(models, dpo: DPOConfig, loop: TrainingLoop) -> Reference:
+    """The run's `Reference`: the copy on the loop's device, frozen (none when dpo.reference_free; the policy with
+    its adapters disabled when models.reference is None)."""
+    model = None if dpo.reference_free else models.reference
+    if model is not None:
+        model.to(loop.device).eval().requires_grad_(False)
+    return Reference(dpo, model, loop.unwrapped())
+
+
+class DPOStep:
+    """The loop's step: the DPO loss of each micro-batch of pairs (their indices into `items`), then `PairUpdate`'s
+    finish: the means of the loss and TRL's metrics over the micro-batches."""
+
+    def __init__(self, update: PairUpdate, items: list[dict], pad_id: int):
+        self.update, self.items, self.pad_id = update, items, pad_id
+
+    def __call__(self, micro_batches: list[list[int]]) -> dict[str, torch.Tensor]:
+        device = self.update.loop.device
+        stats = [
+            self.update.micro_batch(
+                PairBatch.of([self.items[i] for i in ix], self.pad_id, device), ix, len(micro_batches)
+            )
+            for ix in micro_batches
+        ]
+        return self.update.finish(stats)
 
 
 def train_dpo(inputs: RLInputs) -> LoopResult:
@@ -174,14 +212,12 @@ def train_dpo(inputs: RLInputs) -> LoopResult:
     models.reference None: the policy with its adapters disabled (LoRA) is the reference."""
     models, settings, hooks, out = inputs.models, inputs.settings, inputs.hooks, Path(inputs.output_dir)
     rl, run, policy, tokenizer = settings.rl, settings.run, models.policy, models.tokenizer
-    dpo = settings.dpo.model_copy(update={"beta": settings.dpo.beta * settings.kl_scale})  # the guard's rollbacks
+    dpo = scaled_dpo(settings)
     micro = rl.batch_size // rl.gradient_accumulation_steps
     sizes = BatchSizes(
         prompts_per_step=rl.batch_size, generations_per_prompt=1, mini_batch=rl.batch_size, micro_batch=micro
     )
-    saved = {"policy": policy}
-    if dpo.sync_ref_model and models.reference is not None:
-        saved["ref"] = models.reference  # it changes during training: saved and restored with the policy
+    saved = saved_models(policy, models.reference, dpo)
     loop_settings = rl_loop_settings(rl, run, sizes, eval_every=hooks.eval_cadence)
     loop = TrainingLoop(policy, saved, tokenizer, loop_settings, run, output_dir=out)
     items = tokenize_preferences(
@@ -191,10 +227,7 @@ def train_dpo(inputs: RLInputs) -> LoopResult:
         max_length=inputs.prompts.max_length or inputs.prompts.max_prompt_length + rl.response_length,
         stop_ids=settings.stop_token_ids or (),
     )
-    reference_model = None if dpo.reference_free else models.reference
-    if reference_model is not None:
-        reference_model.to(loop.device).eval().requires_grad_(False)
-    reference = Reference(dpo, reference_model, loop.unwrapped())
+    reference = frozen_reference(models, dpo, loop)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     if dpo.precompute_ref_log_probs and not dpo.reference_free:
         reference.precompute(items, pad_id, micro, loop.device)
@@ -202,5 +235,5 @@ def train_dpo(inputs: RLInputs) -> LoopResult:
         len(items), micro, run.seed, rank=loop.rank, world=loop.world, epoch=loop.epoch, position=loop.position
     )
     callbacks = loop_callbacks(hooks, loop, policy, None)
-    step = DPOStep(loop, items, reference, dpo, pad_id)
+    step = DPOStep(PairUpdate(loop, reference, dpo), items, pad_id)
     return loop.run(step, Grouped(order, rl.gradient_accumulation_steps), callbacks, show_progress=hooks.show_progress)

@@ -17,9 +17,8 @@ from pathlib import Path
 
 import torch
 
-from rlhf_core.rl.dpo import PairBatch, Reference, loss_spec
-from rlhf_core.rl.dpo_losses import dpo_loss
-from rlhf_core.rl.grpo import GroupScorer, grpo_batch_sizes, mix_into_reference
+from rlhf_core.rl.dpo import PairBatch, PairUpdate, frozen_reference, saved_models, scaled_dpo
+from rlhf_core.rl.grpo import GroupScorer, grpo_batch_sizes
 from rlhf_core.rl.inputs import RLInputs
 from rlhf_core.rl.samplers import StepSampler, sampler_for
 from rlhf_core.rl.step import (
@@ -53,25 +52,19 @@ def online_rewards(scorer: GroupScorer, batch: RolloutBatch) -> torch.Tensor:
 
 
 class OnlineDPOStep:
-    """The loop's step: sample the prompts' pairs, score and order them, then the DPO loss over
-    rl.gradient_accumulation_steps micro-batches of pairs and one optimizer step; returns TRL's metrics."""
+    """The loop's step: sample the prompts' pairs, score and order them, then `PairUpdate`'s DPO loss over
+    rl.gradient_accumulation_steps micro-batches of pairs and its finish; returns TRL's metrics."""
 
-    def __init__(self, loop: TrainingLoop, sampler, scorer: GroupScorer, reference: Reference, inputs: RLInputs, dpo):
-        self.loop, self.sampler, self.scorer, self.reference, self.dpo = loop, sampler, scorer, reference, dpo
-        self.micro_batches, self.spec = inputs.settings.rl.gradient_accumulation_steps, loss_spec(dpo)
+    def __init__(self, update: PairUpdate, sampler, scorer: GroupScorer, micro_batches: int):
+        self.update, self.sampler, self.scorer, self.micro_batches = update, sampler, scorer, micro_batches
 
     def __call__(self, prompts: PromptBatch) -> dict[str, torch.Tensor | float]:
         batch = self.scorer.score(prompts, self.sampler.sample(prompts))
         rewards = online_rewards(self.scorer, batch)
         order = pair_order(rewards)
-        stats = self.update(batch, order)
-        loop = self.loop
-        loop.optimizer_step()
-        if self.dpo.sync_ref_model and (loop.step + 1) % self.dpo.ref_model_sync_steps == 0:
-            mix_into_reference(self.reference.model, loop.unwrapped(), self.dpo.ref_model_mixup_alpha)
+        metrics = self.update.finish(self.micro_steps(batch, order))
         pairs = order.shape[0] // 2
         chosen, rejected = rewards[order[:pairs]], rewards[order[pairs:]]
-        metrics = {k: torch.stack([s[k] for s in stats]).float().mean() for k in stats[0]}
         return {
             **metrics,
             "objective/scores": rewards.mean(),
@@ -80,23 +73,21 @@ class OnlineDPOStep:
             **self.scorer.timer.pop(),
         }
 
-    def update(self, batch: RolloutBatch, order: torch.Tensor) -> list[dict[str, torch.Tensor]]:
-        loop, rollout, stats = self.loop, batch.rollout, []
+    def micro_steps(self, batch: RolloutBatch, order: torch.Tensor) -> list[dict[str, torch.Tensor]]:
+        """Each micro-batch of pairs (rows of `batch` in `order`) through `PairUpdate.micro_batch`, with
+        `objective/kl` beside its statistics: the mean summed log-ratio to the reference over both rows (none under
+        reference_free)."""
+        rollout, stats, spec = batch.rollout, [], self.update.spec
         pairs = order.shape[0] // 2
         for part in torch.arange(pairs).chunk(self.micro_batches):
             rows = torch.cat([order[part], order[part + pairs]])
             pair_batch = PairBatch(
                 *(t[rows] for t in (rollout.query_ids, rollout.query_mask, rollout.responses)), rollout.resp_mask[rows]
             )
-            ref_chosen, ref_rejected = self.reference.of(pair_batch, part.tolist())
-            with loop.micro_batch():
-                logp = pair_batch.logps(loop.trainable)
-                out = dpo_loss(logp, pair_batch.resp_mask, ref_chosen, ref_rejected, self.spec)
-                loop.backward(out.loss / self.micro_batches)
-            stats.append({"loss": out.loss.detach(), **out.metrics})
-            if not self.spec.reference_free:  # the mean summed log-ratio to the reference, over both rows
-                stats[-1]["objective/kl"] = (out.metrics["rewards/chosen"] + out.metrics["rewards/rejected"]) / (
-                    2 * self.spec.beta
+            stats.append(self.update.micro_batch(pair_batch, part.tolist(), self.micro_batches))
+            if not spec.reference_free:
+                stats[-1]["objective/kl"] = (stats[-1]["rewards/chosen"] + stats[-1]["rewards/rejected"]) / (
+                    2 * spec.beta
                 )
         return stats
 
@@ -106,27 +97,23 @@ def train_online_dpo(inputs: RLInputs) -> LoopResult:
     completions each) from inputs.prompts, ranked by inputs.models.rewards; resume from inputs.output_dir."""
     models, settings, hooks, out = inputs.models, inputs.settings, inputs.hooks, Path(inputs.output_dir)
     rl, run, rollout, tokenizer, policy = settings.rl, settings.run, settings.rollout, models.tokenizer, models.policy
-    dpo = settings.dpo.model_copy(update={"beta": settings.dpo.beta * settings.kl_scale})  # the guard's rollbacks
+    dpo = scaled_dpo(settings)
     # the GRPO family's batches and scoring with groups of two: one generation batch, one optimizer step
     two = {"num_generations": 2, "generation_batch_size": None, "steps_per_generation": None, "num_iterations": 1}
     pairs = settings.grpo.model_copy(update=two)
     sizes = grpo_batch_sizes(rl, pairs)
-    saved = {"policy": policy}
-    if dpo.sync_ref_model and models.reference is not None:
-        saved["ref"] = models.reference  # it changes during training: saved and restored with the policy
+    saved = saved_models(policy, models.reference, dpo)
     loop_settings = rl_loop_settings(rl, run, sizes, eval_every=hooks.eval_cadence)
     loop = TrainingLoop(policy, saved, tokenizer, loop_settings, run, output_dir=out)
     rows = inputs.prompts.rows
     prompts, length = [r["prompt"] for r in rows], inputs.prompts.max_prompt_length
     batches = PromptBatches(tokenizer, prompts, sizes, max_prompt_length=length, seed=run.seed, loop=loop)
-    reference_model = None if dpo.reference_free else models.reference
-    if reference_model is not None:
-        reference_model.to(loop.device).eval().requires_grad_(False)
     scorer = GroupScorer(loop, models, rows, rl, pairs, Passes(policy=False, reference=False))
     spec = sampling_spec(tokenizer, policy, settings, 2)
     engine = make_engine(rollout, out / "engine-weights", loop)
     step_sampler = StepSampler(loop, engine, spec, rows, loop.unwrapped, scorer.timer)
     sampler, loop_batches = sampler_for(rollout, step_sampler, batches)
-    step = OnlineDPOStep(loop, sampler, scorer, Reference(dpo, reference_model, loop.unwrapped()), inputs, dpo)
+    update = PairUpdate(loop, frozen_reference(models, dpo, loop), dpo)
+    step = OnlineDPOStep(update, sampler, scorer, rl.gradient_accumulation_steps)
     callbacks = loop_callbacks(hooks, loop, policy, eval_engine_of(engine, rollout))
     return loop.run(step, loop_batches, callbacks, show_progress=hooks.show_progress)

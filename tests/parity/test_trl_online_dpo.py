@@ -10,7 +10,7 @@ truncated rows without eos); the reward function returns fixed values, a tie and
 `training_step` (gradient_accumulation_steps 1) then runs for real: its forwards of policy and reference, reward
 weighting (nansum), missing_eos_penalty, pairing (`first_half >= second_half`), sigmoid loss and backward.
 
-Our side is the real `OnlineDPOStep.__call__` (pair_order, `update`: PairBatch, `Reference.of`, `dpo_loss`, and the
+Our side is the real `OnlineDPOStep.__call__` (pair_order, `PairUpdate`: PairBatch, `Reference.of`, `dpo_loss`, and the
 step's metrics) on the very same tokens in our layout (prompt i's completions at rows 2i and 2i + 1 instead of TRL's
 i and i + B; masks and has_stop from `rl_math.response_mask`), scored through `GroupScorer.rewards_of` with
 `missing_stop_penalty`; only the loop (backward, no optimizer step), the sampler and the scorer's sampling are stubs.
@@ -44,7 +44,7 @@ import pytest
 import torch
 
 from rlhf_core.config.training import DPOConfig
-from rlhf_core.rl.dpo import Reference
+from rlhf_core.rl.dpo import PairUpdate, Reference
 from rlhf_core.rl.grpo import GroupScorer
 from rlhf_core.rl.online_dpo import OnlineDPOStep, pair_order
 from rlhf_core.rl_math import response_mask
@@ -247,8 +247,8 @@ def our_side(trainer, case: Case, generation, rewards: list):
     )
     sampler = SimpleNamespace(sample=lambda prompts: None)
     dpo = DPOConfig(beta=case.beta, loss_type=["sigmoid"])
-    inputs = SimpleNamespace(settings=SimpleNamespace(rl=SimpleNamespace(gradient_accumulation_steps=1)))
-    step = OnlineDPOStep(StubLoop(model), sampler, scorer, Reference(dpo, trainer.ref_model, model), inputs, dpo)
+    update = PairUpdate(StubLoop(model), Reference(dpo, trainer.ref_model, model), dpo)
+    step = OnlineDPOStep(update, sampler, scorer, micro_batches=1)
     metrics = step(prompts=None)
     return metrics["loss"], grads(model), metrics, batch
 
