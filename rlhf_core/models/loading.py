@@ -198,7 +198,8 @@ def load_causal_lm(
 def prepare_for_training(model, *, gradient_checkpointing: bool) -> None:
     """Memory options before training: activation recomputation (and no KV cache, which it conflicts with)."""
     if gradient_checkpointing:
-        model.gradient_checkpointing_enable()
+        # non-reentrant (TRL's default): gradients reach LoRA adapters behind frozen embeddings
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
 
 

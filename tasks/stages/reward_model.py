@@ -216,7 +216,7 @@ def reward_stage(cfg: PipelineConfig, data: PreparedData, policy: Checkpoint | N
             revision=cfg.model.revision,
             seed=cfg.run.seed,
         )
-        prepare_for_training(model, gradient_checkpointing=cfg.model.gradient_checkpointing)
+        prepare_for_training(model, gradient_checkpointing=cfg.model.checkpointing)
         train_rows, eval_rows = read_rows(data.tables["preference"]), read_rows(data.tables["preference_eval"])
         reporter.register_saved(out_dir)
         reporter.start(cfg.reward.max_steps, f"Reward model: {cfg.reward.max_steps} steps")

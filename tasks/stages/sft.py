@@ -61,7 +61,7 @@ def _train(cfg: PipelineConfig, data: PreparedData, reporter: StageReporter, out
         trust_remote_code=cfg.model.trust_remote_code,
         torch_dtype=cfg.model.torch_dtype,
     )
-    prepare_for_training(model, gradient_checkpointing=cfg.model.gradient_checkpointing)
+    prepare_for_training(model, gradient_checkpointing=cfg.model.checkpointing)
     texts = read_column(data.tables["sft"], "text")
     reporter.start(cfg.sft.max_steps, f"SFT warm start: {cfg.sft.max_steps} steps")
     metrics = train_sft(

@@ -134,7 +134,7 @@ def load_models(cfg: PipelineConfig, plan: InitPlan) -> LoadedModels:
         revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code, torch_dtype=cfg.model.torch_dtype
     )
     policy = load_causal_lm(plan.policy_path, **load)
-    prepare_for_training(policy, gradient_checkpointing=cfg.model.gradient_checkpointing)
+    prepare_for_training(policy, gradient_checkpointing=cfg.model.checkpointing)
     ref_model = load_causal_lm(plan.policy_path, **load) if plan.reference == "copy" else None
     if cfg.model.lora.enabled:
         from peft import get_peft_model
@@ -195,6 +195,7 @@ def trainer_inputs(
         value = load_reward_model(
             plan.value_path, models.tokenizer, seed=cfg.run.seed, torch_dtype=cfg.model.torch_dtype
         )
+        prepare_for_training(value, gradient_checkpointing=cfg.model.checkpointing)
         trained = replace(trained, value=value, reward_model=models.reward_model)
     elif reads_grpo_rewards(cfg.rl.algorithm):  # offline DPO: the pairs alone, no reward source
         remote_rewards.check_template_columns(cfg, set(prompt_rows[0]))  # before the first step
