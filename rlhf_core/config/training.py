@@ -117,6 +117,11 @@ class RLConfig(OptimSettings):
     gradient_accumulation_steps: int = Field(
         1, ge=1, description="Micro-batches accumulated per optimizer step (PPO and GRPO alike)."
     )
+    max_tokens_per_micro_batch: int | None = Field(
+        None,
+        ge=1,
+        description="A token budget for every forward and backward pass of the policy, reference, value and reward models in the RL stage (verl's dynamic batch size, ppo_max_token_len_per_gpu): completions of similar length packed, longest first, so that a micro-batch's completions x its longest prompt + completion stay within it (a longer one alone), instead of the fixed micro-batch rl.batch_size / rl.gradient_accumulation_steps; the gradients equal the fixed split's (grpo.loss_type bnpo, which normalizes per micro-batch, excepted); unset: the fixed split.",
+    )
     learning_rate: float = Field(3e-6, gt=0.0, description="Peak AdamW learning rate (TRL's default).")
     response_length: int = Field(
         256, ge=1, description="Most new tokens per rollout (TRL's max_completion_length), evaluation included."

@@ -1,7 +1,10 @@
 """The order in which a stage reads its rows: epoch shuffles fixed by (seed, epoch), shared out over
-data-parallel processes, resumable at the saved epoch and position."""
+data-parallel processes, resumable at the saved epoch and position; and how a batch is cut into micro-batches, by rows
+or by a token budget."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -77,3 +80,29 @@ class Grouped:
 
     def __getattr__(self, name: str):  # epoch, position, fraction
         return getattr(self.source, name)
+
+
+def micro_batch_plan(
+    lengths: Sequence[int], rows: int, max_tokens: int | None = None, *, count: int = 0
+) -> list[list[int]]:
+    """The micro-batches of positions 0..len(lengths)-1, rows of `lengths` tokens each: runs of `rows` positions in
+    order; with `max_tokens` (a token budget, verl's dynamic batch size), positions packed longest first so that each
+    micro-batch's size x its longest row stays within the budget (a row longer than it alone). Then the largest
+    micro-batch is halved until there are `count` (data-parallel processes run as many forwards), as far as rows go.
+    """
+    n = len(lengths)
+    if max_tokens is None:
+        plan = [list(range(start, min(start + rows, n))) for start in range(0, n, rows)]
+    else:
+        plan, current = [], []
+        for i in sorted(range(n), key=lambda i: -lengths[i]):  # stable: equal lengths keep their order
+            if current and (len(current) + 1) * lengths[current[0]] > max_tokens:
+                plan.append(sorted(current))
+                current = []
+            current.append(i)
+        plan += [sorted(current)] if current else []
+    while len(plan) < count and any(len(micro) > 1 for micro in plan):
+        at = max(range(len(plan)), key=lambda k: len(plan[k]))
+        micro = plan[at]
+        plan[at : at + 1] = [micro[: len(micro) // 2], micro[len(micro) // 2 :]]
+    return plan

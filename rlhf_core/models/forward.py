@@ -4,7 +4,13 @@ left-padded prompts followed by right-padded responses."""
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
 import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from rlhf_core.rl_math import INVALID_LOGPROB, entropy_from_logits, selective_log_softmax
 
@@ -18,6 +24,65 @@ def _full_mask(query_mask: torch.Tensor, resp_mask: torch.Tensor) -> torch.Tenso
     return torch.cat([query_mask, resp_mask], dim=1)
 
 
+class Trimmed(NamedTuple):
+    """A batch without the columns no row needs (`trimmed`): `args` (query_ids, query_mask, responses, resp_mask)
+    and the width `pad` puts the response columns back to."""
+
+    args: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+    width: int
+
+    def pad(self, per_token: torch.Tensor, value: float) -> torch.Tensor:
+        """(B, R') per-token values back to (B, width) with `value` in the cut columns."""
+        return F.pad(per_token, (0, self.width - per_token.shape[1]), value=value)
+
+
+def trimmed(query_ids, query_mask, responses, resp_mask) -> Trimmed:
+    """The prompt columns from the first any row uses and the response columns up to the last any row uses (one at
+    least): a micro-batch of short rows pays for its own longest row, not the batch's. Positions come from the
+    mask, so the numbers are the same."""
+    used = query_mask.any(0).nonzero()
+    start = int(used[0]) if len(used) else query_ids.shape[1] - 1
+    kept = resp_mask.any(0).nonzero()
+    end = int(kept[-1]) + 1 if len(kept) else 1
+    args = (query_ids[:, start:], query_mask[:, start:], responses[:, :end], resp_mask[:, :end])
+    return Trimmed(args, responses.shape[1])
+
+
+def over_micro_batches(fn: Callable, plan: Sequence[Sequence[int]] | None, *tensors: torch.Tensor):
+    """fn(*each tensor's rows) for each micro-batch of `plan` (lists of rows; None: one), its outputs (a tensor, or a
+    tuple of tensors and Nones) put back in row order."""
+    if plan is None:
+        return fn(*tensors)
+    rows_of = [torch.as_tensor(rows, dtype=torch.long, device=tensors[0].device) for rows in plan]
+    parts = [fn(*(t[rows] for t in tensors)) for rows in rows_of]
+    single = not isinstance(parts[0], tuple)
+    columns = zip(*([p] if single else p for p in parts), strict=True)
+    merged = []
+    for outputs in columns:
+        if outputs[0] is None:
+            merged.append(None)
+            continue
+        whole = outputs[0].new_empty((tensors[0].shape[0], *outputs[0].shape[1:]))
+        for rows, out in zip(rows_of, outputs, strict=True):
+            whole[rows] = out
+        merged.append(whole)
+    return merged[0] if single else tuple(merged)
+
+
+def _response_forward(model, query_ids, query_mask, responses, resp_mask):
+    """The model's forward over prompt + response, its output only where it predicts a response token (the
+    vocabulary projection is most of the cost) and one position more."""
+    input_ids = torch.cat([query_ids, responses], dim=1)
+    attention_mask = _full_mask(query_mask, resp_mask)
+    return model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask),
+        use_cache=False,
+        logits_to_keep=responses.shape[1] + 1,
+    )
+
+
 def response_logits(
     model,
     query_ids: torch.Tensor,
@@ -26,19 +91,60 @@ def response_logits(
     resp_mask: torch.Tensor,
     temperature: float = 1.0,
 ) -> torch.Tensor:
-    """The logits (divided by `temperature`, float32) that predict each response token. (B, R, V)"""
-    input_ids = torch.cat([query_ids, responses], dim=1)
-    attention_mask = _full_mask(query_mask, resp_mask)
-    # logits only where they predict a response token: the vocabulary projection is most of the cost
-    out = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids_from_mask(attention_mask),
-        use_cache=False,
-        logits_to_keep=responses.shape[1] + 1,
-    )
-    logits = out.logits[:, :-1].float()
+    """The logits (divided by `temperature`, float32) that predict each response token, whole. (B, R, V)"""
+    logits = _response_forward(model, query_ids, query_mask, responses, resp_mask).logits[:, :-1].float()
     return logits / temperature if temperature != 1.0 else logits
+
+
+LOGITS_CHUNK_TOKENS = 1024  # response tokens whose float32 logits exist at once (x the vocabulary x 4 bytes)
+_LOGITS_INSIDE: weakref.WeakSet = weakref.WeakSet()  # models whose forward changes the head's output: whole logits
+
+
+class _HeadInput:
+    """Hooks on a causal LM's output embeddings for one forward: the head runs on no position and returns the
+    hidden states it was given, so the forward's "logits" are the final hidden states; the autocast it ran
+    under is kept, for the head's chunks to run under the same."""
+
+    def __init__(self, head: torch.nn.Module):
+        self.hidden: torch.Tensor | None = None
+        self.autocast: tuple[str, bool, torch.dtype] | None = None
+        self.handles = (head.register_forward_pre_hook(self._before), head.register_forward_hook(self._after))
+
+    def _before(self, module, args):
+        hidden = args[0]
+        self.hidden = hidden
+        kind = hidden.device.type
+        self.autocast = (kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
+        return (hidden[..., :0, :], *args[1:])
+
+    def _after(self, module, args, output):
+        return self.hidden
+
+    def __enter__(self) -> _HeadInput:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def _inner(model) -> torch.nn.Module:
+    """The causal LM inside DDP's or DeepSpeed's wrapper and PEFT's."""
+    model = getattr(model, "module", model)
+    return model.get_base_model() if hasattr(model, "peft_config") else model
+
+
+def _head_outside(model) -> torch.nn.Module | None:
+    """The LM head when it can run outside the model's forward, chunk by chunk: not when its parameters are
+    sharded between forwards (FSDP, DeepSpeed ZeRO-3) or when the forward was seen to change its output
+    (logit soft-capping or scaling); else None."""
+    inner = _inner(model)
+    if inner in _LOGITS_INSIDE or type(inner).__name__.startswith("FSDP"):
+        return None
+    head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
+    if head is None or any(hasattr(p, "ds_id") for p in head.parameters()):
+        return None
+    return head
 
 
 def response_logprobs(
@@ -50,9 +156,76 @@ def response_logprobs(
     temperature: float = 1.0,
     with_entropy: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log pi(response token | prefix) for each response token, INVALID_LOGPROB on padding. (B, R)"""
-    logits = response_logits(model, query_ids, query_mask, responses, resp_mask, temperature)
-    return logprobs_from_logits(logits, responses, resp_mask, with_entropy)
+    """log pi(response token | prefix) for each response token, INVALID_LOGPROB on padding (B, R), and the
+    entropies when asked. The vocabulary's float32 logits are never whole: the forward stops at the final hidden
+    states and the head runs on LOGITS_CHUNK_TOKENS response tokens at a time, padding skipped, each chunk's
+    logits recomputed in backward instead of kept (`head_logprobs`). A model whose head cannot run apart
+    (`_head_outside`) gets the whole logits of its own forward."""
+    cut = trimmed(query_ids, query_mask, responses, resp_mask)
+    logp, entropy = _logprobs(model, cut.args, temperature, with_entropy)
+    return cut.pad(logp, INVALID_LOGPROB), None if entropy is None else cut.pad(entropy, 0.0)
+
+
+def _logprobs(model, args: tuple, temperature: float, with_entropy: bool):
+    responses, resp_mask = args[2], args[3]
+    head = _head_outside(model)
+    if head is None:
+        logits = response_logits(model, *args, temperature)
+        return logprobs_from_logits(logits, responses, resp_mask, with_entropy)
+    with _HeadInput(head) as captured:
+        out = _response_forward(model, *args)
+    hidden = captured.hidden
+    if out.logits is not hidden and not (out.logits.shape == hidden.shape and torch.equal(out.logits, hidden)):
+        _LOGITS_INSIDE.add(_inner(model))  # the forward post-processes the head's output: never apart again
+        return _logprobs(model, args, temperature, with_entropy)
+    kind, enabled, dtype = captured.autocast
+    with torch.autocast(kind, dtype=dtype, enabled=enabled):
+        return head_logprobs(head, out.logits[:, :-1], responses, resp_mask, temperature, with_entropy)
+
+
+def head_logprobs(
+    head: torch.nn.Module,
+    hidden: torch.Tensor,
+    responses: torch.Tensor,
+    resp_mask: torch.Tensor,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`logprobs_from_logits` of head(hidden) (B, R, H), computed LOGITS_CHUNK_TOKENS response tokens at a time
+    over the tokens `resp_mask` keeps; under autograd each chunk is checkpointed (its logits recomputed in
+    backward), so one chunk's logits exist at any time."""
+    kept = resp_mask.bool()
+    states, targets = hidden[kept], responses[kept]
+    grad = torch.is_grad_enabled() and states.requires_grad
+    picked, entropies = [], []
+    for start in range(0, states.shape[0], LOGITS_CHUNK_TOKENS):
+        part = (head, states[start : start + LOGITS_CHUNK_TOKENS], targets[start : start + LOGITS_CHUNK_TOKENS])
+        if grad:
+            logp, entropy = checkpoint(_chunk_logprobs, *part, temperature, with_entropy, use_reentrant=False)
+        else:
+            logp, entropy = _chunk_logprobs(*part, temperature, with_entropy)
+        picked.append(logp)
+        entropies.append(entropy)
+    template = torch.full(responses.shape, INVALID_LOGPROB, dtype=torch.float32, device=responses.device)
+    logp = template.masked_scatter(kept, torch.cat(picked)) if picked else template
+    if not with_entropy:
+        return logp, None
+    entropy = torch.zeros_like(template)
+    return logp, entropy.masked_scatter(kept, torch.cat(entropies)) if entropies else entropy
+
+
+def _chunk_logprobs(head, states: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool):
+    """One chunk's log-probabilities of `targets` under head(states) / temperature in float32, and its entropies
+    (a statistic: no graph) when asked, else None."""
+    logits = head(states).float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    lse = torch.logsumexp(logits, dim=-1)
+    logp = selective_log_softmax(logits, targets, lse)
+    if not with_entropy:
+        return logp, None
+    with torch.no_grad():
+        return logp, entropy_from_logits(logits, lse)
 
 
 def logprobs_from_logits(
@@ -91,6 +264,11 @@ def head_per_token(model, input_ids: torch.Tensor, attention_mask: torch.Tensor)
 
 def token_values(value_model, query_ids, query_mask, responses, resp_mask) -> torch.Tensor:
     """V(state before each response token), zero on padding. (B, R)"""
+    cut = trimmed(query_ids, query_mask, responses, resp_mask)
+    return cut.pad(_token_values(value_model, *cut.args), 0.0)
+
+
+def _token_values(value_model, query_ids, query_mask, responses, resp_mask) -> torch.Tensor:
     input_ids = torch.cat([query_ids, responses], dim=1)
     values = head_per_token(value_model, input_ids, _full_mask(query_mask, resp_mask))
     context = query_ids.shape[1]
@@ -101,6 +279,7 @@ def sequence_scores(
     reward_model, query_ids, query_mask, responses, resp_mask, last_index: torch.Tensor
 ) -> torch.Tensor:
     """The reward model's score at the last real token of each query+response. (B,)"""
+    query_ids, query_mask, responses, resp_mask = trimmed(query_ids, query_mask, responses, resp_mask).args
     input_ids = torch.cat([query_ids, responses], dim=1)
     per_token = head_per_token(reward_model, input_ids, _full_mask(query_mask, resp_mask))
     rows = torch.arange(per_token.shape[0], device=per_token.device)

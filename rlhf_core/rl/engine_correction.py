@@ -168,7 +168,7 @@ class LossWeights:
         self.later = self.whole is None and settings is not None and rollout.behaviour_logprobs is not None
         self.parts: list[dict[str, torch.Tensor]] = []
 
-    def of(self, rows: slice, logp: torch.Tensor) -> torch.Tensor | None:
+    def of(self, rows, logp: torch.Tensor) -> torch.Tensor | None:
         """The weights of the micro-batch `rows`, whose log-probs under the policy being trained are `logp`."""
         if self.whole is not None:
             return self.whole.weights[rows] if self.whole.weights is not None else None

@@ -41,6 +41,7 @@ from rlhf_core.rl.step import (
     StepStats,
     eval_engine_of,
     loop_callbacks,
+    micro_plan,
     rl_loop_settings,
     rl_step,
     sampling_spec,
@@ -83,6 +84,7 @@ def grpo_batch_sizes(rl: RLConfig, grpo: GRPOConfig) -> BatchSizes:
         generations_per_prompt=grpo.num_generations,
         mini_batch=batch // optimizer_steps,
         micro_batch=max(1, batch // micro_per_generation),
+        max_tokens=rl.max_tokens_per_micro_batch,
     )
 
 
@@ -123,7 +125,8 @@ class GroupScorer:
         rows = [self.rows[i] for i in prompts.indices]
         with loop.full_parameters():
             policy, temperature = loop.unwrapped(), self.rl.temperature
-            rollout = score_sampled(policy, self.ref_model, sampled, temperature, self.passes, self.timer)
+            plan = micro_plan(loop, self.sizes, sampled.query_mask, sampled.resp_mask)
+            rollout = score_sampled(policy, self.ref_model, sampled, temperature, self.passes, self.timer, plan)
         if rollout.episodes is not None:
             completions = rollout.episodes.texts()
         else:
@@ -220,9 +223,13 @@ class GRPOSteps:
         with self.timer("optimize"):
             for j in range(self.optimizer_steps):
                 start = (j % sizes.mini_batches) * sizes.mini_batch
+                rollout = batch.rollout
+                plan = micro_plan(
+                    loop, sizes, rollout.query_mask, rollout.resp_mask, range(start, start + sizes.mini_batch)
+                )
+                loop.accumulate_over(len(plan))
                 step_loss = torch.zeros((), device=loop.device)
-                for micro in range(start, start + sizes.mini_batch, sizes.micro_batch):
-                    rows = slice(micro, min(micro + sizes.micro_batch, start + sizes.mini_batch))
+                for rows in plan:
                     step_loss = step_loss + self._micro_batch(batch, estimate, mask, rows, total_tokens, stats, weights)
                 loop.optimizer_step()
                 stats.add(loss=step_loss)  # the optimizer step's whole loss, not a micro-batch's share
@@ -235,7 +242,7 @@ class GRPOSteps:
         return stats
 
     def _micro_batch(
-        self, batch, estimate, mask, rows: slice, total_tokens: float, stats: StepStats, weights: LossWeights
+        self, batch, estimate, mask, rows: list[int], total_tokens: float, stats: StepStats, weights: LossWeights
     ) -> torch.Tensor:
         """Forward and backward of one micro-batch; its share of the optimizer step's loss, detached. `weights`:
         the engine correction's."""

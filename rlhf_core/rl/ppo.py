@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from rlhf_core.config import PPOConfig, RLConfig
-from rlhf_core.models.forward import response_logprobs, sequence_scores, token_values
+from rlhf_core.models.forward import over_micro_batches, response_logprobs, sequence_scores, token_values
 from rlhf_core.rewards.functions import check_finite
 from rlhf_core.rl.advantages.estimators import Estimate, EstimatorContext, estimator_for
 from rlhf_core.rl.engine_correction import correct_rollout, correction_settings, old_logprobs_at_sampling
@@ -30,6 +30,7 @@ from rlhf_core.rl.step import (
     StepStats,
     eval_engine_of,
     loop_callbacks,
+    micro_plan,
     rl_loop_settings,
     rl_step,
     sampling_spec,
@@ -143,20 +144,26 @@ def make_kl_controller(ppo: PPOConfig):
 
 @torch.no_grad()
 def score_rollout(
-    rollout: Rollout, value_model, reward_model, *, missing_eos_penalty: float | None, timer: PhaseTimer | None = None
+    rollout: Rollout,
+    value_model,
+    reward_model,
+    *,
+    missing_eos_penalty: float | None,
+    timer: PhaseTimer | None = None,
+    plan: list[list[int]] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(scores (B,), values (B, R)) of a rollout; responses without the stop token lose the penalty.
-    `timer` times the phases reward and value."""
+    """(scores (B,), values (B, R)) of a rollout, micro-batch by micro-batch of `plan` (rows; None: one);
+    responses without the stop token lose the penalty. `timer` times the phases reward and value."""
     timer = timer or PhaseTimer(enabled=False)
     args = (rollout.query_ids, rollout.query_mask, rollout.responses, rollout.resp_mask)
     with timer("reward"):
-        scores = sequence_scores(reward_model, *args, rollout.last_index)
+        scores = over_micro_batches(partial(sequence_scores, reward_model), plan, *args, rollout.last_index)
     check_finite("the reward model", scores)
     penalty = missing_stop_penalty(rollout, missing_eos_penalty)
     if penalty is not None:
         scores = scores - penalty
     with timer("value"):
-        values = token_values(value_model, *args)
+        values = over_micro_batches(partial(token_values, value_model), plan, *args)
     return scores, values
 
 
@@ -169,6 +176,7 @@ def ppo_batch_sizes(rl: RLConfig, ppo: PPOConfig) -> BatchSizes:
         generations_per_prompt=1,
         mini_batch=mini_batch,
         micro_batch=max(1, mini_batch // rl.gradient_accumulation_steps),
+        max_tokens=rl.max_tokens_per_micro_batch,
     )
 
 
@@ -196,9 +204,10 @@ class PPOSteps:
         """The one response per prompt with its log-probs under the policy (the old ones) and the reference,
         scored by the reward model, and valued."""
         models = self.loop.unwrapped()
+        plan = micro_plan(self.loop, self.sizes, sampled.query_mask, sampled.resp_mask)
         with self.loop.full_parameters():
             rollout = score_sampled(
-                models.policy, self.ref_model, sampled, self.rl.temperature, self.passes, self.timer
+                models.policy, self.ref_model, sampled, self.rl.temperature, self.passes, self.timer, plan
             )
             scores, values = score_rollout(
                 rollout,
@@ -206,6 +215,7 @@ class PPOSteps:
                 self.reward_model,
                 missing_eos_penalty=self.rl.missing_eos_penalty,
                 timer=self.timer,
+                plan=plan,
             )
         # the penalty is already taken off the score: one source, the reward model
         return RolloutBatch(rollout, scores.unsqueeze(1), values=values)
@@ -233,8 +243,10 @@ class PPOSteps:
                 for start in range(0, sizes.rollout, sizes.mini_batch):
                     mini = order[start : start + sizes.mini_batch]
                     mini_tokens = loop.global_sum(mask[mini].sum().float()) / loop.world
-                    for micro in range(0, sizes.mini_batch, sizes.micro_batch):
-                        rows = mini[micro : micro + sizes.micro_batch]
+                    rollout = batch.rollout
+                    plan = micro_plan(loop, sizes, rollout.query_mask, rollout.resp_mask, mini.tolist())
+                    loop.accumulate_over(len(plan))
+                    for rows in plan:
                         self._micro_batch(batch, estimate, rows, mini_tokens, stats, weights)
                     loop.optimizer_step()
                 stats.add(epochs=torch.tensor(float(epoch + 1)))
@@ -255,7 +267,7 @@ class PPOSteps:
             return False
         return bool(self.loop.global_sum(stats.mean("approxkl")) / self.loop.world > limit)
 
-    def _micro_batch(self, batch, estimate, rows: torch.Tensor, mini_tokens, stats: StepStats, weights) -> None:
+    def _micro_batch(self, batch, estimate, rows: list[int], mini_tokens, stats: StepStats, weights) -> None:
         """Forward and backward of the policy and value losses on one micro-batch (`weights`: the engine
         correction's of the whole batch, or None)."""
         rollout, ppo, m = batch.rollout, self.ppo, batch.rollout.resp_mask[rows]

@@ -10,14 +10,14 @@ stage runs on and its callbacks, and the metric names of each algorithm.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
 import torch
 
 from rlhf_core.config import RLConfig, RolloutConfig, RunConfig
-from rlhf_core.data.batching import ShardedBatches
+from rlhf_core.data.batching import ShardedBatches, micro_batch_plan
 from rlhf_core.data.rows import DataValidationError
 from rlhf_core.models.loading import run_stop_ids
 from rlhf_core.rl.advantages.estimators import Estimate, EstimatorContext
@@ -37,6 +37,7 @@ class BatchSizes:
     generations_per_prompt: int  # completions sampled per prompt (GRPO's group; 1 for PPO)
     mini_batch: int  # completions per optimizer step
     micro_batch: int  # completions per forward and backward pass
+    max_tokens: int | None = None  # rl.max_tokens_per_micro_batch: micro-batches by tokens instead of micro_batch
 
     @property
     def rollout(self) -> int:
@@ -52,6 +53,19 @@ class BatchSizes:
     def micro_batches(self) -> int:
         """Forward and backward passes per optimizer step (the last may be short)."""
         return -(-self.mini_batch // self.micro_batch)
+
+
+def micro_plan(loop: TrainingLoop, sizes: BatchSizes, query_mask, resp_mask, rows: Sequence[int] | None = None):
+    """The micro-batches (lists of rows) of `rows` of a batch (every row when None), for every forward and backward
+    pass: sizes.micro_batch rows each in order, or packed by length within sizes.max_tokens (`micro_batch_plan`),
+    then as many on every process (their greatest count: a sharded model's forwards are collective)."""
+    rows = list(range(query_mask.shape[0])) if rows is None else list(rows)
+    lengths = (query_mask.sum(1) + resp_mask.sum(1))[rows].tolist()
+    plan = micro_batch_plan(lengths, sizes.micro_batch, sizes.max_tokens)
+    if sizes.max_tokens is not None and loop.world > 1:
+        count = int(loop.gather(torch.tensor([len(plan)], device=loop.device)).max())
+        plan = micro_batch_plan(lengths, sizes.micro_batch, sizes.max_tokens, count=count)
+    return [[rows[i] for i in micro] for micro in plan]
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 import torch
 
-from rlhf_core.models.forward import response_logprobs
+from rlhf_core.models.forward import over_micro_batches, response_logprobs
 from rlhf_core.rl_math import INVALID_LOGPROB, response_mask
 from rlhf_core.rollout.engines import LoopEngine, RolloutEngine
 from rlhf_core.rollout.episodes import EpisodeRecord, ToolRollout
@@ -173,22 +173,33 @@ BOTH = Passes()
 
 @torch.no_grad()
 def score_sampled(
-    policy, ref_model, sampled: Sampled, temperature: float, passes: Passes = BOTH, timer: PhaseTimer | None = None
+    policy,
+    ref_model,
+    sampled: Sampled,
+    temperature: float,
+    passes: Passes = BOTH,
+    timer: PhaseTimer | None = None,
+    plan: list[list[int]] | None = None,
 ) -> Rollout:
     """The rollout of a sampled batch: its log-probs under the policy and the reference as `passes` asks (each
-    None when not asked), on the policy's device. `ref_model` None: the policy with its adapters disabled.
-    `timer` times the phases policy_logprobs and reference."""
+    None when not asked), on the policy's device, micro-batch by micro-batch of `plan` (rows; None: one).
+    `ref_model` None: the policy with its adapters disabled. `timer` times the phases policy_logprobs and
+    reference."""
     timer = timer or PhaseTimer(enabled=False)
     policy.eval()
     s = sampled.to(next(policy.parameters()).device)
     args = (s.query_ids, s.query_mask, s.responses, s.resp_mask)
     logprobs = ref_logprobs = None
+
+    def logprobs_of(model):
+        return lambda *rows: response_logprobs(model, *rows, temperature)[0]
+
     if passes.policy:
         with timer("policy_logprobs"):
-            logprobs, _ = response_logprobs(policy, *args, temperature)
+            logprobs = over_micro_batches(logprobs_of(policy), plan, *args)
     if passes.reference:
         with timer("reference"), reference_context(policy, ref_model):
-            ref_logprobs, _ = response_logprobs(ref_model or policy, *args, temperature)
+            ref_logprobs = over_micro_batches(logprobs_of(ref_model or policy), plan, *args)
     behaviour = s.behaviour_logprobs
     if behaviour is not None:
         behaviour = behaviour.masked_fill(s.resp_mask == 0, INVALID_LOGPROB)

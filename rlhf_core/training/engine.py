@@ -61,6 +61,12 @@ class TrainEngine:
         """Context for one micro-batch's forward and backward (gradient accumulation)."""
         return self.accelerator.accumulate(self.trainable)
 
+    def accumulate_over(self, micro_batches: int) -> None:
+        """The next optimizer step accumulates `micro_batches` micro-batches (a token budget's count varies by
+        step): gradients are synchronized on the last of them."""
+        self.accelerator.gradient_accumulation_steps = micro_batches
+        self.accelerator.step = 0
+
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of a micro-batch loss already normalized over the optimizer step (accelerate would
         divide it by the number of micro-batches once more)."""
