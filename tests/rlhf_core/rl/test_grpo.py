@@ -11,6 +11,7 @@ from rlhf_core.rewards.sources import function_reward
 from rlhf_core.rl.grpo import mix_into_reference, train_grpo
 from rlhf_core.rl.grpo_losses import grpo_token_loss, high_entropy_mask, reduce_loss
 from rlhf_core.rl.inputs import rl_inputs
+from tests.fixtures.small_models import first_step_gradients
 
 
 def test_token_loss_clips_asymmetrically():
@@ -412,3 +413,20 @@ def test_the_first_sampled_token_is_seven_frames_below_the_trainer(tmp_path, smo
     monkeypatch.setattr(engines, "generate", generate)
     run(smoke_world, tmp_path / "frames", steps=1)
     assert seen == [["generate", "generate", "sample", "sample", "rl_step", "run", "train_grpo"]]
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+def test_a_steps_gradients_are_the_same_whatever_the_micro_batch_plan(tmp_path, smoke_world, monkeypatch, loss_type):
+    plans = {"one": dict(gradient_accumulation_steps=1), "rows": dict(gradient_accumulation_steps=4)}
+    plans["tokens"] = dict(max_tokens_per_micro_batch=40)
+    seen = {}
+    for name, rl in plans.items():
+        train = lambda name=name, rl=rl: run(  # noqa: E731
+            smoke_world, tmp_path / name, steps=1, grpo=GRPOConfig(num_generations=4, loss_type=loss_type), **rl
+        )
+        seen[name] = first_step_gradients(monkeypatch, train)
+    assert seen["one"][1] == [1] and seen["rows"][1] == [4]
+    assert len(set(seen["tokens"][1])) == 1 and seen["tokens"][1][0] > 4  # 16 completions of up to 18 tokens, 40 each
+    for name in ("rows", "tokens"):
+        for param, grad in seen["one"][0].items():
+            torch.testing.assert_close(seen[name][0][param], grad, atol=1e-6, rtol=1e-4, msg=f"{name}: {param}")

@@ -13,7 +13,7 @@ from rlhf_core.models.loading import load_causal_lm, load_tokenizer
 from rlhf_core.rewards.reward_model import load_reward_model
 from rlhf_core.rl.inputs import rl_inputs
 from rlhf_core.rl.ppo import AdaptiveKLController, FixedKLController, policy_loss, train_ppo, value_loss
-from tests.fixtures.small_models import dropout_policy
+from tests.fixtures.small_models import dropout_policy, first_step_gradients
 
 
 class HighIdBackbone(torch.nn.Module):
@@ -358,3 +358,17 @@ def test_the_engine_correction_weighs_each_tokens_policy_term():
     assert loss.item() == pytest.approx(-1.25) and stats["ratio"].item() == 1.0
     sequence, _ = policy_loss(logp, logp, torch.ones(1, 3), mask, 0.2, is_weights=torch.tensor([[3.0]]))
     assert sequence.item() == pytest.approx(-3.0)
+
+
+def test_ppos_gradients_are_the_same_whatever_the_micro_batch_plan(tmp_path, smoke_world, monkeypatch):
+    plans = {"one": {}, "rows": dict(gradient_accumulation_steps=4), "tokens": dict(max_tokens_per_micro_batch=30)}
+    seen = {}
+    for name, rl in plans.items():
+        train = lambda name=name, rl=rl: run(  # noqa: E731
+            smoke_world, tmp_path / name, steps=1, ppo=PPOConfig(num_ppo_epochs=1, num_mini_batches=1), **rl
+        )
+        seen[name] = first_step_gradients(monkeypatch, train)
+    assert seen["one"][1] == [1] and seen["rows"][1] == [4] and seen["tokens"][1][0] > 1
+    for name in ("rows", "tokens"):
+        for param, grad in seen["one"][0].items():
+            torch.testing.assert_close(seen[name][0][param], grad, atol=1e-6, rtol=1e-4, msg=f"{name}: {param}")
