@@ -108,6 +108,23 @@ def check_nonfinite_skipping(run: RunConfig, strategy: str | None, rl: RLConfig,
 # the group algorithms (GRPO family) ---------------------------------------------------------
 
 
+def check_token_budget(rl: RLConfig, strategy: str | None) -> None:
+    """rl.max_tokens_per_micro_batch varies the micro-batches of an optimizer step, which DeepSpeed, counting them
+    in its engine, cannot follow; and only PPO and the GRPO family read it."""
+    if rl.max_tokens_per_micro_batch is None:
+        return
+    if rl.algorithm in ("dpo", "online_dpo"):
+        raise ValueError(
+            f"rl.max_tokens_per_micro_batch is read by ppo and the GRPO family, not by rl.algorithm {rl.algorithm!r}; "
+            "unset it (the dpo section's micro-batches are rl.batch_size / rl.gradient_accumulation_steps pairs)"
+        )
+    if strategy is not None and strategy.startswith("zero"):
+        raise ValueError(
+            "rl.max_tokens_per_micro_batch makes the number of micro-batches vary by step, which DeepSpeed "
+            f"({strategy}) cannot accumulate over; unset it or use DDP or FSDP"
+        )
+
+
 def group_batch_field(grpo: GRPOConfig) -> str:
     """The field that sets the group algorithms' generation batch here."""
     return "rl.batch_size" if grpo.generation_batch_size is None else "grpo.generation_batch_size"

@@ -23,6 +23,7 @@ from rlhf_core.config.cross_checks import (
     check_ppo_mini_batches,
     check_preference_family,
     check_rollout_engine,
+    check_token_budget,
     prompts_per_step,
 )
 from rlhf_core.config.evaluation import EvalConfig, GuardConfig, PromoteConfig, PromotionPlan, promotion_plan
@@ -132,6 +133,7 @@ class PipelineConfig(Section):
         check_group_family(rl, self.grpo, lora, self.run, strategy)
         check_preference_family(rl, self.dpo, lora, strategy, self.rollout)
         check_nonfinite_skipping(self.run, strategy, rl, self.reward)
+        check_token_budget(rl, strategy)
         check_rollout_engine(rl, self.grpo, self.rollout, self.run)
         check_init_policy(self.init, self.sft)
         check_eval_columns(self.metric_names(), self.verifier(), self.eval, self.guard)

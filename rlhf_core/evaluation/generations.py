@@ -19,12 +19,19 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
 
 from rlhf_core.data.chat import assistant_messages, final_answer
-from rlhf_core.models.forward import logprobs_from_logits, response_logits, sequence_scores
+from rlhf_core.models.forward import (
+    LOGITS_CHUNK_TOKENS,
+    logprobs_from_logits,
+    over_micro_batches,
+    response_logits,
+    sequence_scores,
+)
 from rlhf_core.rewards.functions import accepts, call_scoring_function, completion_ids
 from rlhf_core.rl_math import exact_kl_per_token, kl_per_token
 from rlhf_core.rollout.collect import (
@@ -240,19 +247,30 @@ def completion_kl(
     """KL(policy || reference) per completion (B,), summed over its tokens, both distributions at
     `temperature` (logits / temperature): {"kl_exact": over the whole vocabulary at each position, "kl": k1,
     "kl_k3": k3}. From the policy's own samples k1 is unbiased and k3 unbiased and never negative; the
-    exact one needs no sample at all. `ref_model` None: a PEFT policy with its adapters disabled."""
+    exact one needs no sample at all. `ref_model` None: a PEFT policy with its adapters disabled. Both models'
+    whole logits are needed for the exact one: they are computed for a few rows at a time, LOGITS_CHUNK_TOKENS
+    response positions of each model."""
+    mask = resp_mask if mask is None else mask  # the tokens summed over (a tool episode's model ones)
+    rows = max(1, LOGITS_CHUNK_TOKENS // max(1, responses.shape[1]))
+    plan = [list(range(start, min(start + rows, len(responses)))) for start in range(0, len(responses), rows)]
+    per_row = partial(_completion_kl, policy, ref_model, temperature)
+    kls = over_micro_batches(per_row, plan, query_ids, query_mask, responses, resp_mask, mask)
+    return dict(zip(("kl_exact", "kl", "kl_k3"), kls, strict=True))
+
+
+def _completion_kl(policy, ref_model, temperature: float, query_ids, query_mask, responses, resp_mask, mask):
     args = (query_ids, query_mask, responses, resp_mask)
     logits = response_logits(policy, *args, temperature=temperature)
     with reference_context(policy, ref_model):
         ref_logits = response_logits(ref_model or policy, *args, temperature=temperature)
-    mask = (resp_mask if mask is None else mask).float()  # `mask`: the tokens summed over (a tool episode's model ones)
+    mask = mask.float()
     logp, _ = logprobs_from_logits(logits, responses, resp_mask)
     ref_logp, _ = logprobs_from_logits(ref_logits, responses, resp_mask)
-    return {
-        "kl_exact": (exact_kl_per_token(logits, ref_logits) * mask).sum(1),
-        "kl": (kl_per_token(logp, ref_logp, "k1") * mask).sum(1),
-        "kl_k3": (kl_per_token(logp, ref_logp, "k3") * mask).sum(1),
-    }
+    return (
+        (exact_kl_per_token(logits, ref_logits) * mask).sum(1),
+        (kl_per_token(logp, ref_logp, "k1") * mask).sum(1),
+        (kl_per_token(logp, ref_logp, "k3") * mask).sum(1),
+    )
 
 
 def ngrams(words: list[str], n: int) -> list[tuple[str, ...]]:

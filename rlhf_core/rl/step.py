@@ -136,11 +136,19 @@ def sampling_spec(
     tokenizer, policy, settings: RLSettings, prompt_repeats: int = 1, tools: ToolRollout | None = None
 ) -> SamplingSpec:
     """How a stage's rollouts are sampled: rl's sampling, the stop ids (settings.stop_token_ids when the caller
-    computed them, as the RL task does to evaluate with them too; else `run_stop_ids` of the policy), the pad id."""
+    computed them, as the RL task does to evaluate with them too; else `run_stop_ids` of the policy), the pad id, and
+    rl.max_tokens_per_micro_batch, which our decode loop keeps its KV cache within."""
     stop_token_ids = settings.stop_token_ids
     if stop_token_ids is None:
         stop_token_ids = run_stop_ids(tokenizer, getattr(policy, "generation_config", None), settings.rl)
-    return SamplingSpec(rl_sampling(settings.rl), tokenizer.pad_token_id, tuple(stop_token_ids), prompt_repeats, tools)
+    return SamplingSpec(
+        rl_sampling(settings.rl),
+        tokenizer.pad_token_id,
+        tuple(stop_token_ids),
+        prompt_repeats,
+        tools,
+        max_tokens=settings.rl.max_tokens_per_micro_batch,
+    )
 
 
 def rl_loop_settings(rl: RLConfig, run: RunConfig, sizes: BatchSizes, *, eval_every: int | None) -> LoopSettings:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 from rlhf_core.models.forward import over_micro_batches, response_logprobs
 from rlhf_core.rl_math import INVALID_LOGPROB, response_mask
@@ -94,6 +95,7 @@ class SamplingSpec:
     stop_token_ids: tuple[int, ...] = ()
     prompt_repeats: int = 1
     tools: ToolRollout | None = None
+    max_tokens: int | None = None  # rl.max_tokens_per_micro_batch: our decode loop's rows x (prompt + response)
 
 
 @dataclass
@@ -141,7 +143,7 @@ def sample(
         "seed": seed,
     }
     if spec.tools is None:
-        responses, behaviour = engine.generate(policy, query_ids, query_mask, spec.settings, **generate)
+        responses, behaviour = _generate(engine, policy, query_ids, query_mask, spec, generate)
         resp_mask, last_index, has_stop = response_mask(responses, spec.stop_token_ids)
         return Sampled(query_ids, query_mask, responses, resp_mask, last_index, has_stop, behaviour)
     tools = replace(spec.tools, rows=rows)
@@ -158,6 +160,25 @@ def sample(
         played.model_tokens,
         played.record,
     )
+
+
+def _generate(engine: RolloutEngine, policy, query_ids, query_mask, spec: SamplingSpec, generate: dict):
+    """engine.generate of the rows; on our decode loop with spec.max_tokens, as many whole groups at a time as keep
+    rows x (prompt + response_length) tokens of KV cache within it, their responses padded to one width."""
+    width = query_ids.shape[1] + spec.settings.response_length
+    group = spec.prompt_repeats
+    rows = len(query_ids) if spec.max_tokens is None else max(1, spec.max_tokens // (width * group)) * group
+    if engine.name != "hf" or rows >= len(query_ids):
+        return engine.generate(policy, query_ids, query_mask, spec.settings, **generate)
+    parts = [
+        engine.generate(policy, query_ids[i : i + rows], query_mask[i : i + rows], spec.settings, **generate)
+        for i in range(0, len(query_ids), rows)
+    ]
+    longest = max(part[0].shape[1] for part in parts)
+    responses = torch.cat([F.pad(part[0], (0, longest - part[0].shape[1]), value=spec.pad_token_id) for part in parts])
+    if parts[0][1] is None:
+        return responses, None
+    return responses, torch.cat([F.pad(part[1], (0, longest - part[1].shape[1])) for part in parts])
 
 
 class Passes(NamedTuple):

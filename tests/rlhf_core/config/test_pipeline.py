@@ -74,6 +74,21 @@ def test_deepspeed_needs_zero_nonfinite_steps_in_a_row(monkeypatch, section):
     )
 
 
+def test_a_token_budget_is_refused_under_deepspeed_and_for_dpo(monkeypatch):
+    monkeypatch.chdir(REPO)
+    demo = REPO / "configs" / "demo.yaml"
+    assert load_config(demo, ["rl.max_tokens_per_micro_batch=2048"]).rl.max_tokens_per_micro_batch == 2048
+    zero2 = ["run.accelerate_config=configs/accelerate/deepspeed_zero2.yaml", "rl.max_nonfinite_steps_in_a_row=0"]
+    zero2.append("reward.max_nonfinite_steps_in_a_row=0")
+    for overrides, words in (
+        ([*zero2, "rl.max_tokens_per_micro_batch=2048"], "DeepSpeed (zero2)"),
+        (["rl.algorithm=dpo", "rl.max_tokens_per_micro_batch=2048"], "not by rl.algorithm 'dpo'"),
+    ):
+        with pytest.raises(ConfigError) as err:
+            load_config(demo, overrides)
+        assert "rl.max_tokens_per_micro_batch" in str(err.value) and words in str(err.value), err.value
+
+
 def test_outside_the_demo_no_gold_metric_and_no_sft_on_the_demo_corpus_unless_named(tmp_path):
     demo = load_config(REPO / "configs" / "demo.yaml")
     assert (

@@ -93,3 +93,28 @@ def test_a_tool_rollouts_lengths_count_the_models_tokens_and_its_tool_statistics
         "tools/hit_max_calls": 0.5,
         "tools/token_share": 0.25,
     }
+
+
+def test_a_token_budget_generates_whole_groups_at_a_time_within_it(smoke_world):
+    from rlhf_core.rollout.collect import sample
+    from rlhf_core.rollout.engines import LoopEngine
+
+    tok, ids, mask = batch(smoke_world, n=3)
+    ids, mask = ids.repeat_interleave(2, 0), mask.repeat_interleave(2, 0)  # three groups of two
+    policy = load_causal_lm(str(smoke_world.base_model)).eval()
+    calls = []
+
+    class Counting(LoopEngine):
+        def generate(self, policy, query_ids, *args, **kwargs):
+            calls.append(query_ids.shape[0])
+            return super().generate(policy, query_ids, *args, **kwargs)
+
+    settings = SamplingSettings(response_length=5)
+    width = ids.shape[1] + 5
+    spec = SamplingSpec(settings, tok.pad_token_id, (tok.eos_token_id,), prompt_repeats=2, max_tokens=4 * width + 3)
+    sampled = sample(Counting(), policy, ids, mask, spec)
+    assert calls == [4, 2]  # two groups fit, then the third
+    assert sampled.responses.shape[0] == 6 and sampled.responses.shape[1] <= 5 and (sampled.resp_mask.sum(1) >= 1).all()
+    calls.clear()
+    sample(Counting(), policy, ids, mask, SamplingSpec(settings, tok.pad_token_id, (tok.eos_token_id,), 2))
+    assert calls == [6]
