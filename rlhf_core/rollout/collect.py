@@ -168,7 +168,7 @@ def _generate(engine: RolloutEngine, policy, query_ids, query_mask, spec: Sampli
     width = query_ids.shape[1] + spec.settings.response_length
     group = spec.prompt_repeats
     rows = len(query_ids) if spec.max_tokens is None else max(1, spec.max_tokens // (width * group)) * group
-    if engine.name != "hf" or rows >= len(query_ids):
+    if not isinstance(engine, LoopEngine) or rows >= len(query_ids):
         return engine.generate(policy, query_ids, query_mask, spec.settings, **generate)
     parts = [
         engine.generate(policy, query_ids[i : i + rows], query_mask[i : i + rows], spec.settings, **generate)
