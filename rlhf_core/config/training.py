@@ -275,8 +275,9 @@ class DPOConfig(Section):
 
 def keyed_sections(rl: RLConfig, ppo: PPOConfig, grpo: GRPOConfig, dpo: DPOConfig | None = None) -> tuple[dict, dict]:
     """(rl, the algorithm's section: `section_of`) as the RL stage's key dumps them: laid out as before
-    dynamic_sampling moved from rl to grpo (rl's dump with it, grpo's without), so that the runs before the move
-    keep their keys and resume."""
+    dynamic_sampling moved from rl to grpo (rl's dump with it, grpo's without), and without
+    rl.max_tokens_per_micro_batch while it is unset, so that the runs before keep their keys and resume."""
     section = {"ppo": ppo, "grpo": grpo, "dpo": dpo or DPOConfig()}[section_of(rl.algorithm)]
     moved = {"dynamic_sampling": grpo.dynamic_sampling.model_dump(mode="json")}
-    return rl.model_dump(mode="json") | moved, section.model_dump(mode="json", exclude=set(moved))
+    later = {"max_tokens_per_micro_batch"} if rl.max_tokens_per_micro_batch is None else set()  # unset: keys as before
+    return rl.model_dump(mode="json", exclude=later) | moved, section.model_dump(mode="json", exclude=set(moved))

@@ -143,7 +143,10 @@ def sample(
         "seed": seed,
     }
     if spec.tools is None:
-        responses, behaviour = _generate(engine, policy, query_ids, query_mask, spec, generate)
+        parts = []
+        for rows in generation_parts(engine, len(query_ids), query_ids.shape[1] + spec.settings.response_length, spec):
+            parts.append(engine.generate(policy, query_ids[rows], query_mask[rows], spec.settings, **generate))
+        responses, behaviour = joined(parts, spec.pad_token_id)
         resp_mask, last_index, has_stop = response_mask(responses, spec.stop_token_ids)
         return Sampled(query_ids, query_mask, responses, resp_mask, last_index, has_stop, behaviour)
     tools = replace(spec.tools, rows=rows)
@@ -162,20 +165,22 @@ def sample(
     )
 
 
-def _generate(engine: RolloutEngine, policy, query_ids, query_mask, spec: SamplingSpec, generate: dict):
-    """engine.generate of the rows; on our decode loop with spec.max_tokens, as many whole groups at a time as keep
-    rows x (prompt + response_length) tokens of KV cache within it, their responses padded to one width."""
-    width = query_ids.shape[1] + spec.settings.response_length
+def generation_parts(engine: RolloutEngine, n_rows: int, width: int, spec: SamplingSpec) -> list[slice]:
+    """The rows generated at a time: all of them; on our decode loop with spec.max_tokens, as many whole groups as
+    keep rows x `width` (prompt + response_length) tokens of KV cache within it."""
     group = spec.prompt_repeats
-    rows = len(query_ids) if spec.max_tokens is None else max(1, spec.max_tokens // (width * group)) * group
-    if not isinstance(engine, LoopEngine) or rows >= len(query_ids):
-        return engine.generate(policy, query_ids, query_mask, spec.settings, **generate)
-    parts = [
-        engine.generate(policy, query_ids[i : i + rows], query_mask[i : i + rows], spec.settings, **generate)
-        for i in range(0, len(query_ids), rows)
-    ]
+    rows = n_rows if spec.max_tokens is None else max(1, spec.max_tokens // (width * group)) * group
+    if not isinstance(engine, LoopEngine) or rows >= n_rows:
+        return [slice(0, n_rows)]
+    return [slice(start, start + rows) for start in range(0, n_rows, rows)]
+
+
+def joined(parts: list, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The (responses, behaviour log-probs or None) of the parts generated apart, padded to one width."""
+    if len(parts) == 1:
+        return parts[0]
     longest = max(part[0].shape[1] for part in parts)
-    responses = torch.cat([F.pad(part[0], (0, longest - part[0].shape[1]), value=spec.pad_token_id) for part in parts])
+    responses = torch.cat([F.pad(part[0], (0, longest - part[0].shape[1]), value=pad_token_id) for part in parts])
     if parts[0][1] is None:
         return responses, None
     return responses, torch.cat([F.pad(part[1], (0, longest - part[1].shape[1])) for part in parts])

@@ -33,7 +33,9 @@ def sft_key(cfg: PipelineConfig, data: PreparedData) -> str:
     return stage_key(
         {
             "sft": cfg.sft.model_dump(mode="json"),
-            "model": cfg.model.model_dump(mode="json"),
+            # unset gradient checkpointing keys as the false it meant before: it changes no number
+            "model": cfg.model.model_dump(mode="json")
+            | {"gradient_checkpointing": cfg.model.gradient_checkpointing or False},
             "data": data.fingerprints.get("sft"),
             "max_length": cfg.data.max_length,
             "seed": cfg.run.seed,
