@@ -6,11 +6,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
+from rlhf_core.data.batching import micro_batch_plan
 from rlhf_core.data.chat import PROMPT_MESSAGES, assistant_messages, extra_columns
-from rlhf_core.models.forward import sequence_scores
+from rlhf_core.models.forward import over_micro_batches, sequence_scores
 from rlhf_core.rewards.functions import accepts, call_scoring_function, check_finite, completion_ids
 from rlhf_core.rewards.remote import SourceStats, Unscored
 from rlhf_core.rewards.remote_scorers import RemoteScorer
@@ -28,20 +30,19 @@ class RewardSourceFn:
     stats: SourceStats | None = None  # a served source's request counts and latencies (`source_metrics`)
 
 
-def model_reward(name: str, weight: float, reward_model) -> RewardSourceFn:
-    """A reward model read at the last real token of each prompt+completion."""
+def model_reward(
+    name: str, weight: float, reward_model, *, micro_batch: int | None = None, max_tokens: int | None = None
+) -> RewardSourceFn:
+    """A reward model read at the last real token of each prompt+completion, `micro_batch` completions at a time
+    (all when None) or by the token budget `max_tokens` (`micro_batch_plan`)."""
 
     def score(prompts, completions, rollout: Rollout, rows):
         reward_model.to(rollout.query_ids.device)  # a no-op once it is there
+        args = (rollout.query_ids, rollout.query_mask, rollout.responses, rollout.resp_mask, rollout.last_index)
+        lengths = (rollout.query_mask.sum(1) + rollout.resp_mask.sum(1)).tolist()
+        plan = micro_batch_plan(lengths, micro_batch or len(lengths), max_tokens)
         with torch.no_grad():
-            values = sequence_scores(
-                reward_model,
-                rollout.query_ids,
-                rollout.query_mask,
-                rollout.responses,
-                rollout.resp_mask,
-                rollout.last_index,
-            )
+            values = over_micro_batches(partial(sequence_scores, reward_model), plan, *args)
         return values.tolist()
 
     return RewardSourceFn(name, weight, score)

@@ -35,7 +35,7 @@ from rlhf_core.models.loading import (
 from rlhf_core.rewards.functions import load_reward_function
 from rlhf_core.rewards.reward_model import load_reward_model
 from rlhf_core.rl.dpo import train_dpo
-from rlhf_core.rl.grpo import train_grpo
+from rlhf_core.rl.grpo import grpo_batch_sizes, train_grpo
 from rlhf_core.rl.inputs import PromptSet, RLHooks, RLInputs, RLModels, RLSettings
 from rlhf_core.rl.online_dpo import train_online_dpo
 from rlhf_core.rl.ppo import train_ppo
@@ -100,7 +100,11 @@ def reward_sources(cfg: PipelineConfig, plan: InitPlan, stage_reward_model) -> l
         else:
             path = resolve_model_source(r.model, field=f"grpo.rewards[{i}].model", cfg=cfg, world=None)
             model = load_pretrained(AutoModelForSequenceClassification, path)
-        sources.append(model_reward(r.name, r.weight, model.eval().requires_grad_(False)))
+        sizes = grpo_batch_sizes(cfg.rl, cfg.grpo)  # scored micro-batch by micro-batch, as the policy's passes
+        model = model.eval().requires_grad_(False)
+        sources.append(
+            model_reward(r.name, r.weight, model, micro_batch=sizes.micro_batch, max_tokens=sizes.max_tokens)
+        )
     return sources
 
 

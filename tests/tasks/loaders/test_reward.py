@@ -163,7 +163,8 @@ def test_on_real_shapes_the_served_scores_of_a_rollout_are_the_in_process_ones(n
     served = remote_reward("rm", 1.0, RemoteScorer(config, config.url, field="f", post=post))
     in_process = model_reward("rm", 1.0, model)
     expected = in_process.score(*texts, rollout, rows)
-    assert served.score(*texts, rollout, rows) == expected  # bit for bit
+    # to float tolerance: each side pads its batch to its own width (in process: no column no row uses)
+    assert served.score(*texts, rollout, rows) == pytest.approx(expected, rel=1e-6, abs=1e-7)
     assert len({round(v, 5) for v in expected}) == 4  # the head tells them apart: the test can fail
     if spec.prepend_bos:  # a rendered prompt that starts with the BOS gets no second one from the server
         record = {"prompt": tok.bos_token + "Tell me", "completion": " the cat"}
