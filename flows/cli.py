@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
-from flows.console import fields_markdown, print_summary, promotion_line, quiet_known_failures
+from flows.console import fields_markdown, memory_table, print_summary, promotion_line, quiet_known_failures
 from rlhf_core.config import load_config
 from rlhf_core.config.errors import UserError
 
@@ -119,17 +119,20 @@ def deploy(pool: str) -> int:
 def checked_config(config_path: str, overrides: list[str]):
     """The config, validated, then checked as far as it can be without training: files, functions, models,
     context, tracking server, registry names, that run.output_dir is ours to write (nothing written), and every
-    row of the local tables as the data stage checks them, with the prompt count against one RL step.
-    -> (the config, the token-length table of `rlhf validate`). Light: no Prefect, MLflow or training code is
+    row of the local tables as the data stage checks them, with the prompt count against one RL step, and the
+    estimated peak memory per device against run.memory_budget_gib. -> (the config, the token-length table of
+    `rlhf validate`, the memory estimate). Light: no Prefect, MLflow or training code is
     imported, so `rlhf run` refuses a mistake in seconds, before any server starts."""
     from rlhf_core.storage.ownership import check_pipeline_outputs
     from tasks.checks.lengths import check_tables
+    from tasks.checks.memory import check_memory
     from tasks.checks.preflight import check_preflight
 
     cfg = load_config(config_path, overrides)
     check_preflight(cfg)
     check_pipeline_outputs(cfg, config_path=config_path, claim=False)
-    return cfg, check_tables(cfg)
+    lengths = check_tables(cfg)
+    return cfg, lengths, check_memory(cfg)
 
 
 def fields_command(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -153,9 +156,10 @@ def ui_command(args: argparse.Namespace, overrides: list[str]) -> int:
 def validate_command(args: argparse.Namespace, overrides: list[str]) -> int:
     import yaml
 
-    cfg, lengths = checked_config(args.config, overrides)
+    cfg, lengths, memory = checked_config(args.config, overrides)
     print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
     print(lengths)
+    print(memory_table(memory, cfg.run.memory_budget_gib))
     return 0
 
 

@@ -128,6 +128,27 @@ def print_alignment(console, summary: dict) -> None:
         )
 
 
+def memory_table(estimate, budget_gib: float | None) -> str:
+    """`rlhf validate`'s estimate of the peak memory per device: the largest stage's parts (GiB) and total, the
+    other stages' peaks, what was not counted, and the budget (run.memory_budget_gib). Plain text that, as the
+    rest of what validate prints, reads as YAML (no ': ' inside a line)."""
+    gib, peak = 2**30, estimate.peak
+    unknown = [phrase.replace(": ", ", ") for phrase in estimate.unknown]  # an error's text may hold one
+    head = "Peak memory per device, estimated before training (no weights built)"
+    if peak is None:
+        return f"{head}:\n  unknown, " + "; ".join(unknown)
+    lines = [f"{head}, the {peak.stage} stage on {estimate.device}:", f"  {'part':<44}{'GiB':>8}"]
+    lines += [f"  {p.name:<44}{p.bytes / gib:>8.2f}" for p in peak.parts]
+    lines.append(f"  {'total per device':<44}{peak.total / gib:>8.2f}")
+    others = [f"{s.stage} {s.total / gib:.2f} GiB" for s in estimate.stages if s is not peak]
+    if others:
+        lines.append(f"  at their peaks the other stages take {', '.join(others)}")
+    lines += [f"  not counted, {phrase}" for phrase in unknown]
+    if budget_gib is not None:
+        lines.append(f"  within run.memory_budget_gib {budget_gib:g}")
+    return "\n".join(lines)
+
+
 def promotion_line(result: dict) -> str:
     """`rlhf promote`'s verdict in one line: the candidate and champion versions, the decision and why."""
     return (

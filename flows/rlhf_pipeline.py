@@ -33,6 +33,7 @@ from rlhf_core.evaluation.promotion import alignment_markdown, eval_kl
 from rlhf_core.storage.ownership import check_pipeline_outputs
 from rlhf_core.training.parallel import use_cpu_threads
 from tasks import registry, tracking
+from tasks.checks.memory import check_memory
 from tasks.checks.preflight import check_preflight
 from tasks.reporting.progress import publish_markdown
 from tasks.runtime.run_lock import run_lock, terminate_on_sigterm
@@ -267,6 +268,7 @@ def rlhf_pipeline(
     refuse_secret_overrides(overrides)  # Prefect stores parameters: credentials come from MLflow's env variables
     cfg = load_config(config_path, overrides or [])
     check_preflight(cfg)  # everything that can be checked without training, before any run, file or stage
+    check_memory(cfg)  # the estimated peak memory per device within run.memory_budget_gib
     use_cpu_threads(cfg.run.cpu_threads)
     logger = get_run_logger()
     logger.info("config %s (hash %s), output in %s", config_path, cfg.config_hash(), cfg.run.output_dir)

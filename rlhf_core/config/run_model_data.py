@@ -68,6 +68,11 @@ class RunConfig(Section):
         ge=1,
         description="Local checkpoints kept per reward, PPO and GRPO stage: the newest N plus the best (reward: highest eval_accuracy; PPO: highest objective/scores, GRPO: highest reward, both the training metrics of the checkpoint's step); null keeps all.",
     )
+    memory_budget_gib: float | None = Field(
+        None,
+        ge=0,
+        description="GiB of memory one device (one process's GPU; on CPU, one process) may take: `rlhf validate` and `rlhf run` refuse a config whose estimated peak (the largest stage's, which `rlhf validate` prints part by part: weights, optimizer state, activations, logits, KV cache) exceeds it, before anything trains; null: no check.",
+    )
 
 
 class DemoModelConfig(Section):

@@ -183,6 +183,25 @@ def _logprobs(model, args: tuple, temperature: float, with_entropy: bool):
         return head_logprobs(head, out.logits[:, :-1], responses, resp_mask, temperature, with_entropy)
 
 
+def causal_lm_loss(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The mean negative log-likelihood of each next token whose label is not -100, as transformers' `labels=` loss
+    (logits in float32), with the head run apart in chunks as `response_logprobs` runs it (SFT)."""
+    head = _head_outside(model)
+    if head is not None:
+        with _HeadInput(head) as captured:
+            out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        hidden = captured.hidden
+        if out.logits is hidden or (out.logits.shape == hidden.shape and torch.equal(out.logits, hidden)):
+            targets = labels[:, 1:]
+            kept = targets != -100
+            kind, enabled, dtype = captured.autocast
+            with torch.autocast(kind, dtype=dtype, enabled=enabled):
+                logp, _ = head_logprobs(head, out.logits[:, :-1], targets.clamp(min=0), kept)
+            return -(logp.masked_fill(~kept, 0.0).sum() / kept.sum().clamp(min=1))
+        _LOGITS_INSIDE.add(_inner(model))
+    return model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
+
+
 def head_logprobs(
     head: torch.nn.Module,
     hidden: torch.Tensor,

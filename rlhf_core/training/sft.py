@@ -14,6 +14,7 @@ import torch
 from rlhf_core.config import RunConfig, SFTConfig
 from rlhf_core.data.batching import Grouped, LoaderCycle
 from rlhf_core.data.chat import encode
+from rlhf_core.models.forward import causal_lm_loss
 from rlhf_core.storage.saving import save_pretrained_atomic
 from rlhf_core.training.loop import NO_HOOKS, Cadence, Hooks, LoopCallbacks, LoopMetrics, LoopSettings, TrainingLoop
 
@@ -93,7 +94,7 @@ def train_sft(
         total = torch.zeros((), device=loop.device)
         for input_ids, attention_mask, labels in micro_batches:
             with loop.micro_batch():
-                loss = loop.trainable(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
+                loss = causal_lm_loss(loop.trainable, input_ids, attention_mask, labels)
                 loop.backward(loss / len(micro_batches))
             seen.setdefault("first", loss.detach())
             seen["last"] = loss.detach()

@@ -20,7 +20,7 @@ from flows.cli import (
     is_user_error,
     main,
 )
-from flows.console import promotion_line
+from flows.console import memory_table, promotion_line
 from rlhf_core.config.errors import UserError
 from rlhf_core.data.rows import DataValidationError
 from rlhf_core.evaluation.verifiable import pass_at_k
@@ -33,6 +33,33 @@ def test_validate_prints_the_resolved_config(capsys):
     assert main(["validate", "--config", SMOKE, "--set", "ppo.kl_coef=0.3"]) == 0
     printed = yaml.safe_load(capsys.readouterr().out)
     assert printed["ppo"]["kl_coef"] == 0.3 and printed["run"]["name"] == "smoke"
+
+
+def test_validate_prints_the_estimated_peak_memory_per_device(capsys):
+    assert main(["validate", "--config", SMOKE, "--set", "run.memory_budget_gib=8"]) == 0
+    out = capsys.readouterr().out
+    assert yaml.safe_load(out)["run"]["memory_budget_gib"] == 8  # all of it still reads as YAML
+    table = out[out.index("Peak memory per device, estimated before training") :].splitlines()
+    assert table[1].split() == ["part", "GiB"]
+    assert any(line.split()[:2] == ["AdamW", "state"] for line in table)
+    assert table[-1] == "  within run.memory_budget_gib 8" and any("total per device" in line for line in table)
+
+
+def test_the_estimate_of_a_model_not_readable_offline_says_why_and_stays_yaml():
+    from rlhf_core.models.memory import MemoryEstimate
+
+    text = memory_table(MemoryEstimate("cuda", (), ("model.base x/y is not in the local cache (why: no)",)), 10)
+    assert yaml.safe_load(text) == {
+        "Peak memory per device, estimated before training (no weights built)": "unknown, model.base x/y is not "
+        "in the local cache (why, no)"
+    }
+
+
+def test_a_config_over_its_memory_budget_exits_2_with_one_sentence(capsys, tmp_path):
+    assert main(arguments("validate", ["run.memory_budget_gib=0.1"], tmp_path / "out")) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: run.memory_budget_gib 0.1 is below the estimated peak of ") and err.count("\n") == 1
+    assert "GiB per device (the " in err and err.strip().endswith("or raise the budget")
 
 
 def test_bad_config_exits_2_with_one_sentence_before_any_work(capsys, tmp_path):

@@ -138,3 +138,26 @@ def test_a_lora_policy_with_its_adapters_disabled_reads_through_the_head_in_chun
             plain, _ = forward.response_logprobs(policy, *args)
     torch.testing.assert_close(plain, before, atol=1e-5, rtol=1e-5)
     assert not torch.allclose(plain, adapted)
+
+
+@pytest.mark.parametrize("name", ["qwen2.5", "gpt2"])
+def test_the_sft_loss_with_the_head_in_chunks_is_transformers_labels_loss(name, monkeypatch):
+    monkeypatch.setattr(forward, "LOGITS_CHUNK_TOKENS", 5)
+    model, (query_ids, _, responses, resp_mask) = _family_batch(name)
+    input_ids = torch.cat([query_ids, responses], 1)  # right-padded, as SFT pads
+    attention_mask = torch.cat([torch.ones_like(query_ids), resp_mask], 1)
+    labels = input_ids.masked_fill(attention_mask == 0, -100)
+    labels[:, :3] = -100  # a prompt without loss, as prompt-completion SFT
+    losses, grads = [], []
+    for loss_of in (
+        lambda: model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss,
+        lambda: forward.causal_lm_loss(model, input_ids, attention_mask, labels),
+    ):
+        model.zero_grad()
+        loss = loss_of()
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    torch.testing.assert_close(losses[1], losses[0], atol=1e-6, rtol=1e-5)
+    for n, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][n], grad, atol=1e-6, rtol=1e-4, msg=n)
