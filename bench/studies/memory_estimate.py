@@ -75,7 +75,12 @@ def case_estimate(name: str):
         run={"device": "cpu", "mixed_precision": precision},
         model={"gradient_checkpointing": checkpointing},
         data={"max_prompt_length": PROMPT, "max_length": PROMPT + RESPONSE + 1},
-        rl={"algorithm": "grpo", "batch_size": PROMPTS * GENERATIONS, "response_length": RESPONSE},
+        rl={
+            "algorithm": "grpo",
+            "batch_size": PROMPTS * GENERATIONS,
+            "response_length": RESPONSE,
+            "gradient_accumulation_steps": 1,
+        },
         grpo={
             "num_generations": GENERATIONS,
             "rewards": [{"name": "short", "function": "bench.studies.gpu_real_sizes:short_mentions"}],
@@ -170,7 +175,7 @@ def gpu_check() -> list[dict]:
             run={"device": "cuda", "mixed_precision": precision},
             model={"gradient_checkpointing": False},
             data={"max_prompt_length": 188, "max_length": 188 + 256 + 1},
-            rl={"algorithm": "grpo", "batch_size": 64},
+            rl={"algorithm": "grpo", "batch_size": 64, "gradient_accumulation_steps": 1},
             grpo={"num_generations": 8, "rewards": [{"name": "short", "function": "bench.studies.gpu_real_sizes:short_mentions"}]},
             eval={"batch_size": 64},
         ).peak  # fmt: skip
@@ -180,12 +185,12 @@ def gpu_check() -> list[dict]:
     return rows
 
 
-# the defaults, then micro-batches of 8 sequences for the same batches (RL: 32 completions in 4; reward: 8 pairs)
+# the defaults (outside the demo: micro-batches of 8 sequences), then the batches whole as the defaults were before
 VARIANTS = {
     "at the defaults": {},
-    "micro-batches of 8": {
-        "rl": {"gradient_accumulation_steps": 4},
-        "reward": {"batch_size": 4, "gradient_accumulation_steps": 8},
+    "whole batches": {
+        "rl": {"gradient_accumulation_steps": 1},
+        "reward": {"batch_size": 32, "gradient_accumulation_steps": 1},
     },
 }
 

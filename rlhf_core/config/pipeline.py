@@ -31,6 +31,7 @@ from rlhf_core.config.rewards import GRPOConfig
 from rlhf_core.config.rollout import RolloutConfig
 from rlhf_core.config.run_model_data import DataConfig, DatasetSpec, ModelConfig, RunConfig
 from rlhf_core.config.training import (
+    GROUP_ALGORITHMS,
     DPOConfig,
     InitConfig,
     PPOConfig,
@@ -41,6 +42,7 @@ from rlhf_core.config.training import (
 )
 
 DEMO_GOLD_METRIC = "rlhf_core.rewards.functions:vader_compound"  # the demo's eval.metrics when it is null
+REAL_MICRO_BATCH = 8  # sequences per forward and backward outside the demo, unless set (`real_micro_batches`)
 
 
 class ExportConfig(Section):
@@ -252,3 +254,31 @@ def resolve_demo_defaults(cfg: PipelineConfig) -> None:
         cfg.sft.enabled = cfg.is_demo() or cfg.sft.dataset.path != DEMO
     if cfg.init.policy is None:
         cfg.init.policy = "sft" if cfg.sft.enabled else "base"
+    if not cfg.is_demo():
+        real_micro_batches(cfg)
+
+
+def real_micro_batches(cfg: PipelineConfig) -> None:
+    """Outside the demo, the sections whose micro-batch the user left to its default run micro-batches of
+    REAL_MICRO_BATCH sequences (TRL's per_device_train_batch_size) accumulated into the same optimizer step: sft and
+    reward with neither batch_size nor gradient_accumulation_steps set, rl without gradient_accumulation_steps (and,
+    for the GRPO family, without grpo.steps_per_generation). The demo's tiny model keeps its whole batches."""
+    for section in (cfg.sft, cfg.reward):
+        if not {"batch_size", "gradient_accumulation_steps"} & section.model_fields_set:
+            accumulated = _accumulation(section.batch_size)
+            section.batch_size //= accumulated
+            section.gradient_accumulation_steps = accumulated
+    rl, grpo = cfg.rl, cfg.grpo
+    if "gradient_accumulation_steps" in rl.model_fields_set or grpo.steps_per_generation is not None:
+        return
+    if rl.algorithm == "ppo":
+        rl.gradient_accumulation_steps = _accumulation(rl.batch_size // cfg.ppo.num_mini_batches)
+    elif rl.algorithm in GROUP_ALGORITHMS:
+        rl.gradient_accumulation_steps = _accumulation(grpo.generation_batch(rl.batch_size))
+    else:
+        rl.gradient_accumulation_steps = _accumulation(rl.batch_size)
+
+
+def _accumulation(batch: int) -> int:
+    """Micro-batches of REAL_MICRO_BATCH in `batch`, when they divide it; else 1 (the batch whole)."""
+    return batch // REAL_MICRO_BATCH if batch > REAL_MICRO_BATCH and batch % REAL_MICRO_BATCH == 0 else 1

@@ -21,7 +21,11 @@ class OptimSettings(Section):
         "linear", description="Learning-rate schedule after warm-up."
     )
     max_grad_norm: float = Field(1.0, gt=0.0, description="Gradient clipping norm.")
-    gradient_accumulation_steps: int = Field(1, ge=1, description="Micro-batches accumulated per optimizer step.")
+    gradient_accumulation_steps: int = Field(
+        1,
+        ge=1,
+        description="Micro-batches accumulated per optimizer step. Unset outside the demo: micro-batches of 8 sequences (TRL's per_device_train_batch_size) where 8 divides the batch, the same optimizer step (sft and reward: when batch_size is unset too, batch_size becomes 8 and this its multiple).",
+    )
     max_nonfinite_steps_in_a_row: int = Field(
         3,
         ge=0,
