@@ -169,3 +169,17 @@ def test_dpo_reads_the_pairs_and_no_reward_stage_online_dpo_its_rewards():
         load_config(REPO / "configs" / "dpo.yaml", ["rollout.engine=vllm"])
     with pytest.raises(ConfigError, match="dpo.sync_ref_model needs a reference copy"):
         load_config(REPO / "configs" / "dpo.yaml", ["dpo.sync_ref_model=true", "model.lora.enabled=true"])
+
+
+def test_outside_the_demo_unset_micro_batches_are_eight_sequences_of_the_same_optimizer_step(tmp_path):
+    def sizes(*sets):
+        cfg = load_config(None, list(sets))
+        return [(s.batch_size, s.gradient_accumulation_steps) for s in (cfg.sft, cfg.reward, cfg.rl)]
+
+    assert sizes() == [(32, 1), (32, 1), (32, 1)]  # the demo: whole batches
+    own = f"model.base={tmp_path}"
+    assert sizes(own) == [(8, 4), (8, 4), (32, 4)]
+    assert sizes(own, "rl.algorithm=grpo", "grpo.generation_batch_size=64") == [(8, 4), (8, 4), (32, 8)]
+    assert sizes(own, "reward.batch_size=16", "rl.gradient_accumulation_steps=2") == [(8, 4), (16, 1), (32, 2)]
+    assert sizes(own, "rl.batch_size=12", "sft.gradient_accumulation_steps=1") == [(32, 1), (8, 4), (12, 1)]
+    assert sizes(own, "rl.algorithm=grpo", "grpo.steps_per_generation=2")[2] == (32, 1)
