@@ -128,6 +128,12 @@ class _HeadInput:
             handle.remove()
 
 
+def _handed_back(logits: torch.Tensor, hidden: torch.Tensor) -> bool:
+    """Whether the forward returned the head's output as the head gave it: the hidden states themselves, or a copy
+    a wrapper made (DDP's, accelerate's cast of outputs to float32)."""
+    return logits is hidden or (logits.shape == hidden.shape and torch.equal(logits.to(hidden.dtype), hidden))
+
+
 def _inner(model) -> torch.nn.Module:
     """The causal LM inside DDP's or DeepSpeed's wrapper and PEFT's."""
     model = getattr(model, "module", model)
@@ -175,7 +181,7 @@ def _logprobs(model, args: tuple, temperature: float, with_entropy: bool):
     with _HeadInput(head) as captured:
         out = _response_forward(model, *args)
     hidden = captured.hidden
-    if out.logits is not hidden and not (out.logits.shape == hidden.shape and torch.equal(out.logits, hidden)):
+    if not _handed_back(out.logits, hidden):
         _LOGITS_INSIDE.add(_inner(model))  # the forward post-processes the head's output: never apart again
         return _logprobs(model, args, temperature, with_entropy)
     kind, enabled, dtype = captured.autocast
@@ -191,7 +197,7 @@ def causal_lm_loss(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
         with _HeadInput(head) as captured:
             out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
         hidden = captured.hidden
-        if out.logits is hidden or (out.logits.shape == hidden.shape and torch.equal(out.logits, hidden)):
+        if _handed_back(out.logits, hidden):
             targets = labels[:, 1:]
             kept = targets != -100
             kind, enabled, dtype = captured.autocast

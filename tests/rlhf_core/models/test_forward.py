@@ -161,3 +161,12 @@ def test_the_sft_loss_with_the_head_in_chunks_is_transformers_labels_loss(name, 
     torch.testing.assert_close(losses[1], losses[0], atol=1e-6, rtol=1e-5)
     for n, grad in grads[0].items():
         torch.testing.assert_close(grads[1][n], grad, atol=1e-6, rtol=1e-4, msg=n)
+
+
+def test_under_bf16_autocast_the_head_still_runs_apart_at_the_autocast_of_the_forward():
+    model, args = _family_batch("qwen2.5")
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        expected, _ = _whole(model, args, 1.0, False)
+        logp, _ = forward.response_logprobs(model, *args)
+    assert forward._head_outside(model) is not None  # not taken for a forward that changes the head's output
+    torch.testing.assert_close(logp, expected, atol=2e-2, rtol=2e-2)
