@@ -24,6 +24,7 @@ BENCHMARKS = {
     "engines": "hf_engine_vs_vllm",
     "generate": "generate_vs_transformers",
     "grpo": "grpo_vs_trl",
+    "memory": "memory_vs_trl",
     "overhead": "flow_vs_bare_loops",
     "ppo": "ppo_vs_trl",
     "ray": "ray_vs_torchrun",

@@ -96,7 +96,8 @@ def response_logits(
     return logits / temperature if temperature != 1.0 else logits
 
 
-LOGITS_CHUNK_TOKENS = 1024  # response tokens whose float32 logits exist at once (x the vocabulary x 4 bytes)
+# response tokens whose float32 logits exist at once (x the vocabulary x 4 bytes): TRL's row of 256 tokens
+LOGITS_CHUNK_TOKENS = 256
 _LOGITS_INSIDE: weakref.WeakSet = weakref.WeakSet()  # models whose forward changes the head's output: whole logits
 
 
@@ -225,10 +226,12 @@ def head_logprobs(
     picked, entropies = [], []
     for start in range(0, states.shape[0], LOGITS_CHUNK_TOKENS):
         part = (head, states[start : start + LOGITS_CHUNK_TOKENS], targets[start : start + LOGITS_CHUNK_TOKENS])
+        # the entropy once: not again when backward recomputes the chunk (a statistic, it saves nothing for it)
+        entropy_due = [with_entropy]
         if grad:
-            logp, entropy = checkpoint(_chunk_logprobs, *part, temperature, with_entropy, use_reentrant=False)
+            logp, entropy = checkpoint(_chunk_logprobs, *part, temperature, entropy_due, use_reentrant=False)
         else:
-            logp, entropy = _chunk_logprobs(*part, temperature, with_entropy)
+            logp, entropy = _chunk_logprobs(*part, temperature, entropy_due)
         picked.append(logp)
         entropies.append(entropy)
     template = torch.full(responses.shape, INVALID_LOGPROB, dtype=torch.float32, device=responses.device)
@@ -239,18 +242,20 @@ def head_logprobs(
     return logp, entropy.masked_scatter(kept, torch.cat(entropies)) if entropies else entropy
 
 
-def _chunk_logprobs(head, states: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool):
+def _chunk_logprobs(head, states: torch.Tensor, targets: torch.Tensor, temperature: float, entropy_due: list[bool]):
     """One chunk's log-probabilities of `targets` under head(states) / temperature in float32, and its entropies
-    (a statistic: no graph) when asked, else None."""
+    (a statistic: no graph, one vocabulary-sized temporary) while entropy_due[0], which it then clears; else None."""
     logits = head(states).float()
     if temperature != 1.0:
         logits = logits / temperature
     lse = torch.logsumexp(logits, dim=-1)
     logp = selective_log_softmax(logits, targets, lse)
-    if not with_entropy:
+    if not entropy_due[0]:
         return logp, None
-    with torch.no_grad():
-        return logp, entropy_from_logits(logits, lse)
+    entropy_due[0] = False
+    with torch.no_grad():  # entropy_from_logits's H = lse - sum(p * logits), p computed in place
+        probs = (logits - lse.unsqueeze(-1)).exp_()
+        return logp, lse - torch.einsum("tv,tv->t", probs, logits)
 
 
 def logprobs_from_logits(

@@ -16,7 +16,7 @@ from rlhf_core.config import DEMO, DemoModelConfig, LoraSettings, ModelConfig
 from rlhf_core.models.loading import MODEL_BUILDING, looks_like_path
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-FALLBACK_CHUNK_TOKENS = 1024  # rlhf_core/models/forward.py's LOGITS_CHUNK_TOKENS, read there once torch is loaded
+FALLBACK_CHUNK_TOKENS = 256  # rlhf_core/models/forward.py's LOGITS_CHUNK_TOKENS, read there once torch is loaded
 LOGIT_COPIES = 3  # a chunk's float32 logits, their softmax and, in backward, their gradient
 RECOMPUTED_LAYERS = 2  # with checkpointing: the layer recomputed in backward, and the gradients of its activations
 # the demo worlds' vocabularies before the world is built: the reviews world's words (2,200 at the default sizes
