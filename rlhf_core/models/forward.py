@@ -175,38 +175,44 @@ def response_logprobs(
 
 def _logprobs(model, args: tuple, temperature: float, with_entropy: bool):
     responses, resp_mask = args[2], args[3]
-    head = _head_outside(model)
-    if head is None:
+    apart = _through_head_apart(model, lambda: _response_forward(model, *args))
+    if apart is None:
         logits = response_logits(model, *args, temperature)
         return logprobs_from_logits(logits, responses, resp_mask, with_entropy)
-    with _HeadInput(head) as captured:
-        out = _response_forward(model, *args)
-    hidden = captured.hidden
-    if not _handed_back(out.logits, hidden):
-        _LOGITS_INSIDE.add(_inner(model))  # the forward post-processes the head's output: never apart again
-        return _logprobs(model, args, temperature, with_entropy)
-    kind, enabled, dtype = captured.autocast
-    with torch.autocast(kind, dtype=dtype, enabled=enabled):
-        return head_logprobs(head, out.logits[:, :-1], responses, resp_mask, temperature, with_entropy)
+    head, hidden, autocast = apart
+    with autocast:
+        return head_logprobs(head, hidden[:, :-1], responses, resp_mask, temperature, with_entropy)
 
 
 def causal_lm_loss(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """The mean negative log-likelihood of each next token whose label is not -100, as transformers' `labels=` loss
     (logits in float32), with the head run apart in chunks as `response_logprobs` runs it (SFT)."""
+    apart = _through_head_apart(
+        model, lambda: model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    )
+    if apart is None:
+        return model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
+    head, hidden, autocast = apart
+    targets = labels[:, 1:]
+    kept = targets != -100
+    with autocast:
+        logp, _ = head_logprobs(head, hidden[:, :-1], targets.clamp(min=0), kept)
+    return -(logp.masked_fill(~kept, 0.0).sum() / kept.sum().clamp(min=1))
+
+
+def _through_head_apart(model, forward: Callable):
+    """(the head, the final hidden states `forward()` handed back, the autocast it ran under) when the head can run
+    apart (`_head_outside`); else None, the model remembered when its forward changed the head's output."""
     head = _head_outside(model)
-    if head is not None:
-        with _HeadInput(head) as captured:
-            out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-        hidden = captured.hidden
-        if _handed_back(out.logits, hidden):
-            targets = labels[:, 1:]
-            kept = targets != -100
-            kind, enabled, dtype = captured.autocast
-            with torch.autocast(kind, dtype=dtype, enabled=enabled):
-                logp, _ = head_logprobs(head, out.logits[:, :-1], targets.clamp(min=0), kept)
-            return -(logp.masked_fill(~kept, 0.0).sum() / kept.sum().clamp(min=1))
-        _LOGITS_INSIDE.add(_inner(model))
-    return model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
+    if head is None:
+        return None
+    with _HeadInput(head) as captured:
+        out = forward()
+    if not _handed_back(out.logits, captured.hidden):
+        _LOGITS_INSIDE.add(_inner(model))  # the forward post-processes the head's output: never apart again
+        return None
+    kind, enabled, dtype = captured.autocast
+    return head, out.logits, torch.autocast(kind, dtype=dtype, enabled=enabled)
 
 
 def head_logprobs(
