@@ -69,7 +69,7 @@ class GuardRule(Section):
     limit: float | None = Field(
         None,
         ge=0.0,
-        description="The rule's threshold; null: the rule is off. kl_budget: the most mean eval KL to the initial policy, in nats per completion (exact over the vocabulary); min_distinct_ratio: the least distinct-2 of the eval completions as a fraction of the initial policy's; max_length_change: the most |mean completion length / the initial policy's - 1|.",
+        description="The rule's threshold; null: the rule is off. kl_budget: the most mean eval KL to the initial policy, in nats per completion (exact over the vocabulary); min_distinct_ratio: the least distinct-2 of the eval completions as a fraction of the initial policy's; max_length_change: the most |mean answer length (tokens, the stop token not counted) / the initial policy's - 1|.",
     )
     action: GuardAction = Field(
         "warn",
@@ -99,7 +99,7 @@ class GuardConfig(Section):
     )
     max_length_change: GuardRule = Field(
         default_factory=lambda: GuardRule(limit=0.5),
-        description="|mean completion length / the initial policy's - 1| above `limit`.",
+        description="|mean answer length / the initial policy's - 1| above `limit` (tokens, the stop token not counted: docs/guard.md).",
     )
     divergence: DivergenceRule = Field(
         default_factory=DivergenceRule, description="Over-optimization: the proxy reward keeps rising while gold falls."

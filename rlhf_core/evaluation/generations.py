@@ -4,8 +4,9 @@ Completions are sampled as in training (the sampling temperature, top-k, top-p),
 measured is what the policy does: near-greedy decoding would hide collapse and make the KL estimate
 meaningless. Each row holds the prompt, the completion, the reward model's score, every metric
 function's value, the KL of the policy to the reference along the completion at the sampling
-temperature (sums over its tokens; absent when no reference is loaded), its length in tokens and
-whether it stopped. The KL is measured three ways: `kl_exact`, the exact KL of the two next-token
+temperature (sums over its tokens; absent when no reference is loaded), its length in tokens (the
+answer's: the stop token that ended it is not counted, so that "standard ." against "good ." reads as the
+reader sees it) and whether it stopped. The KL is measured three ways: `kl_exact`, the exact KL of the two next-token
 distributions over the whole vocabulary at each position (both models' logits are at hand), which
 the guard and promotion read (`promotion.eval_kl`); and the sampling estimators k1 (`kl`) and k3
 (`kl_k3`), kept as diagnostics beside training's. k3 = exp(r) - 1 - r (r = log ref - log policy)
@@ -214,8 +215,8 @@ def _chunk_rows(chunk, prompts: EvalPrompts, batch: slice) -> list[dict]:
 
 
 def _rows(chunk, completions, scores, extra, kls, resp_mask, has_stop, record=None) -> list[dict]:
-    """One batch's rows: prompt, completion, score, metric values, KLs, length (the model's tokens), whether it
-    stopped; for tool episodes the completion is the transcript and the calls, failures and turns are columns."""
+    """One batch's rows: prompt, completion, score, metric values, KLs, length (the model's tokens, the stop token
+    not counted), whether it stopped; for tool episodes the completion is the transcript and the calls, failures and turns are columns."""
     rows = []
     for i, (prompt, completion) in enumerate(zip(chunk, completions)):
         row = {"prompt": prompt, "completion": completion}
@@ -223,7 +224,7 @@ def _rows(chunk, completions, scores, extra, kls, resp_mask, has_stop, record=No
             row["score"] = float(scores[i])
         row.update({name: values[i] for name, values in extra.items()})
         row.update({name: float(values[i]) for name, values in kls.items()})
-        row["length"] = int(resp_mask[i].sum())
+        row["length"] = int(resp_mask[i].sum()) - int(bool(has_stop[i]))
         row["stopped"] = bool(has_stop[i])
         if record is not None:  # the transcript is long: its last answer in a column of its own, first
             row = {"prompt": prompt, "final_answer": final_answer(record.transcripts[i]), **row}

@@ -92,7 +92,7 @@ ALIGNMENT_ROWS = [
     ("eval KL: median of the completions", "eval/kl_exact_median", "{:.3f}"),
     ("eval KL: p90 of the completions", "eval/kl_exact_p90", "{:.3f}"),
     ("eval KL estimate k3 (diagnostic)", "eval/kl_k3_mean", "{:.3f}"),
-    ("mean completion length (tokens)", "eval/length_mean", "{:.2f}"),
+    ("mean length (tokens, stop token not counted)", "eval/length_mean", "{:.2f}"),
     ("distinct-2", "eval/distinct_2", "{:.3f}"),
     ("repeated bigram rate", "eval/repeated_ngram_rate", "{:.3f}"),
     ("completions that stop", "eval/stop_rate", "{:.2f}"),

@@ -12,6 +12,7 @@ from rlhf_core.evaluation.generations import (
     EvalModels,
     EvalPrompts,
     EvalSampling,
+    _rows,
     evaluate_generations,
     summarize_rows,
 )
@@ -40,7 +41,11 @@ def test_rows_hold_prompt_completion_length_and_the_metric_functions(smoke_world
     )
     assert [r["prompt"] for r in rows] == prompts
     for row in rows:
-        assert 0 < row["length"] <= 4 and row["chars"] == float(len(row["completion"])) and "kl" not in row
+        assert (
+            0 <= row["length"] <= 4 - row["stopped"]
+            and row["chars"] == float(len(row["completion"]))
+            and "kl" not in row
+        )
     assert summarize_rows(rows)["eval/length_mean"] == pytest.approx(sum(r["length"] for r in rows) / 2)
 
 
@@ -162,6 +167,17 @@ def test_distinct_n_and_repetition_on_fixed_strings():
     assert repeated_ngram_rate(["was good was good"]) == pytest.approx(1 / 3)  # (was good) again, of 3
     assert repeated_ngram_rate(["basic was basic was basic was"]) == pytest.approx(3 / 5)
     assert repeated_ngram_rate(texts) == 0.0  # repeats across completions are distinct-n's business
+
+
+def test_length_is_the_answers_without_its_stop_token():
+    """A user reads "standard ." as two words; the stop token that ended it is not part of the answer, so the
+    guard's length ratio is the reader's: 3 -> 2 words reads x0.67, not (3 + 1) / (2 + 1)."""
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 1]])  # the stop token is in the mask
+    has_stop = torch.tensor([True, True, False])
+    completions = ["standard .", "optimistically", "basic was basic was basic"]  # the last ran out of tokens
+    rows = _rows(["p"] * 3, completions, None, {}, {}, mask, has_stop)
+    assert [r["length"] for r in rows] == [2, 1, 5] and [r["stopped"] for r in rows] == [True, True, False]
+    assert [r["length"] for r in rows] == [len(c.split()) for c in completions]  # the demo's tokens are its words
 
 
 def test_summary_has_diversity_and_stop_rate():

@@ -69,7 +69,7 @@ def test_alignment_markdown_tables_before_and_after_with_the_guards_verdict():
         "|---|---|---|---|",
         "| gold (vader) | 0.000 | 0.500 |  |",
         "| eval KL to the initial policy (exact, nats: mean) | 0.000 | 2.500 |  |",
-        "| mean completion length (tokens) | 4.00 | 3.60 | 0.90 |",
+        "| mean length (tokens, stop token not counted) | 4.00 | 3.60 | 0.90 |",
     ]
     assert text.endswith("Guard: 1 trigger(s)\n- guard kl_budget at step 20: eval KL 3.4 nats > 3")
     assert alignment_markdown(history, 80, "vader", []) == ""  # no evaluation of that step
