@@ -3,9 +3,11 @@ the ledger keeps branches, picks checkpoints and survives a round trip through J
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from rlhf_core.config import DivergenceRule, GuardConfig, GuardRule
+from rlhf_core.config import DivergenceRule, GuardConfig, GuardRule, load_config
 from rlhf_core.evaluation.guard import (
     GuardLedger,
     Rollback,
@@ -16,6 +18,7 @@ from rlhf_core.evaluation.guard import (
     strongest,
 )
 
+REPO = Path(__file__).resolve().parents[3]
 INITIAL = {
     "eval/score_mean": 0.0,
     "eval/vader_compound_mean": 0.0,
@@ -69,6 +72,18 @@ def test_max_length_change_fires_both_ways():
     assert fired([INITIAL, at(length_mean=2.9)], guard) == []  # -27.5%
     assert fired([INITIAL, at(length_mean=5.3)], guard) == ["max_length_change"]
     assert fired([INITIAL, at(length_mean=2.7)], guard) == ["max_length_change"]
+
+
+def test_the_demo_rolls_back_answers_a_quarter_shorter():
+    """configs/demo.yaml's length rule, as PPO's seed 42 met it (docs/guard.md): the answers' mean fell from 3.195
+    to 2.207 tokens by step 40 (x0.69) at 2.85 nats, under the KL budget; the rule rolls back, once."""
+    guard = load_config(str(REPO / "configs" / "demo.yaml")).guard
+    start = at(length_mean=3.195, kl_exact_mean=0.0)
+    ledger = GuardLedger()
+    ledger.judge(0, start, guard, "vader_compound")
+    verdict = ledger.judge(40, at(length_mean=2.207, kl_exact_mean=2.845), guard, "vader_compound")
+    assert verdict.action == "rollback" and [t.rule for t in verdict.triggers] == ["max_length_change"]
+    assert fired([start, at(length_mean=2.45, kl_exact_mean=2.9)], guard) == []  # x0.77: inside the 25%
 
 
 def test_divergence_needs_the_proxy_up_and_gold_down_at_each_of_k_evaluations():
