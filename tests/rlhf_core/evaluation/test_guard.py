@@ -74,7 +74,7 @@ def test_max_length_change_fires_both_ways():
     assert fired([INITIAL, at(length_mean=2.7)], guard) == ["max_length_change"]
 
 
-def test_the_demo_rolls_back_answers_a_quarter_shorter():
+def test_the_demo_rolls_back_answers_30_percent_shorter():
     """configs/demo.yaml's length rule, as PPO's seed 42 met it (docs/guard.md): the answers' mean fell from 3.195
     to 2.207 tokens by step 40 (x0.69) at 2.85 nats, under the KL budget; the rule rolls back, once."""
     guard = load_config(str(REPO / "configs" / "demo.yaml")).guard
@@ -83,7 +83,7 @@ def test_the_demo_rolls_back_answers_a_quarter_shorter():
     ledger.judge(0, start, guard, "vader_compound")
     verdict = ledger.judge(40, at(length_mean=2.207, kl_exact_mean=2.845), guard, "vader_compound")
     assert verdict.action == "rollback" and [t.rule for t in verdict.triggers] == ["max_length_change"]
-    assert fired([start, at(length_mean=2.45, kl_exact_mean=2.9)], guard) == []  # x0.77: inside the 25%
+    assert fired([start, at(length_mean=2.27, kl_exact_mean=2.9)], guard) == []  # x0.71: inside the 30%
 
 
 def test_divergence_needs_the_proxy_up_and_gold_down_at_each_of_k_evaluations():
