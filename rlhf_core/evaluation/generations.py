@@ -5,9 +5,9 @@ measured is what the policy does: near-greedy decoding would hide collapse and m
 meaningless. Each row holds the prompt, the completion, the reward model's score, every metric
 function's value, the KL of the policy to the reference along the completion at the sampling
 temperature (sums over its tokens; absent when no reference is loaded), its length in tokens (the
-answer's: the stop token that ended it is not counted, so that "standard ." against "good ." reads as the
-reader sees it) and whether it stopped. The KL is measured three ways: `kl_exact`, the exact KL of the two next-token
-distributions over the whole vocabulary at each position (both models' logits are at hand), which
+answer's: the stop token that ended it is not counted, so that "standard ." against "good ." reads as
+the reader sees it) and whether it stopped. The KL is measured three ways: `kl_exact`, the exact KL of
+the two next-token distributions over the whole vocabulary at each position (both models' logits are at hand), which
 the guard and promotion read (`promotion.eval_kl`); and the sampling estimators k1 (`kl`) and k3
 (`kl_k3`), kept as diagnostics beside training's. k3 = exp(r) - 1 - r (r = log ref - log policy)
 explodes on the rare sampled token that the policy finds unlikely and the reference likes: one such
@@ -216,7 +216,8 @@ def _chunk_rows(chunk, prompts: EvalPrompts, batch: slice) -> list[dict]:
 
 def _rows(chunk, completions, scores, extra, kls, resp_mask, has_stop, record=None) -> list[dict]:
     """One batch's rows: prompt, completion, score, metric values, KLs, length (the model's tokens, the stop token
-    not counted), whether it stopped; for tool episodes the completion is the transcript and the calls, failures and turns are columns."""
+    not counted), whether it stopped; for tool episodes the completion is the transcript and the calls, failures
+    and turns are columns."""
     rows = []
     for i, (prompt, completion) in enumerate(zip(chunk, completions)):
         row = {"prompt": prompt, "completion": completion}
