@@ -180,6 +180,29 @@ def test_length_is_the_answers_without_its_stop_token():
     assert [r["length"] for r in rows] == [len(c.split()) for c in completions]  # the demo's tokens are its words
 
 
+@pytest.mark.parametrize("name", ["qwen2.5", "qwen2.5-instruct", "llama-3-instruct", "gpt2"])
+def test_length_without_the_stop_token_on_real_shaped_tokenizers(name, tmp_path):
+    """pad == eos (Qwen2.5 base, GPT-2 with eos as pad), two stop ids (the instruct models), no pad: an answer's
+    length is its tokens before its first stop, whichever stop ended it, and the padding after it is not counted."""
+    from transformers import GenerationConfig
+
+    from rlhf_core.models.loading import stop_token_ids
+    from rlhf_core.rl_math import response_mask
+    from tests.fixtures.real_shapes import build_family
+
+    path = build_family(name, tmp_path)
+    tok = load_tokenizer(str(path))
+    stops = stop_token_ids(tok, GenerationConfig.from_pretrained(path))
+    answer = tok("the cat sat .", add_special_tokens=False)["input_ids"]
+    pad = tok.pad_token_id if tok.pad_token_id is not None else stops[0]
+    width = len(answer) + 3
+    rows = [answer + [stop] + [pad] * 2 for stop in stops] + [(answer * 3)[:width]]  # the last ran out of tokens
+    mask, _, has_stop = response_mask(torch.tensor(rows), stops)
+    table = _rows(["p"] * len(rows), ["c"] * len(rows), None, {}, {}, mask, has_stop)
+    assert [r["length"] for r in table] == [len(answer)] * len(stops) + [width]
+    assert [r["stopped"] for r in table] == [True] * len(stops) + [False]
+
+
 def test_summary_has_diversity_and_stop_rate():
     rows = [
         {"prompt": "p", "completion": "good food .", "length": 4, "stopped": True},
