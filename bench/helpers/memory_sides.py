@@ -82,19 +82,20 @@ def real_vocab_tokenizer():
     return tokenizer, spec
 
 
-def qwen_body(ids, layers: int = LAYERS):
+def qwen_body(ids, layers: int = LAYERS, *, vocab: int = VOCAB, width: int = 896, heads: int = 14, seed: int = SEED):
     """A Qwen2.5-0.5B-shaped Qwen2ForCausalLM (hidden 896, 14 heads, 2 KV heads, intermediate 4864, tied
-    embeddings, rope_theta 1e6, 151,936 rows) with `layers` layers and seeded random weights."""
+    embeddings, rope_theta 1e6, 151,936 rows) with `layers` layers and seeded random weights; `vocab`, `width` and
+    `heads` for a narrower body (intermediate 2 x width below 896)."""
     import torch
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
-    torch.manual_seed(SEED)
+    torch.manual_seed(seed)
     config = Qwen2Config(
-        vocab_size=VOCAB,
-        hidden_size=896,
-        intermediate_size=4864,
+        vocab_size=vocab,
+        hidden_size=width,
+        intermediate_size=4864 if width == 896 else 2 * width,
         num_hidden_layers=layers,
-        num_attention_heads=14,
+        num_attention_heads=heads,
         num_key_value_heads=2,
         max_position_embeddings=32768,
         tie_word_embeddings=True,

@@ -39,27 +39,12 @@ def prompt_rows(tokenizer, n: int) -> list[dict]:
 
 
 def policy(ids):
-    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+    """The Qwen2.5-0.5B-shaped body (bench/helpers/memory_sides.py) at the fixture tokenizer's 512 rows: 24 layers,
+    or 2 narrow ones with SMALL."""
+    from bench.helpers.memory_sides import qwen_body
 
-    torch.manual_seed(0)
     width, layers, heads = (64, 2, 2) if SMALL else (896, 24, 14)
-    config = Qwen2Config(
-        vocab_size=512,
-        hidden_size=width,
-        intermediate_size=2 * width if SMALL else 4864,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=2,
-        max_position_embeddings=32768,
-        tie_word_embeddings=True,
-        rope_theta=1e6,
-        bos_token_id=ids("<|endoftext|>"),
-        eos_token_id=ids("<|im_end|>"),
-    )
-    model = Qwen2ForCausalLM(config)
-    stops = [ids("<|im_end|>"), ids("<|endoftext|>")]
-    model.generation_config = GenerationConfig(eos_token_id=stops, pad_token_id=ids("<|endoftext|>"))
-    return model
+    return qwen_body(ids, layers, vocab=512, width=width, heads=heads, seed=0)
 
 
 def short_mentions(prompts, completions, **kwargs):
