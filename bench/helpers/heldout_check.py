@@ -30,15 +30,21 @@ def heldout_prompts() -> list[list[dict]]:
     return [row["prompt"] for row in distinct_prompts(writer, True, NUM_HELDOUT)]
 
 
-def answers(model_dir: Path, prompts: list[list[dict]], sample: bool, max_new_tokens: int, seed: int) -> list[str]:
-    """One answer per prompt from the model saved at `model_dir`, decoded without special tokens."""
-    import torch
+def load(model_dir: Path):
+    """(model, left-padding tokenizer, stop ids) from a saved model directory."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     tokenizer.padding_side = "left"
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    stops = GenerationConfig.from_pretrained(model_dir).eos_token_id
+    return model, tokenizer, GenerationConfig.from_pretrained(model_dir).eos_token_id
+
+
+def answers(loaded, prompts: list[list[dict]], sample: bool, max_new_tokens: int, seed: int) -> list[str]:
+    """One answer per prompt from a `load`ed model, decoded without special tokens."""
+    import torch
+
+    model, tokenizer, stops = loaded
     texts = [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False) for p in prompts]
     batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
     torch.manual_seed(seed)
@@ -60,8 +66,9 @@ def measure(model_dir: Path, prompts: list[list[dict]], samples: int, max_new_to
     from rlhf_core.evaluation.generations import distinct_n
     from rlhf_core.rewards.functions import vader_compound
 
-    greedy = answers(model_dir, prompts, False, max_new_tokens, seed)
-    sampled = [a for k in range(samples) for a in answers(model_dir, prompts, True, max_new_tokens, seed + k)]
+    loaded = load(model_dir)
+    greedy = answers(loaded, prompts, False, max_new_tokens, seed)
+    sampled = [a for k in range(samples) for a in answers(loaded, prompts, True, max_new_tokens, seed + k)]
     return {
         "gold": sum(vader_compound(completions=greedy)) / len(greedy),
         "words": sum(len(a.split()) for a in sampled) / len(sampled),
